@@ -1,0 +1,60 @@
+"""Typed errors. Every error says which parameter, what value, and what is allowed.
+
+The CLI and server turn any `MetaloomError` into one clear line and a non-zero exit / 4xx,
+so library code raises these instead of returning error strings or clamping silently.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class MetaloomError(Exception):
+    """Base class of every error metaloom raises on purpose."""
+
+
+class InvalidParameter(MetaloomError, ValueError):
+    """A parameter is outside what is allowed."""
+
+    def __init__(self, name: str, value: Any, allowed: str) -> None:
+        self.name = name
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"invalid {name}={value!r}: allowed {allowed}")
+
+
+class ModelNotFound(MetaloomError, FileNotFoundError):
+    """The model path does not exist or the default model package is not installed."""
+
+
+class NotAModel(MetaloomError):
+    """The path exists but is not a model metaloom can load."""
+
+
+class UnsupportedModel(MetaloomError):
+    """A real model whose architecture or feature metaloom does not implement."""
+
+
+class ContextWindowExceeded(MetaloomError):
+    """Prompt plus requested tokens do not fit the model's context window."""
+
+    def __init__(self, needed: int, window: int, what: str = "prompt") -> None:
+        self.needed = needed
+        self.window = window
+        super().__init__(
+            f"{what} needs {needed} tokens but the model's context window is {window}"
+        )
+
+
+class CacheFull(MetaloomError):
+    """A KV cache was asked to hold more tokens than its capacity."""
+
+
+class BudgetExceeded(MetaloomError):
+    """A ledger charge would pass a budget limit."""
+
+    def __init__(self, field: str, limit: float, would_be: float) -> None:
+        self.field = field
+        self.limit = limit
+        self.would_be = would_be
+        super().__init__(f"budget exceeded: {field} would be {would_be} > limit {limit}")

@@ -1,0 +1,82 @@
+"""Honest accounting: a `Ledger` is charged for every model call; `Usage` is its snapshot.
+
+The ledger is explicit state: callers create one and pass it down; nothing is global.
+Child ledgers (for nested strategies) forward every charge to their parent, so a parent's
+totals always include what its children spent.
+
+Token fields follow the OpenAI convention:
+- ``input_tokens``: prompt tokens the request supplied (counted once per request, even for
+  ``n > 1`` samples that share the prompt);
+- ``cached_tokens``: the part of ``input_tokens`` that was not computed because its KV entries
+  were already present (prefix cache);
+- ``output_tokens``: generated tokens, an end-of-sequence token included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from metaloom.errors import BudgetExceeded
+
+
+@dataclass(frozen=True)
+class Usage:
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    forward_passes: int = 0
+    flops: float = 0.0
+    seconds: float = 0.0
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)})
+
+    def to_dict(self) -> dict[str, float | int]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Upper limits on any `Usage` field; ``None`` means unlimited."""
+
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    forward_passes: int | None = None
+    flops: float | None = None
+    seconds: float | None = None
+
+    def check(self, usage: Usage) -> None:
+        for f in dataclasses.fields(self):
+            limit = getattr(self, f.name)
+            if limit is not None and getattr(usage, f.name) > limit:
+                raise BudgetExceeded(f.name, limit, getattr(usage, f.name))
+
+
+@dataclass
+class Ledger:
+    """Mutable accumulator of `Usage`, optionally capped by a `Budget` and chained to a parent."""
+
+    budget: Budget | None = None
+    parent: Ledger | None = None
+    usage: Usage = field(default_factory=Usage)
+
+    def charge(self, **amounts: float) -> None:
+        """Add ``amounts`` (names of `Usage` fields) here and in every ancestor.
+
+        Raises `BudgetExceeded` *after* recording the charge: the work was done, so it is
+        reported; the caller stops before doing more.
+        """
+        delta = Usage(**amounts)  # type: ignore[arg-type]
+        ledger: Ledger | None = self
+        while ledger is not None:
+            ledger.usage = ledger.usage + delta
+            ledger = ledger.parent
+        ledger = self
+        while ledger is not None:
+            if ledger.budget is not None:
+                ledger.budget.check(ledger.usage)
+            ledger = ledger.parent
+
+    def child(self, budget: Budget | None = None) -> Ledger:
+        return Ledger(budget=budget, parent=self)

@@ -1,0 +1,130 @@
+"""Read a llama.cpp GGUF file into a transformers-style config and state dict.
+
+Weights are dequantised with the `gguf` package (any quantisation type it knows). llama.cpp's
+converter permutes the rows of Q and K for the "llama" architecture (interleaved rotary
+layout); we undo that so the weights use the rotate-half layout of transformers.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import numpy as np
+import torch
+
+from metaloom.errors import NotAModel, UnsupportedModel
+
+ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_SKIPPED = {"rope_freqs.weight"}  # llama3 rope factors: recomputed from the config
+
+
+def _reader(path: str) -> Any:
+    import gguf
+
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise NotAModel(f"{path} is not a GGUF file (no GGUF magic)")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as exc:  # the gguf package raises assorted errors on corrupt files
+        raise NotAModel(f"{path} could not be read as GGUF: {exc}") from exc
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's ``permute`` for Q/K rows: [(heads, D/2, 2), ...] -> [(heads, 2, D/2), ...]."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_gguf(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Return (transformers config dict, state dict of float32 tensors)."""
+    from gguf.quants import dequantize
+
+    reader = _reader(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCH_TO_MODEL_TYPE:
+        raise UnsupportedModel(f"GGUF architecture {arch!r} (native: {sorted(ARCH_TO_MODEL_TYPE)})")
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    names = {t.name for t in reader.tensors}
+    eos = [int(x) for x in (_field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id")) if x is not None]
+    config: dict[str, Any] = {
+        "model_type": ARCH_TO_MODEL_TYPE[arch],
+        "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(tokens.data) if tokens else 0)),
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": sorted(set(eos)) if len(set(eos)) > 1 else (eos[0] if eos else None),
+    }
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    if kind == "linear" and factor:
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
+    elif "rope_freqs.weight" in names:
+        raise UnsupportedModel("GGUF with llama3 rope frequency factors: load the transformers folder instead")
+
+    sd: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        m = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
+        if m and m.group(2) in _LAYER_NAMES:
+            name = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+        elif t.name in _GLOBAL_NAMES:
+            name = _GLOBAL_NAMES[t.name]
+        elif t.name in _SKIPPED:
+            continue
+        else:
+            raise UnsupportedModel(f"GGUF tensor {t.name!r} has no place in the Llama-family model")
+        # GGUF lists dims fastest-first; numpy's shape is the reverse (row-major).
+        w = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)]).astype(np.float32)
+        if arch == "llama" and m and m.group(2) in ("attn_q.weight", "attn_q.bias"):
+            w = _unpermute(w, heads)
+        elif arch == "llama" and m and m.group(2) in ("attn_k.weight", "attn_k.bias"):
+            w = _unpermute(w, kv_heads)
+        sd[name] = torch.from_numpy(np.ascontiguousarray(w))
+    return config, sd
+
+
+def save_gguf_tokenizer(path: str, out_dir: str) -> None:
+    """Convert the GGUF's tokenizer (vocabulary, merges, chat template) to a transformers
+    tokenizer folder with transformers' own GGUF converter. Slow (seconds); run once."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+    tok.save_pretrained(out_dir)

@@ -1,0 +1,172 @@
+"""Native Llama-family model (Llama, SmolLM2, Qwen2 with qkv bias, Mistral).
+
+Plain tensors and `torch.nn.functional`, no `nn.Module` tree: at batch 1 on a CPU the per-op
+overhead is a large share of a decode step, so q/k/v and gate/up are fused into one matmul
+each and one attention mask per forward is shared by all layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from metaloom.errors import ContextWindowExceeded, InvalidParameter, NotAModel
+from metaloom.models.cache import StaticKVCache
+from metaloom.models.config import LlamaConfig
+from metaloom.models.flops import forward_flops
+from metaloom.models.rope import apply_rope, rope_tables
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    attn_norm: torch.Tensor  # [d]
+    qkv: torch.Tensor  # [(H + 2 H_kv) D, d]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [d, H D]
+    mlp_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 I, d]
+    down: torch.Tensor  # [d, I]
+
+
+class LlamaModel:
+    def __init__(self, config: LlamaConfig, embed: torch.Tensor, layers: list[LayerWeights],
+                 norm: torch.Tensor, lm_head: torch.Tensor) -> None:
+        self.config = config
+        self.embed = embed
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head
+        self.dtype = embed.dtype
+        self._cos, self._sin = rope_tables(config.head_dim, config.rope_theta, config.rope_scaling_dict,
+                                           config.max_position_embeddings, self.dtype, embed.device)
+
+    # --- construction -------------------------------------------------------------------
+    @classmethod
+    def from_state_dict(cls, config: LlamaConfig, sd: Mapping[str, torch.Tensor], *,
+                        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> LlamaModel:
+        """Build from transformers-named weights (``model.layers.0.self_attn.q_proj.weight`` …)."""
+
+        def get(name: str) -> torch.Tensor:
+            if name not in sd:
+                raise NotAModel(f"weights are missing tensor {name!r}")
+            return sd[name].to(device=device, dtype=dtype)
+
+        layers = []
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            bias = None
+            if config.attention_bias:
+                bias = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            layers.append(LayerWeights(
+                attn_norm=get(p + "input_layernorm.weight"),
+                qkv=qkv.contiguous(),
+                qkv_bias=bias,
+                o=get(p + "self_attn.o_proj.weight"),
+                mlp_norm=get(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]).contiguous(),
+                down=get(p + "mlp.down_proj.weight"),
+            ))
+        embed = get("model.embed_tokens.weight")
+        if embed.shape != (config.vocab_size, config.hidden_size):
+            raise NotAModel(f"embedding shape {tuple(embed.shape)} does not match the config "
+                            f"({config.vocab_size}, {config.hidden_size})")
+        head = embed if config.tie_word_embeddings or "lm_head.weight" not in sd else get("lm_head.weight")
+        return cls(config, embed, layers, get("model.norm.weight"), head)
+
+    # --- protocol ----------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def num_parameters(self) -> int:
+        n = self.embed.numel() + self.norm.numel()
+        if self.lm_head is not self.embed:
+            n += self.lm_head.numel()
+        for w in self.layers:
+            n += sum(t.numel() for t in (w.attn_norm, w.qkv, w.o, w.mlp_norm, w.gate_up, w.down))
+            n += w.qkv_bias.numel() if w.qkv_bias is not None else 0
+        return n
+
+    def new_cache(self, batch: int, capacity: int) -> StaticKVCache:
+        if capacity > self.max_context:
+            raise ContextWindowExceeded(capacity, self.max_context, "the requested cache")
+        c = self.config
+        return StaticKVCache(c.num_hidden_layers, batch, c.num_key_value_heads, capacity, c.head_dim,
+                             self.dtype, self.device)
+
+    def flops(self, new_tokens: int, attended: int, logit_rows: int) -> float:
+        c = self.config
+        return forward_flops(layers=c.num_hidden_layers, hidden=c.hidden_size, heads=c.num_attention_heads,
+                             kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                             intermediate=c.intermediate_size, vocab=c.vocab_size,
+                             new_tokens=new_tokens, attended=attended, logit_rows=logit_rows)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, cache: StaticKVCache, *, valid: torch.Tensor | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, V] ([B, 1, V] with ``last_only``); see `LanguageModel`."""
+        c = self.config
+        b, t = tokens.shape
+        if b != cache.batch:
+            raise InvalidParameter("tokens", tuple(tokens.shape), f"a batch of {cache.batch} rows (the cache's)")
+        if valid is None:
+            valid = torch.full((b,), t, dtype=torch.long, device=tokens.device)
+        cache.reserve(t)
+        lengths = cache.lengths
+        uniform = bool((lengths == lengths[0]).all()) if b else True
+        positions = lengths[:, None] + torch.arange(t, device=tokens.device)  # [B, T]
+        cos = self._cos[positions][:, None]  # [B, 1, T, D]
+        sin = self._sin[positions][:, None]
+        keys_len = int(lengths.max()) + t
+        mask, causal = self._mask(positions, keys_len, uniform)
+
+        x = F.embedding(tokens, self.embed)  # [B, T, d]
+        h, hk, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        for i, w in enumerate(self.layers):
+            y = F.rms_norm(x, (c.hidden_size,), w.attn_norm, c.rms_norm_eps)
+            qkv = F.linear(y, w.qkv, w.qkv_bias).view(b, t, h + 2 * hk, d).transpose(1, 2)
+            q, k, v = qkv.split([h, hk, hk], dim=1)  # [B, heads, T, D]
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            cache.write(i, k, v, uniform)
+            attn = F.scaled_dot_product_attention(
+                q, cache.keys[i][:, :, :keys_len], cache.values[i][:, :, :keys_len],
+                attn_mask=mask, is_causal=causal, enable_gqa=hk != h)
+            x = x + F.linear(attn.transpose(1, 2).reshape(b, t, h * d), w.o)
+            y = F.rms_norm(x, (c.hidden_size,), w.mlp_norm, c.rms_norm_eps)
+            gate, up = F.linear(y, w.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w.down)
+        cache.advance(valid)
+        if last_only:
+            x = x[torch.arange(b, device=x.device), valid - 1][:, None]
+        x = F.rms_norm(x, (c.hidden_size,), self.norm, c.rms_norm_eps)
+        return F.linear(x, self.lm_head)
+
+    def _mask(self, positions: torch.Tensor, keys_len: int, uniform: bool) -> tuple[torch.Tensor | None, bool]:
+        """Boolean mask [B, 1, T, S] (True = attend), or (None, is_causal) when SDPA's built-in
+        cases are exact: one new token per row at a common length, or a fresh causal prefill."""
+        t = positions.shape[1]
+        window = self.config.sliding_window
+        if uniform and window is None:
+            start = int(positions[0, 0])
+            if t == 1:
+                return None, False
+            if start == 0:
+                return None, True
+        k_pos = torch.arange(keys_len, device=positions.device)
+        allowed = k_pos[None, None, :] <= positions[:, :, None]
+        if window is not None:
+            allowed &= k_pos[None, None, :] > positions[:, :, None] - window
+        return allowed[:, None], False

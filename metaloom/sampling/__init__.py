@@ -1,0 +1,6 @@
+"""Sampling: validated parameters and the one ordered logits pipeline."""
+
+from metaloom.sampling.params import SamplingParams
+from metaloom.sampling.pipeline import Sampler, make_sampler
+
+__all__ = ["SamplingParams", "Sampler", "make_sampler"]
