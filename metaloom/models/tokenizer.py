@@ -72,7 +72,7 @@ class HFTokenizer:
         if self.chat_template is None:
             raise InvalidParameter("chat", True, "raw prompts only: this tokenizer has no chat template")
         if self._template is None:
-            import jinja2
+            import jinja2.ext
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             def raise_exception(message: str) -> None:

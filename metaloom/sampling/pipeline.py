@@ -76,6 +76,16 @@ class Sampler:
             x = torch.where(sampled[:, None], y, x)
         return torch.log_softmax(x, dim=-1)
 
+    def select(self, rows: Sequence[int]) -> Sampler:
+        """The sampler of a sub-batch (rows in the order given)."""
+        index = torch.as_tensor(list(rows), dtype=torch.long, device=self.temperature.device)
+        return Sampler(
+            params=tuple(self.params[r] for r in rows),
+            temperature=self.temperature[index], top_k=self.top_k[index], top_p=self.top_p[index],
+            min_p=self.min_p[index], repetition=self.repetition[index], presence=self.presence[index],
+            frequency=self.frequency[index], bias=None if self.bias is None else self.bias[index],
+            greedy=self.greedy[index])
+
     def draw(self, logprobs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
         """Step 6. logprobs [B, V] -> tokens [B] (long)."""
         tokens = logprobs.argmax(dim=-1)

@@ -1,0 +1,1 @@
+"""Decoding: plain functions over a model and its cache."""
