@@ -28,6 +28,7 @@ class Usage:
     forward_passes: int = 0
     flops: float = 0.0
     seconds: float = 0.0
+    scorer_calls: int = 0  # calls to a Scorer / StepScorer / Utility (verifiers, reward models, judges)
 
     def __add__(self, other: Usage) -> Usage:
         return Usage(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)})
@@ -45,6 +46,7 @@ class Budget:
     forward_passes: int | None = None
     flops: float | None = None
     seconds: float | None = None
+    scorer_calls: int | None = None
 
     def check(self, usage: Usage) -> None:
         for f in dataclasses.fields(self):

@@ -58,44 +58,47 @@ def _hf_model(folder: str, dtype: torch.dtype):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
 
 
+def _one_dtype(args: argparse.Namespace, dtype: str) -> tuple[list[CaseResult], float]:
+    """Both cases for one dtype; returns the results and the achieved weight bandwidth (GB/s)."""
+    loaded = load(args.model, dtype=dtype)
+    gen = LocalGenerator(loaded)
+    hf = _hf_model(loaded.folder, loaded.dtype)
+    tok = loaded.tokenizer
+    results = []
+
+    # case 1: batch-1 greedy
+    messages = ({"role": "user", "content": GREEDY_PROMPT},)
+    n = args.new_tokens
+    greedy = Request(messages, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    ours = median_seconds(lambda: gen.generate([greedy], ledger=Ledger()), args.repeats)
+    ids = torch.tensor([tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)])
+    with torch.inference_mode():
+        theirs = median_seconds(lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                                    min_new_tokens=n, do_sample=False, pad_token_id=0), args.repeats)
+    results.append(CaseResult(dtype, "batch-1 greedy", n, ours, theirs))
+    weight_bytes = loaded.model.num_parameters() * loaded.dtype.itemsize  # type: ignore[attr-defined]
+
+    # case 2: k samples from one long prompt
+    k, m = args.samples, args.sample_tokens
+    sample = Request(LONG_PROMPT, SamplingParams(temperature=1.0, n=k, max_tokens=m, ignore_eos=True, seed=0))
+    ours_k = median_seconds(lambda: gen.generate([sample], ledger=Ledger()), args.repeats)
+    long_ids = torch.tensor([tok.encode(LONG_PROMPT)])
+    with torch.inference_mode():
+        theirs_k = median_seconds(lambda: hf.generate(long_ids, attention_mask=torch.ones_like(long_ids), max_new_tokens=m,
+                                                      min_new_tokens=m, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+                                                      num_return_sequences=k, pad_token_id=0), args.repeats)
+    results.append(CaseResult(dtype, f"{k} samples, {long_ids.shape[1]}-token prompt", k * m, ours_k, theirs_k))
+    return results, weight_bytes * n / ours / 1e9
+
+
 def run(args: argparse.Namespace) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     bandwidth = copy_bandwidth_gbs()
     results: list[CaseResult] = []
     achieved: dict[str, float] = {}
     for dtype in args.dtypes.split(","):
-        loaded = load(args.model, dtype=dtype)
-        gen = LocalGenerator(loaded)
-        hf = _hf_model(loaded.folder, loaded.dtype)
-        tok = loaded.tokenizer
-
-        # case 1: batch-1 greedy
-        prompt_ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": GREEDY_PROMPT}]), add_special_tokens=False)
-        n = args.new_tokens
-        greedy = Request(tuple([{"role": "user", "content": GREEDY_PROMPT}]),
-                         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-        ours = median_seconds(lambda: gen.generate([greedy], ledger=Ledger()), args.repeats)
-        ids = torch.tensor([prompt_ids])
-        with torch.inference_mode():
-            theirs = median_seconds(lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                                        min_new_tokens=n, do_sample=False, pad_token_id=0), args.repeats)
-        results.append(CaseResult(dtype, "batch-1 greedy", n, ours, theirs))
-        weight_bytes = loaded.model.num_parameters() * torch.tensor([], dtype=loaded.dtype).element_size()  # type: ignore[attr-defined]
-        achieved[dtype] = weight_bytes * n / ours / 1e9
-
-        # case 2: n samples from one long prompt
-        k, m = args.samples, args.sample_tokens
-        long_ids = tok.encode(LONG_PROMPT)
-        sample = Request(LONG_PROMPT, SamplingParams(temperature=1.0, n=k, max_tokens=m, ignore_eos=True, seed=0))
-        ours = median_seconds(lambda: gen.generate([sample], ledger=Ledger()), args.repeats)
-        ids = torch.tensor([long_ids])
-        with torch.inference_mode():
-            theirs = median_seconds(lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=m,
-                                                        min_new_tokens=m, do_sample=True, top_k=0, top_p=1.0,
-                                                        temperature=1.0, num_return_sequences=k, pad_token_id=0),
-                                    args.repeats)
-        results.append(CaseResult(dtype, f"{k} samples, {len(long_ids)}-token prompt", k * m, ours, theirs))
-        del hf, gen, loaded
+        cases, achieved[dtype] = _one_dtype(args, dtype)
+        results.extend(cases)
     return {
         "machine": {"threads": torch.get_num_threads(), "copy_bandwidth_gb_s": bandwidth},
         "cases": [asdict(r) | {"metaloom_tok_s": r.metaloom_tok_s, "transformers_tok_s": r.transformers_tok_s,
@@ -115,7 +118,9 @@ def main(args: argparse.Namespace) -> int:
           f"median of {report['repeats']} after 1 warm-up")
     print(f"{'dtype':<9} {'case':<34} {'metaloom tok/s':>15} {'transformers tok/s':>19} {'ratio':>7}")
     for c in report["cases"]:
-        print(f"{c['dtype']:<9} {c['case']:<34} {c['metaloom_tok_s']:>15.1f} {c['transformers_tok_s']:>19.1f} {c['speedup']:>6.2f}x")
+        print(f"{c['dtype']:<9} {c['case']:<34} {c['metaloom_tok_s']:>15.1f} "
+              f"{c['transformers_tok_s']:>19.1f} {c['speedup']:>6.2f}x")
     for dtype, gbs in report["achieved_weight_bandwidth_gb_s"].items():
-        print(f"{dtype}: batch-1 greedy reads the weights at {gbs:.1f} GB/s = {100 * gbs / bw:.0f}% of measured copy bandwidth")
+        print(f"{dtype}: batch-1 greedy reads the weights at {gbs:.1f} GB/s "
+              f"= {100 * gbs / bw:.0f}% of measured copy bandwidth")
     return 0

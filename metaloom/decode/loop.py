@@ -18,7 +18,8 @@ from metaloom.models.protocols import KVCache, LanguageModel, Tokenizer
 from metaloom.sampling.pipeline import Sampler
 
 
-def prefill(model: LanguageModel, prompts: Sequence[Sequence[int]], capacity: int, ledger: Ledger) -> tuple[KVCache, torch.Tensor]:
+def prefill(model: LanguageModel, prompts: Sequence[Sequence[int]], capacity: int,
+            ledger: Ledger) -> tuple[KVCache, torch.Tensor]:
     """Run the prompts into a fresh cache. Returns (cache, logits [B, V] at each prompt's last token)."""
     b, longest = len(prompts), max(len(p) for p in prompts)
     tokens = torch.zeros(b, longest, dtype=torch.long, device=model.device)

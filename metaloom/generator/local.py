@@ -80,8 +80,8 @@ class LocalGenerator:
         start = time.perf_counter()
         rows: list[RowState] = []
         try:
-            for rows, _ in self._run(requests, ledger):
-                pass
+            for step_rows, _ in self._run(requests, ledger):
+                rows = step_rows
         finally:
             ledger.charge(seconds=time.perf_counter() - start)
         out: list[list[Completion]] = []

@@ -68,8 +68,8 @@ class StaticKVCache:
         # copy only the used prefix; the rest of the new cache is fresh space
         new.keys, new.values = [], []
         for k, v in zip(self.keys, self.values, strict=True):
-            nk = k.new_zeros((len(index),) + k.shape[1:])
-            nv = v.new_zeros((len(index),) + v.shape[1:])
+            nk = k.new_zeros((len(index), *k.shape[1:]))
+            nv = v.new_zeros((len(index), *v.shape[1:]))
             nk[:, :, :used] = k[index, :, :used]
             nv[:, :, :used] = v[index, :, :used]
             new.keys.append(nk)
@@ -80,5 +80,6 @@ class StaticKVCache:
     def truncate(self, lengths: Sequence[int] | torch.Tensor) -> None:
         new = torch.as_tensor(lengths, dtype=torch.long, device=self._lengths.device)
         if new.shape != self._lengths.shape or bool((new < 0).any()) or bool((new > self._lengths).any()):
-            raise InvalidParameter("lengths", new.tolist(), f"{self.batch} values in [0, current lengths {self._lengths.tolist()}]")
+            allowed = f"{self.batch} values in [0, current lengths {self._lengths.tolist()}]"
+            raise InvalidParameter("lengths", new.tolist(), allowed)
         self._lengths = new.clone()

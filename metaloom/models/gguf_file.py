@@ -76,7 +76,8 @@ def read_gguf(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     names = {t.name for t in reader.tensors}
-    eos = [int(x) for x in (_field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id")) if x is not None]
+    eos_fields = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+    eos = [int(x) for key in eos_fields if (x := _field(reader, key)) is not None]
     config: dict[str, Any] = {
         "model_type": ARCH_TO_MODEL_TYPE[arch],
         "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(tokens.data) if tokens else 0)),

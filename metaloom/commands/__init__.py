@@ -1,0 +1,1 @@
+"""CLI subcommands, one module each; `metaloom.cli.COMMANDS` lists them."""

@@ -1,0 +1,52 @@
+"""`metaloom generate`: one prompt, streamed (n = 1) or as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from metaloom.commands.common import add_model_args, add_sampling_args, sampling_params
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    g.add_argument("prompt")
+    add_model_args(g)
+    add_sampling_args(g)
+    g.add_argument("--raw", action="store_true", help="plain completion: no chat template")
+    g.add_argument("--system", default=None, help="system message (chat mode)")
+    g.add_argument("--json", action="store_true", help="print one JSON object with completions and usage")
+    g.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from metaloom.generator import LocalGenerator, Request
+    from metaloom.ledger import Ledger
+    from metaloom.models import load
+
+    params = sampling_params(args)  # validate before the (slower) model load
+    loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend)
+    generator = LocalGenerator(loaded)
+    request = Request(args.prompt, params) if args.raw else Request.chat(args.prompt, params, system=args.system)
+    ledger = Ledger()
+    if params.n == 1 and not args.json:
+        for chunk in generator.stream(request, ledger=ledger):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        return 0
+    completions = generator.generate([request], ledger=ledger)[0]
+    if args.json:
+        print(json.dumps({
+            "model": loaded.name,
+            "completions": [{"text": c.text, "tokens": list(c.token_ids), "logprob": c.logprob,
+                             "finish_reason": c.finish_reason} for c in completions],
+            "usage": ledger.usage.to_dict(),
+        }))
+    else:
+        for i, c in enumerate(completions):
+            print(f"--- sample {i + 1} ({c.finish_reason}) ---\n{c.text}")
+    return 0
+
+

@@ -1,0 +1,1 @@
+"""Scoring: scorers, step scorers, utilities, answer extraction, sandboxed execution."""

@@ -1,0 +1,1 @@
+"""Toy models and scripted components that implement metaloom's real protocols, for tests."""

@@ -1,0 +1,30 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The real default model (SmolLM2-135M-Instruct), float32, native backend."""
+    from metaloom.models import load
+
+    return load("default", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm):
+    """transformers' own implementation over the same converted weights."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm.folder, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm_generator(smollm):
+    from metaloom.generator import LocalGenerator
+
+    return LocalGenerator(smollm)
