@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from metaloom.errors import CacheFull, ContextWindowExceeded, InvalidParameter, NotAModel, UnsupportedModel
+from metaloom.models.protocols import KVCache
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
@@ -95,10 +96,14 @@ class HFCache:
             raise InvalidParameter("rows", list(rows), f"row indices in [0, {self.batch})")
         new = HFCache(len(index), self._capacity, self._lengths.device)
         for i, layer in self._layers():
-            # index_select copies: the fork owns its tensors and never aliases this cache
+            # index_select copies: the fork owns its tensors and never aliases this cache.
+            # `update` with zero new slots creates the layer; assigning (not appending) the
+            # copies avoids the second copy `update`'s concatenation would make.
             keys = layer.keys.index_select(0, index.to(layer.keys.device))
             values = layer.values.index_select(0, index.to(layer.values.device))
-            new.kv.update(keys, values, i)
+            new.kv.update(keys[:, :, :0], values[:, :, :0], i)
+            target: Any = new.kv.layers[i]
+            target.keys, target.values = keys, values
         new.key_valid = self.key_valid.index_select(0, index)
         new._lengths = self._lengths.index_select(0, index)
         if not bool(new.key_valid.all()):  # padding holes of the chosen rows: drop them now
@@ -199,7 +204,7 @@ class HFModel:
 
         extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
         try:
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True, **extra)
+            model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True, **extra)
         except Exception as exc:  # transformers raises OSError, ValueError, KeyError … on a bad folder
             raise NotAModel(f"transformers cannot load {folder} as a causal LM: {exc}") from exc
         return cls(model.to(device))
@@ -256,7 +261,7 @@ class HFModel:
         return float(2 * body * new_tokens + 2 * head * logit_rows + 4 * layers * width * attended)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, cache: HFCache, *, valid: torch.Tensor | None = None,
+    def forward(self, tokens: torch.Tensor, cache: KVCache, *, valid: torch.Tensor | None = None,
                 last_only: bool = False) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, V] ([B, 1, V] with ``last_only``); see `LanguageModel`."""
         if not isinstance(cache, HFCache):
@@ -274,7 +279,7 @@ class HFModel:
         # new slots count as keys during this forward (a padded query then still sees itself,
         # never a fully masked row); valid queries cannot see later padded ones (causal)
         keys_valid = torch.cat([cache.key_valid, torch.ones(b, t, dtype=torch.bool, device=positions.device)], 1)
-        mask = keys_valid.long()
+        mask = self._masks(keys_valid, cache.key_valid, positions) if self._kinds else keys_valid.long()
         extra: dict[str, Any] = {}
         last = valid - 1  # valid == 0 reads the last position, like the native model
         if last_only and self._keep_arg:

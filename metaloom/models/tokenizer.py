@@ -46,7 +46,7 @@ class HFTokenizer:
         if self.eos_token is not None and (i := self._tok.token_to_id(self.eos_token)) is not None:
             eos.add(i)
         self._eos = frozenset(eos)
-        self._template = None
+        self._template: Any = None  # compiled on first use
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
