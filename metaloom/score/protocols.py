@@ -20,7 +20,8 @@ Prompt = str | tuple[Message, ...]
 
 @runtime_checkable
 class Scorer(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def score(self, prompt: Prompt, candidates: Sequence[Completion], *, ledger: Ledger) -> list[float]:
         """One score per candidate; higher is better."""
@@ -29,7 +30,8 @@ class Scorer(Protocol):
 
 @runtime_checkable
 class StepScorer(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def score_steps(self, prompt: Prompt, partial_steps: Sequence[Sequence[str]], *, ledger: Ledger) -> list[list[float]]:
         """For each partial solution (a list of steps so far), one score per step."""
@@ -38,7 +40,8 @@ class StepScorer(Protocol):
 
 @runtime_checkable
 class Utility(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def __call__(self, hypotheses: Sequence[str], references: Sequence[str]) -> list[list[float]]:
         """Matrix ``u[i][j] = utility(hypotheses[i], references[j])``; higher is better."""
