@@ -1,0 +1,249 @@
+"""Beam search and diverse (group) beam search over the `LanguageModel` protocol.
+
+Batched over prompts and beams: every live beam of every prompt is one row of one forward per
+step, and beams are reordered by forking the cache rows (`KVCache.fork`). Beam scores are sums
+of the log-probabilities the logits pipeline produces (`Sampler.process` on its greedy path:
+penalties -> logit bias -> constraint mask -> log-softmax); a finished hypothesis is ranked by
+``sum / length ** length_penalty`` with ``length`` the generated tokens, end-of-sequence
+included (as transformers does).
+
+Termination follows transformers' `early_stopping` (Wu et al. 2016 for the length penalty):
+
+- ``True``: a prompt (group) is done once it holds ``beams`` finished hypotheses;
+- ``False`` (default): also done when the best live beam, scored at its current length, cannot
+  beat the worst kept hypothesis (a heuristic);
+- ``"never"``: the same test at the best length it could still reach (``max_tokens`` when
+  ``length_penalty > 0``) — exact, slower.
+
+Diverse beam search (Vijayakumar et al. 2016, "Diverse Beam Search", Hamming diversity): the
+beams form ``num_beam_groups`` groups searched one after the other at each step; a group's
+candidates lose ``diversity_penalty`` times the number of times earlier groups chose the same
+token at this step. As in the paper the penalty only steers selection; a beam's score stays its
+log-probability (transformers adds the penalty into the score).
+
+A candidate whose row finishes (end-of-sequence, stop string, ``max_tokens``) becomes a
+hypothesis only if it ranks among the group's best ``group_size`` candidates; otherwise it is
+dropped, and the best unfinished candidates keep the beam slots (2 * group_size are examined).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from metaloom.constrain import Constraint, batch_mask
+from metaloom.decode.forward import charged_forward
+from metaloom.decode.rows import RowState
+from metaloom.errors import InvalidParameter
+from metaloom.ledger import Ledger
+from metaloom.models.protocols import KVCache, LanguageModel, Tokenizer
+from metaloom.sampling.params import SamplingParams
+from metaloom.sampling.pipeline import Sampler
+from metaloom.sampling.state import SamplingState
+
+
+@dataclass(frozen=True)
+class BeamParams:
+    """Beam search configuration; validated on construction (raises, never clamps)."""
+
+    beams: int = 4
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    num_beam_groups: int = 1
+    diversity_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("beams", "num_beam_groups"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidParameter(name, value, "an integer >= 1")
+        if self.beams % self.num_beam_groups:
+            raise InvalidParameter("num_beam_groups", self.num_beam_groups, f"a divisor of beams={self.beams}")
+        for name in ("length_penalty", "diversity_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise InvalidParameter(name, value, "a finite number")
+        if self.diversity_penalty < 0:
+            raise InvalidParameter("diversity_penalty", self.diversity_penalty, ">= 0")
+        if not (self.early_stopping is True or self.early_stopping is False or self.early_stopping == "never"):
+            raise InvalidParameter("early_stopping", self.early_stopping, "True, False or 'never'")
+
+    @property
+    def group_size(self) -> int:
+        return self.beams // self.num_beam_groups
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        """Beam search is deterministic: sampling-only settings would be silently ignored, so
+        they are errors. (Temperature 1 and 0 leave the log-probabilities unchanged.)"""
+        if params.temperature not in (0.0, 1.0):
+            raise InvalidParameter("temperature", params.temperature, "0 or 1 with beam search (beams rank log-probabilities)")
+        sampled, greedy = dataclasses.replace(params, temperature=1.0), dataclasses.replace(params, temperature=0.0)
+        sampling_only = sampled.adapters - greedy.adapters
+        if sampling_only:
+            raise InvalidParameter("sampling adapters", sorted(sampling_only),
+                                   "none with beam search (only penalties, logit bias and constraints shape beam scores)")
+        if params.n > self.beams:
+            raise InvalidParameter("n", params.n, f"<= beams ({self.beams}): beam search returns its n best hypotheses")
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """A finished beam. ``logprobs`` are the raw model log-probabilities of ``tokens``;
+    ``score`` is the length-penalised pipeline score beams are ranked by."""
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    text: str
+    score: float
+    finish_reason: str
+    group: int = 0
+
+    @property
+    def logprob(self) -> float:
+        return float(sum(self.logprobs))
+
+
+@dataclass
+class _Beam:
+    row: RowState
+    score: float  # sum of pipeline log-probabilities
+    source: int  # cache row it extends
+    cursor: Constraint | None
+
+
+def _copy(row: RowState) -> RowState:
+    return dataclasses.replace(row, tokens=list(row.tokens), logprobs=list(row.logprobs))
+
+
+def _penalised(score: float, length: int, alpha: float) -> float:
+    return score / (length ** alpha)
+
+
+@dataclass
+class _Group:
+    """Finished hypotheses of one (prompt, group), best first, at most ``size``."""
+
+    size: int
+    hyps: list[Hypothesis] = dataclasses.field(default_factory=list)
+    done: bool = False
+
+    def add(self, h: Hypothesis) -> None:
+        self.hyps.append(h)
+        self.hyps.sort(key=lambda x: -x.score)
+        del self.hyps[self.size:]
+
+    def settle(self, best_live: float | None, length: int, params: BeamParams, max_tokens: int) -> None:
+        """Decide whether the group can stop (see the module docstring)."""
+        if best_live is None:
+            self.done = True
+            return
+        if len(self.hyps) < self.size:
+            return
+        if params.early_stopping is True:
+            self.done = True
+            return
+        alpha = params.length_penalty
+        reach = max_tokens if params.early_stopping == "never" and alpha > 0 else length
+        self.done = _penalised(best_live, reach, alpha) <= self.hyps[-1].score
+
+
+def _select(lp: torch.Tensor, raw: torch.Tensor, beams: list[_Beam], diversity: torch.Tensor | None,
+            params: BeamParams, group: _Group, gid: int, tokenizer: Tokenizer) -> list[_Beam]:
+    """One group's step: rank ``beams``' continuations, record finished ones, return the new
+    live beams (at most group_size). lp, raw [R, V]: pipeline and raw log-probabilities."""
+    size, vocab = group.size, lp.shape[-1]
+    rows = torch.tensor([b.source for b in beams], dtype=torch.long, device=lp.device)
+    total = lp[rows] + torch.tensor([b.score for b in beams], dtype=lp.dtype, device=lp.device)[:, None]  # [n, V]
+    ranked = total if diversity is None else total - diversity[None, :]
+    values, index = torch.topk(ranked.flatten(), min(2 * size, ranked.numel()))
+    scores = total.flatten()[index].tolist()
+    raws = raw[rows[index // vocab], index % vocab].tolist()
+    out: list[_Beam] = []
+    for rank, (value, flat) in enumerate(zip(values.tolist(), index.tolist(), strict=True)):
+        if value == float("-inf"):
+            break
+        parent, token = beams[flat // vocab], flat % vocab
+        row = _copy(parent.row)
+        row.append(token, raws[rank], tokenizer)
+        score = scores[rank]
+        cursor = None
+        if parent.cursor is not None:
+            cursor = parent.cursor.fork()
+            cursor.advance(token)
+            if cursor.done() and not row.done:
+                row.finish_reason = "stop"
+        if row.done:
+            if rank < size:
+                group.add(Hypothesis(tuple(row.tokens), tuple(row.logprobs), row.text,
+                                     _penalised(score, len(row.tokens), params.length_penalty), row.finish_reason or "stop", gid))
+            continue
+        out.append(_Beam(row, score, parent.source, cursor))
+        if len(out) == size:
+            break
+    return out
+
+
+def beam_search(model: LanguageModel, tokenizer: Tokenizer, cache: KVCache, logits: torch.Tensor, sampler: Sampler,
+                rows: Sequence[RowState], params: BeamParams, ledger: Ledger, *, state: SamplingState | None = None,
+                cursors: Sequence[Constraint | None] | None = None) -> list[list[Hypothesis]]:
+    """Beam search for B prompts at once.
+
+    ``cache`` holds the B prefilled prompts, ``logits`` [B, V] their next-token logits;
+    ``sampler`` has one row per prompt with greedy parameters (its penalties, bias and the
+    constraint mask shape the beam scores); ``state`` is ``sampler.start(prompts)`` (needed by
+    penalties); ``rows`` are fresh `RowState`s carrying each prompt's ``max_tokens``, stop
+    strings and end-of-sequence ids; ``cursors`` one constraint cursor per prompt (or None),
+    forked per beam. Returns, per prompt, up to ``params.beams`` hypotheses, best first (fewer
+    only when fewer sequences have non-zero probability).
+    """
+    b_count = len(rows)
+    groups = [[_Group(params.group_size) for _ in range(params.num_beam_groups)] for _ in range(b_count)]
+    # live beams per prompt and group; every group starts from the prompt's row with score 0
+    live = [[[_Beam(_copy(rows[b]), 0.0, b, None if cursors is None else cursors[b])] for _ in range(params.num_beam_groups)]
+            for b in range(b_count)]
+    owner = list(range(b_count))  # prompt of each cache row
+    if state is None:
+        state = sampler.start()
+    step = 0
+    while True:
+        step += 1
+        row_sampler = sampler.select(owner)
+        mask = None
+        if cursors is not None:
+            by_row: list[Constraint | None] = [None] * len(owner)
+            for beam in (beam for groups_b in live for beams in groups_b for beam in beams):
+                by_row[beam.source] = beam.cursor
+            mask = batch_mask(by_row, logits.shape[-1], logits.device)
+        lp = row_sampler.process(logits, state, mask=mask)
+        raw = torch.log_softmax(logits.float(), dim=-1)
+        ledger.charge(output_tokens=len(owner))
+        for b in range(b_count):
+            diversity = torch.zeros(lp.shape[-1], device=lp.device) if params.num_beam_groups > 1 else None
+            for g, group in enumerate(groups[b]):
+                if group.done:
+                    live[b][g] = []
+                    continue
+                chosen = _select(lp, raw, live[b][g], diversity, params, group, g, tokenizer)
+                group.settle(max((c.score for c in chosen), default=None), step, params, rows[b].max_tokens)
+                live[b][g] = [] if group.done else chosen
+                if diversity is not None:
+                    for c in live[b][g]:
+                        diversity[c.row.tokens[-1]] += params.diversity_penalty
+        order = [beam for b in range(b_count) for beams in live[b] for beam in beams]
+        if not order:
+            break
+        sources = [beam.source for beam in order]
+        index = torch.as_tensor(sources, dtype=torch.long, device=logits.device)
+        tokens = torch.tensor([beam.row.tokens[-1] for beam in order], dtype=torch.long, device=logits.device)
+        owner = [owner[s] for s in sources]
+        for i, beam in enumerate(order):  # beam i now lives in cache row i
+            beam.source = i
+        if sources != list(range(len(owner))) or len(sources) != int(cache.lengths.shape[0]):
+            cache = cache.fork(sources)
+        state = sampler.select(owner).advance(state.select(sources), tokens, lp[index])
+        logits = charged_forward(model, tokens[:, None], cache, ledger)[:, -1]
+    return [sorted((h for group in groups[b] for h in group.hyps), key=lambda h: -h.score) for b in range(b_count)]

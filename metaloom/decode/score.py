@@ -1,0 +1,109 @@
+"""Scoring: the log-probability a model gives to continuations of a prompt.
+
+The prompt is prefilled once; its cache is forked once per continuation of a batch and the
+continuations, right-padded (``valid``), go through **one** forward per batch. Token ``j`` of a
+continuation is scored by the logits after token ``j - 1`` (the prompt's last logits for
+``j = 0``). Used by choice selection, minimum-Bayes-risk decoding and reward-free best-of-N.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from metaloom.decode.forward import charged_forward
+from metaloom.decode.loop import prefill
+from metaloom.errors import ContextWindowExceeded, InvalidParameter
+from metaloom.ledger import Ledger
+from metaloom.models.protocols import LanguageModel, Tokenizer
+
+
+@dataclass(frozen=True)
+class ContinuationScore:
+    """``logprobs[j]`` = log p(tokens[j] | prompt, tokens[:j]) under the raw model."""
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    text: str = ""
+
+    @property
+    def logprob(self) -> float:
+        return float(sum(self.logprobs))
+
+    @property
+    def mean_logprob(self) -> float:
+        return self.logprob / len(self.logprobs)
+
+
+def score_continuations(model: LanguageModel, prompt: Sequence[int], continuations: Sequence[Sequence[int]],
+                        ledger: Ledger, *, batch_size: int = 16) -> list[ContinuationScore]:
+    """Per-token log-probabilities of each continuation (token ids) after ``prompt``.
+
+    Charges the prompt once and every continuation token as input tokens; one forward for the
+    prompt plus one per batch of ``batch_size`` continuations.
+    """
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise InvalidParameter("batch_size", batch_size, "an integer >= 1")
+    if not prompt:
+        raise InvalidParameter("prompt", list(prompt), "at least one token (the first continuation token needs a context)")
+    for i, c in enumerate(continuations):
+        if not c:
+            raise InvalidParameter(f"continuations[{i}]", list(c), "at least one token")
+    if not continuations:
+        return []
+    longest = max(len(c) for c in continuations)
+    if len(prompt) + longest > model.max_context:
+        raise ContextWindowExceeded(len(prompt) + longest, model.max_context, "prompt plus the longest continuation")
+    ledger.charge(input_tokens=len(prompt) + sum(len(c) for c in continuations))
+    cache, last = prefill(model, [list(prompt)], len(prompt) + longest, ledger)
+    first = torch.log_softmax(last[0].float(), dim=-1)  # [V]: scores each continuation's first token
+    out: list[ContinuationScore] = []
+    for start in range(0, len(continuations), batch_size):
+        batch = [list(c) for c in continuations[start:start + batch_size]]
+        width = max(len(c) for c in batch)
+        tokens = torch.zeros(len(batch), width, dtype=torch.long, device=model.device)
+        for i, c in enumerate(batch):
+            tokens[i, :len(c)] = torch.as_tensor(c, dtype=torch.long)
+        valid = torch.tensor([len(c) for c in batch], dtype=torch.long, device=model.device)
+        # the last token's logits are not needed, but dropping it would leave 1-token rows empty
+        logits = charged_forward(model, tokens, cache.fork([0] * len(batch)), ledger, valid=valid)
+        lp = torch.log_softmax(logits.float(), dim=-1)  # [N, T, V]
+        for i, c in enumerate(batch):
+            later = lp[i, torch.arange(len(c) - 1), tokens[i, 1:len(c)]] if len(c) > 1 else lp.new_zeros(0)
+            values = [float(first[c[0]]), *later.tolist()]
+            out.append(ContinuationScore(tuple(c), tuple(values)))
+    return out
+
+
+def split_continuation(tokenizer: Tokenizer, context: str, continuation: str, *,
+                       add_special_tokens: bool = True) -> tuple[list[int], list[int]]:
+    """(context ids, continuation ids) as the tokenizer would cut ``context + continuation``:
+    the continuation's ids are what the whole text has after the context's ids (as
+    lm-evaluation-harness does), or its own encoding when a token crosses the boundary."""
+    ctx = tokenizer.encode(context, add_special_tokens=add_special_tokens)
+    whole = tokenizer.encode(context + continuation, add_special_tokens=add_special_tokens)
+    if whole[:len(ctx)] == ctx and len(whole) > len(ctx):
+        return ctx, whole[len(ctx):]
+    return ctx, tokenizer.encode(continuation, add_special_tokens=False)
+
+
+def score_texts(model: LanguageModel, tokenizer: Tokenizer, context: str, continuations: Sequence[str], ledger: Ledger, *,
+                add_special_tokens: bool = True, batch_size: int = 16) -> list[ContinuationScore]:
+    """`score_continuations` on text: ``context`` is the full prompt text (already through a
+    chat template if one is wanted; then pass ``add_special_tokens=False``)."""
+    for i, text in enumerate(continuations):
+        if not isinstance(text, str) or not text:
+            raise InvalidParameter(f"continuations[{i}]", text, "non-empty text")
+    if not continuations:
+        return []
+    prompt: list[int] = []
+    ids = []
+    for text in continuations:
+        prompt, cont = split_continuation(tokenizer, context, text, add_special_tokens=add_special_tokens)
+        if not cont:
+            raise InvalidParameter("continuation", text, "text that encodes to at least one token")
+        ids.append(cont)
+    scores = score_continuations(model, prompt, ids, ledger, batch_size=batch_size)
+    return [ContinuationScore(s.tokens, s.logprobs, text) for s, text in zip(scores, continuations, strict=True)]
