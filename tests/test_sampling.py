@@ -102,7 +102,7 @@ def test_pipeline_order_penalty_before_temperature_before_truncation():
     # repetition penalty turns token 1 from best to worst, then top-k 1 keeps token 2
     logits = torch.tensor([[1.0, 3.0, 2.0]])
     sampler = make_sampler([SamplingParams(temperature=0.5, top_k=1, repetition_penalty=4.0)], vocab_size=3)
-    lp = sampler.process(logits, counts=torch.zeros(1, 3, dtype=torch.int32), seen=torch.tensor([[False, True, False]]))
+    lp = sampler.process(logits, sampler.start([[1]]))
     assert torch.isfinite(lp).tolist() == [[False, False, True]]
 
 

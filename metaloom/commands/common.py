@@ -3,8 +3,46 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
+from typing import Any
 
+from metaloom.errors import InvalidParameter
 from metaloom.sampling import SamplingParams
+
+_DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}
+
+# sampler flags: (SamplingParams field, type, help); the flag is the field with dashes
+_SAMPLER_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("temperature", float, "0 = greedy"),
+    ("dynatemp_range", float, "dynamic temperature: vary it in [t - range, t + range] by entropy (0 = off)"),
+    ("dynatemp_exponent", float, "dynamic temperature: exponent of the normalised entropy"),
+    ("top_n_sigma", float, "top-nσ: keep logits >= max - n·std (0 = off)"),
+    ("top_h", float, "top-H: entropy bound as a fraction of the entropy (0 = off)"),
+    ("top_k", int, "keep the k most likely tokens (0 = off)"),
+    ("top_p", float, "nucleus: smallest set with this much probability (1 = off)"),
+    ("min_p", float, "drop tokens below min_p times the top probability (0 = off)"),
+    ("typical_p", float, "locally typical sampling mass (1 = off)"),
+    ("epsilon_cutoff", float, "epsilon sampling: drop tokens below this probability (0 = off)"),
+    ("eta_cutoff", float, "eta sampling: entropy-adaptive epsilon (0 = off)"),
+    ("xtc_probability", float, "XTC: chance per token of excluding the top choices (0 = off)"),
+    ("xtc_threshold", float, "XTC: probability a token needs to count as a top choice"),
+    ("mirostat", int, "2 = mirostat v2 (0 = off)"),
+    ("mirostat_tau", float, "mirostat: target surprise in bits"),
+    ("mirostat_eta", float, "mirostat: learning rate"),
+    ("repetition_penalty", float, "CTRL penalty over prompt and output tokens (1 = off)"),
+    ("presence_penalty", float, "OpenAI presence penalty over output tokens"),
+    ("frequency_penalty", float, "OpenAI frequency penalty over output tokens"),
+    ("dry_multiplier", float, "DRY: penalty multiplier for extending a repeated sequence (0 = off)"),
+    ("dry_base", float, "DRY: base of the penalty's growth with the repeat length"),
+    ("dry_allowed_length", int, "DRY: repeats up to this long are free"),
+    ("dry_penalty_last_n", int, "DRY: tokens of history searched (-1 = all)"),
+    ("no_repeat_ngram_size", int, "ban any n-gram of this size from repeating (0 = off)"),
+)
+
+
+_SCALAR_DESTS = (*(name for name, _, _ in _SAMPLER_FLAGS), "max_tokens", "n", "seed")
+# every dest `add_sampling_args` defines
+SAMPLER_DESTS = (*_SCALAR_DESTS, "stop", "logit_bias", "dry_sequence_breakers", "no_dry_sequence_breakers")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -15,24 +53,51 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--n", type=int, default=1, help="number of samples (prompt prefilled once)")
-    p.add_argument("--seed", type=int, default=None)
+    g = p.add_argument_group("sampling (applied in the order of metaloom.sampling.pipeline)")
+    for name, kind, text in _SAMPLER_FLAGS:
+        g.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=_DEFAULTS[name], help=text)
+    g.add_argument("--dry-sequence-breaker", dest="dry_sequence_breakers", action="append", default=None,
+                   help="DRY: string that stops a repeat (repeatable; default: newline : \" *)")
+    g.add_argument("--no-dry-sequence-breakers", action="store_true", help="DRY: no sequence breakers at all")
+    g.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN=BIAS",
+                   help="add BIAS to the logit of token id TOKEN (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=_DEFAULTS["max_tokens"])
+    p.add_argument("--n", type=int, default=_DEFAULTS["n"], help="number of samples (prompt prefilled once)")
+    p.add_argument("--seed", type=int, default=_DEFAULTS["seed"])
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def _logit_bias(items: list[str]) -> dict[int, float]:
+    bias: dict[int, float] = {}
+    for item in items:
+        token, sep, value = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError(item)
+            bias[int(token)] = float(value)
+        except ValueError as exc:
+            raise InvalidParameter("logit_bias", item, "TOKEN=BIAS with an integer token id and a number") from exc
+    return bias
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`SamplingParams` keyword arguments from the sampler flags present in ``args`` (a command
+    that sets ``argparse.SUPPRESS`` defaults for `SAMPLER_DESTS` gets only the flags given)."""
+    kwargs = {name: getattr(args, name) for name in _SCALAR_DESTS if hasattr(args, name)}
+    if hasattr(args, "stop"):
+        kwargs["stop"] = tuple(args.stop)
+    if getattr(args, "logit_bias", None):
+        kwargs["logit_bias"] = _logit_bias(args.logit_bias)
+    breakers = getattr(args, "dry_sequence_breakers", None)
+    if breakers is not None:
+        kwargs["dry_sequence_breakers"] = tuple(breakers)
+    if getattr(args, "no_dry_sequence_breakers", False):
+        if breakers is not None:
+            raise InvalidParameter("dry_sequence_breakers", tuple(breakers),
+                                   "either --dry-sequence-breaker or --no-dry-sequence-breakers, not both")
+        kwargs["dry_sequence_breakers"] = ()
+    return kwargs
+
+
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, max_tokens=args.max_tokens, n=args.n,
-        seed=args.seed, stop=tuple(args.stop))
-
-
+    return SamplingParams(**sampling_kwargs(args))

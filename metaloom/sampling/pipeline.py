@@ -1,123 +1,267 @@
 """The logits pipeline: one documented order, written once, used by every decoder.
 
-Order (each step is a pure batched function in `processors.py`):
+Order (each step a pure batched function in `penalties.py`, `processors.py`, `truncation.py`):
 
-1. penalties: repetition (prompt + output), presence and frequency (output)
+1. penalties: repetition (prompt + output), presence and frequency (output), DRY (history),
+   no-repeat-n-gram (history)
 2. logit bias
-3. constraint mask (issue: constrained decoding; applied by the caller's cursor, see `apply`)
-4. temperature (rows with temperature 0 are greedy and skip steps 4-5)
-5. truncation: top-k -> top-p -> min-p
-6. draw: argmax for greedy rows, otherwise a categorical draw with the row's `torch.Generator`
+3. constraint mask (issue: constrained decoding; the caller's cursor passes ``mask``)
+4. temperature, or dynamic temperature when ``dynatemp_range > 0`` (rows with temperature 0
+   are greedy and skip steps 4-7)
+5. truncation: top-nσ -> top-H -> top-k -> top-p -> min-p -> typical -> epsilon -> eta
+   (top-nσ and top-H look at the whole distribution; from top-H on this is transformers'
+   warper order, so a chain of its processors gives the same distribution)
+6. XTC (a coin per row from the row's `torch.Generator`)
+7. mirostat v2 (bound ``mu`` per row, from the `SamplingState`)
+8. draw: argmax for greedy rows, otherwise a categorical draw with the row's `torch.Generator`;
+   then `Sampler.advance` updates the state (seen/counts/history, and mu from the drawn
+   token's surprise under the distribution of step 7)
 
 `Sampler.process` returns the final log-probabilities the draw uses (masked entries are -inf),
-so speculative decoding can verify against exactly this distribution.
+so speculative decoding can verify against exactly this distribution. Every step after the
+first sees the previous step's output, renormalised. Disabled adapters are skipped for the
+whole batch (a Python check, no device sync); rows that disable an adapter another row uses
+come back from it unchanged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from metaloom.errors import InvalidParameter
 from metaloom.sampling import processors as P
 from metaloom.sampling.params import SamplingParams
+from metaloom.sampling.state import SamplingState
+
+NEG_INF = float("-inf")
+
+# per-row parameter columns each adapter reads (named as in SamplingParams)
+_COLUMNS: dict[str, tuple[str, ...]] = {
+    "repetition": ("repetition_penalty",),
+    "presence_frequency": ("presence_penalty", "frequency_penalty"),
+    "dry": ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n"),
+    "no_repeat_ngram": ("no_repeat_ngram_size",),
+    "dynatemp": ("dynatemp_range", "dynatemp_exponent"),
+    "top_n_sigma": ("top_n_sigma",),
+    "top_k": ("top_k",),
+    "top_p": ("top_p",),
+    "min_p": ("min_p",),
+    "typical": ("typical_p",),
+    "epsilon": ("epsilon_cutoff",),
+    "eta": ("eta_cutoff",),
+    "top_h": ("top_h",),
+    "xtc": ("xtc_probability", "xtc_threshold"),
+    "mirostat": ("mirostat_tau", "mirostat_eta"),
+}
+_LONG = {"top_k", "dry_allowed_length", "dry_penalty_last_n", "no_repeat_ngram_size"}
+# truncation steps of stage 5, in order: adapter -> (function, column)
+_TRUNCATION: tuple[tuple[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor], str], ...] = (
+    ("top_n_sigma", P.top_n_sigma, "top_n_sigma"),
+    ("top_h", P.top_h, "top_h"),
+    ("top_k", P.top_k, "top_k"),
+    ("top_p", P.top_p, "top_p"),
+    ("min_p", P.min_p, "min_p"),
+    ("typical", P.typical, "typical_p"),
+    ("epsilon", P.epsilon, "epsilon_cutoff"),
+    ("eta", P.eta, "eta_cutoff"),
+)
 
 
 @dataclass(frozen=True)
 class Sampler:
-    """Per-row parameters of one batch, stacked into tensors once.
+    """Per-row parameters of one batch, stacked into tensors once. Holds no mutable state:
+    per-row state lives in a `SamplingState` (`start`, `advance`), randomness in the caller's
+    `torch.Generator`s. Build with `make_sampler`.
 
-    ``rows[i]`` is the `SamplingParams` of row ``i``. Build with `make_sampler`.
+    ``params[i]`` is the `SamplingParams` of row ``i``; ``columns[name]`` [B] the stacked values
+    of the fields the enabled adapters read, plus ``temperature``, ``greedy`` and ``mirostat``
+    (bool: row uses mirostat v2).
     """
 
     params: tuple[SamplingParams, ...]
-    temperature: torch.Tensor  # [B]
-    top_k: torch.Tensor  # [B] long, 0 = off
-    top_p: torch.Tensor  # [B]
-    min_p: torch.Tensor  # [B]
-    repetition: torch.Tensor  # [B]
-    presence: torch.Tensor  # [B]
-    frequency: torch.Tensor  # [B]
+    vocab_size: int
+    enabled: frozenset[str]  # adapters some row uses (`SamplingParams.adapters`)
+    columns: dict[str, torch.Tensor]
     bias: torch.Tensor | None  # [B, V] or None
-    greedy: torch.Tensor  # [B] bool
+    breakers: torch.Tensor | None  # [B, V] bool: DRY sequence breakers, or None
+
+    @property
+    def greedy(self) -> torch.Tensor:  # [B] bool
+        return self.columns["greedy"]
+
+    @property
+    def temperature(self) -> torch.Tensor:  # [B]
+        return self.columns["temperature"]
 
     @property
     def any_penalty(self) -> bool:
         return any(p.uses_penalties for p in self.params)
 
-    def process(self, logits: torch.Tensor, counts: torch.Tensor | None = None,
-                seen: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Steps 1-5. logits [B, V] (any float dtype) -> log-probabilities [B, V] in float32.
+    def start(self, prompts: Sequence[Sequence[int]] | None = None) -> SamplingState:
+        """The state before the first draw; ``prompts[i]`` are row ``i``'s prompt token ids
+        (repetition penalty, DRY and no-repeat-n-gram look at them). None: empty prompts."""
+        rows = [list(p) for p in prompts] if prompts is not None else [[] for _ in self.params]
+        if len(rows) != len(self.params):
+            raise ValueError(f"{len(rows)} prompts for a batch of {len(self.params)} rows")
+        device, b, v = self.temperature.device, len(rows), self.vocab_size
+        seen = None
+        if "repetition" in self.enabled:
+            seen = torch.zeros(b, v, dtype=torch.bool)
+            for i, p in enumerate(rows):
+                seen[i, torch.as_tensor(p, dtype=torch.long)] = True
+            seen = seen.to(device)
+        counts = torch.zeros(b, v, dtype=torch.int32, device=device) if "presence_frequency" in self.enabled else None
+        history = lengths = None
+        if self.enabled & {"dry", "no_repeat_ngram"}:
+            history = torch.full((b, max((len(p) for p in rows), default=0)), -1, dtype=torch.long)
+            for i, p in enumerate(rows):
+                history[i, :len(p)] = torch.as_tensor(p, dtype=torch.long)
+            history = history.to(device)
+            lengths = torch.tensor([len(p) for p in rows], dtype=torch.long, device=device)
+        mu = 2 * self.columns["mirostat_tau"] if "mirostat" in self.enabled else None  # llama.cpp's start
+        return SamplingState(seen=seen, counts=counts, history=history, lengths=lengths, mu=mu)
 
-        counts [B, V]: output-token counts (presence/frequency); seen [B, V] bool: tokens in
-        prompt or output (repetition); mask [B, V] bool: allowed tokens (constraint).
-        Greedy rows come back as log-softmax of the penalised, biased, masked logits.
+    def process(self, logits: torch.Tensor, state: SamplingState | None = None, *, mask: torch.Tensor | None = None,
+                generators: Sequence[torch.Generator | None] | None = None) -> torch.Tensor:
+        """Steps 1-7. logits [B, V] (any float dtype) -> log-probabilities [B, V] in float32.
+
+        ``state`` from `start` / `advance` (needed by penalties, DRY, n-grams, mirostat);
+        ``mask`` [B, V] bool: allowed tokens (constraint); ``generators[i]``: row ``i``'s RNG for
+        the XTC coin (None: torch's default). Greedy rows come back as log-softmax of the
+        penalised, biased, masked logits.
         """
+        on, c = self.enabled, self.columns
+        s = state if state is not None else SamplingState()
         x = logits.float()
-        if self.any_penalty:
-            assert counts is not None and seen is not None, "penalties need token counts"
-            x = P.repetition_penalty(x, seen, self.repetition)
-            x = P.presence_frequency_penalty(x, counts, self.presence, self.frequency)
+        if "repetition" in on:
+            x = P.repetition_penalty(x, s.need("seen", "repetition_penalty"), c["repetition_penalty"])
+        if "presence_frequency" in on:
+            x = P.presence_frequency_penalty(x, s.need("counts", "presence/frequency penalty"), c["presence_penalty"],
+                                             c["frequency_penalty"])
+        if "dry" in on:
+            assert self.breakers is not None
+            x = P.dry(x, s.need("history", "DRY"), s.need("lengths", "DRY"), self.breakers, c["dry_multiplier"],
+                      c["dry_base"], c["dry_allowed_length"], c["dry_penalty_last_n"])
+        if "no_repeat_ngram" in on:
+            x = P.no_repeat_ngram(x, s.need("history", "no_repeat_ngram_size"), s.need("lengths", "no_repeat_ngram_size"),
+                                  c["no_repeat_ngram_size"])
         if self.bias is not None:
             x = x + self.bias
         if mask is not None:
-            x = x.masked_fill(~mask, float("-inf"))
-        sampled = ~self.greedy
-        if bool(sampled.any()):
-            t = torch.where(self.greedy, torch.ones_like(self.temperature), self.temperature)
-            y = P.temperature(x, t)
-            if bool((self.top_k > 0).any()):
-                y = P.top_k(y, self.top_k)
-            if bool((self.top_p < 1).any()):
-                y = P.top_p(y, self.top_p)
-            if bool((self.min_p > 0).any()):
-                y = P.min_p(y, self.min_p)
-            x = torch.where(sampled[:, None], y, x)
-        return torch.log_softmax(x, dim=-1)
+            x = x.masked_fill(~mask, NEG_INF)
+        greedy = [p.greedy for p in self.params]
+        if all(greedy):
+            return torch.log_softmax(x, dim=-1)
+        t = torch.where(self.greedy, torch.ones_like(self.temperature), self.temperature)
+        dynamic = "dynatemp" in on
+        y = P.dynamic_temperature(x, t, c["dynatemp_range"], c["dynatemp_exponent"]) if dynamic else P.temperature(x, t)
+        for adapter, fn, column in _TRUNCATION:
+            if adapter in on:
+                y = fn(y, c[column])
+        if "xtc" in on:
+            y = P.xtc(y, c["xtc_threshold"], self._coins(generators, logits.device))
+        if "mirostat" in on:
+            y = P.mirostat(y, s.need("mu", "mirostat"), c["mirostat"])
+        if any(greedy):
+            y = torch.where(self.greedy[:, None], x, y)
+        return torch.log_softmax(y, dim=-1)
+
+    def _coins(self, generators: Sequence[torch.Generator | None] | None, device: torch.device) -> torch.Tensor:
+        """XTC: one uniform draw per row that uses it, from the row's generator; heads when
+        u < xtc_probability. [B] bool."""
+        heads = []
+        for row, p in enumerate(self.params):
+            if "xtc" not in p.adapters:
+                heads.append(False)
+                continue
+            g = generators[row] if generators is not None else None
+            u = float(torch.rand((), generator=g, device=g.device if g is not None else device))
+            heads.append(u < p.xtc_probability)
+        return torch.tensor(heads, dtype=torch.bool, device=device)
+
+    def draw(self, logprobs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+        """Step 8. logprobs [B, V] -> tokens [B] (long)."""
+        tokens = logprobs.argmax(dim=-1)
+        for row, p in enumerate(self.params):
+            if not p.greedy:
+                tokens[row] = P.categorical(logprobs[row], generators[row])
+        return tokens
+
+    def advance(self, state: SamplingState, tokens: torch.Tensor, logprobs: torch.Tensor) -> SamplingState:
+        """The state after each row drew ``tokens`` [B] from ``logprobs`` [B, V] (what `process`
+        returned). Returns a new state; ``state`` is not modified."""
+        column = tokens.to(torch.long)[:, None]
+        seen = counts = history = lengths = mu = None
+        if state.seen is not None:
+            seen = state.seen.scatter(1, column, True)
+        if state.counts is not None:
+            counts = state.counts.scatter_add(1, column, torch.ones_like(column, dtype=state.counts.dtype))
+        if state.history is not None and state.lengths is not None:
+            pad = torch.full_like(state.history[:, :1], -1)
+            history = torch.cat([state.history, pad], dim=1).scatter(1, state.lengths[:, None], column)
+            lengths = state.lengths + 1
+        if state.mu is not None:
+            c = self.columns
+            moved = P.mirostat_update(state.mu, logprobs.gather(1, column)[:, 0], c["mirostat_tau"], c["mirostat_eta"])
+            mu = torch.where(c["mirostat"], moved, state.mu)
+        return SamplingState(seen=seen, counts=counts, history=history, lengths=lengths, mu=mu)
 
     def select(self, rows: Sequence[int]) -> Sampler:
         """The sampler of a sub-batch (rows in the order given)."""
         index = torch.as_tensor(list(rows), dtype=torch.long, device=self.temperature.device)
+        params = tuple(self.params[r] for r in rows)
         return Sampler(
-            params=tuple(self.params[r] for r in rows),
-            temperature=self.temperature[index], top_k=self.top_k[index], top_p=self.top_p[index],
-            min_p=self.min_p[index], repetition=self.repetition[index], presence=self.presence[index],
-            frequency=self.frequency[index], bias=None if self.bias is None else self.bias[index],
-            greedy=self.greedy[index])
-
-    def draw(self, logprobs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-        """Step 6. logprobs [B, V] -> tokens [B] (long)."""
-        tokens = logprobs.argmax(dim=-1)
-        for row in torch.nonzero(~self.greedy).flatten().tolist():
-            tokens[row] = P.categorical(logprobs[row], generators[row])
-        return tokens
+            params=params, vocab_size=self.vocab_size,
+            enabled=frozenset().union(*(p.adapters for p in params)),
+            columns={name: col[index] for name, col in self.columns.items()},
+            bias=None if self.bias is None else self.bias[index],
+            breakers=None if self.breakers is None else self.breakers[index])
 
 
-def make_sampler(params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str = "cpu") -> Sampler:
-    """Stack the per-row parameters of a batch (one entry per row, not per request)."""
+def make_sampler(params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str = "cpu", *,
+                 encode: Callable[[str], Sequence[int]] | None = None) -> Sampler:
+    """Stack the per-row parameters of a batch (one entry per row, not per request).
+
+    ``encode`` (text -> token ids, the tokenizer's) maps DRY sequence breakers to tokens: the
+    last token of each breaker's encoding is a breaker, as in text-generation-webui. It is
+    needed only when some row uses DRY with breakers.
+    """
     rows = tuple(params)
     for p in rows:
         p.check_vocab(vocab_size)
+    enabled = frozenset().union(*(p.adapters for p in rows))
 
     def col(name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.tensor([getattr(p, name) for p in rows], dtype=dtype, device=device)
 
+    columns = {"temperature": col("temperature"),
+               "greedy": torch.tensor([p.greedy for p in rows], dtype=torch.bool, device=device),
+               "mirostat": torch.tensor(["mirostat" in p.adapters for p in rows], dtype=torch.bool, device=device)}
+    for adapter in enabled:
+        for name in _COLUMNS.get(adapter, ()):
+            columns[name] = col(name, torch.long if name in _LONG else torch.float32)
     bias = None
-    if any(p.logit_bias for p in rows):
-        bias = torch.zeros(len(rows), vocab_size, device=device)
+    if "logit_bias" in enabled:
+        bias = torch.zeros(len(rows), vocab_size)
         for i, p in enumerate(rows):
             for token, value in p.logit_bias.items():
                 bias[i, token] = value
-    return Sampler(
-        params=rows,
-        temperature=col("temperature"),
-        top_k=col("top_k", torch.long),
-        top_p=col("top_p"),
-        min_p=col("min_p"),
-        repetition=col("repetition_penalty"),
-        presence=col("presence_penalty"),
-        frequency=col("frequency_penalty"),
-        bias=bias,
-        greedy=torch.tensor([p.greedy for p in rows], dtype=torch.bool, device=device),
-    )
+        bias = bias.to(device)
+    breakers = None
+    if "dry" in enabled:
+        breakers = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
+        for i, p in enumerate(rows):
+            if "dry" not in p.adapters or not p.dry_sequence_breakers:
+                continue
+            if encode is None:
+                raise InvalidParameter("dry_sequence_breakers", p.dry_sequence_breakers,
+                                       "strings only with a tokenizer: pass encode= to make_sampler (or use no breakers)")
+            for text in p.dry_sequence_breakers:
+                ids = [t for t in encode(text) if 0 <= t < vocab_size]
+                if ids:
+                    breakers[i, ids[-1]] = True
+        breakers = breakers.to(device)
+    return Sampler(params=rows, vocab_size=vocab_size, enabled=enabled, columns=columns, bias=bias, breakers=breakers)

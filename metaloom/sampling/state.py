@@ -1,0 +1,38 @@
+"""`SamplingState`: the per-row state some pipeline steps need, kept outside the `Sampler`.
+
+Created by `Sampler.start(prompts)`, read by `Sampler.process`, and replaced after every draw
+by `Sampler.advance(state, tokens, logprobs)` (a new object; the old one is not modified, so
+speculative decoding can keep a state to roll back to). Only the fields some row of the batch
+needs are filled; the rest stay None, so disabled adapters cost nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingState:
+    seen: torch.Tensor | None = None  # [B, V] bool: token in prompt or output (repetition penalty)
+    counts: torch.Tensor | None = None  # [B, V] int32: output-token counts (presence / frequency)
+    history: torch.Tensor | None = None  # [B, L] long: prompt then output, right-padded with -1 (DRY, n-grams)
+    lengths: torch.Tensor | None = None  # [B] long: valid length of each history row
+    mu: torch.Tensor | None = None  # [B] float32: mirostat v2 surprise bound, bits
+
+    def select(self, rows: Sequence[int]) -> SamplingState:
+        """The state of a sub-batch (rows in the order given)."""
+        changes = {}
+        for name in ("seen", "counts", "history", "lengths", "mu"):
+            value = getattr(self, name)
+            if value is not None:
+                changes[name] = value[torch.as_tensor(list(rows), dtype=torch.long, device=value.device)]
+        return replace(self, **changes)
+
+    def need(self, name: str, adapter: str) -> torch.Tensor:
+        value = getattr(self, name)
+        if value is None:
+            raise ValueError(f"{adapter} needs SamplingState.{name}: build the state with Sampler.start(prompts)")
+        return value
