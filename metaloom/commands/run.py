@@ -1,0 +1,187 @@
+"""`metaloom run --strategy NAME [--strategy.PARAM VALUE ...] PROMPT`: run a meta-strategy.
+
+Strategy parameters are the strategy dataclass's fields, converted to their declared types
+(`metaloom.meta.configure`). A field that holds a component (scorer, extractor, utility,
+feedback, inner strategy) takes a registry name, and ``--FIELD.PARAM VALUE`` configures that
+component (``--strategy.scorer reward_model --scorer.path ./rm``). Sampling flags
+(``--temperature``, ``--max-tokens``, ...) override the strategy's own sampling defaults
+only when given. ``--budget FIELD=LIMIT`` caps any usage field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from metaloom.commands.common import SAMPLER_DESTS, add_model_args, add_sampling_args, sampling_kwargs
+from metaloom.errors import InvalidParameter
+
+
+def split_dotted(args: Sequence[str]) -> tuple[list[tuple[str, str, str | None]], list[str]]:
+    """Pull ``--GROUP.PARAM VALUE`` / ``--GROUP.PARAM=VALUE`` out of ``args``: returns
+    (group, param, value or None when missing) triples and the other arguments."""
+    dotted: list[tuple[str, str, str | None]] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        head = a[2:].split("=", 1)[0]
+        if a.startswith("--") and "." in head and not head.startswith("."):
+            group, _, param = head.partition(".")
+            if "=" in a:
+                dotted.append((group, param, a.split("=", 1)[1]))
+            elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+                dotted.append((group, param, args[i + 1]))
+                i += 1
+            else:
+                dotted.append((group, param, None))
+        else:
+            rest.append(a)
+        i += 1
+    return dotted, rest
+
+
+class DottedParser(argparse.ArgumentParser):
+    """An argument parser that also accepts free-form ``--GROUP.PARAM VALUE`` flags (their
+    names depend on the strategy chosen, so they cannot be declared up front)."""
+
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        dotted, rest = split_dotted(list(sys.argv[1:] if args is None else args))
+        ns, extras = super().parse_known_args(rest, namespace)
+        ns.dotted = dotted
+        return ns, extras
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    previous = sub._parser_class
+    sub._parser_class = DottedParser  # argparse offers no public per-subcommand parser class
+    try:
+        r = sub.add_parser("run", help="run a meta-generation strategy (see `metaloom strategies`)")
+    finally:
+        sub._parser_class = previous
+    r.add_argument("prompt")
+    r.add_argument("--strategy", required=True, help="strategy name (`metaloom strategies` lists them)")
+    add_model_args(r)
+    add_sampling_args(r)
+    for action in r._actions:  # only the flags given override the strategy's own sampling defaults
+        if action.dest in SAMPLER_DESTS:
+            action.default = argparse.SUPPRESS
+    r.add_argument("--raw", action="store_true", help="plain completion: no chat template")
+    r.add_argument("--system", default=None, help="system message (chat mode)")
+    r.add_argument("--budget", action="append", default=[], metavar="FIELD=LIMIT",
+                   help="cap a usage field, e.g. output_tokens=2000 (repeatable); the run stops cleanly at it")
+    r.add_argument("--json", action="store_true", help="print one JSON object: best, candidates, scores, usage, trace")
+    r.add_argument("--progress", action="store_true", help="progress bar on stderr (default: when stderr is a terminal)")
+    r.set_defaults(run=run)
+
+
+def parse_budget(items: Sequence[str]) -> Any:
+    from metaloom.ledger import Budget
+
+    fields = [f.name for f in dataclasses.fields(Budget)]
+    limits: dict[str, float] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise InvalidParameter("budget", item, f"FIELD=LIMIT with FIELD one of {fields}")
+        try:
+            limits[key] = float(value) if key in ("flops", "seconds") else int(value)
+        except ValueError as exc:
+            raise InvalidParameter(f"budget.{key}", value, "a number") from exc
+    return Budget(**limits)  # type: ignore[arg-type]
+
+
+def strategy_config(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, dict[str, str]], dict[str, Any]]:
+    """(strategy params, component params by field, sampling overrides), validated as text."""
+    from metaloom.sampling import SamplingParams
+
+    params: dict[str, str] = {}
+    groups: dict[str, dict[str, str]] = {}
+    for group, key, value in getattr(args, "dotted", []):
+        if value is None:
+            raise InvalidParameter(f"{group}.{key}", None, f"a value: --{group}.{key} VALUE")
+        (params if group == "strategy" else groups.setdefault(group, {}))[key] = value
+    sampling = sampling_kwargs(args)
+    if "n" in sampling:
+        raise InvalidParameter("n", sampling["n"], "not a sampling flag here: the strategy's --strategy.n (or batch)")
+    SamplingParams(**sampling)  # validate the flags themselves before any model load
+    return params, groups, sampling
+
+
+def run(args: argparse.Namespace) -> int:
+    from metaloom.generator import LocalGenerator
+    from metaloom.ledger import Ledger
+    from metaloom.meta.configure import build_strategy
+    from metaloom.models import load
+    from metaloom.sampling import SamplingParams
+
+    params, groups, sampling = strategy_config(args)
+    budget = parse_budget(args.budget)
+    build_strategy(args.strategy, params, groups, {"dry": True})  # names, parameters, types: before the load
+    loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend)
+    generator: Any = LocalGenerator(loaded)
+    bar = None
+    if args.progress or sys.stderr.isatty():
+        generator, bar = with_progress(generator)
+    strategy = build_strategy(args.strategy, params, groups, {"generator": generator})
+    if sampling:
+        if not isinstance(getattr(strategy, "params", None), SamplingParams):
+            raise InvalidParameter("sampling flags", sampling, f"none: strategy {args.strategy!r} has no sampling params")
+        strategy = dataclasses.replace(strategy, params=dataclasses.replace(strategy.params, **sampling))
+    prompt: Any = args.prompt
+    if not args.raw:
+        system = ({"role": "system", "content": args.system},) if args.system else ()
+        prompt = (*system, {"role": "user", "content": args.prompt})
+    ledger = Ledger(budget=budget)
+    try:
+        result = strategy.run(prompt, generator, ledger=ledger)
+    finally:
+        if bar is not None:
+            bar.close()
+    if args.json:
+        print(json.dumps({"model": loaded.name, "strategy": args.strategy, **result.to_dict()}))
+        return 0
+    print(result.best)
+    print(f"--- {args.strategy}: answer={result.answer!r} stopped_reason={result.stopped_reason}")
+    for i, c in enumerate(result.candidates):
+        s = f" score={result.scores[i]:.4g}" if result.scores else ""
+        a = f" answer={result.answers[i]!r}" if result.answers else ""
+        mark = "*" if i == result.best_index else " "
+        print(f"{mark}[{i}]{s}{a} ({len(c.token_ids)} tokens, {c.finish_reason}): {c.text[:200]!r}")
+    print("usage: " + json.dumps(result.usage.to_dict()))
+    for e in result.trace:
+        print("trace: " + json.dumps(e.to_dict(), default=str))
+    return 0
+
+
+class _Progress:
+    """A `Generator` wrapper that advances a tqdm bar by the output tokens of each call
+    (strategies know nothing of it); other attributes (tokenizer, render) pass through."""
+
+    def __init__(self, inner: Any, bar: Any) -> None:
+        self.inner, self.bar = inner, bar
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def generate(self, requests: Any, *, ledger: Any) -> Any:
+        before = ledger.usage.output_tokens
+        out = self.inner.generate(requests, ledger=ledger)
+        self.bar.update(ledger.usage.output_tokens - before)
+        return out
+
+    def stream(self, request: Any, *, ledger: Any) -> Any:
+        for chunk in self.inner.stream(request, ledger=ledger):
+            self.bar.update(len(chunk.token_ids))
+            yield chunk
+
+
+def with_progress(generator: Any) -> tuple[_Progress, Any]:
+    from tqdm import tqdm
+
+    bar = tqdm(unit="tok", desc="generating", file=sys.stderr, dynamic_ncols=True)
+    return _Progress(generator, bar), bar

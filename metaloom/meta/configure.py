@@ -1,0 +1,164 @@
+"""Build strategies and their components from string parameters (the command line, a config
+file): each parameter is converted to the type its dataclass field or factory argument
+declares; a parameter whose type is a component protocol (Scorer, Extractor, Utility,
+Feedback, Strategy) names a registry entry, configured in turn by ``FIELD.PARAM`` values.
+
+Unknown names and parameters raise `InvalidParameter` listing the valid ones.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import functools
+import inspect
+import json
+import operator
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from metaloom.errors import InvalidParameter
+from metaloom.generator.types import Generator
+from metaloom.meta.registry import KINDS, STRATEGIES, lookup
+from metaloom.sampling.params import SamplingParams
+from metaloom.score.verifier import load_callable
+
+REQUIRED: Any = inspect.Parameter.empty
+HIDDEN = frozenset({"name", "self", "cls"})  # labels, not behaviour
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    type: Any
+    default: Any = REQUIRED  # a value, or REQUIRED
+    factory: Callable[[], Any] | None = None  # a dataclass default_factory
+
+
+def params_of(entry: Callable[..., Any]) -> list[Param]:
+    """The configurable parameters of a class (its dataclass fields) or factory function."""
+    if isinstance(entry, type) and dataclasses.is_dataclass(entry):
+        hints = typing.get_type_hints(entry)
+        out = []
+        for f in dataclasses.fields(entry):
+            if f.init and f.name not in HIDDEN:
+                factory = None if f.default_factory is dataclasses.MISSING else f.default_factory
+                default = REQUIRED if f.default is dataclasses.MISSING else f.default
+                out.append(Param(f.name, hints[f.name], default, factory))
+        return out
+    hints = typing.get_type_hints(entry)
+    return [Param(p.name, hints.get(p.name, str), p.default) for p in inspect.signature(entry).parameters.values()
+            if p.name not in HIDDEN and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _options(t: Any) -> tuple[Any, bool]:
+    """(the type without ``None``, whether ``None`` is allowed)."""
+    if typing.get_origin(t) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        return (args[0] if len(args) == 1 else functools.reduce(operator.or_, args)), len(args) < len(typing.get_args(t))
+    return t, False
+
+
+def is_generator(t: Any) -> bool:
+    return _options(t)[0] is Generator
+
+
+def kind_of(t: Any) -> tuple[str, Callable[[], Mapping[str, Any]]] | None:
+    return KINDS.get(_options(t)[0])
+
+
+def convert(value: str, t: Any, where: str, groups: Mapping[str, dict[str, str]], context: Mapping[str, Any]) -> Any:
+    """``value`` as type ``t``; ``where`` names the parameter in errors."""
+    t, nullable = _options(t)
+    if nullable and value.lower() in ("none", "null"):
+        return None
+    kind = kind_of(t)
+    if kind is not None:
+        label, table = kind
+        field_name = where.rsplit(".", 1)[-1]
+        return build(field_name, lookup(label, table(), value), groups.get(field_name, {}), groups, context)
+    if t is bool:
+        if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise InvalidParameter(where, value, "true or false")
+        return value.lower() in ("true", "1", "yes")
+    if t in (int, float, str):
+        if t is str and value.startswith('"'):
+            return _json(value, where, str)
+        try:
+            return t(value)
+        except ValueError as exc:
+            raise InvalidParameter(where, value, f"a value of type {t.__name__}") from exc
+    if typing.get_origin(t) is tuple:
+        item = typing.get_args(t)[0]
+        raw = _json(value, where, list) if value.startswith("[") else [v for v in value.split(",") if v]
+        texts = [v if isinstance(v, str) else json.dumps(v) for v in raw]
+        return tuple(texts) if item is str else tuple(convert(v, item, where, groups, context) for v in texts)
+    if t is collections.abc.Callable or typing.get_origin(t) is collections.abc.Callable:
+        return load_callable(value)
+    if t is SamplingParams:
+        raise InvalidParameter(where, value, "sampling flags instead (--temperature, --top-p, --max-tokens, --seed, ...)")
+    raise InvalidParameter(where, value, f"a parameter settable from text (its type is {t})")
+
+
+def _json(value: str, where: str, kind: type) -> Any:
+    try:
+        out = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise InvalidParameter(where, value, f"valid JSON ({exc})") from exc
+    if not isinstance(out, kind):
+        raise InvalidParameter(where, value, f"a JSON {kind.__name__}")
+    return out
+
+
+def build(label: str, entry: Callable[..., Any], params: Mapping[str, str], groups: Mapping[str, dict[str, str]],
+          context: Mapping[str, Any]) -> Any:
+    """Call ``entry`` with ``params`` converted to its declared types; parameters typed
+    `Generator` receive ``context["generator"]``. With ``context["dry"]`` nothing is called."""
+    declared = params_of(entry)
+    names = [p.name for p in declared]
+    for key, value in params.items():
+        if key not in names:
+            raise InvalidParameter(f"{label}.{key}", value, f"one of {names}")
+    kwargs: dict[str, Any] = {}
+    for p in declared:
+        if is_generator(p.type) and p.default is REQUIRED and ("generator" in context or context.get("dry")):
+            kwargs[p.name] = context.get("generator")  # judges and critics use the model being run
+        elif p.name in params:
+            kwargs[p.name] = convert(params[p.name], p.type, f"{label}.{p.name}", groups, context)
+        elif p.default is REQUIRED and p.factory is None:
+            raise InvalidParameter(f"{label}.{p.name}", None, f"a value (--{label}.{p.name} is required)")
+    if context.get("dry"):
+        return None  # a dry run checks names, parameters and types without building (no model loads)
+    return entry(**kwargs)
+
+
+def build_strategy(name: str, params: Mapping[str, str], groups: Mapping[str, dict[str, str]] | None = None,
+                   context: Mapping[str, Any] | None = None) -> Any:
+    """The strategy ``name`` configured by ``params``; ``groups[FIELD]`` configure the
+    component chosen for field FIELD (``--scorer.path ...``)."""
+    groups = dict(groups or {})
+    used = _component_fields(STRATEGIES, name, params, groups)
+    for group in groups:
+        if groups[group] and group not in used:
+            raise InvalidParameter(f"{group}.*", groups[group], f"parameters of a component chosen by --strategy.{group} "
+                                   f"(or by a chosen component's {group!r} parameter)")
+    return build("strategy", lookup("strategy", STRATEGIES, name), params, groups, context or {})
+
+
+def _component_fields(table: Mapping[str, Any], name: str, params: Mapping[str, str],
+                      groups: Mapping[str, dict[str, str]]) -> set[str]:
+    """The field names that choose a component, recursively, so stray groups are caught."""
+    if name not in table:
+        return set()
+    from metaloom.meta.registry import resolve
+
+    used: set[str] = set()
+    for p in params_of(resolve(table[name])):
+        kind = kind_of(p.type)
+        if kind is not None and p.name in params:
+            used.add(p.name)
+            used |= _component_fields(kind[1](), params[p.name], groups.get(p.name, {}), groups)
+    return used

@@ -1,0 +1,77 @@
+"""Refinement: generate, get feedback, revise — for up to ``rounds`` revisions, stopping as
+soon as the feedback passes (Madaan et al. 2023, Self-Refine; extrinsic feedback such as
+failing tests: Chen et al. 2024, Self-Debugging).
+
+Feedback comes from any `metaloom.score.feedback.Feedback`: an extrinsic verifier (a scorer
+with a threshold, a function returning failing test output) or, by default, a prompted
+critique from the same generator (intrinsic — mixed results on reasoning, Huang et al. 2024).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from metaloom.errors import BudgetExceeded, ScorerFailed
+from metaloom.generator.types import Completion, Generator
+from metaloom.ledger import Ledger
+from metaloom.meta.helpers import Run, default_sampling, generate_one, guarded, reseed
+from metaloom.meta.types import Result
+from metaloom.sampling.params import SamplingParams
+from metaloom.score.feedback import CritiqueFeedback, Feedback, Verdict
+from metaloom.score.prompting import fill
+from metaloom.score.protocols import Prompt
+
+REVISE = "Feedback on your answer:\n{feedback}\n\nWrite an improved answer to the original question."
+
+
+def revision_prompt(prompt: Prompt, answer: str, message: str, template: str) -> Prompt:
+    """A chat continues the conversation (assistant answer, user feedback); a raw prompt gets
+    the answer and the feedback appended as text."""
+    ask = fill(template, "revise_template", feedback=message)
+    if isinstance(prompt, str):
+        return f"{prompt}{answer}\n\n{ask}\n\n"
+    return (*prompt, {"role": "assistant", "content": answer}, {"role": "user", "content": ask})
+
+
+def verdict(run: Run, feedback: Feedback, prompt: Prompt, candidate: Completion, round: int) -> Verdict:
+    before = run.ledger.usage
+    try:
+        v = feedback(prompt, candidate, ledger=run.ledger)
+    except (BudgetExceeded, ScorerFailed):
+        raise
+    except Exception as exc:
+        raise ScorerFailed(getattr(feedback, "name", type(feedback).__name__), exc) from exc
+    run.event("feedback", round=round, passed=v.passed, message=v.message, score=v.score, usage=run.spent_since(before))
+    return v
+
+
+@dataclass(frozen=True)
+class Refine:
+    """Generate, get feedback, revise — until the feedback passes or the rounds run out.
+
+    ``feedback=None`` means a prompted critique by the generator being refined. The chosen
+    output is the first answer that passes; if none does, the best-scored one (latest on
+    ties). Scores: the verdict's score, else 1/0 for pass/fail."""
+
+    feedback: Feedback | None = None
+    rounds: int = 3
+    revise_template: str = REVISE
+    params: SamplingParams = field(default_factory=default_sampling)
+
+    def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
+        feedback: Feedback = self.feedback if self.feedback is not None else CritiqueFeedback(generator)
+
+        def body(run: Run) -> None:
+            current = prompt
+            for r in range(self.rounds + 1):
+                c = generate_one(run, generator, current, reseed(self.params, r), "generate" if r == 0 else "revise", round=r)
+                run.candidates.append(c)
+                v = verdict(run, feedback, prompt, c, r)
+                run.scores.append(v.score if v.score is not None else float(v.passed))
+                run.best_index = max(range(len(run.scores)), key=lambda i: (run.scores[i], i))
+                if v.passed:
+                    run.best_index = r
+                    return
+                current = revision_prompt(current, c.text, v.message, self.revise_template)
+
+        return guarded(ledger, body)

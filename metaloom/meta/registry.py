@@ -1,0 +1,114 @@
+"""The edge where names meet classes: every strategy, and every component a strategy can be
+configured with (scorers, answer extractors, MBR utilities, refinement feedback), by name.
+
+The CLI, server and evaluation configs look names up here; library code passes objects.
+Entries are classes or factory functions whose parameters (dataclass fields or signature)
+are what ``metaloom run --strategy.PARAM`` accepts. Entries given as ``"module:attribute"``
+strings are imported when first used, so optional dependencies (transformers for reward
+models, the sandbox, sacrebleu) load only when named.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from metaloom.errors import InvalidParameter
+from metaloom.meta.adaptive_vote import AdaptiveVote
+from metaloom.meta.best_of_n import BestOfN
+from metaloom.meta.budget_forcing import BudgetForcing
+from metaloom.meta.chain import Chain
+from metaloom.meta.first_finish import FirstFinish
+from metaloom.meta.mbr import MBR
+from metaloom.meta.pruned import PrunedBestOfN
+from metaloom.meta.refine import Refine
+from metaloom.meta.types import Strategy
+from metaloom.meta.vote import MajorityVote, WeightedVote
+from metaloom.score.answers import ChoiceLetter, ExactString, Extractor, LastNumber, MathAnswer
+from metaloom.score.feedback import CritiqueFeedback, Feedback, FunctionFeedback, ScorerFeedback
+from metaloom.score.logprob import SequenceLogprob
+from metaloom.score.protocols import Scorer, Utility
+
+Entry = Callable[..., Any] | str
+
+STRATEGIES: dict[str, Entry] = {
+    "chain": Chain,
+    "best_of_n": BestOfN,
+    "majority_vote": MajorityVote,
+    "weighted_vote": WeightedVote,
+    "mbr": MBR,
+    "refine": Refine,
+    "budget_forcing": BudgetForcing,
+    "adaptive_vote": AdaptiveVote,
+    "first_finish": FirstFinish,
+    "pruned_best_of_n": PrunedBestOfN,
+}
+
+SCORERS: dict[str, Entry] = {
+    "logprob": SequenceLogprob,
+    "reward_model": "metaloom.score.reward_model:RewardModel.load",
+    "judge": "metaloom.score.judge:LLMJudge",
+    "verifier": "metaloom.score.verifier:FunctionVerifier",
+    "execution": "metaloom.score.execution:ExecutionScorer",
+}
+
+EXTRACTORS: dict[str, Entry] = {
+    "math": MathAnswer,
+    "last_number": LastNumber,
+    "choice": ChoiceLetter,
+    "exact": ExactString,
+    "code_tests": "metaloom.score.answers:execution_outcomes",
+}
+
+FEEDBACK: dict[str, Entry] = {
+    "critique": CritiqueFeedback,
+    "verifier": ScorerFeedback,
+    "function": FunctionFeedback,
+    "tests": "metaloom.score.feedback:ExecutionFeedback",
+}
+
+# MBR utilities: the library of `metaloom.score.utility` plus the pairwise LLM judge
+UTILITY_MODULE = "metaloom.score.utility"
+JUDGE_UTILITY: dict[str, Entry] = {"judge": "metaloom.score.judge:PairwiseJudge"}
+
+
+def utilities() -> dict[str, Entry]:
+    """Utility names -> entries (the utility library is imported on first use)."""
+    try:
+        module = importlib.import_module(UTILITY_MODULE)
+    except ImportError:
+        return dict(JUDGE_UTILITY)
+    found: Mapping[str, Entry] = getattr(module, "UTILITIES", {})
+    return {**found, **JUDGE_UTILITY}
+
+
+def resolve(entry: Entry) -> Callable[..., Any]:
+    """A registry entry as a callable (imports ``"module:attr.attr"`` entries)."""
+    if not isinstance(entry, str):
+        return entry
+    module, _, path = entry.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def lookup(kind: str, table: Mapping[str, Entry], name: str) -> Callable[..., Any]:
+    if name not in table:
+        raise InvalidParameter(kind, name, f"one of {sorted(table)}")
+    return resolve(table[name])
+
+
+def make_utility(name: str, **kwargs: Any) -> Utility:
+    return lookup("utility", utilities(), name)(**kwargs)
+
+
+# which registry fills a parameter of each component type (used by `metaloom.meta.configure`)
+KINDS: dict[Any, tuple[str, Callable[[], Mapping[str, Entry]]]] = {
+    Strategy: ("strategy", lambda: STRATEGIES),
+    Scorer: ("scorer", lambda: SCORERS),
+    Extractor: ("extractor", lambda: EXTRACTORS),
+    Utility: ("utility", utilities),
+    Feedback: ("feedback", lambda: FEEDBACK),
+}

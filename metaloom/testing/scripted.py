@@ -1,0 +1,197 @@
+"""A scripted `Generator` and scripted scorers: golden tables for strategies, in microseconds.
+
+`ScriptedGenerator` plays a table ``prompt -> responses``. Text is tokenised into words
+(each token is a run of whitespace plus a run of non-whitespace, so joining tokens gives the
+text back). It charges the ledger the way the local engine does, step by step:
+
+- ``input_tokens``: the prompt's tokens, once per request (a request with ``n`` samples is
+  prefilled once and forked);
+- one forward pass for the batched prefill, then one per decode step while any row of the
+  call is unfinished (a call whose longest row has L tokens costs L forward passes);
+- ``output_tokens``: every generated token, the end-of-sequence token included (it is
+  emitted when a response runs out before ``max_tokens``; a stop string ends the row at the
+  token that completes it, whose text is cut, as in `metaloom.decode.rows`).
+
+FLOPs and seconds are not modelled (charged 0), so golden figures are exact. Sampling
+parameters other than ``n``, ``max_tokens`` and ``stop`` (temperature, logit bias, seeds)
+do not change what is played.
+
+Lookup: a raw prompt is matched against the table keys; a chat prompt is its last user
+message (the scripted "chat template" renders a conversation as that message, so ``render``
+is consistent with lookup). An exact key yields the key's next ``n`` responses, cycling. A
+prompt that extends a key continues one of its responses: the one that produced that text
+(remembered), else the first response that starts with it — this is what a model asked to
+continue its own partial output does, and what chunked strategies rely on. The longest
+matching key wins, so a table can also script what follows an inserted "Wait".
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from metaloom.errors import InvalidParameter
+from metaloom.generator.types import Completion, Request, StreamChunk
+from metaloom.ledger import Ledger
+from metaloom.score.prompting import user_text
+from metaloom.score.protocols import Prompt
+
+EOS_ID = 0
+_TOKEN = re.compile(r"\s*\S+|\s+$")
+
+
+def tokens(text: str) -> list[str]:
+    return _TOKEN.findall(text)
+
+
+def count_tokens(text: str) -> int:
+    return len(tokens(text))
+
+
+@dataclass(frozen=True)
+class Say:
+    """One scripted response; every token of it (and its end-of-sequence) has log-probability
+    ``logprob``."""
+
+    text: str
+    logprob: float = -1.0
+
+
+@dataclass
+class _Row:
+    say: Say
+    words: list[str]  # tokens still to emit
+    max_tokens: int
+    stop: tuple[str, ...]
+    text: str = ""
+    ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    finish: str | None = None
+    key: str = ""  # table key and response index this row plays, and the text before it
+    index: int = 0
+    prefix: str = ""
+
+    def step(self) -> str:
+        """Emit one token; returns the new visible text."""
+        before = len(self.text)
+        if not self.words:
+            self.ids, self.logprobs, self.finish = (*self.ids, EOS_ID), (*self.logprobs, self.say.logprob), "stop"
+            return ""
+        word = self.words.pop(0)
+        self.ids = (*self.ids, zlib.crc32(word.encode()) % 50_000 + 1)
+        self.logprobs = (*self.logprobs, self.say.logprob)
+        self.text += word
+        hits = [i for s in self.stop if (i := self.text.find(s, max(0, before - len(s)))) >= 0]
+        if hits:
+            self.text, self.finish = self.text[:min(hits)], "stop"
+        elif len(self.ids) >= self.max_tokens:
+            self.finish = "length"
+        return self.text[before:]
+
+    def completion(self) -> Completion:
+        assert self.finish is not None
+        return Completion(self.text, self.ids, self.logprobs, self.finish)
+
+
+class ScriptedGenerator:
+    """Implements `Generator` from ``table``: prompt -> responses (str or `Say`). ``requests``
+    records every request it served, for assertions."""
+
+    def __init__(self, table: Mapping[str, Sequence[str | Say]]) -> None:
+        self.table = {k: [Say(r) if isinstance(r, str) else r for r in v] for k, v in table.items()}
+        self.cursor = dict.fromkeys(self.table, 0)
+        self.produced: dict[tuple[str, str], int] = {}  # (key, text so far) -> response index
+        self.requests: list[Request] = []
+
+    def render(self, prompt: Prompt) -> str:
+        return user_text(prompt)
+
+    def _lookup(self, text: str, n: int) -> list[tuple[str, int, str]]:
+        """(key, response index, text still to emit) for each of ``n`` samples."""
+        keys = [k for k in self.table if text.startswith(k)]
+        if not keys:
+            raise LookupError(f"scripted generator has no entry for prompt {text!r}")
+        key = max(keys, key=len)
+        rest, responses = text[len(key):], self.table[key]
+        if not rest:
+            picked = []
+            for _ in range(n):
+                picked.append(self.cursor[key] % len(responses))
+                self.cursor[key] += 1
+            return [(key, i, responses[i].text) for i in picked]
+        i = self.produced.get((key, rest))
+        if i is None:
+            i = next((j for j, r in enumerate(responses) if r.text.startswith(rest)), None)
+        if i is None:
+            raise LookupError(f"scripted generator cannot continue {text!r}: no response of {key!r} starts with {rest!r}")
+        return [(key, i, responses[i].text[len(rest):])] * n
+
+    def _rows(self, request: Request) -> list[_Row]:
+        if getattr(request, "constraint", None) or getattr(request, "token_healing", False) or getattr(request, "decoder", None):
+            raise InvalidParameter("request", request, "plain sampling (the scripted generator plays text; it cannot "
+                                   "constrain, heal or beam-search it)")
+        text, p = self.render(request.prompt), request.params
+        return [_Row(self.table[key][i], tokens(remaining), p.max_tokens, p.stop, key=key, index=i,
+                     prefix=text[len(key):]) for key, i, remaining in self._lookup(text, p.n)]
+
+    def _steps(self, requests: Sequence[Request], rows: Sequence[Sequence[_Row]],
+               ledger: Ledger) -> Iterator[list[tuple[_Row, str]]]:
+        self.requests.extend(requests)
+        ledger.charge(input_tokens=sum(max(1, count_tokens(self.render(r.prompt))) for r in requests))
+        ledger.charge(forward_passes=1)  # batched prefill
+        flat = [row for rs in rows for row in rs]
+        while True:
+            stepped = [(row, row.step()) for row in flat if row.finish is None]
+            ledger.charge(output_tokens=len(stepped))
+            yield stepped
+            if all(row.finish is not None for row in flat):
+                break
+            ledger.charge(forward_passes=1)
+        for row in flat:  # so a continuation of this text resumes this response
+            self.produced[(row.key, row.prefix + row.text)] = row.index
+
+    def generate(self, requests: Sequence[Request], *, ledger: Ledger) -> list[list[Completion]]:
+        if not requests:
+            return []
+        rows = [self._rows(r) for r in requests]  # every lookup before any charge, like the engine's validation
+        for _ in self._steps(requests, rows, ledger):
+            pass
+        return [[row.completion() for row in rs] for rs in rows]
+
+    def stream(self, request: Request, *, ledger: Ledger) -> Iterator[StreamChunk]:
+        if request.params.n != 1:
+            raise InvalidParameter("n", request.params.n, "1 when streaming")
+        for stepped in self._steps([request], [self._rows(request)], ledger):
+            row, text = stepped[0]
+            yield StreamChunk(text, row.ids[-1:], row.finish)
+
+
+@dataclass(frozen=True)
+class ScriptedScorer:
+    """Scores by candidate text: ``table[text]`` (stripped) or ``fn(text)``; a text it does not
+    know raises `KeyError` (a scorer failure, for tests). One scorer call per `score`."""
+
+    table: Mapping[str, float] | None = None
+    fn: Callable[[str], float] | None = None
+    name: str = "scripted"
+
+    def score(self, prompt: Prompt, candidates: Sequence[Completion], *, ledger: Ledger) -> list[float]:
+        ledger.charge(scorer_calls=1)
+        if self.fn is not None:
+            return [float(self.fn(c.text)) for c in candidates]
+        assert self.table is not None
+        return [float(self.table[c.text.strip()]) for c in candidates]
+
+
+@dataclass(frozen=True)
+class FailingScorer:
+    """Always raises ``RuntimeError(message)`` after charging its call."""
+
+    message: str = "scorer crashed"
+    name: str = "failing"
+
+    def score(self, prompt: Prompt, candidates: Sequence[Completion], *, ledger: Ledger) -> list[float]:
+        ledger.charge(scorer_calls=1)
+        raise RuntimeError(self.message)
