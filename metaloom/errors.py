@@ -58,3 +58,28 @@ class BudgetExceeded(MetaloomError):
         self.limit = limit
         self.would_be = would_be
         super().__init__(f"budget exceeded: {field} would be {would_be} > limit {limit}")
+
+
+class ScorerFailed(MetaloomError):
+    """A scorer (verifier, reward model, judge, utility) raised. Names the scorer; a strategy
+    attaches what it had gathered so far as ``partial`` (a `metaloom.meta.Result`)."""
+
+    def __init__(self, scorer: str, cause: BaseException, partial: Any = None) -> None:
+        self.scorer = scorer
+        self.cause = cause
+        self.partial = partial
+        super().__init__(f"scorer {scorer!r} failed: {type(cause).__name__}: {cause}")
+
+
+class InvalidGrammar(MetaloomError, ValueError):
+    """A constraint (JSON Schema, regular expression, Lark grammar, choice list) that the
+    grammar engine rejects or that no text satisfies. Raised before any token is generated."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        self.kind = kind
+        self.detail = detail
+        super().__init__(f"invalid {kind} constraint: {detail}")
+
+
+class NoSpeculatorHeads(UnsupportedModel):
+    """Speculator heads were asked for a model that has none shipped and no heads file was given."""

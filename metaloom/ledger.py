@@ -29,6 +29,23 @@ class Usage:
     flops: float = 0.0
     seconds: float = 0.0
     scorer_calls: int = 0  # calls to a Scorer / StepScorer / Utility (verifiers, reward models, judges)
+    # speculative decoding (`metaloom.speculative`): draft tokens by verification outcome, and
+    # row-verifications (one target forward verifying 3 rows counts 3)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    rejected_tokens: int = 0
+    verify_steps: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / drafted tokens; None when nothing was drafted."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
+
+    @property
+    def accepted_per_step(self) -> float | None:
+        """Mean draft tokens accepted per verification step (each step also emits one token
+        drawn from the target, so tokens per step is one more); None without speculation."""
+        return self.accepted_tokens / self.verify_steps if self.verify_steps else None
 
     def __add__(self, other: Usage) -> Usage:
         return Usage(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)})
@@ -39,14 +56,19 @@ class Usage:
 
 @dataclass(frozen=True)
 class Budget:
-    """Upper limits on any `Usage` field; ``None`` means unlimited."""
+    """Upper limits on any `Usage` field (one field here per field there); ``None`` means unlimited."""
 
     input_tokens: int | None = None
+    cached_tokens: int | None = None
     output_tokens: int | None = None
     forward_passes: int | None = None
     flops: float | None = None
     seconds: float | None = None
     scorer_calls: int | None = None
+    drafted_tokens: int | None = None
+    accepted_tokens: int | None = None
+    rejected_tokens: int | None = None
+    verify_steps: int | None = None
 
     def check(self, usage: Usage) -> None:
         for f in dataclasses.fields(self):

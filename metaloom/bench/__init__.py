@@ -13,7 +13,20 @@ def _decode(args: argparse.Namespace) -> int:
     return main(args)
 
 
-BENCHMARKS: dict[str, Callable[[argparse.Namespace], int]] = {"decode": _decode}
+def _constrained(args: argparse.Namespace) -> int:
+    from metaloom.bench.constrained import main
+
+    return main(args)
+
+
+def _speculative(args: argparse.Namespace) -> int:
+    from metaloom.bench.speculative import main
+
+    return main(args)
+
+
+BENCHMARKS: dict[str, Callable[[argparse.Namespace], int]] = {"decode": _decode, "constrained": _constrained,
+                                                              "speculative": _speculative}
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -24,3 +37,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--sample-tokens", type=int, default=64, help="tokens per sample in the n-samples case")
     p.add_argument("--json", action="store_true")
+    # speculative: drafters to compare (DEFAULT_DRAFTERS), the draft model, K, the prefix-cache case
+    p.add_argument("--drafters", default="ngram,quantized,quantized-int4,jacobi,jacobi-lookup,heads,draft")
+    p.add_argument("--draft-model", default=None, help="draft model (same tokenizer) for the draft-model drafter")
+    p.add_argument("--num-draft", type=int, default=None, help="draft tokens per step (default: each drafter's own)")
+    p.add_argument("--prefix-tokens", type=int, default=1000, help="shared prefix for the prefix-cache case (0: skip)")

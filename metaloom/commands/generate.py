@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
 from metaloom.commands.common import add_model_args, add_sampling_args, sampling_params
+from metaloom.commands.constraint import add_constraint_args, constraint_spec
+from metaloom.commands.decoding import add_decoder_args, amateur_model, decoder_spec
+from metaloom.commands.speculative import add_speculative_args, check_speculative_args, speculative_option, speculative_report
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -14,6 +18,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("prompt")
     add_model_args(g)
     add_sampling_args(g)
+    add_decoder_args(g)
+    add_constraint_args(g)
+    add_speculative_args(g)
     g.add_argument("--raw", action="store_true", help="plain completion: no chat template")
     g.add_argument("--system", default=None, help="system message (chat mode)")
     g.add_argument("--json", action="store_true", help="print one JSON object with completions and usage")
@@ -26,9 +33,15 @@ def run(args: argparse.Namespace) -> int:
     from metaloom.models import load
 
     params = sampling_params(args)  # validate before the (slower) model load
+    params, decoder = decoder_spec(args, params)
+    constraint = constraint_spec(args)
+    check_speculative_args(args)
     loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend)
-    generator = LocalGenerator(loaded)
+    speculative = speculative_option(args, loaded)
+    generator = LocalGenerator(loaded, amateur=amateur_model(args, loaded), speculative=speculative)
     request = Request(args.prompt, params) if args.raw else Request.chat(args.prompt, params, system=args.system)
+    request = dataclasses.replace(request, decoder=decoder)
+    request = dataclasses.replace(request, constraint=constraint, token_healing=args.token_healing)
     ledger = Ledger()
     if params.n == 1 and not args.json:
         for chunk in generator.stream(request, ledger=ledger):
@@ -41,9 +54,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({
             "model": loaded.name,
             "completions": [{"text": c.text, "tokens": list(c.token_ids), "logprob": c.logprob,
-                             "finish_reason": c.finish_reason} for c in completions],
+                             "finish_reason": c.finish_reason} | ({} if c.score is None else {"score": c.score})
+                            for c in completions],
             "usage": ledger.usage.to_dict(),
-        }))
+        } | speculative_report(speculative, ledger.usage)))
     else:
         for i, c in enumerate(completions):
             print(f"--- sample {i + 1} ({c.finish_reason}) ---\n{c.text}")

@@ -21,3 +21,16 @@ def charged_forward(model: LanguageModel, tokens: torch.Tensor, cache: KVCache, 
         new_tokens=sum(counts), attended=attended_keys(starts, counts),
         logit_rows=b if last_only else sum(counts)))
     return logits
+
+
+def charged_forward_hidden(model: LanguageModel, tokens: torch.Tensor, cache: KVCache, ledger: Ledger, *,
+                           valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`charged_forward` for a model with ``forward_hidden`` (the native model): (logits [B, T, V],
+    final hidden states [B, T, d]), charged the same."""
+    b, t = tokens.shape
+    counts = valid.tolist() if valid is not None else [t] * b
+    starts = cache.lengths.tolist()
+    logits, hidden = model.forward_hidden(tokens, cache, valid=valid)  # type: ignore[attr-defined]
+    ledger.charge(forward_passes=1, flops=model.flops(
+        new_tokens=sum(counts), attended=attended_keys(starts, counts), logit_rows=sum(counts)))
+    return logits, hidden

@@ -7,6 +7,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from metaloom.constrain.spec import ConstraintSpec
+from metaloom.decode.beam import BeamParams
+from metaloom.decode.contrastive import ContrastiveParams, GuidanceParams
 from metaloom.ledger import Ledger
 from metaloom.sampling.params import SamplingParams
 
@@ -16,10 +19,19 @@ Message = dict[str, str]  # {"role": ..., "content": ...}
 @dataclass(frozen=True)
 class Request:
     """A prompt and how to sample from it. A ``str`` prompt is raw text (plain completion);
-    a sequence of messages goes through the model's chat template."""
+    a sequence of messages goes through the model's chat template.
+
+    ``constraint``: the output must match it (`metaloom.constrain`); ``token_healing``: back
+    the prompt up over its last token and make the output start with the removed text
+    (`metaloom.decode.healing`; the completion's text then starts with that text)."""
 
     prompt: str | tuple[Message, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
+    constraint: ConstraintSpec | None = None
+    token_healing: bool = False
+    # how tokens are chosen (`metaloom.generator.decoders`): None = the sampling pipeline
+    # (greedy at temperature 0); beam search, contrastive decoding or classifier-free guidance
+    decoder: BeamParams | ContrastiveParams | GuidanceParams | None = None
 
     @classmethod
     def chat(cls, user: str, params: SamplingParams | None = None, system: str | None = None) -> Request:
@@ -40,6 +52,7 @@ class Completion:
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str
+    score: float | None = None  # the decoder's ranking score, if it has one (beam: length-penalised)
 
     @property
     def logprob(self) -> float:

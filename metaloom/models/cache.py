@@ -83,3 +83,28 @@ class StaticKVCache:
             allowed = f"{self.batch} values in [0, current lengths {self._lengths.tolist()}]"
             raise InvalidParameter("lengths", new.tolist(), allowed)
         self._lengths = new.clone()
+
+    # --- blocks, for the prefix cache (metaloom.prefix) ----------------------------------
+    def read_block(self, row: int, start: int, end: int) -> torch.Tensor:
+        """A copy of row ``row``'s keys and values at positions ``start .. end - 1``:
+        [layers, 2, H_kv, end - start, D]."""
+        if not 0 <= row < self.batch or not 0 <= start <= end <= int(self._lengths[row]):
+            raise InvalidParameter("span", (row, start, end), f"a row in [0, {self.batch}) and 0 <= start <= end <= its length")
+        return torch.stack([torch.stack((k[row, :, start:end], v[row, :, start:end]))
+                            for k, v in zip(self.keys, self.values, strict=True)])
+
+    def append_block(self, row: int, block: torch.Tensor) -> None:
+        """Write ``block`` [layers, 2, H_kv, n, D] (from `read_block`) at row ``row``'s length
+        and advance that row by ``n``; the positions are the row's, so RoPE stays consistent as
+        long as the block was read from the same positions."""
+        n = block.shape[3]
+        if not 0 <= row < self.batch:
+            raise InvalidParameter("row", row, f"a row in [0, {self.batch})")
+        start = int(self._lengths[row])
+        if start + n > self.capacity:
+            raise CacheFull(f"KV cache row needs {start + n} positions but was allocated {self.capacity}")
+        for layer, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
+            k[row, :, start:start + n] = block[layer, 0]
+            v[row, :, start:start + n] = block[layer, 1]
+        self._lengths = self._lengths.clone()  # never mutate a lengths tensor a caller may hold
+        self._lengths[row] += n

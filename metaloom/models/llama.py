@@ -17,6 +17,7 @@ from metaloom.errors import ContextWindowExceeded, InvalidParameter, NotAModel
 from metaloom.models.cache import StaticKVCache
 from metaloom.models.config import LlamaConfig
 from metaloom.models.flops import forward_flops
+from metaloom.models.protocols import KVCache
 from metaloom.models.rope import apply_rope, rope_tables
 
 
@@ -123,9 +124,24 @@ class LlamaModel:
                              new_tokens=new_tokens, attended=attended, logit_rows=logit_rows)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, cache: StaticKVCache, *, valid: torch.Tensor | None = None,
+    def forward(self, tokens: torch.Tensor, cache: KVCache, *, valid: torch.Tensor | None = None,
                 last_only: bool = False) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, V] ([B, 1, V] with ``last_only``); see `LanguageModel`."""
+        return linear(self._hidden(tokens, cache, valid, last_only), self.lm_head)
+
+    @torch.inference_mode()
+    def forward_hidden(self, tokens: torch.Tensor, cache: KVCache, *, valid: torch.Tensor | None = None,
+                       last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` that also returns the final hidden states: (logits [B, T, V], hidden [B, T, d]),
+        hidden after the last norm, what the LM head reads (speculator heads draft from them)."""
+        x = self._hidden(tokens, cache, valid, last_only)
+        return linear(x, self.lm_head), x
+
+    def _hidden(self, tokens: torch.Tensor, cache: KVCache, valid: torch.Tensor | None,
+                last_only: bool) -> torch.Tensor:
+        """The transformer up to and including the final norm: [B, T, d] (or [B, 1, d])."""
+        if not isinstance(cache, StaticKVCache):
+            raise InvalidParameter("cache", type(cache).__name__, "a StaticKVCache from this model's new_cache()")
         c = self.config
         b, t = tokens.shape
         if b != cache.batch:
@@ -160,8 +176,7 @@ class LlamaModel:
         cache.advance(valid)
         if last_only:
             x = x[torch.arange(b, device=x.device), valid - 1][:, None]
-        x = F.rms_norm(x, (c.hidden_size,), self.norm, c.rms_norm_eps)
-        return linear(x, self.lm_head)
+        return F.rms_norm(x, (c.hidden_size,), self.norm, c.rms_norm_eps)
 
     def _mask(self, positions: torch.Tensor, keys_len: int, uniform: bool) -> tuple[torch.Tensor | None, bool]:
         """Boolean mask [B, 1, T, S] (True = attend), or (None, is_causal) when SDPA's built-in

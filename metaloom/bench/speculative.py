@@ -1,0 +1,296 @@
+"""`metaloom bench speculative`: every drafter against plain greedy, transformers' assisted
+generation and llama.cpp, in one run on the same input-grounded prompts (code edits and a
+summary, where the output quotes the input), plus the radix prefix cache's time to first token.
+
+Each method decodes every prompt greedily up to ``--new-tokens`` tokens (end-of-sequence on,
+so the task ends where the model ends it); metaloom's speculative methods emit exactly plain
+greedy's tokens (asserted here too). Methods are interleaved within each repeat so drifting
+machine load hits them alike; one warm-up pass, then medians over ``--repeats`` per prompt.
+Reported: tokens, tok/s (prefill included, as a user waits for it), speedup over metaloom's
+plain greedy, acceptance rate, mean accepted draft tokens per verification step, and tokens
+per target forward. Peers: transformers ``generate`` plain, with ``prompt_lookup_num_tokens``,
+and with ``assistant_model`` when ``--draft-model`` is given; llama.cpp through
+``llama-cpp-python`` (plain and with its prompt-lookup draft) when installed, on the GGUF file
+(llama.cpp runs the GGUF's own quantised weights, so its tokens differ; compare rates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from metaloom.generator import LocalGenerator, Request
+from metaloom.ledger import Ledger
+from metaloom.models import LoadedModel, load
+from metaloom.sampling import SamplingParams
+from metaloom.speculative import Speculative
+from metaloom.speculative.registry import DRAFTERS, DrafterOptions, build_drafter
+
+CODE = '''import json
+from dataclasses import dataclass
+
+
+@dataclass
+class Order:
+    order_id: int
+    customer: str
+    items: list[str]
+    total: float
+
+
+def load_orders(path):
+    """Read orders from a JSON file."""
+    with open(path) as f:
+        data = json.load(f)
+    orders = []
+    for record in data:
+        orders.append(Order(record["order_id"], record["customer"], record["items"], record["total"]))
+    return orders
+
+
+def total_revenue(orders):
+    """Sum the totals of all orders."""
+    revenue = 0.0
+    for order in orders:
+        revenue += order.total
+    return revenue
+'''
+TEXT = ("The city council met on Tuesday to discuss the new bicycle lanes on Main Street. Residents said the lanes "
+        "made cycling safer, but several shop owners complained that the loss of parking hurt their business. "
+        "The council agreed to count cyclists and parked cars for three months before deciding whether to keep "
+        "the lanes, and asked the transport office to publish the counts every week.")
+PROMPTS = (
+    f"Rename the function `total_revenue` to `compute_revenue` in the following code. Output the complete "
+    f"updated code and nothing else.\n\n```python\n{CODE}```",
+    f"Add a docstring-preserving type hint `-> list[Order]` to `load_orders` in this code and output the whole "
+    f"file.\n\n```python\n{CODE}```",
+    f"Summarise this news text in two sentences, reusing its wording.\n\n{TEXT}",
+)
+
+
+@dataclass
+class Method:
+    """One row of the table: ``run(prompt index)`` -> (tokens, ledger or None)."""
+
+    name: str
+    run: Callable[[int], tuple[list[int], Ledger | None]]
+    peer: bool = False
+    times: dict[int, list[float]] = field(default_factory=dict)
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+    ledgers: dict[int, Ledger] = field(default_factory=dict)
+
+
+def _metaloom(loaded: LoadedModel, name: str, speculative: Speculative | None, n: int) -> Method:
+    gen = LocalGenerator(loaded, speculative=speculative)
+
+    def run(i: int) -> tuple[list[int], Ledger]:
+        ledger = Ledger()
+        out = gen.generate([Request.chat(PROMPTS[i], SamplingParams(temperature=0, max_tokens=n))], ledger=ledger)
+        return list(out[0][0].token_ids), ledger
+
+    return Method(name, run)
+
+
+def _drafter_methods(args: argparse.Namespace, loaded: LoadedModel, n: int, skipped: dict[str, str]) -> list[Method]:
+    """One method per requested drafter; variants: quantized-int4 (4-bit self-draft),
+    jacobi-lookup (Jacobi topped up by prompt lookup). Unavailable ones land in ``skipped``."""
+    variants = {"quantized-int4": ("quantized", {"bits": 4}), "jacobi-lookup": ("jacobi", {"jacobi_fill": "lookup"})}
+    out = []
+    for label in [d for d in args.drafters.split(",") if d]:
+        base, extra = variants.get(label, (label, {}))
+        if base not in DRAFTERS:
+            skipped[label] = f"unknown drafter (known: {sorted(DRAFTERS)})"
+            continue
+        if base == "draft" and not args.draft_model:
+            skipped[label] = "no --draft-model given (the default model has no smaller sibling with its tokenizer)"
+            continue
+        try:
+            drafter = build_drafter(base, loaded, DrafterOptions(draft_model=args.draft_model, **extra))
+        except Exception as exc:  # a drafter this model or build cannot have: report, keep benchmarking
+            skipped[label] = f"{type(exc).__name__}: {exc}"
+            continue
+        k = args.num_draft or DRAFTERS[base].num_draft
+        out.append(_metaloom(loaded, f"metaloom {label} (K={k})", Speculative(drafter, k), n))
+    return out
+
+
+def _transformers_methods(args: argparse.Namespace, loaded: LoadedModel, n: int, skipped: dict[str, str]) -> list[Method]:
+    from transformers import AutoModelForCausalLM
+
+    tok = loaded.tokenizer
+    hf = AutoModelForCausalLM.from_pretrained(loaded.folder, dtype=loaded.dtype).eval()
+    eos = sorted(tok.eos_token_ids)
+    ids = [torch.tensor([tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)])
+           for p in PROMPTS]
+
+    def method(name: str, **extra: Any) -> Method:
+        def run(i: int) -> tuple[list[int], None]:
+            with torch.inference_mode():
+                out = hf.generate(ids[i], attention_mask=torch.ones_like(ids[i]), max_new_tokens=n, do_sample=False,
+                                  eos_token_id=eos, pad_token_id=eos[0] if eos else 0, **extra)
+            return out[0, ids[i].shape[1]:].tolist(), None
+
+        return Method(name, run, peer=True)
+
+    k = args.num_draft or DRAFTERS["ngram"].num_draft
+    out = [method("transformers greedy"), method(f"transformers prompt lookup (K={k})", prompt_lookup_num_tokens=k)]
+    if args.draft_model:
+        draft = load(args.draft_model, dtype=str(loaded.dtype).removeprefix("torch."))
+        assistant = AutoModelForCausalLM.from_pretrained(draft.folder, dtype=loaded.dtype).eval()
+        out.append(method("transformers assisted (draft model)", assistant_model=assistant))
+    else:
+        skipped["transformers assisted (draft model)"] = "no --draft-model given"
+    return out
+
+
+def _gguf_path(spec: str) -> str | None:
+    if spec in ("", "default"):
+        from metaloom.models.load import default_model_path
+
+        return default_model_path()
+    return spec if spec.endswith(".gguf") and os.path.exists(spec) else None
+
+
+def _llama_cpp_methods(args: argparse.Namespace, loaded: LoadedModel, n: int, skipped: dict[str, str]) -> list[Method]:
+    try:
+        from llama_cpp import Llama, LlamaPromptLookupDecoding
+    except ImportError:
+        skipped["llama.cpp"] = "llama-cpp-python is not installed (pip install llama-cpp-python)"
+        return []
+    path = _gguf_path(args.model)
+    if path is None:
+        skipped["llama.cpp"] = "the model is not a GGUF file"
+        return []
+    tok = loaded.tokenizer
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False) for p in PROMPTS]
+    threads = torch.get_num_threads()
+    k = args.num_draft or DRAFTERS["ngram"].num_draft
+
+    def method(name: str, **extra: Any) -> Method:
+        llm = Llama(model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False, **extra)
+
+        def run(i: int) -> tuple[list[int], None]:
+            llm.reset()  # no prompt reuse across calls: every call prefills, as the other methods do
+            tokens = []
+            for token in llm.generate(ids[i], top_k=1, temp=0.0, reset=True):
+                if token in tok.eos_token_ids or len(tokens) == n:
+                    break
+                tokens.append(token)
+            return tokens, None
+
+        return Method(name, run, peer=True)
+
+    return [method("llama.cpp greedy"),
+            method(f"llama.cpp prompt lookup (K={k})", draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k))]
+
+
+def prefix_cache_case(loaded: LoadedModel, prefix_tokens: int, repeats: int) -> dict[str, Any]:
+    """Time to first token of a call sharing a ``prefix_tokens``-token prefix with an earlier
+    call, without and with the radix prefix cache (`metaloom.prefix.bench`)."""
+    from metaloom.prefix.bench import time_to_first_token
+
+    return time_to_first_token(loaded, prefix_tokens, repeats=repeats)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """One report per dtype in ``--dtypes``; the prefix-cache case runs once, on the first."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    reports = [_one_dtype(args, dtype) for dtype in args.dtypes.split(",") if dtype]
+    out: dict[str, Any] = {"threads": torch.get_num_threads(), "new_tokens": args.new_tokens, "prompts": len(PROMPTS),
+                           "repeats": args.repeats, "runs": reports}
+    if args.prefix_tokens > 0:
+        out["prefix_cache"] = prefix_cache_case(load(args.model, dtype=reports[0]["dtype"]), args.prefix_tokens, args.repeats)
+    return out
+
+
+def _one_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
+    loaded = load(args.model, dtype=dtype)
+    n = args.new_tokens
+    skipped: dict[str, str] = {}
+    methods = [_metaloom(loaded, "metaloom greedy", None, n)]
+    methods += _drafter_methods(args, loaded, n, skipped)
+    methods += _transformers_methods(args, loaded, n, skipped)
+    methods += _llama_cpp_methods(args, loaded, n, skipped)
+    for m in methods:  # warm-up: first calls pay for allocations, thread pools, lazy imports
+        for i in range(len(PROMPTS)):
+            m.run(i)
+    for _ in range(args.repeats):
+        for m in methods:
+            for i in range(len(PROMPTS)):
+                start = time.perf_counter()
+                tokens, ledger = m.run(i)
+                m.times.setdefault(i, []).append(time.perf_counter() - start)
+                m.tokens.setdefault(i, tokens)
+                if ledger is not None:
+                    m.ledgers[i] = ledger
+    return _report(loaded, methods, skipped, dtype)
+
+
+def _report(loaded: LoadedModel, methods: list[Method], skipped: dict[str, str], dtype: str) -> dict[str, Any]:
+    plain = methods[0]
+    rows = []
+    for m in methods:
+        seconds = sum(statistics.median(t) for t in m.times.values())
+        tokens = sum(len(t) for t in m.tokens.values())
+        row: dict[str, Any] = {"method": m.name, "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
+        if not m.peer:
+            row["same_tokens_as_greedy"] = all(m.tokens[i] == plain.tokens[i] for i in m.tokens)
+            usage = [ledger.usage for ledger in m.ledgers.values()]
+            drafted = sum(u.drafted_tokens for u in usage)
+            accepted = sum(u.accepted_tokens for u in usage)
+            steps = sum(u.verify_steps for u in usage)
+            row["acceptance_rate"] = accepted / drafted if drafted else None
+            row["accepted_per_step"] = accepted / steps if steps else None
+            # target forwards: the prefill (first token) plus one per verification step
+            row["tokens_per_forward"] = tokens / (steps + len(usage)) if steps else (1.0 if m is plain else None)
+        rows.append(row)
+    base = rows[0]["tok_s"]
+    for row in rows:
+        row["speedup"] = row["tok_s"] / base
+    ours = [r for r in rows[1:] if "acceptance_rate" in r]
+    best = max(ours, key=lambda r: r["tok_s"]) if ours else None
+    ratios: dict[str, float] = {}
+    if best is not None:
+        for r in rows:
+            if r["method"].startswith(("transformers", "llama.cpp")):
+                ratios[f"{best['method']} / {r['method']}"] = best["tok_s"] / r["tok_s"]
+    return {"model": loaded.name, "dtype": dtype, "methods": rows, "best_drafter": best and best["method"],
+            "ratios": ratios, "skipped": skipped}
+
+
+def main(args: argparse.Namespace) -> int:
+    report = run(args)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    print(f"{report['prompts']} input-grounded prompts, up to {report['new_tokens']} new tokens each, greedy; "
+          f"{report['threads']} threads; median of {report['repeats']} after 1 warm-up")
+
+    def fmt(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    for run_ in report["runs"]:
+        print(f"\n{run_['model']} ({run_['dtype']})")
+        print(f"{'method':<44} {'tokens':>6} {'tok/s':>7} {'speedup':>8} {'accept':>7} {'acc/step':>9} {'tok/fwd':>8}")
+        for r in run_["methods"]:
+            same = "" if r.get("same_tokens_as_greedy", True) else "  (tokens differ from greedy!)"
+            print(f"{r['method']:<44} {r['tokens']:>6} {r['tok_s']:>7.1f} {r['speedup']:>7.2f}x "
+                  f"{fmt(r.get('acceptance_rate'), '.0%'):>7} {fmt(r.get('accepted_per_step'), '.2f'):>9} "
+                  f"{fmt(r.get('tokens_per_forward'), '.2f'):>8}{same}")
+        for name, ratio in run_["ratios"].items():
+            print(f"{name}: {ratio:.2f}x")
+        for name, why in run_["skipped"].items():
+            print(f"skipped {name}: {why}")
+    if "prefix_cache" in report:
+        p = report["prefix_cache"]
+        print(f"prefix cache, {p['prefix_tokens']}-token shared prefix: time to first token {p['uncached_s'] * 1e3:.0f} ms "
+              f"uncached vs {p['cached_s'] * 1e3:.0f} ms cached ({p['speedup']:.1f}x; {p['cached_tokens']:.0f} tokens cached)")
+    return 0

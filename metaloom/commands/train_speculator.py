@@ -1,0 +1,125 @@
+"""`metaloom train-speculator`: train hierarchical speculator heads for a model on text it generates.
+
+Generates greedy answers to a varied list of instructions with the model itself (the local
+engine), computes its hidden states, trains the heads in two phases (causal LM on whole
+sequences, then matching the model's own answers; `metaloom.speculative.heads.train`), reports
+each stage's held-out accuracy and the expected accepted tokens per step, and saves a
+safetensors file that `--speculative heads` (`HeadsDrafter(path=...)`) loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from metaloom.commands.common import add_model_args
+from metaloom.errors import InvalidParameter
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train-speculator", help="train speculator heads (hierarchical Medusa) for a model",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.set_defaults(dtype="bfloat16")  # generation and hidden states: bf16 matmuls are far faster on CPU
+    p.add_argument("--out", default=None, help="heads file to write (default: ./<model name>-heads.safetensors)")
+    d = p.add_argument_group("data")
+    d.add_argument("--samples", type=int, default=160, help="prompts the model answers (training text)")
+    d.add_argument("--max-tokens", type=int, default=128, help="tokens per answer")
+    d.add_argument("--batch", type=int, default=40, help="prompts generated together")
+    d.add_argument("--documents", type=int, default=64, help="human-written documents for phase 1 (when installed)")
+    d.add_argument("--data-cache", default=None, help="reuse the generated data saved here (written if missing)")
+    d.add_argument("--phase2-text", default="answers", choices=("answers", "all"),
+                   help="phase 2 matches the model's own output on its answers, or on all text (answers and phase 1 text)")
+    t = p.add_argument_group("training")
+    t.add_argument("--steps", type=int, default=400, help="optimizer steps, 40%% phase 1 and 60%% phase 2")
+    t.add_argument("--phase1-steps", type=int, default=None, help="override the phase 1 share of --steps")
+    t.add_argument("--phase2-steps", type=int, default=None, help="override the phase 2 share of --steps")
+    t.add_argument("--stages", type=int, default=4, help="head stages (tokens drafted per step at most)")
+    t.add_argument("--inner-size", type=int, default=384, help="state size of each stage")
+    t.add_argument("--draft-vocab", type=int, default=8192, help="most frequent tokens the heads predict over")
+    t.add_argument("--phase1-batch", type=int, default=4, help="whole sequences per phase 1 step")
+    t.add_argument("--phase2-batch", type=int, default=64, help="short windows per phase 2 step")
+    t.add_argument("--window", type=int, default=16, help="positions per phase 2 window")
+    t.add_argument("--lr1", type=float, default=2e-3)
+    t.add_argument("--lr2", type=float, default=1e-3)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from metaloom.models import load
+    from metaloom.speculative.heads.data import Corpus, build_corpus
+    from metaloom.speculative.heads.model import HeadsConfig, model_probe, model_signature, save_heads
+    from metaloom.speculative.heads.train import TrainConfig, evaluate, train
+
+    for name in ("samples", "max_tokens", "batch", "steps"):
+        if getattr(args, name) < 1:
+            raise InvalidParameter(name, getattr(args, name), "an integer >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    started = time.perf_counter()
+    loaded = load(args.model, dtype=args.dtype, device=args.device, backend="native")
+    phase1 = args.phase1_steps if args.phase1_steps is not None else round(0.4 * args.steps)
+    phase2 = args.phase2_steps if args.phase2_steps is not None else args.steps - phase1
+    config = TrainConfig(stages=args.stages, inner_size=args.inner_size, draft_vocab=args.draft_vocab,
+                         phase1_steps=phase1, phase2_steps=phase2, phase1_batch=args.phase1_batch,
+                         phase2_batch=args.phase2_batch, window=args.window, lr1=args.lr1, lr2=args.lr2, seed=args.seed)
+    if args.data_cache and os.path.exists(args.data_cache):
+        corpus = torch.load(args.data_cache, weights_only=False)
+        if not isinstance(corpus, Corpus) or corpus.model_name != loaded.name:
+            raise InvalidParameter("data_cache", args.data_cache, f"data generated by {loaded.name} (from this command)")
+        log(f"data: {args.data_cache}")
+    else:
+        corpus = build_corpus(loaded, args.samples, args.max_tokens, batch=args.batch, documents=args.documents,
+                              seed=args.seed, log=log)
+        if args.data_cache:
+            torch.save(corpus, args.data_cache)
+    data_seconds = time.perf_counter() - started
+    model = loaded.model
+    identity = HeadsConfig(0, 0, 0, 0, 0, model_name=loaded.name, signature=model_signature(model),
+                           probe=model_probe(model))
+    embed, lm_head = model.embed.float(), model.lm_head.float()  # type: ignore[attr-defined]
+    phase2_examples = corpus.answers + (corpus.texts if args.phase2_text == "all" else [])
+    heads, report = train(corpus.texts, phase2_examples, embed, lm_head, config, identity,
+                          always=sorted(loaded.tokenizer.eos_token_ids), log=log)
+    scores = evaluate(heads, corpus.heldout, embed, lm_head)
+    out = args.out or f"{loaded.name.lower()}-heads.safetensors"
+    save_heads(heads, out)
+    summary = {
+        "out": out, "bytes": os.path.getsize(out), "model": loaded.name, "stages": config.stages,
+        "inner_size": config.inner_size, "draft_vocab": heads.config.draft_vocab,
+        "parameters": sum(p.numel() for p in heads.parameters()),
+        "answers": len(corpus.answers) + len(corpus.heldout), "phase2_text": args.phase2_text,
+        "phase1_tokens": sum(e.tokens.shape[0] - e.start for e in corpus.texts),
+        "phase2_tokens": sum(e.tokens.shape[0] - e.start for e in phase2_examples),
+        "phase1_loss": _ends(report.phase1_loss), "phase2_loss": _ends(report.phase2_loss),
+        "final_stage_loss": [round(x, 3) for x in report.stage_loss],
+        "seconds": {"data": round(data_seconds, 1), **{k: round(v, 1) for k, v in report.seconds.items()}},
+        "heldout": scores,
+    }
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        acc = " ".join(f"{a:.2f}" for a in scores["stage_accuracy"])  # type: ignore[attr-defined]
+        print(f"wrote {out} ({summary['bytes'] / 2**20:.1f} MiB, {summary['parameters']:,} parameters)")
+        print(f"loss phase 1 {summary['phase1_loss']}, phase 2 {summary['phase2_loss']}; seconds {summary['seconds']}")
+        print(f"held-out: stage accuracy {acc}; expected accepted tokens per step {scores['mean_accepted']:.2f}")
+    return 0
+
+
+def _ends(curve: list[float], n: int = 10) -> list[float]:
+    """Mean loss over the first and the last ``n`` steps."""
+    if not curve:
+        return []
+    return [round(sum(curve[:n]) / len(curve[:n]), 3), round(sum(curve[-n:]) / len(curve[-n:]), 3)]

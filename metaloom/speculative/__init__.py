@@ -1,0 +1,64 @@
+"""Speculative decoding, exact for greedy and for sampling: a drafter proposes tokens, the
+target verifies them in one forward, and `core.accept` keeps what the target would have
+produced (Leviathan et al. 2023; Chen et al. 2023).
+
+    spec = Speculative(NgramDrafter(), num_draft=8)
+    gen = LocalGenerator(loaded, speculative=spec)
+
+Drafters (`registry.DRAFTERS`): ``ngram`` (prompt lookup), ``draft`` (a smaller model with
+the same tokenizer), ``quantized`` (the target with int8/int4 weights), ``jacobi``
+(fixed-point iteration), ``heads`` (speculator heads). New ones implement `Drafter`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from metaloom.constrain import Constraint
+from metaloom.decode.rows import RowState
+from metaloom.errors import InvalidParameter
+from metaloom.ledger import Ledger
+from metaloom.models.protocols import KVCache, LanguageModel, Tokenizer
+from metaloom.sampling.pipeline import Sampler
+from metaloom.sampling.state import SamplingState
+from metaloom.speculative.core import Acceptance, accept, target_logprobs
+from metaloom.speculative.decode import speculative_decode
+from metaloom.speculative.drafter import MAX_DRAFT, Draft, Drafter, DraftState, Verified
+
+
+@dataclass(frozen=True)
+class Speculative:
+    """How a generator speculates: ``drafter`` proposes up to ``num_draft`` tokens per step."""
+
+    drafter: Drafter
+    num_draft: int = 4
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_draft, int) or isinstance(self.num_draft, bool) or not 1 <= self.num_draft <= MAX_DRAFT:
+            raise InvalidParameter("num_draft", self.num_draft, f"an integer in [1, {MAX_DRAFT}]")
+
+    def decode(self, model: LanguageModel, tokenizer: Tokenizer, cache: KVCache, logits: torch.Tensor, sampler: Sampler,
+               rows: Sequence[RowState], generators: Sequence[torch.Generator | None], ledger: Ledger, *,
+               prompts: Sequence[Sequence[int]], state: SamplingState | None = None,
+               constraints: Sequence[Constraint | None] | None = None) -> Iterator[list[int]]:
+        """`metaloom.decode.loop.decode`'s contract, speculatively (``prompts[r]``: row r's prompt ids)."""
+        drafter = self.drafter.start(model, sampler, prompts, generators)
+        return speculative_decode(model, tokenizer, cache, logits, sampler, rows, generators, ledger, drafter=drafter,
+                                  prompts=prompts, num_draft=self.num_draft, state=state, constraints=constraints)
+
+
+__all__ = [
+    "MAX_DRAFT",
+    "Acceptance",
+    "Draft",
+    "DraftState",
+    "Drafter",
+    "Speculative",
+    "Verified",
+    "accept",
+    "speculative_decode",
+    "target_logprobs",
+]

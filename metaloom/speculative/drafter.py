@@ -1,0 +1,97 @@
+"""The seam between speculative decoding and whatever proposes tokens.
+
+A `Drafter` is configuration (and weights, if it has any); `Drafter.start` makes a
+`DraftState`, the mutable per-batch state (a draft model's KV cache, an n-gram index, Jacobi
+guesses) that the decode loop passes around explicitly, like the target's KV cache. Each step
+the loop calls::
+
+    draft = state.propose(contexts, limits, ledger)   # up to limits[b] tokens for row b
+    ... one target forward over [pending, draft], acceptance ...
+    state.observe(verified)                            # what the target said and kept
+
+``contexts[b]`` is row b's full token sequence so far (prompt, then every emitted token; the
+last one is the pending token the target has not seen yet). A drafter that runs a model
+charges its forwards to ``ledger`` through `metaloom.decode.forward.charged_forward`.
+
+A drafter that samples (a draft model at temperature > 0) returns ``Draft.probs``, the
+distribution q it drew each token from; deterministic drafters return None (q = one-hot).
+Greedy rows ignore q. Exactness never depends on the drafter: a bad draft only costs speed.
+
+A state with a true ``needs_hidden`` attribute (speculator heads, Medusa-style, Cai et al.
+2024) gets ``Verified.hidden``, the target's final hidden states at every verified position:
+the loop then verifies through `charged_forward_hidden` (models with ``forward_hidden``).
+`Verified.logits` is the target's output at the same positions (Jacobi reads its guesses there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from metaloom.ledger import Ledger
+from metaloom.models.protocols import LanguageModel
+from metaloom.sampling.pipeline import Sampler
+
+MAX_DRAFT = 64  # the most tokens one step may draft (bounds the caches' spare room)
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Row b proposes ``tokens[b, :lengths[b]]``; entries past that are padding (0)."""
+
+    tokens: torch.Tensor  # [B, K] long
+    lengths: torch.Tensor  # [B] long, 0 .. K
+    probs: torch.Tensor | None = None  # [B, K, V] float: q for sampled rows; None = one-hot (deterministic)
+
+    @classmethod
+    def from_lists(cls, drafts: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> Draft:
+        """A deterministic draft from per-row token lists."""
+        k = max((len(d) for d in drafts), default=0)
+        tokens = torch.zeros(len(drafts), k, dtype=torch.long)
+        for b, d in enumerate(drafts):
+            tokens[b, :len(d)] = torch.as_tensor(list(d), dtype=torch.long)
+        lengths = torch.tensor([len(d) for d in drafts], dtype=torch.long)
+        return cls(tokens.to(device), lengths.to(device))
+
+
+@dataclass(frozen=True)
+class Verified:
+    """One verification step, as the drafter sees it afterwards."""
+
+    draft: Draft
+    logits: torch.Tensor  # [B, K+1, V]: the target's raw logits over [pending, d_1 .. d_K]
+    accepted: torch.Tensor  # [B] long: draft tokens kept
+    tokens: torch.Tensor  # [B, K+1] long: row b emitted tokens[b, :accepted[b] + 1]
+    hidden: torch.Tensor | None = None  # [B, K+1, d]: only for states with ``needs_hidden`` (see module doc)
+
+
+@runtime_checkable
+class DraftState(Protocol):
+    def propose(self, contexts: Sequence[Sequence[int]], limits: Sequence[int], ledger: Ledger) -> Draft:
+        """At most ``limits[b]`` tokens for row b (0: propose nothing)."""
+        ...
+
+    def observe(self, verified: Verified) -> None:
+        """Called after every verification (drafters that learn from the target's output)."""
+        ...
+
+    def select(self, rows: Sequence[int]) -> DraftState:
+        """The state of a sub-batch (rows in the order given), when finished rows are dropped."""
+        ...
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Proposes tokens for a target model. ``name`` is the registry name (`metaloom.speculative.DRAFTERS`)."""
+
+    name: str
+
+    def start(self, target: LanguageModel, sampler: Sampler, contexts: Sequence[Sequence[int]],
+              generators: Sequence[torch.Generator | None]) -> DraftState:
+        """A state for a batch whose rows start from ``contexts`` (the prompts; the loop has
+        not drawn anything yet), are sampled by ``sampler`` and draw from ``generators[b]``
+        (a drafter that samples uses the row's RNG, so a seeded request is reproducible)."""
+        ...

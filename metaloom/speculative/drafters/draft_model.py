@@ -1,0 +1,136 @@
+"""A smaller model with the same tokenizer drafts autoregressively (Leviathan et al. 2023;
+Chen et al. 2023). Also the engine of the quantised self-draft (`quantized.py`), whose draft
+model is the target itself with low-precision weights.
+
+The draft model keeps its own KV cache. Each `propose` first feeds it the context tokens it
+has not seen (the previous step's kept tokens and the pending token: one forward, rows
+right-padded), then draws one token per forward. Tokens it fed that the target rejected are
+dropped from its cache by `KVCache.truncate` at the next `propose`, found by comparing what it
+fed with the row's context.
+
+Greedy rows draft the argmax; sampled rows draw from q = the draft's logits through a plain
+pipeline with the row's temperature and truncation (top-k/top-p/min-p; no penalties or
+stateful adapters), and report q so acceptance stays exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from metaloom.decode.forward import charged_forward
+from metaloom.ledger import Ledger
+from metaloom.models.protocols import KVCache, LanguageModel
+from metaloom.sampling.params import SamplingParams
+from metaloom.sampling.pipeline import Sampler, make_sampler
+from metaloom.speculative.drafter import MAX_DRAFT, Draft, Verified
+
+
+@dataclass(frozen=True)
+class DraftModelDrafter:
+    """``model``: any `LanguageModel` whose token ids mean what the target's mean (the same
+    tokenizer; the embedding may be padded to a different size, see `DraftModelState._fit`)."""
+
+    model: LanguageModel
+    name: str = "draft"
+
+    def start(self, target: LanguageModel, sampler: Sampler, contexts: Sequence[Sequence[int]],
+              generators: Sequence[torch.Generator | None]) -> DraftModelState:
+        longest = max((len(c) for c in contexts), default=0)
+        room = min(self.model.max_context, longest + _max_new(sampler) + 2 * MAX_DRAFT + 2)
+        cache = self.model.new_cache(len(contexts), room)
+        q_params = [SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p)
+                    for p in sampler.params]
+        q_sampler = make_sampler(q_params, target.vocab_size, self.model.device)
+        return DraftModelState(self.model, cache, [[] for _ in contexts], q_sampler, target.vocab_size, generators)
+
+
+def _max_new(sampler: Sampler) -> int:
+    return max((p.max_tokens for p in sampler.params), default=0)
+
+
+class DraftModelState:
+    def __init__(self, model: LanguageModel, cache: KVCache, fed: list[list[int]], q_sampler: Sampler,
+                 target_vocab: int, generators: Sequence[torch.Generator | None]) -> None:
+        self.model = model
+        self.cache = cache
+        self.fed = fed  # fed[b]: the tokens in the draft cache of row b
+        self.checked = [0] * len(fed)  # fed[b][:checked[b]] is known to equal row b's context
+        self.q_sampler = q_sampler
+        self.vocab = target_vocab
+        self.generators = list(generators)  # the rows' RNGs: a seeded request stays reproducible
+
+    def _sync(self, contexts: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Roll each row's cache back to the longest prefix shared with its context; return
+        the context tokens still to feed (at least the last, pending, token)."""
+        keep = []
+        for fed, context, checked in zip(self.fed, contexts, self.checked, strict=True):
+            limit = min(len(fed), len(context) - 1)
+            n = limit
+            for i in range(min(checked, limit), limit):  # before `checked` both are the verified context
+                if fed[i] != context[i]:
+                    n = i
+                    break
+            keep.append(n)
+        self.cache.truncate(torch.as_tensor(keep, dtype=torch.long, device=self.cache.lengths.device))
+        for b, n in enumerate(keep):
+            del self.fed[b][n:]
+        self.checked = [len(c) for c in contexts]
+        return [list(c[n:]) for c, n in zip(contexts, keep, strict=True)]
+
+    def propose(self, contexts: Sequence[Sequence[int]], limits: Sequence[int], ledger: Ledger) -> Draft:
+        b = len(contexts)
+        k = max(limits, default=0)
+        if k == 0:
+            return Draft.from_lists([[] for _ in contexts], self.model.device)
+        todo = self._sync(contexts)
+        device = self.model.device
+        width = max(len(t) for t in todo)
+        tokens = torch.zeros(b, width, dtype=torch.long, device=device)
+        for i, t in enumerate(todo):
+            tokens[i, :len(t)] = torch.as_tensor(t, dtype=torch.long)
+        valid = torch.tensor([len(t) for t in todo], dtype=torch.long, device=device)
+        for i, t in enumerate(todo):
+            self.fed[i].extend(t)
+        drafted = torch.zeros(b, k, dtype=torch.long, device=device)
+        sampled = [row for row, p in enumerate(self.q_sampler.params) if not p.greedy]
+        probs = torch.zeros(b, k, self.vocab, device=device) if sampled else None
+        logits = charged_forward(self.model, tokens, self.cache, ledger, valid=valid, last_only=True)[:, -1]
+        for j in range(k):
+            if probs is None:  # all greedy: the argmax is all a greedy row needs
+                token = self._fit(logits).argmax(dim=-1)
+            else:
+                q = self.q_sampler.process(self._fit(logits)).exp()  # [B, V]
+                probs[:, j] = q
+                token = q.argmax(dim=-1)
+                for row in sampled:
+                    token[row] = torch.multinomial(q[row], 1, generator=self.generators[row])[0]
+            drafted[:, j] = token
+            if j == k - 1:
+                break
+            logits = charged_forward(self.model, token[:, None], self.cache, ledger)[:, -1]
+            for i in range(b):
+                self.fed[i].append(int(token[i]))
+        lengths = torch.as_tensor(list(limits), dtype=torch.long, device=device)
+        return Draft(tokens=drafted, lengths=lengths, probs=probs)
+
+    def _fit(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the target's vocabulary (ids past the draft's own are impossible)."""
+        v = logits.shape[-1]
+        if v == self.vocab:
+            return logits
+        if v > self.vocab:
+            return logits[:, :self.vocab]
+        return torch.nn.functional.pad(logits, (0, self.vocab - v), value=float("-inf"))
+
+    def observe(self, verified: Verified) -> None:
+        pass
+
+    def select(self, rows: Sequence[int]) -> DraftModelState:
+        index = list(rows)
+        state = DraftModelState(self.model, self.cache.fork(index), [list(self.fed[r]) for r in index],
+                                self.q_sampler.select(index), self.vocab, [self.generators[r] for r in index])
+        state.checked = [self.checked[r] for r in index]
+        return state

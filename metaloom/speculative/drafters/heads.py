@@ -1,0 +1,113 @@
+"""Speculator heads draft from the target's own last hidden state: no second model, no cache.
+
+The heads (`metaloom.speculative.heads.model`: Medusa's heads made hierarchical, each stage fed
+the previous stage's token) read ``z``, the target's final hidden state at the last position it
+verified and kept, and the token it emitted there (the pending token), and propose up to
+``stages`` tokens. After each verification the drafter keeps, per row, the hidden state at the
+position of the last kept token (`Verified.hidden`, which the decode loop fills because this
+state sets ``needs_hidden``). The first step after the prefill has no hidden state yet, so it
+drafts nothing (one plain step).
+
+Drafts are deterministic (argmax of each stage; q = one-hot), so greedy rows decode exactly as
+plain greedy and sampled rows exactly as plain sampling (the core's acceptance rule).
+
+`HeadsDrafter()` with no file uses the heads shipped for the target (matched by architecture and
+an embedding fingerprint, `metaloom.speculative.heads.shipped_heads`): SmolLM2-135M-Instruct,
+the default model, has them; another model needs ``metaloom train-speculator`` and ``path``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from metaloom.errors import UnsupportedModel
+from metaloom.ledger import Ledger
+from metaloom.models.protocols import LanguageModel
+from metaloom.sampling.pipeline import Sampler
+from metaloom.speculative.drafter import Draft, Verified
+from metaloom.speculative.heads.model import SpeculatorHeads, load_heads, matches
+from metaloom.speculative.heads.shipped import shipped_heads
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: str, mtime: float) -> SpeculatorHeads:
+    """Heads files are read once per process (keyed by modification time, so a retrained file is re-read)."""
+    return load_heads(path)
+
+
+def heads_for(target: LanguageModel, path: str | None = None) -> SpeculatorHeads:
+    """The heads in ``path``, or the shipped heads matching ``target`` (`NoSpeculatorHeads` if none)."""
+    if path is None:
+        path = shipped_heads(target)
+    elif not os.path.exists(path):
+        raise UnsupportedModel(f"speculator heads file {path!r} does not exist")
+    heads = _load(os.path.abspath(path), os.path.getmtime(path))
+    if not matches(heads.config, target):
+        raise UnsupportedModel(f"speculator heads {path} were trained for {heads.config.model_name or 'another model'} "
+                               f"{heads.config.signature}, which does not match this target; "
+                               "train heads for it with `metaloom train-speculator`")
+    return heads
+
+
+@dataclass(frozen=True)
+class HeadsDrafter:
+    """``path``: a heads file from ``metaloom train-speculator``; None: the shipped heads for the
+    target. ``heads``: already loaded heads (tests, training scripts); overrides ``path``."""
+
+    path: str | None = None
+    heads: SpeculatorHeads | None = None
+    name: str = "heads"
+
+    def start(self, target: LanguageModel, sampler: Sampler, contexts: Sequence[Sequence[int]],
+              generators: Sequence[torch.Generator | None]) -> HeadsState:
+        for attr in ("embed", "lm_head", "forward_hidden"):
+            if not hasattr(target, attr):
+                raise UnsupportedModel(f"speculator heads need the native model (embedding, LM head and hidden "
+                                       f"states); {type(target).__name__} has no {attr!r}")
+        heads = self.heads if self.heads is not None else heads_for(target, self.path)
+        device = target.device
+        heads = heads.to(device)
+        embed = target.embed  # type: ignore[attr-defined]
+        head = target.lm_head[heads.vocab_ids].float()  # type: ignore[attr-defined]  # [V_d, d]
+        return HeadsState(heads, embed, head, None)
+
+
+class HeadsState:
+    needs_hidden = True  # the decode loop fills `Verified.hidden`
+
+    def __init__(self, heads: SpeculatorHeads, embed: torch.Tensor, head: torch.Tensor,
+                 hidden: torch.Tensor | None) -> None:
+        self.heads = heads
+        self.embed = embed  # [V, d]: the target's (frozen) embedding
+        self.head = head  # [V_d, d] float32: the target's LM head rows of the draft vocabulary
+        self.hidden = hidden  # [B, d]: target's hidden state at each row's last kept position; None before the first step
+
+    def propose(self, contexts: Sequence[Sequence[int]], limits: Sequence[int], ledger: Ledger) -> Draft:
+        k = min(max(limits, default=0), self.heads.config.stages)
+        device = self.embed.device
+        if k == 0 or self.hidden is None:
+            return Draft.from_lists([[] for _ in contexts], device)
+        first = torch.as_tensor([c[-1] for c in contexts], dtype=torch.long, device=device)
+        tokens = self.heads.draft(self.hidden.float(), first, k, self.embed, self.head)
+        lengths = torch.as_tensor([min(limit, k) for limit in limits], dtype=torch.long, device=device)
+        ledger.charge(flops=self.heads.flops_per_token() * k * len(contexts))
+        return Draft(tokens=tokens, lengths=lengths)
+
+    def observe(self, verified: Verified) -> None:
+        if verified.hidden is None:  # a loop that does not report hidden states: draft nothing
+            self.hidden = None
+            return
+        rows = torch.arange(verified.hidden.shape[0], device=verified.hidden.device)
+        # the last kept position (pending + accepted drafts) produced the next pending token
+        self.hidden = verified.hidden[rows, verified.accepted.to(verified.hidden.device)]
+
+    def select(self, rows: Sequence[int]) -> HeadsState:
+        hidden = None
+        if self.hidden is not None:
+            hidden = self.hidden[torch.as_tensor(list(rows), dtype=torch.long, device=self.hidden.device)]
+        return HeadsState(self.heads, self.embed, self.head, hidden)

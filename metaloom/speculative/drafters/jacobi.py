@@ -1,0 +1,79 @@
+"""Jacobi decoding: fixed-point iteration over a block of guessed tokens.
+
+Santilli et al. 2023, "Accelerating transformer inference for translation via parallel
+decoding"; Fu et al. 2024, "Break the sequential dependency of LLM inference using lookahead
+decoding". Greedy decoding is the fixed point of ``y_i = argmax p(. | x, y_<i)`` for every
+position of a block at once; Jacobi iteration feeds the whole block of guesses, takes the
+argmax at every position as the next guesses, and stops once nothing changes. Every iteration
+fixes at least the first unfinished token; guesses that already equal the model's prediction
+given the (verified) tokens before them are kept as they are.
+
+Here one iteration is one verification step: the guess block is the draft, the verification
+forward computes the argmax at every position, the accepted prefix is the converged part, and
+the target's predictions after the first wrong guess become the next block's guesses (shifted
+past the token that fixed the mismatch). The block is topped up to K positions with a
+``fill`` guess: ``"repeat"`` repeats the last known token (plain Jacobi, whose first guesses
+are arbitrary), ``"lookup"`` copies what followed the current suffix earlier in the context
+(prompt lookup, like lookahead decoding's n-gram pool). Greedy verification makes the output
+exactly plain greedy's, whatever the guesses; sampled rows verify the guesses as one-hot drafts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from metaloom.errors import InvalidParameter
+from metaloom.ledger import Ledger
+from metaloom.models.protocols import LanguageModel
+from metaloom.sampling.pipeline import Sampler
+from metaloom.speculative.drafter import Draft, Verified
+from metaloom.speculative.drafters.ngram import _RowIndex
+
+FILLS = ("repeat", "lookup")
+
+
+@dataclass(frozen=True)
+class JacobiDrafter:
+    fill: str = "repeat"
+    name: str = "jacobi"
+
+    def __post_init__(self) -> None:
+        if self.fill not in FILLS:
+            raise InvalidParameter("fill", self.fill, f"one of {list(FILLS)}")
+
+    def start(self, target: LanguageModel, sampler: Sampler, contexts: Sequence[Sequence[int]],
+              generators: Sequence[torch.Generator | None]) -> JacobiState:
+        return JacobiState(self.fill, [[] for _ in contexts], [_RowIndex() for _ in contexts])
+
+
+class JacobiState:
+    def __init__(self, fill: str, guesses: list[list[int]], lookup: list[_RowIndex]) -> None:
+        self.fill = fill
+        self.guesses = guesses  # guesses[b]: the block after row b's pending token, from the last iteration
+        self.lookup = lookup
+
+    def propose(self, contexts: Sequence[Sequence[int]], limits: Sequence[int], ledger: Ledger) -> Draft:
+        drafts = []
+        sizes = range(1, 4)
+        for b, (context, limit) in enumerate(zip(contexts, limits, strict=True)):
+            block = self.guesses[b][:limit]
+            if len(block) < limit and self.fill == "lookup":
+                self.lookup[b].update(context, sizes)
+                block += self.lookup[b].lookup(list(context) + block, sizes, limit - len(block))
+            last = block[-1] if block else context[-1]
+            drafts.append(block + [last] * (limit - len(block)))
+        return Draft.from_lists(drafts)
+
+    def observe(self, verified: Verified) -> None:
+        predictions = verified.logits.argmax(dim=-1)  # [B, K+1]: the iteration's new guesses
+        for b in range(predictions.shape[0]):
+            n, k = int(verified.accepted[b]), int(verified.draft.lengths[b])
+            # positions n+1 .. k predicted the tokens after the wrong guess d_{n+1}: the next
+            # block (the token at n, which replaced d_{n+1}, is emitted)
+            self.guesses[b] = predictions[b, n + 1:k + 1].tolist()
+
+    def select(self, rows: Sequence[int]) -> JacobiState:
+        return JacobiState(self.fill, [self.guesses[r] for r in rows], [self.lookup[r] for r in rows])

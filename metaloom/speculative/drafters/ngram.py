@@ -1,0 +1,83 @@
+"""Prompt lookup: draft by copying what followed the last occurrence of the current suffix.
+
+Saxena 2023, "Prompt lookup decoding" (transformers' ``prompt_lookup_num_tokens``); the same
+idea as llama.cpp's lookup decoding. When the output quotes or edits its input (summaries,
+code edits, retrieval-augmented answers) long stretches are copies, and the target accepts
+them wholesale. Costs no model call: each row keeps an index from every n-gram of its
+context to where it last occurred, updated with the new tokens only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from metaloom.errors import InvalidParameter
+from metaloom.ledger import Ledger
+from metaloom.models.protocols import LanguageModel
+from metaloom.sampling.pipeline import Sampler
+from metaloom.speculative.drafter import Draft, Verified
+
+
+@dataclass(frozen=True)
+class NgramDrafter:
+    """Match the longest suffix of ``max_ngram`` .. ``min_ngram`` tokens; the most recent
+    occurrence wins (recent text predicts the next tokens best in edits and repetitions)."""
+
+    max_ngram: int = 3
+    min_ngram: int = 1
+    name: str = "ngram"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise InvalidParameter("min_ngram/max_ngram", (self.min_ngram, self.max_ngram), "1 <= min_ngram <= max_ngram")
+
+    def start(self, target: LanguageModel, sampler: Sampler, contexts: Sequence[Sequence[int]],
+              generators: Sequence[torch.Generator | None]) -> NgramState:
+        return NgramState(self, [_RowIndex() for _ in contexts])
+
+
+class _RowIndex:
+    """n-gram -> end position (exclusive) of its latest occurrence that has a continuation."""
+
+    def __init__(self) -> None:
+        self.where: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # continuation positions e < indexed are in `where`
+
+    def update(self, context: Sequence[int], sizes: range) -> None:
+        for e in range(max(self.indexed, 1), len(context)):
+            for n in sizes:
+                if e >= n:
+                    self.where[tuple(context[e - n:e])] = e
+        self.indexed = max(self.indexed, len(context))
+
+    def lookup(self, context: Sequence[int], sizes: range, limit: int) -> list[int]:
+        for n in reversed(sizes):
+            if len(context) < n:
+                continue
+            e = self.where.get(tuple(context[len(context) - n:]))
+            if e is not None:
+                return list(context[e:e + limit])
+        return []
+
+
+class NgramState:
+    def __init__(self, drafter: NgramDrafter, rows: list[_RowIndex]) -> None:
+        self.drafter = drafter
+        self.rows = rows
+        self.sizes = range(drafter.min_ngram, drafter.max_ngram + 1)
+
+    def propose(self, contexts: Sequence[Sequence[int]], limits: Sequence[int], ledger: Ledger) -> Draft:
+        drafts = []
+        for index, context, limit in zip(self.rows, contexts, limits, strict=True):
+            index.update(context, self.sizes)
+            drafts.append(index.lookup(context, self.sizes, limit) if limit > 0 else [])
+        return Draft.from_lists(drafts)
+
+    def observe(self, verified: Verified) -> None:
+        pass
+
+    def select(self, rows: Sequence[int]) -> NgramState:
+        return NgramState(self.drafter, [self.rows[r] for r in rows])

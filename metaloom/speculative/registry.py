@@ -1,0 +1,85 @@
+"""Drafters by name, for the edges (CLI, server, benchmark): name -> factory.
+
+A factory takes the loaded target and `DrafterOptions` and returns a `Drafter`; each drafter
+reads the options it needs. ``DRAFTERS[name].num_draft`` is its default K.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from metaloom.errors import InvalidParameter
+from metaloom.models.load import LoadedModel
+from metaloom.speculative.drafter import Drafter
+
+
+@dataclass(frozen=True)
+class DrafterOptions:
+    """Every drafter's options, as the CLI collects them."""
+
+    draft_model: str | None = None  # path of the draft model ("draft")
+    draft_dtype: str | None = None  # dtype of the draft model; None: the target's
+    bits: int = 8  # weight bits of the quantised self-draft ("quantized"): 8 or 4
+    max_ngram: int = 3  # prompt lookup ("ngram")
+    jacobi_fill: str = "repeat"  # how Jacobi tops up its guess block: "repeat" | "lookup"
+    heads_path: str | None = None  # speculator heads file ("heads"); None: the heads shipped for the target
+
+
+@dataclass(frozen=True)
+class DrafterEntry:
+    build: Callable[[LoadedModel, DrafterOptions], Drafter]
+    num_draft: int  # default K: draft tokens per step
+
+
+def _ngram(target: LoadedModel, o: DrafterOptions) -> Drafter:
+    from metaloom.speculative.drafters.ngram import NgramDrafter
+
+    return NgramDrafter(max_ngram=o.max_ngram)
+
+
+def _draft(target: LoadedModel, o: DrafterOptions) -> Drafter:
+    from metaloom.models import load
+    from metaloom.speculative.drafters.draft_model import DraftModelDrafter
+
+    if o.draft_model is None:
+        raise InvalidParameter("draft_model", None, "a path to a draft model with the target's tokenizer (--draft-model)")
+    dtype = o.draft_dtype or str(target.dtype).removeprefix("torch.")
+    draft = load(o.draft_model, dtype=dtype, device=str(target.model.device))
+    if draft.tokenizer.encode("def hello(world):") != target.tokenizer.encode("def hello(world):"):
+        raise InvalidParameter("draft_model", o.draft_model, "a model with the target's tokenizer")
+    return DraftModelDrafter(draft.model)
+
+
+def _quantized(target: LoadedModel, o: DrafterOptions) -> Drafter:
+    from metaloom.speculative.drafters.quantized import quantized_drafter
+
+    return quantized_drafter(target.model, o.bits)
+
+
+def _jacobi(target: LoadedModel, o: DrafterOptions) -> Drafter:
+    from metaloom.speculative.drafters.jacobi import JacobiDrafter
+
+    return JacobiDrafter(fill=o.jacobi_fill)
+
+
+def _heads(target: LoadedModel, o: DrafterOptions) -> Drafter:
+    from metaloom.speculative.drafters.heads import HeadsDrafter
+
+    return HeadsDrafter(path=o.heads_path)
+
+
+DRAFTERS: dict[str, DrafterEntry] = {
+    "ngram": DrafterEntry(_ngram, num_draft=8),
+    "draft": DrafterEntry(_draft, num_draft=4),
+    "quantized": DrafterEntry(_quantized, num_draft=4),
+    "heads": DrafterEntry(_heads, num_draft=3),
+    "jacobi": DrafterEntry(_jacobi, num_draft=4),
+}
+
+
+def build_drafter(name: str, target: LoadedModel, options: DrafterOptions) -> Drafter:
+    entry = DRAFTERS.get(name)
+    if entry is None:
+        raise InvalidParameter("speculative", name, f"one of {sorted(DRAFTERS)}")
+    return entry.build(target, options)

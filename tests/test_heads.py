@@ -1,0 +1,189 @@
+"""Speculator heads (hierarchical Medusa-style): training on a tiny model, the file format, the
+shipped heads for the default model, and exactness of greedy speculative decoding with them."""
+
+import pytest
+import torch
+
+from metaloom.decode.loop import decode, prefill
+from metaloom.decode.rows import RowState
+from metaloom.errors import NoSpeculatorHeads, NotAModel, UnsupportedModel
+from metaloom.ledger import Ledger
+from metaloom.models.config import LlamaConfig
+from metaloom.models.llama import LlamaModel
+from metaloom.sampling import SamplingParams
+from metaloom.sampling.pipeline import make_sampler
+from metaloom.speculative.decode import speculative_decode
+from metaloom.speculative.drafters.heads import HeadsDrafter
+from metaloom.speculative.heads import DEFAULT_FILE, load_heads, save_heads
+from metaloom.speculative.heads.data import Example, hidden_states
+from metaloom.speculative.heads.model import HeadsConfig, matches, model_probe, model_signature, read_config
+from metaloom.speculative.heads.train import TrainConfig, evaluate, train
+
+
+class _Tok:
+    eos_token_ids = frozenset()
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def _tiny_model(seed=0, vocab=97, d=64, layers=2):
+    """A random Llama-family model with weights of a trained model's scale (peaked next-token
+    distributions), built without transformers (fast)."""
+    g = torch.Generator().manual_seed(seed)
+    config = LlamaConfig(model_type="llama", vocab_size=vocab, hidden_size=d, intermediate_size=2 * d,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=d // 4,
+                         rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
+                         attention_bias=False)
+
+    def w(*shape, std=d ** -0.5):
+        return torch.randn(*shape, generator=g) * std
+
+    sd = {"model.embed_tokens.weight": w(vocab, d, std=1.0), "model.norm.weight": torch.ones(d),
+          "lm_head.weight": w(vocab, d, std=0.4)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        sd |= {p + "self_attn.q_proj.weight": w(d, d), p + "self_attn.k_proj.weight": w(d // 2, d),
+               p + "self_attn.v_proj.weight": w(d // 2, d), p + "self_attn.o_proj.weight": w(d, d),
+               p + "mlp.gate_proj.weight": w(2 * d, d), p + "mlp.up_proj.weight": w(2 * d, d),
+               p + "mlp.down_proj.weight": w(d, 2 * d), p + "input_layernorm.weight": torch.ones(d),
+               p + "post_attention_layernorm.weight": torch.ones(d)}
+    return LlamaModel.from_state_dict(config, sd)
+
+
+def _greedy(model, prompt, n):
+    """Plain greedy continuation of ``prompt`` (list of ids) by ``n`` tokens."""
+    cache, logits = prefill(model, [prompt], len(prompt) + n, Ledger())
+    rows = [RowState(max_tokens=n)]
+    sampler = make_sampler([SamplingParams(temperature=0.0, max_tokens=n)], model.vocab_size, model.device)
+    for _ in decode(model, _Tok(), cache, logits, sampler, rows, [None], Ledger()):
+        pass
+    return rows[0].tokens
+
+
+def _speculative(model, tokenizer, prompt, n, drafter, num_draft=4, eos=True):
+    ledger = Ledger()
+    cache, logits = prefill(model, [prompt], len(prompt) + n + num_draft + 2, ledger)
+    rows = [RowState(max_tokens=n, eos_ids=tokenizer.eos_token_ids if eos else frozenset())]
+    sampler = make_sampler([SamplingParams(temperature=0.0, max_tokens=n)], model.vocab_size, model.device)
+    state = drafter.start(model, sampler, [prompt], [None])
+    for _ in speculative_decode(model, tokenizer, cache, logits, sampler, rows, [None], ledger, drafter=state,
+                                prompts=[prompt], num_draft=num_draft):
+        pass
+    return rows[0].tokens, ledger.usage
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = _tiny_model()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 97, (6,), generator=g).tolist() for _ in range(16)]
+    tokens = torch.tensor(prompts)
+    cache = model.new_cache(len(prompts), 6 + 32)
+    logits = model.forward(tokens, cache)[:, -1]
+    for _ in range(32):  # batched greedy continuation (rows of equal length)
+        nxt = logits.argmax(dim=-1, keepdim=True)
+        tokens = torch.cat([tokens, nxt], dim=1)
+        logits = model.forward(nxt, cache)[:, -1]
+    sequences = tokens.tolist()
+    hidden, greedy = hidden_states(model, sequences)
+    assert all(torch.equal(g[5:-1], torch.tensor(s[6:])) for s, g in zip(sequences, greedy, strict=True))
+    examples = [Example(torch.tensor(s), h, 5, g) for s, h, g in zip(sequences, hidden, greedy, strict=True)]
+    return model, examples
+
+
+def test_forward_hidden_matches_forward(tiny):
+    model, _ = tiny
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(3))
+    logits = model.forward(ids, model.new_cache(2, 16))
+    logits2, hidden = model.forward_hidden(ids, model.new_cache(2, 16))
+    assert torch.equal(logits, logits2)
+    assert hidden.shape == (2, 9, 64)
+    assert torch.allclose(hidden @ model.lm_head.T, logits, atol=1e-5)
+
+
+def test_training_runs_end_to_end_and_lowers_the_loss(tiny, tmp_path):
+    model, examples = tiny
+    config = TrainConfig(stages=3, inner_size=32, draft_vocab=64, phase1_steps=30, phase2_steps=60, phase1_batch=4,
+                         phase2_batch=16, window=8, lr1=3e-3, lr2=2e-3, warmup=5, autocast=False)
+    identity = HeadsConfig(0, 0, 0, 0, 0, model_name="tiny", signature=model_signature(model), probe=model_probe(model))
+    heads, report = train(examples[4:], examples[4:], model.embed, model.lm_head, config, identity)
+    assert len(report.phase1_loss) == 30 and len(report.phase2_loss) == 60
+    first = sum(report.phase1_loss[:5]) / 5
+    last = sum(report.phase2_loss[-10:]) / 10
+    assert last < 0.7 * first, (first, last)
+    scores = evaluate(heads, examples[:4], model.embed, model.lm_head)
+    assert scores["positions"] > 0 and 0 <= scores["mean_accepted"] <= 3
+    # the file round-trips, with its header
+    path = str(tmp_path / "tiny.safetensors")
+    save_heads(heads, path, dtype=torch.float32)
+    header = read_config(path)
+    assert header.stages == 3 and header.model_name == "tiny" and header.draft_vocab == len(heads.vocab_ids)
+    loaded = load_heads(path)
+    assert matches(loaded.config, model)
+    z, first_tok = examples[0].hidden[5:9].float(), examples[0].tokens[6:10]
+    head = model.lm_head[heads.vocab_ids].float()
+    assert torch.equal(loaded.draft(z, first_tok, 3, model.embed, head), heads.draft(z, first_tok, 3, model.embed, head))
+    # the drafter with these heads decodes exactly as plain greedy
+    for e in examples[:3]:
+        prompt = e.tokens[:e.start + 1].tolist()
+        out, usage = _speculative(model, _Tok(), prompt, 30, HeadsDrafter(path=path), num_draft=3)
+        assert out == _greedy(model, prompt, 30)
+        assert usage.drafted_tokens > 0
+
+
+def test_no_heads_for_an_unknown_model_is_a_typed_error(tiny):
+    model, _ = tiny
+    sampler = make_sampler([SamplingParams(temperature=0.0)], model.vocab_size, model.device)
+    with pytest.raises(NoSpeculatorHeads, match="train-speculator"):
+        HeadsDrafter().start(model, sampler, [[1, 2]], [None])
+
+
+def test_not_a_heads_file(tmp_path):
+    from safetensors.torch import save_file
+
+    path = str(tmp_path / "x.safetensors")
+    save_file({"a": torch.zeros(2)}, path)
+    with pytest.raises(NotAModel):
+        read_config(path)
+
+
+# --- the default model ----------------------------------------------------------------------------
+
+PROMPTS = [
+    "Explain in two sentences why the sky is blue.",
+    "Write a Python function that reverses a list.",
+    "Give me three tips for sleeping better.",
+    "zq xv 1973 !! ## purple ??",  # nonsense: drafts are mostly rejected
+]
+
+
+@pytest.mark.model
+def test_shipped_heads_match_the_default_model_and_are_small(smollm):
+    config = read_config(DEFAULT_FILE)
+    assert matches(config, smollm.model)
+    import os
+
+    assert os.path.getsize(DEFAULT_FILE) < 8 * 2**20
+
+
+@pytest.mark.model
+def test_heads_need_the_native_model(smollm):
+    from metaloom.testing.toy_models import MarkovModel
+
+    toy = MarkovModel.random(8)
+    sampler = make_sampler([SamplingParams(temperature=0.0)], 8, toy.device)
+    with pytest.raises(UnsupportedModel):
+        HeadsDrafter().start(toy, sampler, [[1]], [None])
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_with_shipped_heads_equals_plain_greedy(smollm, prompt):
+    tok, model = smollm.tokenizer, smollm.model
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]), add_special_tokens=False)
+    out, usage = _speculative(model, tok, ids, 40, HeadsDrafter(), num_draft=4, eos=False)
+    assert out == _greedy(model, ids, 40)
+    assert usage.drafted_tokens > 0
+    if prompt == PROMPTS[0]:  # a real prompt: the shipped heads are accepted
+        assert usage.accepted_tokens > 0

@@ -1,0 +1,41 @@
+"""Ledger: charges, child ledgers, budgets."""
+
+import dataclasses
+
+import pytest
+
+from metaloom.errors import BudgetExceeded
+from metaloom.ledger import Budget, Ledger, Usage
+
+
+def test_budget_can_cap_every_usage_field():
+    assert [f.name for f in dataclasses.fields(Budget)] == [f.name for f in dataclasses.fields(Usage)]
+
+
+def test_child_charges_reach_the_parent():
+    parent = Ledger()
+    child = parent.child()
+    child.charge(input_tokens=3, output_tokens=2, flops=10.0)
+    parent.charge(output_tokens=1)
+    assert (child.usage.input_tokens, child.usage.output_tokens) == (3, 2)
+    assert (parent.usage.input_tokens, parent.usage.output_tokens, parent.usage.flops) == (3, 3, 10.0)
+
+
+def test_budget_records_the_charge_then_raises():
+    ledger = Ledger(budget=Budget(output_tokens=5))
+    ledger.charge(output_tokens=5)
+    with pytest.raises(BudgetExceeded, match="output_tokens would be 6 > limit 5"):
+        ledger.charge(output_tokens=1)
+    assert ledger.usage.output_tokens == 6  # the work was done, so it is reported
+
+
+def test_parent_budget_applies_to_child_charges():
+    parent = Ledger(budget=Budget(forward_passes=2))
+    with pytest.raises(BudgetExceeded):
+        parent.child().charge(forward_passes=3)
+
+
+def test_speculative_rates():
+    u = Usage(drafted_tokens=10, accepted_tokens=6, verify_steps=3)
+    assert (u.acceptance_rate, u.accepted_per_step) == (0.6, 2.0)
+    assert Usage().acceptance_rate is None
