@@ -1,6 +1,8 @@
 """Speculator heads (hierarchical Medusa-style): training on a tiny model, the file format, the
 shipped heads for the default model, and exactness of greedy speculative decoding with them."""
 
+import json
+
 import pytest
 import torch
 
@@ -62,15 +64,21 @@ def _greedy(model, prompt, n):
 
 
 def _speculative(model, tokenizer, prompt, n, drafter, num_draft=4, eos=True):
+    out, usage = _speculative_batch(model, tokenizer, [prompt], [n], drafter, num_draft, eos)
+    return out[0], usage
+
+
+def _speculative_batch(model, tokenizer, prompts, lengths, drafter, num_draft=4, eos=True):
+    """Greedy speculative decoding of several rows in one batch; row r stops after lengths[r] tokens."""
     ledger = Ledger()
-    cache, logits = prefill(model, [prompt], len(prompt) + n + num_draft + 2, ledger)
-    rows = [RowState(max_tokens=n, eos_ids=tokenizer.eos_token_ids if eos else frozenset())]
-    sampler = make_sampler([SamplingParams(temperature=0.0, max_tokens=n)], model.vocab_size, model.device)
-    state = drafter.start(model, sampler, [prompt], [None])
-    for _ in speculative_decode(model, tokenizer, cache, logits, sampler, rows, [None], ledger, drafter=state,
-                                prompts=[prompt], num_draft=num_draft):
+    cache, logits = prefill(model, prompts, max(len(p) for p in prompts) + max(lengths) + num_draft + 2, ledger)
+    rows = [RowState(max_tokens=n, eos_ids=tokenizer.eos_token_ids if eos else frozenset()) for n in lengths]
+    sampler = make_sampler([SamplingParams(temperature=0.0, max_tokens=n) for n in lengths], model.vocab_size, model.device)
+    state = drafter.start(model, sampler, prompts, [None] * len(prompts))
+    for _ in speculative_decode(model, tokenizer, cache, logits, sampler, rows, [None] * len(prompts), ledger,
+                                drafter=state, prompts=prompts, num_draft=num_draft):
         pass
-    return rows[0].tokens, ledger.usage
+    return [r.tokens for r in rows], ledger.usage
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +138,11 @@ def test_training_runs_end_to_end_and_lowers_the_loss(tiny, tmp_path):
         out, usage = _speculative(model, _Tok(), prompt, 30, HeadsDrafter(path=path), num_draft=3)
         assert out == _greedy(model, prompt, 30)
         assert usage.drafted_tokens > 0
+    # a batch whose rows accept different counts and finish at different steps (finished rows are dropped)
+    prompts = [e.tokens[:e.start + 1].tolist() for e in examples[:4]]
+    outs, usage = _speculative_batch(model, _Tok(), prompts, [30, 7, 22, 30], HeadsDrafter(heads=heads), num_draft=3)
+    assert outs == [_greedy(model, p, n) for p, n in zip(prompts, [30, 7, 22, 30], strict=True)]
+    assert usage.accepted_tokens > 0
 
 
 def test_no_heads_for_an_unknown_model_is_a_typed_error(tiny):
@@ -187,3 +200,15 @@ def test_greedy_with_shipped_heads_equals_plain_greedy(smollm, prompt):
     assert usage.drafted_tokens > 0
     if prompt == PROMPTS[0]:  # a real prompt: the shipped heads are accepted
         assert usage.accepted_tokens > 0
+
+
+@pytest.mark.model
+def test_train_speculator_command_end_to_end(smollm, tmp_path, capsys):
+    from metaloom.cli import main
+
+    out = tmp_path / "heads.safetensors"
+    assert main(["train-speculator", "--samples", "4", "--max-tokens", "8", "--documents", "2", "--steps", "4",
+                 "--out", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["stages"] == 4 and report["heldout"]["positions"] > 0 and out.exists()
+    assert matches(read_config(str(out)), smollm.model)

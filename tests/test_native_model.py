@@ -122,7 +122,7 @@ def test_mixed_length_rows_equal_each_row_alone(tiny_qwen):
     for _ in range(5):
         nxt = last.argmax(-1, keepdim=True)
         last = model.forward(nxt, cache)[:, -1]
-        for row, (c, ref) in enumerate(alone):
+        for row, (c, _) in enumerate(alone):
             alone[row] = (c, model.forward(nxt[row:row + 1], c)[:, -1])
             assert torch.allclose(last[row], alone[row][1], atol=1e-5)
 

@@ -20,6 +20,8 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ from typing import Any
 
 import torch
 
+from metaloom.errors import MetaloomError
 from metaloom.generator import LocalGenerator, Request
 from metaloom.ledger import Ledger
 from metaloom.models import LoadedModel, load
@@ -161,13 +164,18 @@ def _gguf_path(spec: str) -> str | None:
 
 def _llama_cpp_methods(args: argparse.Namespace, loaded: LoadedModel, n: int, skipped: dict[str, str]) -> list[Method]:
     try:
-        from llama_cpp import Llama, LlamaPromptLookupDecoding
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
     except ImportError:
         skipped["llama.cpp"] = "llama-cpp-python is not installed (pip install llama-cpp-python)"
         return []
     path = _gguf_path(args.model)
     if path is None:
         skipped["llama.cpp"] = "the model is not a GGUF file"
+        return []
+    problem = _llama_cpp_probe(path)
+    if problem is not None:
+        skipped["llama.cpp"] = problem
         return []
     tok = loaded.tokenizer
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False) for p in PROMPTS]
@@ -179,7 +187,7 @@ def _llama_cpp_methods(args: argparse.Namespace, loaded: LoadedModel, n: int, sk
 
         def run(i: int) -> tuple[list[int], None]:
             llm.reset()  # no prompt reuse across calls: every call prefills, as the other methods do
-            tokens = []
+            tokens: list[int] = []
             for token in llm.generate(ids[i], top_k=1, temp=0.0, reset=True):
                 if token in tok.eos_token_ids or len(tokens) == n:
                     break
@@ -190,6 +198,22 @@ def _llama_cpp_methods(args: argparse.Namespace, loaded: LoadedModel, n: int, sk
 
     return [method("llama.cpp greedy"),
             method(f"llama.cpp prompt lookup (K={k})", draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k))]
+
+
+def _llama_cpp_probe(path: str) -> str | None:
+    """Decode two tokens in a child process: a llama.cpp build that crashes (e.g. compiled for
+    CPU features the machine does not enable) must not take the benchmark down with it."""
+    code = ("import sys; from llama_cpp import Llama; "
+            "llm = Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, verbose=False); "
+            "llm.create_completion([1, 2, 3], max_tokens=2, temperature=0.0)")
+    try:
+        done = subprocess.run([sys.executable, "-c", code, path], capture_output=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return "llama-cpp-python did not decode two tokens in 300 s"
+    if done.returncode != 0:
+        tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or [""]
+        return f"llama-cpp-python is installed but fails on this machine (exit {done.returncode}) {tail[0]}".strip()
+    return None
 
 
 def prefix_cache_case(loaded: LoadedModel, prefix_tokens: int, repeats: int) -> dict[str, Any]:
@@ -219,9 +243,13 @@ def _one_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     methods += _drafter_methods(args, loaded, n, skipped)
     methods += _transformers_methods(args, loaded, n, skipped)
     methods += _llama_cpp_methods(args, loaded, n, skipped)
-    for m in methods:  # warm-up: first calls pay for allocations, thread pools, lazy imports
-        for i in range(len(PROMPTS)):
-            m.run(i)
+    for m in list(methods):  # warm-up: first calls pay for allocations, thread pools, lazy imports
+        try:
+            for i in range(len(PROMPTS)):
+                m.run(i)
+        except MetaloomError as exc:  # e.g. no speculator heads for this model: report, keep benchmarking
+            skipped[m.name] = str(exc)
+            methods.remove(m)
     for _ in range(args.repeats):
         for m in methods:
             for i in range(len(PROMPTS)):

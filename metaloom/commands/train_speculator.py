@@ -26,15 +26,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(dtype="bfloat16")  # generation and hidden states: bf16 matmuls are far faster on CPU
     p.add_argument("--out", default=None, help="heads file to write (default: ./<model name>-heads.safetensors)")
     d = p.add_argument_group("data")
-    d.add_argument("--samples", type=int, default=160, help="prompts the model answers (training text)")
+    d.add_argument("--samples", type=int, default=480, help="prompts the model answers (training text)")
     d.add_argument("--max-tokens", type=int, default=128, help="tokens per answer")
-    d.add_argument("--batch", type=int, default=40, help="prompts generated together")
+    d.add_argument("--batch", type=int, default=48, help="prompts generated together")
     d.add_argument("--documents", type=int, default=64, help="human-written documents for phase 1 (when installed)")
     d.add_argument("--data-cache", default=None, help="reuse the generated data saved here (written if missing)")
-    d.add_argument("--phase2-text", default="answers", choices=("answers", "all"),
+    d.add_argument("--phase2-text", default="all", choices=("answers", "all"),
                    help="phase 2 matches the model's own output on its answers, or on all text (answers and phase 1 text)")
     t = p.add_argument_group("training")
-    t.add_argument("--steps", type=int, default=400, help="optimizer steps, 40%% phase 1 and 60%% phase 2")
+    t.add_argument("--steps", type=int, default=500, help="optimizer steps, 40%% phase 1 and 60%% phase 2")
     t.add_argument("--phase1-steps", type=int, default=None, help="override the phase 1 share of --steps")
     t.add_argument("--phase2-steps", type=int, default=None, help="override the phase 2 share of --steps")
     t.add_argument("--stages", type=int, default=4, help="head stages (tokens drafted per step at most)")
@@ -45,6 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--window", type=int, default=16, help="positions per phase 2 window")
     t.add_argument("--lr1", type=float, default=2e-3)
     t.add_argument("--lr2", type=float, default=1e-3)
+    t.add_argument("--dropout", type=float, default=0.2, help="dropout on the hidden states while training")
+    t.add_argument("--weight-decay", type=float, default=0.1)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -74,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
     phase2 = args.phase2_steps if args.phase2_steps is not None else args.steps - phase1
     config = TrainConfig(stages=args.stages, inner_size=args.inner_size, draft_vocab=args.draft_vocab,
                          phase1_steps=phase1, phase2_steps=phase2, phase1_batch=args.phase1_batch,
-                         phase2_batch=args.phase2_batch, window=args.window, lr1=args.lr1, lr2=args.lr2, seed=args.seed)
+                         phase2_batch=args.phase2_batch, window=args.window, lr1=args.lr1, lr2=args.lr2, seed=args.seed,
+                         dropout=args.dropout, weight_decay=args.weight_decay)
     if args.data_cache and os.path.exists(args.data_cache):
         corpus = torch.load(args.data_cache, weights_only=False)
         if not isinstance(corpus, Corpus) or corpus.model_name != loaded.name:

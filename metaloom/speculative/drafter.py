@@ -85,9 +85,12 @@ class DraftState(Protocol):
 
 @runtime_checkable
 class Drafter(Protocol):
-    """Proposes tokens for a target model. ``name`` is the registry name (`metaloom.speculative.DRAFTERS`)."""
+    """Proposes tokens for a target model."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """What reports call it (the registry name, `metaloom.speculative.registry.DRAFTERS`, or a variant)."""
+        ...
 
     def start(self, target: LanguageModel, sampler: Sampler, contexts: Sequence[Sequence[int]],
               generators: Sequence[torch.Generator | None]) -> DraftState:

@@ -70,7 +70,7 @@ def _heads(target: LoadedModel, o: DrafterOptions) -> Drafter:
 
 
 DRAFTERS: dict[str, DrafterEntry] = {
-    "ngram": DrafterEntry(_ngram, num_draft=8),
+    "ngram": DrafterEntry(_ngram, num_draft=10),
     "draft": DrafterEntry(_draft, num_draft=4),
     "quantized": DrafterEntry(_quantized, num_draft=4),
     "heads": DrafterEntry(_heads, num_draft=3),

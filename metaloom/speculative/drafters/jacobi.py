@@ -12,10 +12,12 @@ Here one iteration is one verification step: the guess block is the draft, the v
 forward computes the argmax at every position, the accepted prefix is the converged part, and
 the target's predictions after the first wrong guess become the next block's guesses (shifted
 past the token that fixed the mismatch). The block is topped up to K positions with a
-``fill`` guess: ``"repeat"`` repeats the last known token (plain Jacobi, whose first guesses
-are arbitrary), ``"lookup"`` copies what followed the current suffix earlier in the context
-(prompt lookup, like lookahead decoding's n-gram pool). Greedy verification makes the output
-exactly plain greedy's, whatever the guesses; sampled rows verify the guesses as one-hot drafts.
+guess that repeats the last known token (plain Jacobi, whose first guesses are arbitrary).
+``fill="lookup"`` puts a copy of what followed the current suffix earlier in the context in
+front of the Jacobi guesses when there is one (an n-gram pool, as lookahead decoding keeps;
+its pool comes from the Jacobi trajectories, this one from the context). Greedy verification
+makes the output exactly plain greedy's, whatever the guesses; sampled rows verify the guesses
+as one-hot drafts.
 """
 
 from __future__ import annotations
@@ -60,9 +62,11 @@ class JacobiState:
         sizes = range(1, 4)
         for b, (context, limit) in enumerate(zip(contexts, limits, strict=True)):
             block = self.guesses[b][:limit]
-            if len(block) < limit and self.fill == "lookup":
+            if self.fill == "lookup":  # a copy from the context, when there is one, beats stale guesses
                 self.lookup[b].update(context, sizes)
-                block += self.lookup[b].lookup(list(context) + block, sizes, limit - len(block))
+                found = self.lookup[b].lookup(context, sizes, limit)
+                if found:
+                    block = found + block[len(found):]
             last = block[-1] if block else context[-1]
             drafts.append(block + [last] * (limit - len(block)))
         return Draft.from_lists(drafts)

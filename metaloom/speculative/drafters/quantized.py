@@ -24,7 +24,7 @@ from metaloom.errors import InvalidParameter, UnsupportedModel
 from metaloom.models.cache import StaticKVCache
 from metaloom.models.config import LlamaConfig
 from metaloom.models.flops import forward_flops
-from metaloom.models.protocols import LanguageModel
+from metaloom.models.protocols import KVCache, LanguageModel
 from metaloom.models.rope import apply_rope
 from metaloom.speculative.drafters.draft_model import DraftModelDrafter
 
@@ -146,9 +146,11 @@ class QuantizedLlama:
                              vocab=c.vocab_size, new_tokens=new_tokens, attended=attended, logit_rows=logit_rows)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, cache: StaticKVCache, *, valid: torch.Tensor | None = None,
+    def forward(self, tokens: torch.Tensor, cache: KVCache, *, valid: torch.Tensor | None = None,
                 last_only: bool = False) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, V] (float32); the same computation as `LlamaModel.forward`."""
+        if not isinstance(cache, StaticKVCache):
+            raise UnsupportedModel(f"QuantizedLlama needs its own cache (new_cache), not {type(cache).__name__}")
         c = self.config
         b, t = tokens.shape
         if valid is None:

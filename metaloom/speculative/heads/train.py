@@ -57,6 +57,7 @@ class TrainConfig:
     warmup: int = 20
     seed: int = 0
     autocast: bool = True  # bfloat16 matmuls on CPU
+    dropout: float = 0.0  # on the target's hidden state while training (against memorising positions)
 
     def __post_init__(self) -> None:
         for name in ("stages", "inner_size", "draft_vocab", "phase1_batch", "phase2_batch", "window"):
@@ -184,6 +185,7 @@ def train(phase1: Sequence[Example], phase2: Sequence[Example], embed: torch.Ten
                 g["lr"] = lr * _schedule(step, steps, config.warmup)
             chosen = [(e, _positions(e, 0, window, rng)) for e in rng.choices(pool, k=size)]
             z, inputs, labels = batch(chosen, config.stages, label_index, target_labels=number == 2 and has_greedy)
+            z = F.dropout(z, config.dropout) if config.dropout else z
             per_stage = losses(heads, z, inputs, labels, embed, head, config.autocast)
             loss = torch.stack(per_stage).sum()
             opt.zero_grad(set_to_none=True)
