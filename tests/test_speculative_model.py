@@ -28,7 +28,7 @@ PROMPTS = {
     "open-ended": "Write one sentence about a red fox.",
     "list": "List three prime numbers.",
 }
-MAX_TOKENS = 40
+MAX_TOKENS = 32
 
 
 class RandomDrafter:

@@ -46,6 +46,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--lr1", type=float, default=2e-3)
     t.add_argument("--lr2", type=float, default=1e-3)
     t.add_argument("--dropout", type=float, default=0.2, help="dropout on the hidden states while training")
+    t.add_argument("--phase2-loss", default="soft", choices=("soft", "argmax"),
+                   help="phase 2 matches the model's distribution (soft) or its argmax token")
+    t.add_argument("--feature-weight", type=float, default=0.0,
+                   help="weight of an EAGLE-style regression of stage outputs onto the model's hidden states")
     t.add_argument("--weight-decay", type=float, default=0.1)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -77,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     config = TrainConfig(stages=args.stages, inner_size=args.inner_size, draft_vocab=args.draft_vocab,
                          phase1_steps=phase1, phase2_steps=phase2, phase1_batch=args.phase1_batch,
                          phase2_batch=args.phase2_batch, window=args.window, lr1=args.lr1, lr2=args.lr2, seed=args.seed,
-                         dropout=args.dropout, weight_decay=args.weight_decay)
+                         dropout=args.dropout, weight_decay=args.weight_decay, phase2_loss=args.phase2_loss,
+                         feature_weight=args.feature_weight)
     if args.data_cache and os.path.exists(args.data_cache):
         corpus = torch.load(args.data_cache, weights_only=False)
         if not isinstance(corpus, Corpus) or corpus.model_name != loaded.name:

@@ -48,7 +48,7 @@ class JacobiDrafter:
 
     def start(self, target: LanguageModel, sampler: Sampler, contexts: Sequence[Sequence[int]],
               generators: Sequence[torch.Generator | None]) -> JacobiState:
-        return JacobiState(self.fill, [[] for _ in contexts], [_RowIndex() for _ in contexts])
+        return JacobiState(self.fill, [[] for _ in contexts], [_RowIndex(first=True) for _ in contexts])
 
 
 class JacobiState:

@@ -23,34 +23,42 @@ from metaloom.speculative.drafter import Draft, Verified
 
 @dataclass(frozen=True)
 class NgramDrafter:
-    """Match the longest suffix of ``max_ngram`` .. ``min_ngram`` tokens; the most recent
-    occurrence wins (recent text predicts the next tokens best in edits and repetitions)."""
+    """Match the longest suffix of ``max_ngram`` .. ``min_ngram`` tokens and copy what followed
+    its ``occurrence``: the first (default, as transformers: in an edit or summary the source
+    text being copied comes first; measured 2.69 vs 2.55 tokens per target forward on the
+    benchmark's prompts) or the most recent."""
 
     max_ngram: int = 3
     min_ngram: int = 1
+    occurrence: str = "first"  # which earlier occurrence to copy from: "first" or "last" (most recent)
     name: str = "ngram"
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise InvalidParameter("min_ngram/max_ngram", (self.min_ngram, self.max_ngram), "1 <= min_ngram <= max_ngram")
+        if self.occurrence not in ("first", "last"):
+            raise InvalidParameter("occurrence", self.occurrence, "'first' or 'last'")
 
     def start(self, target: LanguageModel, sampler: Sampler, contexts: Sequence[Sequence[int]],
               generators: Sequence[torch.Generator | None]) -> NgramState:
-        return NgramState(self, [_RowIndex() for _ in contexts])
+        return NgramState(self, [_RowIndex(self.occurrence == "first") for _ in contexts])
 
 
 class _RowIndex:
-    """n-gram -> end position (exclusive) of its latest occurrence that has a continuation."""
+    """n-gram -> end position (exclusive) of its first or latest occurrence that has a continuation."""
 
-    def __init__(self) -> None:
+    def __init__(self, first: bool = False) -> None:
         self.where: dict[tuple[int, ...], int] = {}
         self.indexed = 0  # continuation positions e < indexed are in `where`
+        self.first = first  # keep the earliest occurrence instead of the latest
 
     def update(self, context: Sequence[int], sizes: range) -> None:
         for e in range(max(self.indexed, 1), len(context)):
             for n in sizes:
                 if e >= n:
-                    self.where[tuple(context[e - n:e])] = e
+                    key = tuple(context[e - n:e])
+                    if not (self.first and key in self.where):
+                        self.where[key] = e
         self.indexed = max(self.indexed, len(context))
 
     def lookup(self, context: Sequence[int], sizes: range, limit: int) -> list[int]:

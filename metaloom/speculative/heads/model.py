@@ -114,14 +114,14 @@ class SpeculatorHeads(nn.Module):
         """s_i [N, r] from s_{i-1} [N, d or r] and E[T_i] [N, d]."""
         return F.gelu(self.norm[i](self.state_in[i](state) + self.token_in[i](token_embedding)))
 
-    def forward(self, z: torch.Tensor, inputs: torch.Tensor, embed: torch.Tensor, head: torch.Tensor) -> list[torch.Tensor]:
+    def forward(self, z: torch.Tensor, inputs: torch.Tensor, embed: torch.Tensor) -> list[torch.Tensor]:
         """Teacher-forced training pass. z [N, d]: the target's hidden state at t; inputs [N, S]:
-        stage i reads token t+1+i (the true one, not the previous stage's guess); embed [V, d];
-        head [V_d, d] (LM head rows of the draft vocabulary). Returns S logits [N, V_d]."""
+        stage i reads token t+1+i (the true one, not the previous stage's guess); embed [V, d].
+        Returns S outputs O_i s_i [N, d] (the LM head's input space; logits = output @ head.T)."""
         state, out = z, []
         for i in range(inputs.shape[1]):
             state = self.stage(i, state, F.embedding(inputs[:, i], embed))
-            out.append(self.out[i](state) @ head.T)
+            out.append(self.out[i](state))
         return out
 
     @torch.no_grad()

@@ -24,6 +24,7 @@ the expected accepted tokens per verification step of greedy speculative decodin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -39,6 +40,7 @@ from metaloom.speculative.heads.data import Example
 from metaloom.speculative.heads.model import HeadsConfig, SpeculatorHeads
 
 IGNORE = -100
+PHASE2_LOSSES = ("soft", "argmax")
 
 
 @dataclass(frozen=True)
@@ -58,11 +60,15 @@ class TrainConfig:
     seed: int = 0
     autocast: bool = True  # bfloat16 matmuls on CPU
     dropout: float = 0.0  # on the target's hidden state while training (against memorising positions)
+    phase2_loss: str = "soft"  # "soft": the target's distribution; "argmax": its argmax token
+    feature_weight: float = 0.0  # EAGLE-style regression of stage outputs onto the target's hidden states
 
     def __post_init__(self) -> None:
         for name in ("stages", "inner_size", "draft_vocab", "phase1_batch", "phase2_batch", "window"):
             if getattr(self, name) < 1:
                 raise InvalidParameter(name, getattr(self, name), "an integer >= 1")
+        if self.phase2_loss not in PHASE2_LOSSES:
+            raise InvalidParameter("phase2_loss", self.phase2_loss, f"one of {list(PHASE2_LOSSES)}")
         for name in ("phase1_steps", "phase2_steps"):
             if getattr(self, name) < 0:
                 raise InvalidParameter(name, getattr(self, name), "an integer >= 0")
@@ -90,43 +96,71 @@ def draft_vocabulary(examples: Sequence[Example], size: int, always: Sequence[in
     return torch.tensor(ids, dtype=torch.long)
 
 
+@dataclass(frozen=True)
+class Batch:
+    """Training positions t: ``z`` [N, d] the target's hidden state at t; ``inputs`` [N, S] the
+    stages' input tokens t+1 .. t+S (0 past the end); ``labels`` [N, S] draft-vocabulary index of
+    each stage's label (IGNORE past the end or outside the draft vocabulary); ``teacher`` [N, S, d]
+    the target's hidden state at each input token (its output there is what stage i must match)
+    and ``valid`` [N, S] where that exists."""
+
+    z: torch.Tensor
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    teacher: torch.Tensor
+    valid: torch.Tensor
+
+
 def batch(examples: Sequence[tuple[Example, torch.Tensor]], stages: int, label_index: torch.Tensor,
-          target_labels: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Positions t of each example -> z [N, d] (float32), inputs [N, S] (tokens t+1 .. t+S, 0 past
-    the end) and labels [N, S] as draft-vocabulary indices (IGNORE past the end or outside the
-    draft vocabulary): the text's tokens t+2 .. t+S+1 (causal LM), or with ``target_labels`` the
-    target's own argmax after each input token (``Example.greedy``; on the target's greedy
-    answers the two agree)."""
-    zs, inputs, labels = [], [], []
+          target_labels: bool = False) -> Batch:
+    """Labels: the text's tokens t+2 .. t+S+1 (causal LM), or with ``target_labels`` the target's
+    own argmax after each input token (``Example.greedy``; on its greedy answers the two agree)."""
+    zs, inputs, labels, teacher, valid = [], [], [], [], []
     steps = torch.arange(1, stages + 1)
     for e, t in examples:
         n = e.tokens.shape[0]
         idx = t[:, None] + steps[None, :]  # [P, S]: positions of the stages' input tokens
         inside = idx < n
+        at = idx.clamp(max=n - 1)
         zs.append(e.hidden[t].float())
-        inputs.append(torch.where(inside, e.tokens[idx.clamp(max=n - 1)], 0))
+        inputs.append(torch.where(inside, e.tokens[at], 0))
+        teacher.append(e.hidden[at])
+        valid.append(inside)
         if target_labels:
             if e.greedy is None:
                 raise InvalidParameter("target_labels", True, "examples with the target's argmax (Example.greedy)")
-            lab, ok = e.greedy[idx.clamp(max=n - 1)], inside
+            lab, ok = e.greedy[at], inside
         else:
             lab, ok = e.tokens[(idx + 1).clamp(max=n - 1)], idx + 1 < n
         labels.append(torch.where(ok, label_index[lab], IGNORE))
-    return torch.cat(zs), torch.cat(inputs), torch.cat(labels)
+    return Batch(torch.cat(zs), torch.cat(inputs), torch.cat(labels), torch.cat(teacher), torch.cat(valid))
 
 
-def losses(heads: SpeculatorHeads, z: torch.Tensor, inputs: torch.Tensor, labels: torch.Tensor,
-           embed: torch.Tensor, head: torch.Tensor, autocast: bool) -> list[torch.Tensor]:
-    """Per-stage mean cross-entropy (stages with no label in the batch give 0)."""
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast and z.device.type == "cpu"):
-        logits = heads(z, inputs, embed, head)
+def losses(heads: SpeculatorHeads, b: Batch, embed: torch.Tensor, head: torch.Tensor, autocast: bool, *,
+           soft: bool = False, feature_weight: float = 0.0) -> list[torch.Tensor]:
+    """Per-stage loss: cross-entropy with the labels, or with ``soft`` with the target's own
+    distribution at the input token (softmax of its LM head over the draft vocabulary: "match the
+    output of the base model"), plus ``feature_weight`` x smooth-L1 between the stage's output and
+    the target's hidden state there (EAGLE's feature regression, Li et al. 2024)."""
+    fast = autocast and b.z.device.type == "cpu"
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=fast):
+        outputs = heads(b.z, b.inputs, embed)
+        logits = [o @ head.T for o in outputs]
     out = []
-    for i, lg in enumerate(logits):
-        lab = labels[:, i]
-        if bool((lab != IGNORE).any()):
-            out.append(F.cross_entropy(lg.float(), lab, ignore_index=IGNORE))
-        else:
+    for i, (o, lg) in enumerate(zip(outputs, logits, strict=True)):
+        ok = b.valid[:, i] if soft else b.labels[:, i] != IGNORE
+        if not bool(ok.any()):
             out.append(lg.sum() * 0.0)
+            continue
+        if soft:
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=fast):
+                target = torch.softmax((b.teacher[ok, i].to(head.dtype) @ head.T).float(), dim=-1)
+            loss = -(target * torch.log_softmax(lg[ok].float(), dim=-1)).sum(-1).mean()
+        else:
+            loss = F.cross_entropy(lg.float(), b.labels[:, i], ignore_index=IGNORE)
+        if feature_weight:
+            loss = loss + feature_weight * F.smooth_l1_loss(o[ok].float(), b.teacher[ok, i].float())
+        out.append(loss)
     return out
 
 
@@ -184,9 +218,11 @@ def train(phase1: Sequence[Example], phase2: Sequence[Example], embed: torch.Ten
             for g in opt.param_groups:
                 g["lr"] = lr * _schedule(step, steps, config.warmup)
             chosen = [(e, _positions(e, 0, window, rng)) for e in rng.choices(pool, k=size)]
-            z, inputs, labels = batch(chosen, config.stages, label_index, target_labels=number == 2 and has_greedy)
-            z = F.dropout(z, config.dropout) if config.dropout else z
-            per_stage = losses(heads, z, inputs, labels, embed, head, config.autocast)
+            b = batch(chosen, config.stages, label_index, target_labels=number == 2 and has_greedy)
+            if config.dropout:
+                b = dataclasses.replace(b, z=F.dropout(b.z, config.dropout))
+            per_stage = losses(heads, b, embed, head, config.autocast, soft=number == 2 and config.phase2_loss == "soft",
+                               feature_weight=config.feature_weight)
             loss = torch.stack(per_stage).sum()
             opt.zero_grad(set_to_none=True)
             loss.backward()
