@@ -30,6 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--max-tokens", type=int, default=128, help="tokens per answer")
     d.add_argument("--batch", type=int, default=48, help="prompts generated together")
     d.add_argument("--documents", type=int, default=64, help="human-written documents for phase 1 (when installed)")
+    d.add_argument("--text", action="append", default=[],
+                   help="local plain-text file or folder (.txt/.md/.rst, METADATA) added to the phase 1 text (repeatable)")
+    d.add_argument("--text-tokens", type=int, default=100_000, help="at most this many tokens of --text")
     d.add_argument("--data-cache", default=None, help="reuse the generated data saved here (written if missing)")
     d.add_argument("--phase2-text", default="all", choices=("answers", "all"),
                    help="phase 2 matches the model's own output on its answers, or on all text (answers and phase 1 text)")
@@ -61,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from metaloom.models import load
-    from metaloom.speculative.heads.data import Corpus, build_corpus
+    from metaloom.speculative.heads.data import Corpus, build_corpus, text_documents, with_documents
     from metaloom.speculative.heads.model import HeadsConfig, model_probe, model_signature, save_heads
     from metaloom.speculative.heads.train import TrainConfig, evaluate, train
 
@@ -93,6 +96,11 @@ def run(args: argparse.Namespace) -> int:
                               seed=args.seed, log=log)
         if args.data_cache:
             torch.save(corpus, args.data_cache)
+    if args.text:
+        t0 = time.perf_counter()
+        docs = text_documents(args.text, lambda s: loaded.tokenizer.encode(s, add_special_tokens=False), args.text_tokens)
+        corpus = with_documents(corpus, loaded.model, docs)
+        log(f"--text: {len(docs)} documents, {sum(len(d) for d in docs)} tokens in {time.perf_counter() - t0:.0f}s")
     data_seconds = time.perf_counter() - started
     model = loaded.model
     identity = HeadsConfig(0, 0, 0, 0, 0, model_name=loaded.name, signature=model_signature(model),

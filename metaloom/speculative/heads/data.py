@@ -14,6 +14,8 @@ stored in bfloat16 (576 values a token for the default model: 20k tokens take 23
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from metaloom.errors import UnsupportedModel
+from metaloom.errors import InvalidParameter, UnsupportedModel
 from metaloom.ledger import Ledger
 from metaloom.models.protocols import LanguageModel
 
@@ -147,6 +149,36 @@ def human_text(limit: int, seed: int = 0) -> list[str]:
     return docs[:limit]
 
 
+TEXT_SUFFIXES = (".txt", ".md", ".rst")
+
+
+def text_documents(paths: Sequence[str], encode: Callable[[str], list[int]], max_tokens: int,
+                   chunk: int = 512) -> list[list[int]]:
+    """Local plain text (files, or folders walked for .txt/.md/.rst and packages' METADATA) cut into
+    ``chunk``-token documents, up to ``max_tokens`` tokens in all, in a fixed (sorted) order."""
+    files: list[str] = []
+    for path in paths:
+        if os.path.isdir(path):
+            for root, _, names in sorted(os.walk(path)):
+                files += [os.path.join(root, n) for n in sorted(names) if n.endswith(TEXT_SUFFIXES) or n == "METADATA"]
+        elif os.path.exists(path):
+            files.append(path)
+        else:
+            raise InvalidParameter("text", path, "an existing file or folder")
+    docs: list[list[int]] = []
+    total = 0
+    for f in files:
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            ids = encode(fh.read())
+        for i in range(0, len(ids), chunk):
+            piece = ids[i:i + chunk]
+            if len(piece) < 32 or total >= max_tokens:
+                continue
+            docs.append(piece)
+            total += len(piece)
+    return docs
+
+
 @dataclass(frozen=True)
 class Example:
     """One sequence: ``tokens`` [T] long, the target's final hidden states ``hidden`` [T, d]
@@ -264,3 +296,12 @@ def build_corpus(loaded: object, samples: int, max_tokens: int, *, batch: int = 
     log(f"hidden states of {sum(e.tokens.shape[0] for e in corpus.texts + corpus.heldout)} tokens "
         f"in {time.perf_counter() - t0:.0f}s")
     return corpus
+
+
+def with_documents(corpus: Corpus, model: LanguageModel, documents: Sequence[list[int]]) -> Corpus:
+    """``corpus`` with more phase 1 text (hidden states and the target's argmax computed here)."""
+    if not documents:
+        return corpus
+    hidden, greedy = hidden_states(model, documents)
+    extra = [Example(torch.as_tensor(d, dtype=torch.long), h, 0, g) for d, h, g in zip(documents, hidden, greedy, strict=True)]
+    return dataclasses.replace(corpus, texts=corpus.texts + extra)
