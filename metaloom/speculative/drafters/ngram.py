@@ -1,10 +1,10 @@
-"""Prompt lookup: draft by copying what followed the last occurrence of the current suffix.
+"""Prompt lookup: draft by copying what followed an earlier occurrence of the current suffix.
 
 Saxena 2023, "Prompt lookup decoding" (transformers' ``prompt_lookup_num_tokens``); the same
 idea as llama.cpp's lookup decoding. When the output quotes or edits its input (summaries,
 code edits, retrieval-augmented answers) long stretches are copies, and the target accepts
 them wholesale. Costs no model call: each row keeps an index from every n-gram of its
-context to where it last occurred, updated with the new tokens only.
+context to where it first (or last) occurred, updated with the new tokens only.
 """
 
 from __future__ import annotations
