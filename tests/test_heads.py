@@ -207,8 +207,20 @@ def test_train_speculator_command_end_to_end(smollm, tmp_path, capsys):
     from metaloom.cli import main
 
     out = tmp_path / "heads.safetensors"
-    assert main(["train-speculator", "--samples", "4", "--max-tokens", "8", "--documents", "2", "--steps", "4",
-                 "--out", str(out), "--json"]) == 0
+    assert main(["train-speculator", "--samples", "4", "--max-tokens", "32", "--documents", "2", "--steps", "4",
+                 "--grounded", "3", "--sampled", "2", "--out", str(out), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["stages"] == 4 and report["heldout"]["positions"] > 0 and out.exists()
+    # 4 greedy answers + 3 grounded ones; 2 sampled answers to each of the 7 prompts
+    assert report["answers"] == 7
     assert matches(read_config(str(out)), smollm.model)
+
+
+def test_grounded_prompts_quote_the_given_texts():
+    from metaloom.speculative.heads.data import grounded_prompts
+
+    texts = ["short", "A long enough answer about honey bees, which dance to tell each other where the flowers are."]
+    prompts = grounded_prompts(texts, 5, seed=1)
+    assert len(prompts) == 5 and all(texts[1] in p for p in prompts)  # too-short texts are never quoted
+    assert grounded_prompts(texts, 5, seed=1) == prompts  # seeded
+    assert grounded_prompts(["tiny"], 3) == []

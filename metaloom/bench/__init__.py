@@ -31,6 +31,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], int]] = {"decode": _decode,
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present) | cpu | cuda | cuda:N")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=128, help="batch-1 greedy length")

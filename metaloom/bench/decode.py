@@ -21,6 +21,7 @@ from metaloom.bench.timing import copy_bandwidth_gbs, median_seconds
 from metaloom.generator import LocalGenerator, Request
 from metaloom.ledger import Ledger
 from metaloom.models import load
+from metaloom.models.load import pick_device
 from metaloom.sampling import SamplingParams
 
 GREEDY_PROMPT = "Explain in detail how a bicycle works, part by part."
@@ -52,17 +53,18 @@ class CaseResult:
         return self.transformers_s / self.metaloom_s
 
 
-def _hf_model(folder: str, dtype: torch.dtype):
+def _hf_model(folder: str, dtype: torch.dtype, device: torch.device):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
 
 
 def _one_dtype(args: argparse.Namespace, dtype: str) -> tuple[list[CaseResult], float]:
     """Both cases for one dtype; returns the results and the achieved weight bandwidth (GB/s)."""
-    loaded = load(args.model, dtype=dtype)
+    loaded = load(args.model, dtype=dtype, device=args.device)
+    device = loaded.model.device
     gen = LocalGenerator(loaded)
-    hf = _hf_model(loaded.folder, loaded.dtype)
+    hf = _hf_model(loaded.folder, loaded.dtype, device)
     tok = loaded.tokenizer
     results = []
 
@@ -70,37 +72,43 @@ def _one_dtype(args: argparse.Namespace, dtype: str) -> tuple[list[CaseResult], 
     messages = ({"role": "user", "content": GREEDY_PROMPT},)
     n = args.new_tokens
     greedy = Request(messages, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-    ours = median_seconds(lambda: gen.generate([greedy], ledger=Ledger()), args.repeats)
-    ids = torch.tensor([tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)])
+    ours = median_seconds(lambda: gen.generate([greedy], ledger=Ledger()), args.repeats, device=device)
+    ids = torch.tensor([tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)], device=device)
     with torch.inference_mode():
         theirs = median_seconds(lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                                    min_new_tokens=n, do_sample=False, pad_token_id=0), args.repeats)
+                                                    min_new_tokens=n, do_sample=False, pad_token_id=0),
+                                args.repeats, device=device)
     results.append(CaseResult(dtype, "batch-1 greedy", n, ours, theirs))
     weight_bytes = loaded.model.num_parameters() * loaded.dtype.itemsize  # type: ignore[attr-defined]
 
     # case 2: k samples from one long prompt
     k, m = args.samples, args.sample_tokens
     sample = Request(LONG_PROMPT, SamplingParams(temperature=1.0, n=k, max_tokens=m, ignore_eos=True, seed=0))
-    ours_k = median_seconds(lambda: gen.generate([sample], ledger=Ledger()), args.repeats)
-    long_ids = torch.tensor([tok.encode(LONG_PROMPT)])
+    ours_k = median_seconds(lambda: gen.generate([sample], ledger=Ledger()), args.repeats, device=device)
+    long_ids = torch.tensor([tok.encode(LONG_PROMPT)], device=device)
     with torch.inference_mode():
         theirs_k = median_seconds(lambda: hf.generate(long_ids, attention_mask=torch.ones_like(long_ids), max_new_tokens=m,
                                                       min_new_tokens=m, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
-                                                      num_return_sequences=k, pad_token_id=0), args.repeats)
+                                                      num_return_sequences=k, pad_token_id=0), args.repeats, device=device)
     results.append(CaseResult(dtype, f"{k} samples, {long_ids.shape[1]}-token prompt", k * m, ours_k, theirs_k))
     return results, weight_bytes * n / ours / 1e9
 
 
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
 def run(args: argparse.Namespace) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    bandwidth = copy_bandwidth_gbs()
+    device = pick_device(args.device)
+    bandwidth = copy_bandwidth_gbs(device=device)
     results: list[CaseResult] = []
     achieved: dict[str, float] = {}
     for dtype in args.dtypes.split(","):
         cases, achieved[dtype] = _one_dtype(args, dtype)
         results.extend(cases)
     return {
-        "machine": {"threads": torch.get_num_threads(), "copy_bandwidth_gb_s": bandwidth},
+        "machine": {"device": _device_name(device), "threads": torch.get_num_threads(), "copy_bandwidth_gb_s": bandwidth},
         "cases": [asdict(r) | {"metaloom_tok_s": r.metaloom_tok_s, "transformers_tok_s": r.transformers_tok_s,
                                "speedup": r.speedup} for r in results],
         "achieved_weight_bandwidth_gb_s": achieved,
@@ -114,7 +122,7 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=1))
         return 0
     bw = report["machine"]["copy_bandwidth_gb_s"]
-    print(f"measured copy bandwidth: {bw:.1f} GB/s; {report['machine']['threads']} threads; "
+    print(f"{report['machine']['device']}: measured copy bandwidth {bw:.1f} GB/s; {report['machine']['threads']} CPU threads; "
           f"median of {report['repeats']} after 1 warm-up")
     print(f"{'dtype':<9} {'case':<34} {'metaloom tok/s':>15} {'transformers tok/s':>19} {'ratio':>7}")
     for c in report["cases"]:

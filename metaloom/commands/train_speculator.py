@@ -30,6 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--max-tokens", type=int, default=128, help="tokens per answer")
     d.add_argument("--batch", type=int, default=48, help="prompts generated together")
     d.add_argument("--documents", type=int, default=64, help="human-written documents for phase 1 (when installed)")
+    d.add_argument("--grounded", type=int, default=0,
+                   help="input-grounded prompts (summarise/rewrite/correct one of the model's own answers) added")
+    d.add_argument("--sampled", type=int, default=0, help="sampled answers (T=0.8) per prompt added as training text")
     d.add_argument("--text", action="append", default=[],
                    help="local plain-text file or folder (.txt/.md/.rst, METADATA) added to the phase 1 text (repeatable)")
     d.add_argument("--text-tokens", type=int, default=100_000, help="at most this many tokens of --text")
@@ -71,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
     for name in ("samples", "max_tokens", "batch", "steps"):
         if getattr(args, name) < 1:
             raise InvalidParameter(name, getattr(args, name), "an integer >= 1")
+    for name in ("grounded", "sampled", "documents"):
+        if getattr(args, name) < 0:
+            raise InvalidParameter(name, getattr(args, name), "an integer >= 0")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -93,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         log(f"data: {args.data_cache}")
     else:
         corpus = build_corpus(loaded, args.samples, args.max_tokens, batch=args.batch, documents=args.documents,
-                              seed=args.seed, log=log)
+                              seed=args.seed, grounded=args.grounded, sampled=args.sampled, log=log)
         if args.data_cache:
             torch.save(corpus, args.data_cache)
     if args.text:
@@ -105,10 +111,10 @@ def run(args: argparse.Namespace) -> int:
     model = loaded.model
     identity = HeadsConfig(0, 0, 0, 0, 0, model_name=loaded.name, signature=model_signature(model),
                            probe=model_probe(model))
-    embed, lm_head = model.embed.float(), model.lm_head.float()  # type: ignore[attr-defined]
+    embed, lm_head = model.embed.float().cpu(), model.lm_head.float().cpu()  # type: ignore[attr-defined]
     phase2_examples = corpus.answers + (corpus.texts if args.phase2_text == "all" else [])
     heads, report = train(corpus.texts, phase2_examples, embed, lm_head, config, identity,
-                          always=sorted(loaded.tokenizer.eos_token_ids), log=log)
+                          always=sorted(loaded.tokenizer.eos_token_ids), device=model.device, log=log)
     scores = evaluate(heads, corpus.heldout, embed, lm_head)
     out = args.out or f"{loaded.name.lower()}-heads.safetensors"
     save_heads(heads, out)

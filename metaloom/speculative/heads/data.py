@@ -193,20 +193,49 @@ class Example:
 
 
 def generate_answers(generator: object, prompts: Sequence[str], max_tokens: int, batch: int,
-                     ledger: Ledger | None = None) -> list[tuple[list[int], list[int]]]:
-    """Greedy answers of the generator's model to chat ``prompts``: (prompt ids, answer ids)."""
+                     ledger: Ledger | None = None, *, samples: int = 0, temperature: float = 0.8,
+                     seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """Answers of the generator's model to chat ``prompts``: (prompt ids, answer ids). Greedy, or
+    with ``samples`` > 0 that many sampled answers a prompt (``temperature``, seeded): text in
+    the model's own distribution, which phase 2 labels with the model's argmax anyway."""
     from metaloom.generator import LocalGenerator, Request
     from metaloom.sampling import SamplingParams
 
     assert isinstance(generator, LocalGenerator)
     ledger = ledger or Ledger()
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     out = []
-    for i in range(0, len(prompts), batch):
-        requests = [Request.chat(p, params) for p in prompts[i:i + batch]]
+    per = max(1, batch // samples) if samples else batch
+    for i in range(0, len(prompts), per):
+        requests = []
+        for j, p in enumerate(prompts[i:i + per]):
+            params = (SamplingParams(temperature=temperature, n=samples, max_tokens=max_tokens, seed=seed + i + j)
+                      if samples else SamplingParams(temperature=0.0, max_tokens=max_tokens))
+            requests.append(Request.chat(p, params))
         for request, completions in zip(requests, generator.generate(requests, ledger=ledger), strict=True):
-            out.append((generator.encode_prompt(request.prompt), list(completions[0].token_ids)))
+            ids = generator.encode_prompt(request.prompt)
+            out += [(ids, list(c.token_ids)) for c in completions]
     return out
+
+
+_GROUNDED = (
+    "Summarize the following text in two sentences.\n\n{x}",
+    "Rewrite the following text in simpler words.\n\n{x}",
+    "Correct any mistakes in the following text and return the corrected version.\n\n{x}",
+    "Turn the following text into a bulleted list of its main points.\n\n{x}",
+    "Give the following text a title, then repeat it with the title on top.\n\n{x}",
+    "Rewrite the following text in a more formal tone.\n\n{x}",
+)
+
+
+def grounded_prompts(texts: Sequence[str], n: int, seed: int = 0) -> list[str]:
+    """``n`` input-grounded instructions (summarise, rewrite, correct ... a given text) over
+    ``texts`` (the model's own earlier answers): the edit-this-text kind of task on which
+    drafting from the context pays most, made from text other than any benchmark's."""
+    rng = random.Random(seed)
+    usable = [t.strip() for t in texts if len(t.strip()) > 80]
+    if not usable:
+        return []
+    return [rng.choice(_GROUNDED).format(x=rng.choice(usable)) for _ in range(n)]
 
 
 def hidden_states(model: LanguageModel, sequences: Sequence[Sequence[int]],
@@ -273,12 +302,15 @@ def corpus_from(model: LanguageModel, model_name: str, answers: Sequence[tuple[l
 
 
 def build_corpus(loaded: object, samples: int, max_tokens: int, *, batch: int = 32, documents: int = 64,
-                 heldout: float = 0.1, seed: int = 0, log: Callable[[str], None] = lambda _: None) -> Corpus:
+                 heldout: float = 0.1, seed: int = 0, grounded: int = 0, sampled: int = 0,
+                 log: Callable[[str], None] = lambda _: None) -> Corpus:
     """Generate ``samples`` answers with ``loaded`` (a `LoadedModel`) and compute all hidden states.
 
     Prompts: a quarter from HumanEval / reasoning-gym when installed, the rest from the built-in
-    list. Phase 1 text: every prompt + answer and ``documents`` human-written documents (cut to
-    512 tokens)."""
+    list; then ``grounded`` input-grounded prompts over those answers (`grounded_prompts`),
+    answered greedily too. With ``sampled`` > 0, that many sampled answers (T = 0.8) to every
+    prompt besides (training text only, never held out). Phase 1 text: every prompt + answer and
+    ``documents`` human-written documents (cut to 512 tokens)."""
     from metaloom.generator import LocalGenerator
     from metaloom.models.load import LoadedModel
 
@@ -289,8 +321,18 @@ def build_corpus(loaded: object, samples: int, max_tokens: int, *, batch: int = 
     random.Random(seed).shuffle(prompts)
     t0 = time.perf_counter()
     answers = generate_answers(generator, prompts, max_tokens, batch)
+    if grounded:
+        texts = [loaded.tokenizer.decode(a) for _, a in answers]
+        extra_prompts = grounded_prompts(texts, grounded, seed)
+        prompts += extra_prompts
+        answers += generate_answers(generator, extra_prompts, max_tokens, batch)
     log(f"generated {len(answers)} answers, {sum(len(a) for _, a in answers)} tokens in {time.perf_counter() - t0:.0f}s")
     docs = [loaded.tokenizer.encode(d)[:512] for d in human_text(documents, seed)]
+    if sampled:
+        t0 = time.perf_counter()
+        more = generate_answers(generator, prompts, max_tokens, batch, samples=sampled, seed=seed)
+        docs += [p + a for p, a in more]
+        log(f"sampled {len(more)} answers, {sum(len(a) for _, a in more)} tokens in {time.perf_counter() - t0:.0f}s")
     t0 = time.perf_counter()
     corpus = corpus_from(loaded.model, loaded.name, answers, docs, heldout)
     log(f"hidden states of {sum(e.tokens.shape[0] for e in corpus.texts + corpus.heldout)} tokens "

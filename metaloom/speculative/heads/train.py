@@ -142,8 +142,9 @@ def losses(heads: SpeculatorHeads, b: Batch, embed: torch.Tensor, head: torch.Te
     distribution at the input token (softmax of its LM head over the draft vocabulary: "match the
     output of the base model"), plus ``feature_weight`` x smooth-L1 between the stage's output and
     the target's hidden state there (EAGLE's feature regression, Li et al. 2024)."""
-    fast = autocast and b.z.device.type == "cpu"
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=fast):
+    kind = b.z.device.type
+    fast = autocast and kind in ("cpu", "cuda")
+    with torch.autocast(kind, dtype=torch.bfloat16, enabled=fast):
         outputs = heads(b.z, b.inputs, embed)
         logits = [o @ head.T for o in outputs]
     out = []
@@ -153,7 +154,7 @@ def losses(heads: SpeculatorHeads, b: Batch, embed: torch.Tensor, head: torch.Te
             out.append(lg.sum() * 0.0)
             continue
         if soft:
-            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=fast):
+            with torch.no_grad(), torch.autocast(kind, dtype=torch.bfloat16, enabled=fast):
                 target = torch.softmax((b.teacher[ok, i].to(head.dtype) @ head.T).float(), dim=-1)
             loss = -(target * torch.log_softmax(lg[ok].float(), dim=-1)).sum(-1).mean()
         else:
@@ -185,10 +186,12 @@ def _positions(e: Example, first: int, count: int | None, rng: random.Random) ->
 
 def train(phase1: Sequence[Example], phase2: Sequence[Example], embed: torch.Tensor, lm_head: torch.Tensor,
           config: TrainConfig, heads_config: HeadsConfig | None = None, *, always: Sequence[int] = (),
+          device: torch.device | str = "cpu",
           log: Callable[[str], None] = lambda _: None) -> tuple[SpeculatorHeads, TrainReport]:
     """Train heads for the target whose frozen ``embed`` [V, d] and ``lm_head`` [V, d] are given.
     ``heads_config`` carries the target's identity (name, signature, probe); its sizes are set
-    from ``config``."""
+    from ``config``. Batches are cut on the CPU and trained on ``device``; the heads come back
+    on the CPU."""
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
     vocab_ids = draft_vocabulary([*phase1, *phase2], config.draft_vocab, always)
@@ -196,9 +199,9 @@ def train(phase1: Sequence[Example], phase2: Sequence[Example], embed: torch.Ten
     hc = HeadsConfig(stages=config.stages, hidden_size=embed.shape[1], inner_size=config.inner_size,
                      vocab_size=embed.shape[0], draft_vocab=len(vocab_ids), model_name=base.model_name,
                      signature=base.signature, probe=base.probe)
-    heads = SpeculatorHeads(hc, vocab_ids)
-    embed = embed.detach().float()
-    head = lm_head.detach()[vocab_ids].float()
+    heads = SpeculatorHeads(hc, vocab_ids).to(device)
+    embed = embed.detach().float().to(device)
+    head = lm_head.detach()[vocab_ids.to(lm_head.device)].float().to(device)
     label_index = torch.full((embed.shape[0],), IGNORE, dtype=torch.long)
     label_index[vocab_ids] = torch.arange(len(vocab_ids))
     report = TrainReport()
@@ -219,6 +222,7 @@ def train(phase1: Sequence[Example], phase2: Sequence[Example], embed: torch.Ten
                 g["lr"] = lr * _schedule(step, steps, config.warmup)
             chosen = [(e, _positions(e, 0, window, rng)) for e in rng.choices(pool, k=size)]
             b = batch(chosen, config.stages, label_index, target_labels=number == 2 and has_greedy)
+            b = Batch(*(getattr(b, f.name).to(device) for f in dataclasses.fields(b)))
             if config.dropout:
                 b = dataclasses.replace(b, z=F.dropout(b.z, config.dropout))
             per_stage = losses(heads, b, embed, head, config.autocast, soft=number == 2 and config.phase2_loss == "soft",
@@ -234,7 +238,7 @@ def train(phase1: Sequence[Example], phase2: Sequence[Example], embed: torch.Ten
                 log(f"phase {number} step {step + 1}/{steps} loss {curve[-1]:.3f} "
                     f"(stages {' '.join(f'{x:.2f}' for x in report.stage_loss)}) {time.perf_counter() - start:.0f}s")
         report.seconds[f"phase{number}"] = time.perf_counter() - start
-    return heads.eval(), report
+    return heads.cpu().eval(), report
 
 
 @torch.no_grad()
