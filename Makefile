@@ -28,6 +28,7 @@ demo: install
 
 test: install
 	$(BIN)/ruff check metaloom tests
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
 lint: install

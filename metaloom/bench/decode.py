@@ -56,7 +56,8 @@ class CaseResult:
 def _hf_model(folder: str, dtype: torch.dtype, device: torch.device):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    return model.to(device).eval()  # type: ignore[arg-type]  # transformers' stubs type .to() narrowly
 
 
 def _one_dtype(args: argparse.Namespace, dtype: str) -> tuple[list[CaseResult], float]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from metaloom.generator.types import Generator
 from metaloom.ledger import Ledger
-from metaloom.meta.helpers import Run, default_sampling, ensure, extract_all, fraction, guarded, positive, sample_n
+from metaloom.meta.helpers import Run, collect, default_sampling, ensure, fraction, guarded, positive
 from metaloom.meta.types import Result
 from metaloom.meta.voting import decide
 from metaloom.sampling.params import SamplingParams
@@ -75,9 +75,7 @@ class AdaptiveVote:
             r, sure = 0, 0.0
             while len(run.candidates) < self.max_samples:
                 k = min(self.batch, self.max_samples - len(run.candidates))
-                fresh = sample_n(run, generator, prompt, self.params, k, round=r)
-                run.candidates.extend(fresh)
-                run.answers.extend(extract_all(self.extractor, fresh))
+                collect(run, generator, prompt, self.params, k, self.extractor, round=r)
                 t = decide(run, run.answers, [1.0] * len(run.candidates), self.extractor)
                 drawn = len(run.candidates)
                 sure = confidence(self.rule, [t.weights[c] for c in t.order], drawn)

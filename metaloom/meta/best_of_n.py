@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from metaloom.generator.types import Generator
 from metaloom.ledger import Ledger
-from metaloom.meta.helpers import Run, default_sampling, extract_all, guarded, positive, sample_n, score, select_top
+from metaloom.meta.helpers import Run, collect, default_sampling, guarded, positive, score, select_top
 from metaloom.meta.types import Result, Strategy
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.answers import Extractor
@@ -42,9 +42,7 @@ class BestOfN:
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
         def body(run: Run) -> None:
-            candidates = sample_n(run, generator, prompt, self.params, self.n, inner=self.inner)
-            run.candidates.extend(candidates)
-            run.answers.extend(extract_all(self.extractor, candidates))
+            candidates = collect(run, generator, prompt, self.params, self.n, self.extractor, inner=self.inner)
             run.scores.extend(score(run, self.scorer, prompt, candidates))
             run.best_index = select_top(run.scores)[0]
             run.event("select", index=run.best_index, score=run.scores[run.best_index])

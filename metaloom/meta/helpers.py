@@ -211,3 +211,12 @@ def generate_one(run: Run, generator: Generator, prompt: Prompt, params: Samplin
 
 def extract_all(extractor: Extractor | None, completions: Sequence[Completion]) -> list[str | None]:
     return [] if extractor is None else [extractor.extract(c.text) for c in completions]
+
+
+def collect(run: Run, generator: Generator, prompt: Prompt, params: SamplingParams, n: int,
+            extractor: Extractor | None, *, inner: Strategy | None = None, round: int = 0) -> list[Completion]:
+    """`sample_n`, then record the samples as candidates and their extracted answers on ``run``."""
+    candidates = sample_n(run, generator, prompt, params, n, inner=inner, round=round)
+    run.candidates.extend(candidates)
+    run.answers.extend(extract_all(extractor, candidates))
+    return candidates

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from metaloom.errors import BudgetExceeded, ScorerFailed
 from metaloom.generator.types import Generator
 from metaloom.ledger import Ledger
-from metaloom.meta.helpers import Run, default_sampling, extract_all, guarded, positive, sample_n, select_top
+from metaloom.meta.helpers import Run, collect, default_sampling, guarded, positive, select_top
 from metaloom.meta.types import Result, Strategy
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.answers import Extractor
@@ -65,9 +65,7 @@ class MBR:
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
         def body(run: Run) -> None:
-            candidates = sample_n(run, generator, prompt, self.params, self.n, inner=self.inner)
-            run.candidates.extend(candidates)
-            run.answers.extend(extract_all(self.extractor, candidates))
+            candidates = collect(run, generator, prompt, self.params, self.n, self.extractor, inner=self.inner)
             texts = [a or "" for a in run.answers] if self.extractor is not None else [c.text for c in candidates]
             counts = Counter(texts)
             distinct = list(counts)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from metaloom.errors import InvalidParameter
 from metaloom.generator.types import Generator
 from metaloom.ledger import Ledger
-from metaloom.meta.helpers import Run, default_sampling, ensure, extract_all, guarded, positive, sample_n, score
+from metaloom.meta.helpers import Run, collect, default_sampling, ensure, guarded, positive, score
 from metaloom.meta.types import Result, Strategy
 from metaloom.meta.voting import decide
 from metaloom.sampling.params import SamplingParams
@@ -38,9 +38,7 @@ class MajorityVote:
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
         def body(run: Run) -> None:
-            candidates = sample_n(run, generator, prompt, self.params, self.n, inner=self.inner)
-            run.candidates.extend(candidates)
-            run.answers.extend(extract_all(self.extractor, candidates))
+            candidates = collect(run, generator, prompt, self.params, self.n, self.extractor, inner=self.inner)
             decide(run, run.answers, [1.0] * len(candidates), self.extractor)
 
         return guarded(ledger, body)
@@ -68,9 +66,7 @@ class WeightedVote:
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
         def body(run: Run) -> None:
-            candidates = sample_n(run, generator, prompt, self.params, self.n, inner=self.inner)
-            run.candidates.extend(candidates)
-            run.answers.extend(extract_all(self.extractor, candidates))
+            candidates = collect(run, generator, prompt, self.params, self.n, self.extractor, inner=self.inner)
             run.scores.extend(score(run, self.scorer, prompt, candidates))
             if self.transform == "exp":
                 top = max(run.scores)  # shift before exp: same ranking, no underflow to all-zero

@@ -100,6 +100,8 @@ class SpeculatorHeads(nn.Module):
     """K hierarchical stages (see the module doc). ``vocab_ids`` [V_d]: target token id of each
     row of the draft vocabulary."""
 
+    vocab_ids: torch.Tensor  # a registered buffer (moves with .to())
+
     def __init__(self, config: HeadsConfig, vocab_ids: torch.Tensor) -> None:
         super().__init__()
         d, r = config.hidden_size, config.inner_size
