@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,19 +22,33 @@ from metaloom.models.protocols import KVCache
 from metaloom.models.rope import apply_rope, rope_tables
 
 
+class MatMul(Protocol):
+    """A weight that multiplies by itself, x [..., in] -> [..., out] (e.g. the quantised
+    `metaloom.speculative.drafters.quantized.QuantLinear`)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def numel(self) -> int: ...  # the parameters it stands for (out x in)
+
+
+Weight = torch.Tensor | MatMul
+
+
 @dataclass(frozen=True)
 class LayerWeights:
     attn_norm: torch.Tensor  # [d]
-    qkv: torch.Tensor  # [(H + 2 H_kv) D, d]
+    qkv: Weight  # [(H + 2 H_kv) D, d]
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [d, H D]
+    o: Weight  # [d, H D]
     mlp_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 I, d]
-    down: torch.Tensor  # [d, I]
+    gate_up: Weight  # [2 I, d]
+    down: Weight  # [d, I]
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ w[out, in].T (+ bias), by the kernel that is fastest for how ``w`` is stored.
+
+    - a `MatMul` (not a tensor) multiplies by itself.
 
     - ``w`` stored transposed (a view of a contiguous [in, out] tensor; `transposed_storage`):
       ``x @ w.T`` reads it as a plain [in, out] matrix. On this CPU that is the fast float32
@@ -43,6 +58,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
       times slower for one row (0.9 vs 20 GB/s, measured), and `mv` over [out, in] is the
       fastest bfloat16 kernel here.
     """
+    if not isinstance(w, torch.Tensor):
+        y = w(x)
+        return y if bias is None else y + bias
     if w.stride(0) == 1 and w.dim() == 2 and w.shape[0] > 1:
         y = torch.matmul(x, w.t())
         return y if bias is None else y + bias
@@ -67,7 +85,7 @@ def prefers_transposed(dtype: torch.dtype, device: torch.device) -> bool:
 
 class LlamaModel:
     def __init__(self, config: LlamaConfig, embed: torch.Tensor, layers: list[LayerWeights],
-                 norm: torch.Tensor, lm_head: torch.Tensor) -> None:
+                 norm: torch.Tensor, lm_head: Weight) -> None:
         self.config = config
         self.embed = embed
         self.layers = layers

@@ -9,7 +9,7 @@ memory-bound. Activations, norms, RoPE and the KV cache run in ``compute_dtype``
 those kernels are fastest with bfloat16 activations on this CPU; see the benchmark note in
 `metaloom.bench.speculative`). Other devices dequantise on the fly.
 
-`QuantizedLlama` implements `LanguageModel` (its forward mirrors `metaloom.models.llama`), so
+`QuantizedLlama` is a `LlamaModel` whose linear layers are `QuantLinear`s (the same forward), so
 `DraftModelDrafter` runs it like any draft model.
 """
 
@@ -18,14 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from metaloom.errors import InvalidParameter, UnsupportedModel
-from metaloom.models.cache import StaticKVCache
-from metaloom.models.config import LlamaConfig
-from metaloom.models.flops import forward_flops
+from metaloom.models.llama import LayerWeights, LlamaModel, Weight
 from metaloom.models.protocols import KVCache, LanguageModel
-from metaloom.models.rope import apply_rope
 from metaloom.speculative.drafters.draft_model import DraftModelDrafter
 
 BITS = (8, 4)
@@ -44,6 +40,12 @@ class QuantLinear:
     group_size: int = 0
     bias: torch.Tensor | None = None
     dense: torch.Tensor | None = None  # dequantised weight, for devices without the packed kernels
+
+    def numel(self) -> int:
+        """The parameters it stands for (out x in)."""
+        if self.dense is not None:
+            return self.dense.numel()
+        return self.out_features * (self.weight.shape[1] if self.bits == 8 else self.scales.shape[0] * self.group_size)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -87,114 +89,32 @@ def quantize_linear(w: torch.Tensor, bits: int, dtype: torch.dtype, group_size: 
     return QuantLinear(4, packed, sz, out, group_size, b)
 
 
-@dataclass(frozen=True)
-class QuantLayer:
-    attn_norm: torch.Tensor
-    qkv: QuantLinear
-    o: QuantLinear
-    mlp_norm: torch.Tensor
-    gate_up: QuantLinear
-    down: QuantLinear
-
-
-class QuantizedLlama:
-    """A `LanguageModel` with the weights of a native `LlamaModel`, quantised."""
+class QuantizedLlama(LlamaModel):
+    """A native `LlamaModel` whose linear layers are the target's, quantised (`QuantLinear`):
+    the same forward (`LlamaModel.forward` multiplies by a `QuantLinear` through
+    `metaloom.models.llama.linear`), with embedding, norms, RoPE and KV cache in
+    ``compute_dtype``. Logits come back in float32."""
 
     def __init__(self, target: LanguageModel, bits: int = 8, *, group_size: int = 64,
                  compute_dtype: torch.dtype = torch.bfloat16) -> None:
-        from metaloom.models.llama import LlamaModel
-
         if not isinstance(target, LlamaModel):
             raise UnsupportedModel(f"quantised self-draft needs the native model, not {type(target).__name__}")
-        self.config: LlamaConfig = target.config
-        self.bits = bits
-        self.dtype = compute_dtype
-        self.embed = target.embed.to(compute_dtype)
 
-        def q(w: torch.Tensor, bias: torch.Tensor | None = None) -> QuantLinear:
+        def q(w: Weight, bias: torch.Tensor | None = None) -> QuantLinear:
+            if not isinstance(w, torch.Tensor):
+                raise UnsupportedModel(f"the target's weights are already quantised ({type(w).__name__})")
             return quantize_linear(w, bits, compute_dtype, group_size, bias)
 
-        self.layers = [QuantLayer(attn_norm=w.attn_norm.to(compute_dtype), qkv=q(w.qkv, w.qkv_bias), o=q(w.o),
-                                  mlp_norm=w.mlp_norm.to(compute_dtype), gate_up=q(w.gate_up), down=q(w.down))
-                       for w in target.layers]
-        self.norm = target.norm.to(compute_dtype)
-        self.lm_head = q(target.lm_head)
-        self._cos = target._cos.to(compute_dtype)
-        self._sin = target._sin.to(compute_dtype)
-        self._window = self.config.sliding_window
+        layers = [LayerWeights(attn_norm=w.attn_norm.to(compute_dtype), qkv=q(w.qkv, w.qkv_bias), qkv_bias=None,
+                               o=q(w.o), mlp_norm=w.mlp_norm.to(compute_dtype), gate_up=q(w.gate_up), down=q(w.down))
+                  for w in target.layers]
+        super().__init__(target.config, target.embed.to(compute_dtype), layers, target.norm.to(compute_dtype),
+                         q(target.lm_head))
+        self.bits = bits
 
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def max_context(self) -> int:
-        return self.config.max_position_embeddings
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed.device
-
-    def new_cache(self, batch: int, capacity: int) -> StaticKVCache:
-        c = self.config
-        return StaticKVCache(c.num_hidden_layers, batch, c.num_key_value_heads, capacity, c.head_dim, self.dtype, self.device)
-
-    def flops(self, new_tokens: int, attended: int, logit_rows: int) -> float:
-        c = self.config
-        return forward_flops(layers=c.num_hidden_layers, hidden=c.hidden_size, heads=c.num_attention_heads,
-                             kv_heads=c.num_key_value_heads, head_dim=c.head_dim, intermediate=c.intermediate_size,
-                             vocab=c.vocab_size, new_tokens=new_tokens, attended=attended, logit_rows=logit_rows)
-
-    @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: KVCache, *, valid: torch.Tensor | None = None,
                 last_only: bool = False) -> torch.Tensor:
-        """tokens [B, T] -> logits [B, T, V] (float32); the same computation as `LlamaModel.forward`."""
-        if not isinstance(cache, StaticKVCache):
-            raise UnsupportedModel(f"QuantizedLlama needs its own cache (new_cache), not {type(cache).__name__}")
-        c = self.config
-        b, t = tokens.shape
-        if valid is None:
-            valid = torch.full((b,), t, dtype=torch.long, device=tokens.device)
-        cache.reserve(t)
-        lengths = cache.lengths
-        uniform = bool((lengths == lengths[0]).all()) if b else True
-        positions = lengths[:, None] + torch.arange(t, device=tokens.device)
-        cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]
-        keys_len = int(lengths.max()) + t
-        mask, causal = _mask(positions, keys_len, uniform, self._window)
-        x = F.embedding(tokens, self.embed)
-        h, hk, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        for i, w in enumerate(self.layers):
-            y = F.rms_norm(x, (c.hidden_size,), w.attn_norm, c.rms_norm_eps)
-            q, k, v = w.qkv(y).view(b, t, h + 2 * hk, d).transpose(1, 2).split([h, hk, hk], dim=1)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            cache.write(i, k, v, uniform)
-            attn = F.scaled_dot_product_attention(q, cache.keys[i][:, :, :keys_len], cache.values[i][:, :, :keys_len],
-                                                  attn_mask=mask, is_causal=causal, enable_gqa=hk != h)
-            x = x + w.o(attn.transpose(1, 2).reshape(b, t, h * d))
-            y = F.rms_norm(x, (c.hidden_size,), w.mlp_norm, c.rms_norm_eps)
-            gate, up = w.gate_up(y).chunk(2, dim=-1)
-            x = x + w.down(F.silu(gate) * up)
-        cache.advance(valid)
-        if last_only:
-            x = x[torch.arange(b, device=x.device), valid - 1][:, None]
-        x = F.rms_norm(x, (c.hidden_size,), self.norm, c.rms_norm_eps)
-        return self.lm_head(x).float()
-
-
-def _mask(positions: torch.Tensor, keys_len: int, uniform: bool, window: int | None) -> tuple[torch.Tensor | None, bool]:
-    """As `LlamaModel._mask`: None when SDPA's own cases are exact, else [B, 1, T, S] bool."""
-    t = positions.shape[1]
-    if uniform and window is None:
-        if t == 1:
-            return None, False
-        if int(positions[0, 0]) == 0:
-            return None, True
-    k_pos = torch.arange(keys_len, device=positions.device)
-    allowed = k_pos[None, None, :] <= positions[:, :, None]
-    if window is not None:
-        allowed &= k_pos[None, None, :] > positions[:, :, None] - window
-    return allowed[:, None], False
+        return super().forward(tokens, cache, valid=valid, last_only=last_only).float()
 
 
 def quantized_drafter(target: LanguageModel, bits: int = 8, group_size: int = 64) -> DraftModelDrafter:
