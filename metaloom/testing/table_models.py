@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from metaloom.errors import InvalidParameter
-from metaloom.testing.toy_models import TokenCache
+from metaloom.testing.toy_models import TokenCache, TokenCacheModel
 
 EOS = "<eos>"
 
@@ -44,7 +44,7 @@ class WordTokenizer:
         return " ".join(m["content"] for m in messages)
 
 
-class TableModel:
+class TableModel(TokenCacheModel):
     """logits[b, t] = log P(. | tokens of row b up to and including position t).
 
     ``table`` maps a prefix (tuple of words) to {next word: probability}; missing words get
@@ -74,20 +74,6 @@ class TableModel:
     @property
     def vocab_size(self) -> int:
         return len(self.tokenizer.words)
-
-    @property
-    def max_context(self) -> int:
-        return self._max_context
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def new_cache(self, batch: int, capacity: int) -> TokenCache:
-        return TokenCache(batch, capacity)
-
-    def flops(self, new_tokens: int, attended: int, logit_rows: int) -> float:
-        return float(2 * self.vocab_size * logit_rows)
 
     def _lookup(self, prefix: tuple[int, ...]) -> torch.Tensor:
         for start in range(len(prefix) + 1):

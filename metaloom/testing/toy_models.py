@@ -51,7 +51,32 @@ class TokenCache:
         self._lengths = new.clone()
 
 
-class MarkovModel:
+class TokenCacheModel:
+    """What the toy models share: a CPU `LanguageModel` over a `TokenCache`, costed as one
+    vocabulary-sized matmul per logit row. Subclasses set ``_max_context`` and ``vocab_size``."""
+
+    _max_context: int
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def new_cache(self, batch: int, capacity: int) -> TokenCache:
+        return TokenCache(batch, capacity)
+
+    def flops(self, new_tokens: int, attended: int, logit_rows: int) -> float:
+        return float(2 * self.vocab_size * logit_rows)
+
+
+class MarkovModel(TokenCacheModel):
     """logits[b, t] = table[tokens[b, t]]: a first-order Markov chain over a small vocabulary."""
 
     def __init__(self, table: torch.Tensor, max_context: int = 1024) -> None:
@@ -68,20 +93,6 @@ class MarkovModel:
     @property
     def vocab_size(self) -> int:
         return self.table.shape[0]
-
-    @property
-    def max_context(self) -> int:
-        return self._max_context
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def new_cache(self, batch: int, capacity: int) -> TokenCache:
-        return TokenCache(batch, capacity)
-
-    def flops(self, new_tokens: int, attended: int, logit_rows: int) -> float:
-        return float(2 * self.vocab_size * logit_rows)
 
     def forward(self, tokens: torch.Tensor, cache: TokenCache, *, valid: torch.Tensor | None = None,
                 last_only: bool = False) -> torch.Tensor:
