@@ -46,41 +46,25 @@ class LayerWeights:
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ w[out, in].T (+ bias), by the kernel that is fastest for how ``w`` is stored.
+    """x [..., in] @ w[out, in].T (+ bias), by the kernel that is fastest here.
 
-    - a `MatMul` (not a tensor) multiplies by itself.
+    - a `MatMul` (not a tensor) multiplies by itself;
+    - a single row goes through `torch.mv`: in bfloat16 the GEMM path is several times slower
+      for one row (0.9 vs 20 GB/s, measured), and `mv` over [out, in] is the fastest bfloat16
+      kernel here;
+    - several rows: `F.linear`.
 
-    - ``w`` stored transposed (a view of a contiguous [in, out] tensor; `transposed_storage`):
-      ``x @ w.T`` reads it as a plain [in, out] matrix. On this CPU that is the fast float32
-      path for one row too (measured: 16-22 GB/s against 9-14 GB/s for `torch.mv` over the
-      [out, in] layout of the same weights).
-    - otherwise a single row goes through `torch.mv`: in bfloat16 the GEMM path is several
-      times slower for one row (0.9 vs 20 GB/s, measured), and `mv` over [out, in] is the
-      fastest bfloat16 kernel here.
+    Weights stay [out, in] row-major. Stored transposed ([in, out]), one float32 row multiplies
+    faster on this CPU (16-22 against 9-14 GB/s), but 2-64 rows (verify, prefill, batches)
+    multiply 1.4-2x slower (measured side by side), so the layout was tried and dropped.
     """
     if not isinstance(w, torch.Tensor):
         y = w(x)
-        return y if bias is None else y + bias
-    if w.stride(0) == 1 and w.dim() == 2 and w.shape[0] > 1:
-        y = torch.matmul(x, w.t())
         return y if bias is None else y + bias
     if x.numel() == x.shape[-1]:
         y = torch.mv(w, x.reshape(-1)).view(*x.shape[:-1], w.shape[0])
         return y if bias is None else y + bias
     return F.linear(x, w, bias)
-
-
-def transposed_storage(w: torch.Tensor) -> torch.Tensor:
-    """The same [out, in] matrix, stored as a contiguous [in, out] tensor (returned as its
-    transposed view, so every reader still sees [out, in]); `linear` then multiplies by the
-    stored layout directly."""
-    return w.t().contiguous().t()
-
-
-def prefers_transposed(dtype: torch.dtype, device: torch.device) -> bool:
-    """float32 on CPU: the [in, out] layout decodes faster (see `linear`); bfloat16 keeps
-    [out, in] for `torch.mv`; GPUs are indifferent, so they keep the loaded layout."""
-    return dtype == torch.float32 and device.type == "cpu"
 
 
 class LlamaModel:
@@ -106,8 +90,6 @@ class LlamaModel:
                 raise NotAModel(f"weights are missing tensor {name!r}")
             return sd[name].to(device=device, dtype=dtype)
 
-        store = transposed_storage if prefers_transposed(dtype, torch.device(device)) else torch.Tensor.contiguous
-
         layers = []
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -117,22 +99,18 @@ class LlamaModel:
                 bias = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
             layers.append(LayerWeights(
                 attn_norm=get(p + "input_layernorm.weight"),
-                qkv=store(qkv),
+                qkv=qkv.contiguous(),
                 qkv_bias=bias,
-                o=store(get(p + "self_attn.o_proj.weight")),
+                o=get(p + "self_attn.o_proj.weight"),
                 mlp_norm=get(p + "post_attention_layernorm.weight"),
-                gate_up=store(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
-                down=store(get(p + "mlp.down_proj.weight")),
+                gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]).contiguous(),
+                down=get(p + "mlp.down_proj.weight"),
             ))
         embed = get("model.embed_tokens.weight")
         if embed.shape != (config.vocab_size, config.hidden_size):
             raise NotAModel(f"embedding shape {tuple(embed.shape)} does not match the config "
                             f"({config.vocab_size}, {config.hidden_size})")
-        if config.tie_word_embeddings or "lm_head.weight" not in sd:
-            # one tensor serves both: the embedding gathers rows of the (maybe transposed) view
-            embed = head = store(embed)
-        else:
-            head = store(get("lm_head.weight"))
+        head = embed if config.tie_word_embeddings or "lm_head.weight" not in sd else get("lm_head.weight")
         return cls(config, embed, layers, get("model.norm.weight"), head)
 
     # --- protocol ----------------------------------------------------------------------

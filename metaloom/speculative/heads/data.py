@@ -194,7 +194,7 @@ class Example:
 
 def generate_answers(generator: object, prompts: Sequence[str], max_tokens: int, batch: int,
                      ledger: Ledger | None = None, *, samples: int = 0, temperature: float = 0.8,
-                     seed: int = 0) -> list[tuple[list[int], list[int]]]:
+                     seed: int = 0, log: Callable[[str], None] = lambda _: None) -> list[tuple[list[int], list[int]]]:
     """Answers of the generator's model to chat ``prompts``: (prompt ids, answer ids). Greedy, or
     with ``samples`` > 0 that many sampled answers a prompt (``temperature``, seeded): text in
     the model's own distribution, which phase 2 labels with the model's argmax anyway."""
@@ -214,6 +214,7 @@ def generate_answers(generator: object, prompts: Sequence[str], max_tokens: int,
         for request, completions in zip(requests, generator.generate(requests, ledger=ledger), strict=True):
             ids = generator.encode_prompt(request.prompt)
             out += [(ids, list(c.token_ids)) for c in completions]
+        log(f"  {min(i + per, len(prompts))}/{len(prompts)} prompts answered")
     return out
 
 
@@ -320,17 +321,17 @@ def build_corpus(loaded: object, samples: int, max_tokens: int, *, batch: int = 
     prompts = extra + builtin_prompts(samples - len(extra), seed)
     random.Random(seed).shuffle(prompts)
     t0 = time.perf_counter()
-    answers = generate_answers(generator, prompts, max_tokens, batch)
+    answers = generate_answers(generator, prompts, max_tokens, batch, log=log)
     if grounded:
         texts = [loaded.tokenizer.decode(a) for _, a in answers]
         extra_prompts = grounded_prompts(texts, grounded, seed)
         prompts += extra_prompts
-        answers += generate_answers(generator, extra_prompts, max_tokens, batch)
+        answers += generate_answers(generator, extra_prompts, max_tokens, batch, log=log)
     log(f"generated {len(answers)} answers, {sum(len(a) for _, a in answers)} tokens in {time.perf_counter() - t0:.0f}s")
     docs = [loaded.tokenizer.encode(d)[:512] for d in human_text(documents, seed)]
     if sampled:
         t0 = time.perf_counter()
-        more = generate_answers(generator, prompts, max_tokens, batch, samples=sampled, seed=seed)
+        more = generate_answers(generator, prompts, max_tokens, batch, samples=sampled, seed=seed, log=log)
         docs += [p + a for p, a in more]
         log(f"sampled {len(more)} answers, {sum(len(a) for _, a in more)} tokens in {time.perf_counter() - t0:.0f}s")
     t0 = time.perf_counter()
