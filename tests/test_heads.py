@@ -8,7 +8,7 @@ import torch
 
 from metaloom.decode.loop import decode, prefill
 from metaloom.decode.rows import RowState
-from metaloom.errors import NoSpeculatorHeads, NotAModel, UnsupportedModel
+from metaloom.errors import InvalidParameter, NoSpeculatorHeads, NotAModel, UnsupportedModel
 from metaloom.ledger import Ledger
 from metaloom.models.config import LlamaConfig
 from metaloom.models.llama import LlamaModel
@@ -132,12 +132,31 @@ def test_training_runs_end_to_end_and_lowers_the_loss(tiny, tmp_path):
     z, first_tok = examples[0].hidden[5:9].float(), examples[0].tokens[6:10]
     head = model.lm_head[heads.vocab_ids].float()
     assert torch.equal(loaded.draft(z, first_tok, 3, model.embed, head), heads.draft(z, first_tok, 3, model.embed, head))
+    # confidence cut: with min_prob 0 every stage counts; otherwise the leading stages whose
+    # guess has at least that probability (computed here by hand)
+    drafted, full = heads.draft_confident(z, first_tok, 3, model.embed, head, 0.0)
+    assert torch.equal(drafted, heads.draft(z, first_tok, 3, model.embed, head)) and full.tolist() == [3] * 4
+    state, tok, probs = z, first_tok, []
+    with torch.no_grad():
+        for i in range(3):
+            state = heads.stage(i, state, model.embed[tok].float())
+            p = torch.softmax((heads.out[i](state) @ head.T).float(), dim=-1)
+            probs.append(p.max(dim=-1).values)
+            tok = heads.vocab_ids[p.argmax(dim=-1)]
+    probs_t = torch.stack(probs, dim=1)  # [4 rows, 3 stages]
+    for t in (float(probs_t.min()), float(probs_t.median()), float(probs_t.max()) + 1e-6):
+        _, cut = heads.draft_confident(z, first_tok, 3, model.embed, head, t)
+        assert cut.tolist() == (probs_t >= t).long().cumprod(dim=1).sum(dim=1).tolist()
+    with pytest.raises(InvalidParameter):
+        HeadsDrafter(min_prob=1.0)
     # the drafter with these heads decodes exactly as plain greedy
     for e in examples[:3]:
         prompt = e.tokens[:e.start + 1].tolist()
-        out, usage = _speculative(model, _Tok(), prompt, 30, HeadsDrafter(path=path), num_draft=3)
+        out, usage = _speculative(model, _Tok(), prompt, 30, HeadsDrafter(path=path, min_prob=0.0), num_draft=3)
         assert out == _greedy(model, prompt, 30)
         assert usage.drafted_tokens > 0
+        cut, _ = _speculative(model, _Tok(), prompt, 30, HeadsDrafter(path=path, min_prob=0.5), num_draft=3)
+        assert cut == out  # shorter drafts, same tokens
     # a batch whose rows accept different counts and finish at different steps (finished rows are dropped)
     prompts = [e.tokens[:e.start + 1].tolist() for e in examples[:4]]
     outs, usage = _speculative_batch(model, _Tok(), prompts, [30, 7, 22, 30], HeadsDrafter(heads=heads), num_draft=3)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from metaloom.errors import UnsupportedModel
+from metaloom.errors import InvalidParameter, UnsupportedModel
 from metaloom.ledger import Ledger
 from metaloom.models.protocols import LanguageModel
 from metaloom.sampling.pipeline import Sampler
@@ -62,6 +62,15 @@ class HeadsDrafter:
     path: str | None = None
     heads: SpeculatorHeads | None = None
     name: str = "heads"
+    # a draft stops at the first stage whose guess the heads give less than this probability
+    # (0: always draft every stage); see `SpeculatorHeads.draft_confident`. 0.4 measured best of
+    # 0 / 0.4 / 0.7 on the default model (bf16, 5 prompts): 1.03-1.06x plain greedy against
+    # 0.87-0.88x drafting every stage, whose guesses are mostly rejected there
+    min_prob: float = 0.4
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.min_prob < 1.0:
+            raise InvalidParameter("min_prob", self.min_prob, "a probability in [0, 1)")
 
     def start(self, target: LanguageModel, sampler: Sampler, contexts: Sequence[Sequence[int]],
               generators: Sequence[torch.Generator | None]) -> HeadsState:
@@ -74,14 +83,15 @@ class HeadsDrafter:
         heads = heads.to(device)
         embed = target.embed  # type: ignore[attr-defined]
         head = target.lm_head[heads.vocab_ids].float()  # type: ignore[attr-defined]  # [V_d, d]
-        return HeadsState(heads, embed, head, None)
+        return HeadsState(heads, embed, head, None, self.min_prob)
 
 
 class HeadsState:
     needs_hidden = True  # the decode loop fills `Verified.hidden`
 
     def __init__(self, heads: SpeculatorHeads, embed: torch.Tensor, head: torch.Tensor,
-                 hidden: torch.Tensor | None) -> None:
+                 hidden: torch.Tensor | None, min_prob: float = 0.0) -> None:
+        self.min_prob = min_prob
         self.heads = heads
         self.embed = embed  # [V, d]: the target's (frozen) embedding
         self.head = head  # [V_d, d] float32: the target's LM head rows of the draft vocabulary
@@ -93,9 +103,11 @@ class HeadsState:
         if k == 0 or self.hidden is None:
             return Draft.from_lists([[] for _ in contexts], device)
         first = torch.as_tensor([c[-1] for c in contexts], dtype=torch.long, device=device)
-        tokens = self.heads.draft(self.hidden.float(), first, k, self.embed, self.head)
-        lengths = torch.as_tensor([min(limit, k) for limit in limits], dtype=torch.long, device=device)
-        ledger.charge(flops=self.heads.flops_per_token() * k * len(contexts))
+        tokens, confident = self.heads.draft_confident(self.hidden.float(), first, k, self.embed, self.head, self.min_prob)
+        limit = torch.as_tensor([min(limit, k) for limit in limits], dtype=torch.long, device=device)
+        lengths = torch.minimum(limit, confident.to(device))
+        ran = k if self.min_prob == 0.0 else min(k, int(confident.max()) + 1)  # stages computed
+        ledger.charge(flops=self.heads.flops_per_token() * ran * len(contexts))
         return Draft(tokens=tokens, lengths=lengths)
 
     def observe(self, verified: Verified) -> None:
@@ -110,4 +122,4 @@ class HeadsState:
         hidden = None
         if self.hidden is not None:
             hidden = self.hidden[torch.as_tensor(list(rows), dtype=torch.long, device=self.hidden.device)]
-        return HeadsState(self.heads, self.embed, self.head, hidden)
+        return HeadsState(self.heads, self.embed, self.head, hidden, self.min_prob)

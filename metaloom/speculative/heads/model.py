@@ -130,13 +130,33 @@ class SpeculatorHeads(nn.Module):
     def draft(self, z: torch.Tensor, first: torch.Tensor, k: int, embed: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         """Hierarchical drafting: z [B, d] the target's hidden state at the last token it saw,
         first [B] the token it emitted after it; returns [B, k] target token ids (k <= stages)."""
+        return self.draft_confident(z, first, k, embed, head)[0]
+
+    @torch.no_grad()
+    def draft_confident(self, z: torch.Tensor, first: torch.Tensor, k: int, embed: torch.Tensor, head: torch.Tensor,
+                        min_prob: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """`draft`, plus [B] the number of leading stages whose guess has probability >=
+        ``min_prob`` under the stage's own softmax: a draft cut there spends no verify width on
+        guesses the heads themselves doubt (EAGLE-2, Li et al. 2024, uses the draft's confidence
+        the same way to size its tree). Stops early once no row is confident."""
         state, token = z, first
-        drafted = torch.empty(z.shape[0], k, dtype=torch.long, device=z.device)
+        b = z.shape[0]
+        drafted = torch.zeros(b, k, dtype=torch.long, device=z.device)
+        confident = torch.zeros(b, dtype=torch.long, device=z.device)
+        alive = torch.ones(b, dtype=torch.bool, device=z.device)
         for i in range(k):
             state = self.stage(i, state, F.embedding(token, embed).to(state.dtype))
-            token = self.vocab_ids[(self.out[i](state) @ head.T).argmax(dim=-1)]
+            logits = self.out[i](state) @ head.T
+            best, index = logits.max(dim=-1)
+            token = self.vocab_ids[index]
             drafted[:, i] = token
-        return drafted
+            if min_prob > 0.0:
+                # p(best) = 1 / sum(exp(logits - best))
+                alive &= torch.exp(best - torch.logsumexp(logits.float(), dim=-1)) >= min_prob
+                if not bool(alive.any()):
+                    break
+            confident += alive.long()
+        return drafted, confident
 
     def flops_per_token(self) -> float:
         """FLOPs of drafting one token (one stage), LM head rows included."""
