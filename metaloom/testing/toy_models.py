@@ -7,6 +7,7 @@ exactly like a real cache and engine tests run in milliseconds.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import torch
@@ -51,15 +52,15 @@ class TokenCache:
         self._lengths = new.clone()
 
 
-class TokenCacheModel:
+class TokenCacheModel(ABC):
     """What the toy models share: a CPU `LanguageModel` over a `TokenCache`, costed as one
     vocabulary-sized matmul per logit row. Subclasses set ``_max_context`` and ``vocab_size``."""
 
     _max_context: int
 
     @property
-    def vocab_size(self) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def vocab_size(self) -> int: ...
 
     @property
     def max_context(self) -> int:

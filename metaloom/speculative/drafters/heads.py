@@ -104,9 +104,9 @@ class HeadsState:
             return Draft.from_lists([[] for _ in contexts], device)
         first = torch.as_tensor([c[-1] for c in contexts], dtype=torch.long, device=device)
         tokens, confident = self.heads.draft_confident(self.hidden.float(), first, k, self.embed, self.head, self.min_prob)
-        limit = torch.as_tensor([min(limit, k) for limit in limits], dtype=torch.long, device=device)
-        lengths = torch.minimum(limit, confident.to(device))
-        ran = k if self.min_prob == 0.0 else min(k, int(confident.max()) + 1)  # stages computed
+        caps = torch.as_tensor([min(limit, k) for limit in limits], dtype=torch.long, device=device)
+        lengths = torch.minimum(caps, confident.to(device))
+        ran = min(k, int(confident.max()) + 1)  # stages computed: drafting stops after the last confident one
         ledger.charge(flops=self.heads.flops_per_token() * ran * len(contexts))
         return Draft(tokens=tokens, lengths=lengths)
 
