@@ -111,7 +111,9 @@ def run(args: argparse.Namespace) -> int:
     model = loaded.model
     identity = HeadsConfig(0, 0, 0, 0, 0, model_name=loaded.name, signature=model_signature(model),
                            probe=model_probe(model))
-    embed, lm_head = model.embed.float().cpu(), model.lm_head.float().cpu()  # type: ignore[attr-defined]
+    from metaloom.models.llama import dense_weight
+
+    embed, lm_head = model.embed.float().cpu(), dense_weight(model.lm_head).float().cpu()  # type: ignore[attr-defined]
     phase2_examples = corpus.answers + (corpus.texts if args.phase2_text == "all" else [])
     heads, report = train(corpus.texts, phase2_examples, embed, lm_head, config, identity,
                           always=sorted(loaded.tokenizer.eos_token_ids), device=model.device, log=log)

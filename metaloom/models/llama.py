@@ -8,16 +8,17 @@ each and one attention mask per forward is shared by all layers.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from metaloom.errors import ContextWindowExceeded, InvalidParameter, NotAModel
+from metaloom.errors import ContextWindowExceeded, InvalidParameter, NotAModel, UnsupportedModel
 from metaloom.models.cache import StaticKVCache
 from metaloom.models.config import LlamaConfig
 from metaloom.models.flops import forward_flops
+from metaloom.models.packed import PackedLinear, pack
 from metaloom.models.protocols import KVCache
 from metaloom.models.rope import apply_rope, rope_tables
 
@@ -67,6 +68,19 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     return F.linear(x, w, bias)
 
 
+def plain_weight(w: Weight) -> Weight:
+    """The plain tensor behind a packed weight; any other weight as it is."""
+    return w.weight if isinstance(w, PackedLinear) else w
+
+
+def dense_weight(w: Weight) -> torch.Tensor:
+    """The plain [out, in] tensor of a plain or packed weight (a quantised one has none)."""
+    w = plain_weight(w)
+    if not isinstance(w, torch.Tensor):
+        raise UnsupportedModel(f"a {type(w).__name__} weight has no plain tensor")
+    return w
+
+
 class LlamaModel:
     def __init__(self, config: LlamaConfig, embed: torch.Tensor, layers: list[LayerWeights],
                  norm: torch.Tensor, lm_head: Weight) -> None:
@@ -113,6 +127,23 @@ class LlamaModel:
         head = embed if config.tie_word_embeddings or "lm_head.weight" not in sd else get("lm_head.weight")
         return cls(config, embed, layers, get("model.norm.weight"), head)
 
+    def packed(self) -> LlamaModel:
+        """The same model with its linear weights also in the CPU GEMM libraries' packed layouts
+        (`metaloom.models.packed`: faster one-row decode and k-row verify, more memory)."""
+        if type(self) is not LlamaModel:
+            raise UnsupportedModel(f"packing is for plain LlamaModel weights, not {type(self).__name__}")
+
+        def p(w: Weight) -> Weight:
+            return pack(w) if isinstance(w, torch.Tensor) else w
+
+        layers = [replace(w, qkv=p(w.qkv), o=p(w.o), gate_up=p(w.gate_up), down=p(w.down)) for w in self.layers]
+        return LlamaModel(self.config, self.embed, layers, self.norm, p(self.lm_head))
+
+    def linear_weight_bytes(self) -> int:
+        """Bytes of the plain linear weights (what packing copies)."""
+        ws = [plain_weight(w) for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return sum(w.numel() * w.element_size() for w in [*ws, plain_weight(self.lm_head)] if isinstance(w, torch.Tensor))
+
     # --- protocol ----------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
@@ -128,7 +159,7 @@ class LlamaModel:
 
     def num_parameters(self) -> int:
         n = self.embed.numel() + self.norm.numel()
-        if self.lm_head is not self.embed:
+        if plain_weight(self.lm_head) is not self.embed:
             n += self.lm_head.numel()
         for w in self.layers:
             n += sum(t.numel() for t in (w.attn_norm, w.qkv, w.o, w.mlp_norm, w.gate_up, w.down))

@@ -143,7 +143,10 @@ def pick_device(device: str | None) -> torch.device:
 
 
 def load(spec: str | None = "default", *, dtype: str = "float32", device: str | None = None,
-         backend: str = "auto") -> LoadedModel:
+         backend: str = "auto", pack: bool | None = None) -> LoadedModel:
+    """Load a model (see the module docstring). ``pack``: also keep the native model's linear
+    weights in the CPU GEMM libraries' packed layouts (`metaloom.models.packed`); None packs on
+    the CPU when the extra copies take under a quarter of the machine's memory."""
     if dtype not in DTYPES:
         raise InvalidParameter("dtype", dtype, f"one of {sorted(DTYPES)}")
     if backend not in BACKENDS:
@@ -158,7 +161,7 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
     native = hf_cfg.get("model_type") in NATIVE_MODEL_TYPES
     if backend == "native" or (backend == "auto" and native):
         config = LlamaConfig.from_hf(hf_cfg)
-        model: LanguageModel = _native(config, folder, DTYPES[dtype], dev)
+        model: LanguageModel = _native(config, folder, DTYPES[dtype], dev, pack)
         eos = config.eos_token_id
     else:
         from metaloom.models.hf_adapter import HFModel
@@ -170,7 +173,14 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, folder=folder, dtype=DTYPES[dtype])
 
 
-def _native(config: LlamaConfig, folder: str, dtype: torch.dtype, device: torch.device) -> LanguageModel:
+def _native(config: LlamaConfig, folder: str, dtype: torch.dtype, device: torch.device,
+            pack: bool | None) -> LanguageModel:
     from metaloom.models.llama import LlamaModel
+    from metaloom.models.packed import extra_bytes, fits_in_memory, packing_available
 
-    return LlamaModel.from_state_dict(config, load_state_dict(folder), dtype=dtype, device=device)
+    model = LlamaModel.from_state_dict(config, load_state_dict(folder), dtype=dtype, device=device)
+    if pack is None:
+        pack = packing_available(dtype, device) and fits_in_memory(extra_bytes(model.linear_weight_bytes(), dtype))
+    elif pack and not packing_available(dtype, device):
+        raise InvalidParameter("pack", pack, f"False here: no packed kernels for {dtype} on {device}")
+    return model.packed() if pack else model

@@ -27,6 +27,7 @@ import torch
 
 from metaloom.errors import InvalidParameter, UnsupportedModel
 from metaloom.ledger import Ledger
+from metaloom.models.llama import dense_weight
 from metaloom.models.protocols import LanguageModel
 from metaloom.sampling.pipeline import Sampler
 from metaloom.speculative.drafter import Draft, Verified
@@ -82,7 +83,7 @@ class HeadsDrafter:
         device = target.device
         heads = heads.to(device)
         embed = target.embed  # type: ignore[attr-defined]
-        head = target.lm_head[heads.vocab_ids].float()  # type: ignore[attr-defined]  # [V_d, d]
+        head = dense_weight(target.lm_head)[heads.vocab_ids].float()  # type: ignore[attr-defined]  # [V_d, d]
         return HeadsState(heads, embed, head, None, self.min_prob)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from metaloom.errors import InvalidParameter, UnsupportedModel
-from metaloom.models.llama import LayerWeights, LlamaModel, Weight
+from metaloom.models.llama import LayerWeights, LlamaModel, Weight, plain_weight
 from metaloom.models.protocols import KVCache, LanguageModel
 from metaloom.speculative.drafters.draft_model import DraftModelDrafter
 
@@ -101,6 +101,7 @@ class QuantizedLlama(LlamaModel):
             raise UnsupportedModel(f"quantised self-draft needs the native model, not {type(target).__name__}")
 
         def q(w: Weight, bias: torch.Tensor | None = None) -> QuantLinear:
+            w = plain_weight(w)
             if not isinstance(w, torch.Tensor):
                 raise UnsupportedModel(f"the target's weights are already quantised ({type(w).__name__})")
             return quantize_linear(w, bits, compute_dtype, group_size, bias)
