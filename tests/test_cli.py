@@ -57,3 +57,10 @@ def test_prompt_longer_than_context_window():
     out = run("generate", "word " * 9000, "--max-tokens", "4")
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "context window" in out.stderr
+
+
+def test_bench_speculative_unknown_peer_fails_before_loading_anything():
+    out = run("bench", "speculative", "--peers", "transformers,vllm", timeout=60)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "peers" in lines[0] and "vllm" in lines[0], out.stderr

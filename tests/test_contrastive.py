@@ -174,7 +174,7 @@ def test_truncated_llama_shares_weights_and_full_depth_equals_the_model(smollm):
     n = model.config.num_hidden_layers
     small = truncated_llama(model, 4)
     assert small.config.num_hidden_layers == 4 and small.embed.data_ptr() == model.embed.data_ptr()
-    assert small.layers[3].qkv.data_ptr() == model.layers[3].qkv.data_ptr()
+    assert small.layers[3].qkv is model.layers[3].qkv  # the same weight objects, not copies
     tokens = torch.tensor([smollm.tokenizer.encode("The sky is")])
     full = truncated_llama(model, n).forward(tokens, model.new_cache(1, 8))
     assert torch.equal(full, model.forward(tokens, model.new_cache(1, 8)))

@@ -42,4 +42,6 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafters", default="ngram,quantized,quantized-int4,jacobi,jacobi-lookup,heads,draft")
     p.add_argument("--draft-model", default=None, help="draft model (same tokenizer) for the draft-model drafter")
     p.add_argument("--num-draft", type=int, default=None, help="draft tokens per step (default: each drafter's own)")
+    p.add_argument("--peers", default="transformers,llama.cpp",
+                   help="speculative: peers to run beside metaloom, comma-separated ('' for none)")
     p.add_argument("--prefix-tokens", type=int, default=1000, help="shared prefix for the prefix-cache case (0: skip)")

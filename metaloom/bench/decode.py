@@ -3,9 +3,10 @@ dtype, in one run.
 
 Cases: (1) batch-1 greedy, ``--new-tokens`` tokens, end-of-sequence ignored so both sides
 generate exactly as many; (2) ``--samples`` samples from one ~300-token prompt (transformers:
-``num_return_sequences``; metaloom: prefill once, fork the cache). Reports tokens/s, the
-ratio, and for case 1 the bandwidth achieved reading the weights once per token against the
-machine's copy bandwidth measured here.
+``num_return_sequences``; metaloom: prefill once, fork the cache). The two sides alternate
+within each repeat (`paired_median_seconds`) so drifting load on a shared machine hits both
+alike. Reports tokens/s, the ratio, and for case 1 the bandwidth achieved reading the weights
+once per token against the machine's copy bandwidth measured here.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from metaloom.bench.timing import copy_bandwidth_gbs, median_seconds
+from metaloom.bench.timing import copy_bandwidth_gbs, paired_median_seconds
 from metaloom.generator import LocalGenerator, Request
 from metaloom.ledger import Ledger
 from metaloom.models import load
@@ -73,24 +74,31 @@ def _one_dtype(args: argparse.Namespace, dtype: str) -> tuple[list[CaseResult], 
     messages = ({"role": "user", "content": GREEDY_PROMPT},)
     n = args.new_tokens
     greedy = Request(messages, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-    ours = median_seconds(lambda: gen.generate([greedy], ledger=Ledger()), args.repeats, device=device)
     ids = torch.tensor([tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)], device=device)
-    with torch.inference_mode():
-        theirs = median_seconds(lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                                    min_new_tokens=n, do_sample=False, pad_token_id=0),
-                                args.repeats, device=device)
+
+    def theirs_greedy() -> object:
+        with torch.inference_mode():
+            return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, pad_token_id=0)
+
+    ours, theirs = paired_median_seconds([lambda: gen.generate([greedy], ledger=Ledger()), theirs_greedy],
+                                         args.repeats, device=device)
     results.append(CaseResult(dtype, "batch-1 greedy", n, ours, theirs))
     weight_bytes = loaded.model.num_parameters() * loaded.dtype.itemsize  # type: ignore[attr-defined]
 
     # case 2: k samples from one long prompt
     k, m = args.samples, args.sample_tokens
     sample = Request(LONG_PROMPT, SamplingParams(temperature=1.0, n=k, max_tokens=m, ignore_eos=True, seed=0))
-    ours_k = median_seconds(lambda: gen.generate([sample], ledger=Ledger()), args.repeats, device=device)
     long_ids = torch.tensor([tok.encode(LONG_PROMPT)], device=device)
-    with torch.inference_mode():
-        theirs_k = median_seconds(lambda: hf.generate(long_ids, attention_mask=torch.ones_like(long_ids), max_new_tokens=m,
-                                                      min_new_tokens=m, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
-                                                      num_return_sequences=k, pad_token_id=0), args.repeats, device=device)
+
+    def theirs_samples() -> object:
+        with torch.inference_mode():
+            return hf.generate(long_ids, attention_mask=torch.ones_like(long_ids), max_new_tokens=m, min_new_tokens=m,
+                               do_sample=True, top_k=0, top_p=1.0, temperature=1.0, num_return_sequences=k,
+                               pad_token_id=0)
+
+    ours_k, theirs_k = paired_median_seconds([lambda: gen.generate([sample], ledger=Ledger()), theirs_samples],
+                                             args.repeats, device=device)
     results.append(CaseResult(dtype, f"{k} samples, {long_ids.shape[1]}-token prompt", k * m, ours_k, theirs_k))
     return results, weight_bytes * n / ours / 1e9
 

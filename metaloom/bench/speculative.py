@@ -17,19 +17,20 @@ and with ``assistant_model`` when ``--draft-model`` is given; llama.cpp through
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from metaloom.errors import MetaloomError
+from metaloom.errors import InvalidParameter, MetaloomError
 from metaloom.generator import LocalGenerator, Request
 from metaloom.ledger import Ledger
 from metaloom.models import LoadedModel, load
@@ -173,8 +174,12 @@ def _llama_cpp_methods(args: argparse.Namespace, loaded: LoadedModel, n: int, sk
     if path is None:
         skipped["llama.cpp"] = "the model is not a GGUF file"
         return []
-    problem = _llama_cpp_probe(path)
-    if problem is not None:
+    extra_buffers = True
+    problem = _llama_cpp_probe(path, extra_buffers=True)
+    if problem is not None and _llama_cpp_probe(path, extra_buffers=False) is None:
+        extra_buffers = False  # the default crashed (AMX kernels here); the plain kernels work
+        skipped["llama.cpp extra buffer types (AMX, repacked weights)"] = problem
+    elif problem is not None:
         skipped["llama.cpp"] = problem
         return []
     tok = loaded.tokenizer
@@ -183,7 +188,8 @@ def _llama_cpp_methods(args: argparse.Namespace, loaded: LoadedModel, n: int, sk
     k = args.num_draft or DRAFTERS["ngram"].num_draft
 
     def method(name: str, **extra: Any) -> Method:
-        llm = Llama(model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False, **extra)
+        with contextlib.nullcontext() if extra_buffers else _without_extra_buffers():
+            llm = Llama(model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False, **extra)
 
         def run(i: int) -> tuple[list[int], None]:
             llm.reset()  # no prompt reuse across calls: every call prefills, as the other methods do
@@ -200,20 +206,66 @@ def _llama_cpp_methods(args: argparse.Namespace, loaded: LoadedModel, n: int, sk
             method(f"llama.cpp prompt lookup (K={k})", draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k))]
 
 
-def _llama_cpp_probe(path: str) -> str | None:
-    """Decode two tokens in a child process: a llama.cpp build that crashes (e.g. compiled for
-    CPU features the machine does not enable) must not take the benchmark down with it."""
-    code = ("import sys; from llama_cpp import Llama; "
-            "llm = Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, verbose=False); "
-            "llm.create_completion([1, 2, 3], max_tokens=2, temperature=0.0)")
+_PROBE = """
+import sys
+import llama_cpp.llama_cpp as C
+if sys.argv[2] == "off":
+    default = C.llama_model_default_params
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+    C.llama_model_default_params = params
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, verbose=False)
+llm.create_completion([1, 2, 3], max_tokens=2, temperature=0.0)
+"""
+
+
+def _llama_cpp_probe(path: str, extra_buffers: bool) -> str | None:
+    """Decode two tokens in a child process: a llama.cpp build that crashes (e.g. its AMX
+    kernels, which segfault on this project's machine) must not take the benchmark down."""
     try:
-        done = subprocess.run([sys.executable, "-c", code, path], capture_output=True, timeout=300)
+        done = subprocess.run([sys.executable, "-c", _PROBE, path, "on" if extra_buffers else "off"],
+                              capture_output=True, timeout=300)
     except subprocess.TimeoutExpired:
         return "llama-cpp-python did not decode two tokens in 300 s"
     if done.returncode != 0:
         tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or [""]
         return f"llama-cpp-python is installed but fails on this machine (exit {done.returncode}) {tail[0]}".strip()
     return None
+
+
+@contextlib.contextmanager
+def _without_extra_buffers() -> Iterator[None]:
+    """Load llama.cpp models with ``use_extra_bufts = False``: no AMX / repacked weight buffers,
+    the plain AVX2/AVX-512 kernels. llama-cpp-python has no argument for it, so its default
+    model parameters are wrapped while a model loads."""
+    import llama_cpp.llama_cpp as C
+
+    default = C.llama_model_default_params
+
+    def params() -> Any:
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    C.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        C.llama_model_default_params = default
+
+
+PEERS: dict[str, Callable[[argparse.Namespace, LoadedModel, int, dict[str, str]], list[Method]]] = {
+    "transformers": _transformers_methods, "llama.cpp": _llama_cpp_methods}
+
+
+def _peers(args: argparse.Namespace) -> set[str]:
+    peers = {p for p in args.peers.split(",") if p}
+    if unknown := peers - set(PEERS):
+        raise InvalidParameter("peers", sorted(unknown), f"a comma-separated subset of {list(PEERS)}")
+    return peers
 
 
 def prefix_cache_case(loaded: LoadedModel, prefix_tokens: int, repeats: int) -> dict[str, Any]:
@@ -227,6 +279,7 @@ def prefix_cache_case(loaded: LoadedModel, prefix_tokens: int, repeats: int) -> 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """One report per dtype in ``--dtypes``; the prefix-cache case runs once, on the first."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _peers(args)  # a bad --peers fails before any model loads
     reports = [_one_dtype(args, dtype) for dtype in args.dtypes.split(",") if dtype]
     out: dict[str, Any] = {"threads": torch.get_num_threads(), "new_tokens": args.new_tokens, "prompts": len(PROMPTS),
                            "repeats": args.repeats, "runs": reports}
@@ -241,8 +294,12 @@ def _one_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     skipped: dict[str, str] = {}
     methods = [_metaloom(loaded, "metaloom greedy", None, n)]
     methods += _drafter_methods(args, loaded, n, skipped)
-    methods += _transformers_methods(args, loaded, n, skipped)
-    methods += _llama_cpp_methods(args, loaded, n, skipped)
+    peers = _peers(args)
+    for peer, build in PEERS.items():
+        if peer in peers:
+            methods += build(args, loaded, n, skipped)
+        else:
+            skipped[peer] = "not asked for (--peers)"
     for m in list(methods):  # warm-up: first calls pay for allocations, thread pools, lazy imports
         try:
             for i in range(len(PROMPTS)):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -29,6 +29,25 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1,
         synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def paired_median_seconds(fns: Sequence[Callable[[], object]], repeats: int, warmup: int = 1,
+                          device: torch.device | str | None = None) -> list[float]:
+    """Median seconds of each of ``fns``, run in turn within every repeat (A B A B ...) after
+    ``warmup`` rounds, so load that drifts during the run (a shared host, thermal limits) hits
+    every function alike and their ratios stay fair."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, times, strict=True):
+            synchronize(device)
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            out.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
 def copy_bandwidth_gbs(megabytes: int = 512, repeats: int = 5, device: torch.device | str = "cpu") -> float:
