@@ -49,7 +49,8 @@ class LayerWeights:
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ w[out, in].T (+ bias), by the kernel that is fastest here.
 
-    - a `MatMul` (not a tensor) multiplies by itself;
+    - a `MatMul` (not a tensor) multiplies by itself: a quantised weight, or a
+      `metaloom.models.packed.PackedLinear` (the CPU default, see `LlamaModel.packed`);
     - a single row goes through `torch.mv`: in bfloat16 the GEMM path is several times slower
       for one row (0.9 vs 20 GB/s, measured), and `mv` over [out, in] is the fastest bfloat16
       kernel here;

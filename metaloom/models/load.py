@@ -178,9 +178,9 @@ def _native(config: LlamaConfig, folder: str, dtype: torch.dtype, device: torch.
     from metaloom.models.llama import LlamaModel
     from metaloom.models.packed import extra_bytes, fits_in_memory, packing_available
 
+    if pack and not packing_available(dtype, device):  # refuse before reading any weights
+        raise InvalidParameter("pack", pack, f"False here: no packed kernels for {dtype} on {device}")
     model = LlamaModel.from_state_dict(config, load_state_dict(folder), dtype=dtype, device=device)
     if pack is None:
         pack = packing_available(dtype, device) and fits_in_memory(extra_bytes(model.linear_weight_bytes(), dtype))
-    elif pack and not packing_available(dtype, device):
-        raise InvalidParameter("pack", pack, f"False here: no packed kernels for {dtype} on {device}")
     return model.packed() if pack else model
