@@ -188,7 +188,7 @@ def _llama_cpp_methods(args: argparse.Namespace, loaded: LoadedModel, n: int, sk
     k = args.num_draft or DRAFTERS["ngram"].num_draft
 
     def method(name: str, **extra: Any) -> Method:
-        with contextlib.nullcontext() if extra_buffers else _without_extra_buffers():
+        with llama_cpp_params(extra_buffers):
             llm = Llama(model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False, **extra)
 
         def run(i: int) -> tuple[list[int], None]:
@@ -208,16 +208,10 @@ def _llama_cpp_methods(args: argparse.Namespace, loaded: LoadedModel, n: int, sk
 
 _PROBE = """
 import sys
-import llama_cpp.llama_cpp as C
-if sys.argv[2] == "off":
-    default = C.llama_model_default_params
-    def params():
-        p = default()
-        p.use_extra_bufts = False
-        return p
-    C.llama_model_default_params = params
 from llama_cpp import Llama
-llm = Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, verbose=False)
+from metaloom.bench.speculative import llama_cpp_params
+with llama_cpp_params(extra_buffers=sys.argv[2] == "on"):
+    llm = Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, verbose=False)
 llm.create_completion([1, 2, 3], max_tokens=2, temperature=0.0)
 """
 
@@ -237,10 +231,13 @@ def _llama_cpp_probe(path: str, extra_buffers: bool) -> str | None:
 
 
 @contextlib.contextmanager
-def _without_extra_buffers() -> Iterator[None]:
-    """Load llama.cpp models with ``use_extra_bufts = False``: no AMX / repacked weight buffers,
-    the plain AVX2/AVX-512 kernels. llama-cpp-python has no argument for it, so its default
-    model parameters are wrapped while a model loads."""
+def llama_cpp_params(extra_buffers: bool) -> Iterator[None]:
+    """Load llama.cpp models inside this block with or without its extra buffer types (AMX /
+    repacked weights; without: the plain AVX2/AVX-512 kernels). llama-cpp-python has no
+    argument for ``use_extra_bufts``, so its default model parameters are wrapped meanwhile."""
+    if extra_buffers:
+        yield
+        return
     import llama_cpp.llama_cpp as C
 
     default = C.llama_model_default_params

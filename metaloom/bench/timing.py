@@ -19,16 +19,7 @@ def synchronize(device: torch.device | str | None = None) -> None:
 
 def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1,
                    device: torch.device | str | None = None) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return paired_median_seconds([fn], repeats, warmup, device)[0]
 
 
 def paired_median_seconds(fns: Sequence[Callable[[], object]], repeats: int, warmup: int = 1,

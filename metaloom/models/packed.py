@@ -81,8 +81,3 @@ def fits_in_memory(extra: int, share: float = 0.25) -> bool:
     except (ValueError, OSError, AttributeError):
         return False
     return extra <= share * total
-
-
-def dense(w: torch.Tensor | PackedLinear) -> torch.Tensor:
-    """The plain [out, in] tensor behind a weight that may be packed."""
-    return w.weight if isinstance(w, PackedLinear) else w
