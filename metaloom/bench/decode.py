@@ -22,6 +22,7 @@ from metaloom.bench.timing import copy_bandwidth_gbs, paired_median_seconds
 from metaloom.generator import LocalGenerator, Request
 from metaloom.ledger import Ledger
 from metaloom.models import load
+from metaloom.models.fused import step_path
 from metaloom.models.load import pick_device
 from metaloom.sampling import SamplingParams
 
@@ -61,8 +62,9 @@ def _hf_model(folder: str, dtype: torch.dtype, device: torch.device):
     return model.to(device).eval()  # type: ignore[arg-type]  # transformers' stubs type .to() narrowly
 
 
-def _one_dtype(args: argparse.Namespace, dtype: str) -> tuple[list[CaseResult], float]:
-    """Both cases for one dtype; returns the results and the achieved weight bandwidth (GB/s)."""
+def _one_dtype(args: argparse.Namespace, dtype: str) -> tuple[list[CaseResult], float, str]:
+    """Both cases for one dtype; returns the results, the achieved weight bandwidth (GB/s) and
+    how metaloom's model took its one-token steps (`metaloom.models.fused.step_path`)."""
     loaded = load(args.model, dtype=dtype, device=args.device)
     device = loaded.model.device
     gen = LocalGenerator(loaded)
@@ -100,7 +102,7 @@ def _one_dtype(args: argparse.Namespace, dtype: str) -> tuple[list[CaseResult], 
     ours_k, theirs_k = paired_median_seconds([lambda: gen.generate([sample], ledger=Ledger()), theirs_samples],
                                              args.repeats, device=device)
     results.append(CaseResult(dtype, f"{k} samples, {long_ids.shape[1]}-token prompt", k * m, ours_k, theirs_k))
-    return results, weight_bytes * n / ours / 1e9
+    return results, weight_bytes * n / ours / 1e9, step_path(loaded.model)
 
 
 def _device_name(device: torch.device) -> str:
@@ -113,14 +115,16 @@ def run(args: argparse.Namespace) -> dict:
     bandwidth = copy_bandwidth_gbs(device=device)
     results: list[CaseResult] = []
     achieved: dict[str, float] = {}
+    steps: dict[str, str] = {}
     for dtype in args.dtypes.split(","):
-        cases, achieved[dtype] = _one_dtype(args, dtype)
+        cases, achieved[dtype], steps[dtype] = _one_dtype(args, dtype)
         results.extend(cases)
     return {
         "machine": {"device": _device_name(device), "threads": torch.get_num_threads(), "copy_bandwidth_gb_s": bandwidth},
         "cases": [asdict(r) | {"metaloom_tok_s": r.metaloom_tok_s, "transformers_tok_s": r.transformers_tok_s,
                                "speedup": r.speedup} for r in results],
         "achieved_weight_bandwidth_gb_s": achieved,
+        "decode_steps": steps,
         "repeats": args.repeats,
     }
 
@@ -139,5 +143,5 @@ def main(args: argparse.Namespace) -> int:
               f"{c['transformers_tok_s']:>19.1f} {c['speedup']:>6.2f}x")
     for dtype, gbs in report["achieved_weight_bandwidth_gb_s"].items():
         print(f"{dtype}: batch-1 greedy reads the weights at {gbs:.1f} GB/s "
-              f"= {100 * gbs / bw:.0f}% of measured copy bandwidth")
+              f"= {100 * gbs / bw:.0f}% of measured copy bandwidth; one-token steps: {report['decode_steps'][dtype]}")
     return 0

@@ -18,6 +18,7 @@ from metaloom.errors import ContextWindowExceeded, InvalidParameter, NotAModel, 
 from metaloom.models.cache import StaticKVCache
 from metaloom.models.config import LlamaConfig
 from metaloom.models.flops import forward_flops
+from metaloom.models.fused import FusedKernels, unsupported_reason
 from metaloom.models.packed import PackedLinear, pack
 from metaloom.models.protocols import KVCache
 from metaloom.models.rope import apply_rope, rope_tables
@@ -84,8 +85,13 @@ def dense_weight(w: Weight) -> torch.Tensor:
 
 class LlamaModel:
     def __init__(self, config: LlamaConfig, embed: torch.Tensor, layers: list[LayerWeights],
-                 norm: torch.Tensor, lm_head: Weight) -> None:
+                 norm: torch.Tensor, lm_head: Weight, fused: FusedKernels | None = None) -> None:
+        """``fused``: the CPU kernels for one-token steps (`metaloom.models.fused`), or None for
+        PyTorch ops only; an `UnsupportedModel` error says why a model cannot take them."""
+        if fused is not None and (why := unsupported_reason(config, embed.dtype, embed.device)) is not None:
+            raise UnsupportedModel(why)
         self.config = config
+        self.fused = fused
         self.embed = embed
         self.layers = layers
         self.norm = norm
@@ -138,7 +144,13 @@ class LlamaModel:
             return pack(w) if isinstance(w, torch.Tensor) else w
 
         layers = [replace(w, qkv=p(w.qkv), o=p(w.o), gate_up=p(w.gate_up), down=p(w.down)) for w in self.layers]
-        return LlamaModel(self.config, self.embed, layers, self.norm, p(self.lm_head))
+        return LlamaModel(self.config, self.embed, layers, self.norm, p(self.lm_head), self.fused)
+
+    def with_fused(self, fused: FusedKernels | None) -> LlamaModel:
+        """The same weights, taking one-token steps through ``fused`` (None: PyTorch ops only)."""
+        if type(self) is not LlamaModel:
+            raise UnsupportedModel(f"with_fused is for plain LlamaModel weights, not {type(self).__name__}")
+        return LlamaModel(self.config, self.embed, self.layers, self.norm, self.lm_head, fused)
 
     def linear_weight_bytes(self) -> int:
         """Bytes of the plain linear weights (what packing copies)."""
@@ -207,6 +219,8 @@ class LlamaModel:
         if valid is None:
             valid = torch.full((b,), t, dtype=torch.long, device=tokens.device)
         cache.reserve(t)
+        if t == 1 and self.fused is not None:
+            return self._step_fused(tokens, cache, valid, self.fused)
         lengths = cache.lengths
         uniform = bool((lengths == lengths[0]).all()) if b else True
         positions = lengths[:, None] + torch.arange(t, device=tokens.device)  # [B, T]
@@ -235,6 +249,33 @@ class LlamaModel:
         if last_only:
             x = x[torch.arange(b, device=x.device), valid - 1][:, None]
         return F.rms_norm(x, (c.hidden_size,), self.norm, c.rms_norm_eps)
+
+    def _step_fused(self, tokens: torch.Tensor, cache: StaticKVCache, valid: torch.Tensor,
+                    k: FusedKernels) -> torch.Tensor:
+        """`_hidden` for one new token per row through the fused kernels (`metaloom.models.fused`):
+        the same arithmetic, three kernel calls and four matmuls per layer. -> [B, 1, d]"""
+        c = self.config
+        b, h = tokens.shape[0], c.num_attention_heads
+        x = F.embedding(tokens[:, 0], self.embed)  # [B, d], a fresh tensor: the residual stream
+        y = torch.empty_like(x)
+        attn = x.new_empty(b, h * c.head_dim)
+        act = x.new_empty(b, c.intermediate_size)
+        lengths = cache.lengths.contiguous()
+        for t in (cache.keys[0], cache.values[0]):  # the kernels write the cache by raw offsets
+            if t.shape[0] != b or t.dtype != torch.float32 or not t.is_contiguous():
+                raise UnsupportedModel("the fused step needs the contiguous float32 cache of new_cache()")
+        delta = None  # the last sublayer's output, added to x by the next norm
+        for i, w in enumerate(self.layers):
+            k.residual_rms_norm(x, delta, w.attn_norm, y, c.rms_norm_eps)
+            qkv = linear(y, w.qkv, w.qkv_bias).contiguous()
+            k.rope_attend(qkv, self._cos, self._sin, lengths, cache.keys[i], cache.values[i], attn, h,
+                          c.sliding_window)
+            k.residual_rms_norm(x, linear(attn, w.o).contiguous(), w.mlp_norm, y, c.rms_norm_eps)
+            k.silu_mul(linear(y, w.gate_up).contiguous(), act)
+            delta = linear(act, w.down).contiguous()
+        k.residual_rms_norm(x, delta, self.norm, y, c.rms_norm_eps)
+        cache.advance(valid)
+        return y[:, None]
 
     def _mask(self, positions: torch.Tensor, keys_len: int, uniform: bool) -> tuple[torch.Tensor | None, bool]:
         """Boolean mask [B, 1, T, S] (True = attend), or (None, is_causal) when SDPA's built-in

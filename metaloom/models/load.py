@@ -143,10 +143,16 @@ def pick_device(device: str | None) -> torch.device:
 
 
 def load(spec: str | None = "default", *, dtype: str = "float32", device: str | None = None,
-         backend: str = "auto", pack: bool | None = None) -> LoadedModel:
-    """Load a model (see the module docstring). ``pack``: also keep the native model's linear
-    weights in the CPU GEMM libraries' packed layouts (`metaloom.models.packed`); None packs on
-    the CPU when the extra copies take under a quarter of the machine's memory."""
+         backend: str = "auto", pack: bool | None = None, fused: bool | None = None) -> LoadedModel:
+    """Load a model (see the module docstring). For the native model:
+
+    - ``pack``: also keep the linear weights in the CPU GEMM libraries' packed layouts
+      (`metaloom.models.packed`); None packs on the CPU when the extra copies take under a
+      quarter of the machine's memory;
+    - ``fused``: take one-token decode steps through the fused CPU kernels
+      (`metaloom.models.fused`, float32); None uses them where they build and apply.
+
+    True for either where it cannot be done is an `InvalidParameter` naming why."""
     if dtype not in DTYPES:
         raise InvalidParameter("dtype", dtype, f"one of {sorted(DTYPES)}")
     if backend not in BACKENDS:
@@ -161,7 +167,7 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
     native = hf_cfg.get("model_type") in NATIVE_MODEL_TYPES
     if backend == "native" or (backend == "auto" and native):
         config = LlamaConfig.from_hf(hf_cfg)
-        model: LanguageModel = _native(config, folder, DTYPES[dtype], dev, pack)
+        model: LanguageModel = _native(config, folder, DTYPES[dtype], dev, pack, fused)
         eos = config.eos_token_id
     else:
         from metaloom.models.hf_adapter import HFModel
@@ -174,13 +180,24 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
 
 
 def _native(config: LlamaConfig, folder: str, dtype: torch.dtype, device: torch.device,
-            pack: bool | None) -> LanguageModel:
+            pack: bool | None, fused: bool | None) -> LanguageModel:
+    from metaloom.models.fused import kernels, unsupported_reason
     from metaloom.models.llama import LlamaModel
     from metaloom.models.packed import extra_bytes, fits_in_memory, packing_available
 
-    if pack and not packing_available(dtype, device):  # refuse before reading any weights
+    # refuse before reading any weights
+    if pack and not packing_available(dtype, device):
         raise InvalidParameter("pack", pack, f"False here: no packed kernels for {dtype} on {device}")
+    why_not = unsupported_reason(config, dtype, device)
+    if fused and why_not is None:
+        why_not = kernels().reason if kernels().kernels is None else None
+    if fused and why_not is not None:
+        raise InvalidParameter("fused", fused, f"False here: {why_not}")
     model = LlamaModel.from_state_dict(config, load_state_dict(folder), dtype=dtype, device=device)
     if pack is None:
         pack = packing_available(dtype, device) and fits_in_memory(extra_bytes(model.linear_weight_bytes(), dtype))
-    return model.packed() if pack else model
+    if pack:
+        model = model.packed()
+    if fused is not False and why_not is None:
+        model = model.with_fused(kernels().kernels)
+    return model

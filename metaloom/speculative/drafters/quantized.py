@@ -110,7 +110,7 @@ class QuantizedLlama(LlamaModel):
                                o=q(w.o), mlp_norm=w.mlp_norm.to(compute_dtype), gate_up=q(w.gate_up), down=q(w.down))
                   for w in target.layers]
         super().__init__(target.config, target.embed.to(compute_dtype), layers, target.norm.to(compute_dtype),
-                         q(target.lm_head))
+                         q(target.lm_head), target.fused if compute_dtype == torch.float32 else None)
         self.bits = bits
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, *, valid: torch.Tensor | None = None,

@@ -1,0 +1,201 @@
+"""Fused float32 CPU kernels for the glue of a one-token decode step (`fused.c`).
+
+Why: a batch-1 decode step of SmolLM2-135M in float32 is ~30 ms of matmuls and ~15 ms of some
+600 small PyTorch ops (two norms, RoPE, two cache writes, attention over one query, SwiGLU,
+two residual adds per layer). Each of those costs microseconds of dispatch for a few hundred
+floats of work. `fused.c` does the same arithmetic in three calls per layer:
+
+- `residual_rms_norm`: ``x += delta`` (the residual add, in place) then RMSNorm;
+- `rope_attend`: RoPE on q and k, the k/v cache write, and softmax(q K^T / sqrt(D)) V for every
+  query head (grouped-query, optional sliding window), one new token per row;
+- `silu_mul`: SwiGLU's ``silu(gate) * up``.
+
+The matmuls stay PyTorch's. `metaloom.models.llama.LlamaModel` takes this path for one-token
+steps when it was given the kernels (`load` does so on the CPU in float32); prefill and k-token
+verification stay on the PyTorch ops. Results agree with the PyTorch path to float rounding
+(tests/test_fused.py).
+
+The C file is compiled on first use with the machine's C compiler (``$CC``, else ``cc``,
+``gcc`` or ``clang``) into ``~/.cache/metaloom/kernels/<hash>/`` (about a second), keyed by the
+source, the compiler and the CPU, so later processes just load it. Without a compiler the
+model runs the PyTorch ops and `kernels()` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from metaloom.models.config import LlamaConfig
+
+SOURCE = Path(__file__).with_name("fused.c")
+ABI_VERSION = 1  # must match fused.c
+MAX_HEAD_DIM = 256  # fused.c keeps a query and its output in 16 vectors of 16
+_FLAGS = ("-O3", "-fno-math-errno", "-shared", "-fPIC")
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+@dataclass(frozen=True)
+class FusedKernels:
+    """The loaded library. Every tensor argument must be a contiguous float32 CPU tensor of the
+    documented shape (the model's fused step guarantees it; these calls check nothing, since
+    a check per call would cost a good part of what fusing saves)."""
+
+    lib: ctypes.CDLL
+    path: str
+
+    def residual_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor,
+                          y: torch.Tensor, eps: float) -> None:
+        """x [R, d] += delta (if given, in place); y [R, d] = RMSNorm(x) * w."""
+        self.lib.residual_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), w.data_ptr(),
+                                   y.data_ptr(), x.shape[0], x.shape[1], eps)
+
+    def silu_mul(self, gate_up: torch.Tensor, y: torch.Tensor) -> None:
+        """gate_up [R, 2 I] = [gate | up]; y [R, I] = silu(gate) * up."""
+        self.lib.silu_mul(gate_up.data_ptr(), y.data_ptr(), y.shape[0], y.shape[1])
+
+    def rope_attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: torch.Tensor,
+                    keys: torch.Tensor, values: torch.Tensor, out: torch.Tensor, heads: int,
+                    window: int | None) -> None:
+        """qkv [R, (H + 2 H_kv) D]; cos, sin [positions, D]; lengths [R] int64 (each row's new
+        position); keys, values [R, H_kv, capacity, D] (written at that position);
+        out [R, H D] = attention of the rotated queries over positions 0..length (the last
+        ``window`` of them with a sliding window)."""
+        rows, kv_heads, cap, dim = keys.shape
+        rc = self.lib.rope_attend(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), lengths.data_ptr(),
+                                  keys.data_ptr(), values.data_ptr(), out.data_ptr(), rows, heads, kv_heads,
+                                  dim, cap, window or 0)
+        if rc != 0:
+            raise MemoryError("fused attention could not allocate its score buffer" if rc == -1
+                              else f"fused attention refused head_dim {dim} (at most {MAX_HEAD_DIM})")
+
+
+@dataclass(frozen=True)
+class Availability:
+    kernels: FusedKernels | None
+    reason: str  # why not, or where the library is
+
+
+def unsupported_reason(config: LlamaConfig, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why the fused step cannot run this model here, or None when it can."""
+    if device.type != "cpu":
+        return f"the fused kernels are for the CPU, not {device.type}"
+    if dtype != torch.float32:
+        return f"the fused kernels are float32 only, not {dtype}"
+    c = config
+    if c.hidden_size % 16 or c.intermediate_size % 16:
+        return "hidden and intermediate sizes must be multiples of 16"
+    if c.head_dim % 32 or c.head_dim > MAX_HEAD_DIM:
+        return f"head_dim must be a multiple of 32 and at most {MAX_HEAD_DIM}, not {c.head_dim}"
+    if c.num_attention_heads % c.num_key_value_heads:
+        return "query heads must be a multiple of key/value heads"
+    return None
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc)
+    return next((p for p in map(shutil.which, ("cc", "gcc", "clang")) if p), None)
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU model and its feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _kernels_dir() -> Path:
+    base = os.environ.get("METALOOM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "metaloom")
+    return Path(base) / "kernels"
+
+
+def _compile(cc: str, out: Path) -> str | None:
+    """Compile fused.c into ``out`` (atomically); returns the compiler's complaint, or None."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    error = ""
+    try:
+        # -march=native first (AVX-512 here); a compiler that does not know it gets the baseline
+        for arch in (("-march=native",), ()):
+            run = subprocess.run([cc, *arch, *_FLAGS, str(SOURCE), "-o", tmp, "-lm"],
+                                 capture_output=True, text=True, timeout=300)
+            if run.returncode == 0:
+                os.replace(tmp, out)
+                return None
+            error = " | ".join((run.stderr or run.stdout).strip().splitlines()[-3:])
+        return error or f"{cc} exited with {run.returncode}"
+    except (OSError, subprocess.SubprocessError) as exc:
+        return str(exc)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _bind(path: Path) -> FusedKernels:
+    lib = ctypes.CDLL(str(path))
+    lib.metaloom_fused_abi.restype = ctypes.c_int
+    if lib.metaloom_fused_abi() != ABI_VERSION:
+        raise OSError(f"{path} has ABI {lib.metaloom_fused_abi()}, expected {ABI_VERSION}")
+    lib.residual_rms_norm.argtypes = [_P, _P, _P, _P, _I, _I, ctypes.c_float]
+    lib.residual_rms_norm.restype = None
+    lib.silu_mul.argtypes = [_P, _P, _I, _I]
+    lib.silu_mul.restype = None
+    lib.rope_attend.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I]
+    lib.rope_attend.restype = ctypes.c_int
+    return FusedKernels(lib, str(path))
+
+
+def build(cache_dir: Path | None = None, compiler: str | None = None) -> Availability:
+    """Compile (or reuse) and load the kernels. Never raises: a failure is a reason."""
+    cc = compiler or _compiler()
+    if cc is None:
+        return Availability(None, "no C compiler found (set CC, or install gcc or clang)")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(_FLAGS).encode(),
+                                     platform.machine().encode(), _cpu_signature().encode()])).hexdigest()[:16]
+    path = (cache_dir or _kernels_dir()) / key / "fused.so"
+    if not path.exists():
+        error = _compile(cc, path)
+        if error is not None:
+            return Availability(None, f"compiling {SOURCE.name} with {cc} failed: {error}")
+    try:
+        return Availability(_bind(path), str(path))
+    except (OSError, AttributeError) as exc:
+        return Availability(None, f"loading {path} failed: {exc}")
+
+
+@functools.cache
+def kernels() -> Availability:
+    """This process's kernels (built once per process, compiled once per machine)."""
+    return build()
+
+
+def step_path(model: object) -> str:
+    """How ``model`` takes one-token steps, for reports: the fused kernels, or why not."""
+    if getattr(model, "fused", None) is not None:
+        return "fused kernels"
+    config, embed = getattr(model, "config", None), getattr(model, "embed", None)
+    if not isinstance(config, LlamaConfig) or not isinstance(embed, torch.Tensor):
+        return f"PyTorch ops: {type(model).__name__} is not the native model"
+    why = unsupported_reason(config, embed.dtype, embed.device)
+    if why is None:
+        available = kernels()
+        why = available.reason if available.kernels is None else "turned off (fused=False)"
+    return f"PyTorch ops: {why}"

@@ -1,0 +1,218 @@
+"""The fused CPU decode kernels (metaloom.models.fused): each kernel against the PyTorch ops it
+replaces, a model's one-token steps through them against the same model without them, and a
+clear reason (or typed error) where they cannot be had."""
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from metaloom.errors import InvalidParameter
+from metaloom.models.config import LlamaConfig
+from metaloom.models.fused import build, kernels, unsupported_reason
+from metaloom.models.llama import LlamaModel
+from metaloom.models.rope import apply_rope, rope_tables
+
+CPU = torch.device("cpu")
+KERNELS = kernels().kernels
+needs = pytest.mark.skipif(KERNELS is None, reason=f"no fused kernels here: {kernels().reason}")
+
+
+def _g(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@needs
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_residual_rms_norm_equals_add_then_rms_norm(with_delta):
+    x = torch.randn(3, 576, generator=_g(0)) * 3
+    delta = torch.randn(3, 576, generator=_g(1)) if with_delta else None
+    w = 1 + 0.1 * torch.randn(576, generator=_g(2))
+    expected_x = x + delta if with_delta else x.clone()
+    expected_y = F.rms_norm(expected_x, (576,), w, 1e-5)
+    y = torch.empty_like(x)
+    KERNELS.residual_rms_norm(x, delta, w, y, 1e-5)
+    assert torch.allclose(x, expected_x, rtol=0, atol=0)  # the residual add is in place and exact
+    assert (y - expected_y).abs().max().item() <= 1e-5
+
+
+@needs
+def test_silu_mul_equals_torch_including_saturated_gates():
+    gate = torch.randn(2, 64, generator=_g(3)) * 4
+    gate[0, :8] = torch.tensor([-1000.0, -100.0, -88.0, -20.0, 0.0, 20.0, 88.0, 1000.0])
+    up = torch.randn(2, 64, generator=_g(4))
+    y = torch.empty(2, 64)
+    KERNELS.silu_mul(torch.cat([gate, up], dim=-1), y)
+    expected = F.silu(gate) * up
+    assert torch.isfinite(y).all()
+    assert ((y - expected).abs() <= 1e-6 + 1e-5 * expected.abs()).all()
+
+
+def _reference_attend(qkv, cos, sin, lengths, keys, values, heads, window):
+    """The PyTorch ops of LlamaModel._hidden for one token per row: RoPE, cache write, SDPA."""
+    rows, kv_heads, _, dim = keys.shape
+    out = []
+    for r in range(rows):
+        pos = int(lengths[r])
+        x = qkv[r].view(heads + 2 * kv_heads, 1, dim)[None]  # [1, heads, 1, dim]
+        q, k = apply_rope(x[:, :heads + kv_heads], cos[pos][None, None, None], sin[pos][None, None, None]).split(
+            [heads, kv_heads], dim=1)
+        keys[r, :, pos] = k[0, :, 0]
+        values[r, :, pos] = x[0, heads + kv_heads:, 0]
+        lo = max(0, pos - window + 1) if window else 0
+        a = F.scaled_dot_product_attention(q, keys[r:r + 1, :, lo:pos + 1], values[r:r + 1, :, lo:pos + 1],
+                                           enable_gqa=True)
+        out.append(a.reshape(heads * dim))
+    return torch.stack(out)
+
+
+@needs
+@pytest.mark.parametrize("heads, kv_heads, dim, window", [(9, 3, 64, None), (4, 1, 128, None), (2, 2, 96, None),
+                                                          (6, 2, 64, 5)])
+def test_rope_attend_equals_rope_cache_write_and_sdpa(heads, kv_heads, dim, window):
+    rows, cap = 3, 40
+    lengths = torch.tensor([0, 7, 33])  # a fresh row, a short one, one past the window
+    cos, sin = rope_tables(dim, 10000.0, None, 64, torch.float32, CPU)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=_g(5))
+    keys = torch.randn(rows, kv_heads, cap, dim, generator=_g(6))
+    values = torch.randn(rows, kv_heads, cap, dim, generator=_g(7))
+    ref_keys, ref_values = keys.clone(), values.clone()
+    expected = _reference_attend(qkv, cos, sin, lengths, ref_keys, ref_values, heads, window)
+    out = torch.empty(rows, heads * dim)
+    KERNELS.rope_attend(qkv, cos, sin, lengths, keys, values, out, heads, window)
+    assert (out - expected).abs().max().item() <= 2e-5
+    assert (keys - ref_keys).abs().max().item() <= 1e-6  # the rotated key, at each row's position
+    assert torch.equal(values, ref_values)  # the value, copied
+
+
+def _tiny(model_type: str = "llama", **extra) -> LlamaModel:
+    """A tiny random model whose sizes the kernels take (multiples of 16, head_dim 32)."""
+    torch.manual_seed(0)
+    d, inter, heads, kv, vocab = 64, 96, 2, 1, 103
+    cfg = LlamaConfig.from_hf({"model_type": model_type, "vocab_size": vocab, "hidden_size": d,
+                               "intermediate_size": inter, "num_hidden_layers": 2, "num_attention_heads": heads,
+                               "num_key_value_heads": kv, "max_position_embeddings": 128, "rms_norm_eps": 1e-5,
+                               "tie_word_embeddings": True, **extra})
+    sd = {"model.embed_tokens.weight": torch.randn(vocab, d), "model.norm.weight": 1 + 0.1 * torch.randn(d)}
+    hd = d // heads
+    shapes = {"self_attn.q_proj": (heads * hd, d), "self_attn.k_proj": (kv * hd, d), "self_attn.v_proj": (kv * hd, d),
+              "self_attn.o_proj": (d, heads * hd), "mlp.gate_proj": (inter, d), "mlp.up_proj": (inter, d),
+              "mlp.down_proj": (d, inter)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        for name, shape in shapes.items():
+            sd[p + name + ".weight"] = torch.randn(shape) / math.sqrt(shape[1])
+            if cfg.attention_bias and name[-6:] in ("q_proj", "k_proj", "v_proj"):
+                sd[p + name + ".bias"] = 0.1 * torch.randn(shape[0])
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            sd[p + norm + ".weight"] = 1 + 0.1 * torch.randn(d)
+    return LlamaModel.from_state_dict(cfg, sd)
+
+
+@needs
+@pytest.mark.parametrize("kind", ["llama", "qwen2-bias", "mistral-window"])
+def test_fused_steps_equal_pytorch_steps_for_mixed_length_rows(kind):
+    extra = {"qwen2-bias": {"model_type": "qwen2"},
+             "mistral-window": {"model_type": "mistral", "sliding_window": 6}}.get(kind, {})
+    model_type = extra.pop("model_type", "llama")
+    plain = _tiny(model_type, **extra)
+    assert unsupported_reason(plain.config, torch.float32, CPU) is None
+    fused = plain.with_fused(KERNELS)
+    assert plain.fused is None and fused.fused is KERNELS
+    prompts = torch.randint(0, 103, (2, 9), generator=_g(8))
+    valid = torch.tensor([9, 4])  # rows of different lengths: per-row positions from here on
+    caches = [m.new_cache(2, 40) for m in (plain, fused)]
+    outs = [m.forward(prompts, c, valid=valid, last_only=True) for m, c in zip((plain, fused), caches, strict=True)]
+    for step in range(14):  # past the sliding window
+        token = outs[0][:, -1].argmax(-1, keepdim=True)
+        outs = [m.forward_hidden(token, c) for m, c in zip((plain, fused), caches, strict=True)]
+        for a, b in zip(outs[0], outs[1], strict=True):  # logits and final hidden states
+            assert (a - b).abs().max().item() <= 1e-4, step
+        outs = [o[0] for o in outs]
+    assert torch.equal(caches[0].lengths, caches[1].lengths)
+    assert (caches[0].keys[1][:, :, :20] - caches[1].keys[1][:, :, :20]).abs().max().item() <= 1e-4
+
+
+@needs
+def test_fused_model_batch_one_greedy_equals_pytorch_greedy():
+    plain = _tiny()
+    fused = plain.with_fused(KERNELS)
+    tokens = []
+    for m in (plain, fused):
+        cache = m.new_cache(1, 64)
+        logits = m.forward(torch.tensor([[5, 17, 2, 99]]), cache, last_only=True)
+        out = []
+        for _ in range(40):
+            out.append(int(logits[0, -1].argmax()))
+            logits = m.forward(torch.tensor([[out[-1]]]), cache)
+        tokens.append(out)
+    assert tokens[0] == tokens[1]
+
+
+def test_unsupported_reasons_name_the_problem():
+    cfg = _tiny().config
+    assert "float32" in unsupported_reason(cfg, torch.bfloat16, CPU)
+    assert "CPU" in unsupported_reason(cfg, torch.float32, torch.device("cuda"))
+    odd = LlamaConfig.from_hf({"model_type": "llama", "vocab_size": 10, "hidden_size": 72, "intermediate_size": 96,
+                               "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4})
+    assert "multiples of 16" in unsupported_reason(odd, torch.float32, CPU)
+    small_heads = LlamaConfig.from_hf({"model_type": "llama", "vocab_size": 10, "hidden_size": 64,
+                                       "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4,
+                                       "num_key_value_heads": 4})
+    assert "head_dim" in unsupported_reason(small_heads, torch.float32, CPU)
+
+
+def test_build_without_a_working_compiler_gives_a_reason_not_an_error(tmp_path):
+    missing = build(tmp_path, compiler=str(tmp_path / "no-such-cc"))
+    assert missing.kernels is None and "no-such-cc" in missing.reason
+    broken = build(tmp_path, compiler="/bin/false")
+    assert broken.kernels is None and "failed" in broken.reason
+    assert not list(tmp_path.rglob("*.so"))  # nothing half-written is left to load later
+
+
+@needs
+def test_build_compiles_once_then_reuses(tmp_path):
+    first = build(tmp_path)
+    assert first.kernels is not None
+    stamp = os.stat(first.kernels.path).st_mtime_ns
+    second = build(tmp_path)
+    assert second.kernels is not None and second.kernels.path == first.kernels.path
+    assert os.stat(second.kernels.path).st_mtime_ns == stamp
+
+
+def test_load_fused_true_where_it_cannot_run_is_a_typed_error(smollm):
+    from metaloom.models import load
+
+    with pytest.raises(InvalidParameter, match="fused"):
+        load("default", dtype="bfloat16", fused=True)
+
+
+@needs
+def test_default_float32_load_takes_fused_steps(smollm):
+    from metaloom.models import load
+
+    assert smollm.model.fused is not None
+    assert load("default", dtype="float32", fused=False).model.fused is None
+
+
+def test_a_model_that_cannot_take_the_kernels_refuses_them():
+    from metaloom.errors import UnsupportedModel
+
+    bf16 = _tiny()
+    bf16 = LlamaModel(bf16.config, bf16.embed.bfloat16(), bf16.layers, bf16.norm.bfloat16(), bf16.lm_head)
+    with pytest.raises(UnsupportedModel, match="float32"):
+        LlamaModel(bf16.config, bf16.embed, bf16.layers, bf16.norm, bf16.lm_head, fused=KERNELS or object())
+
+
+def test_step_path_says_how_and_why():
+    from metaloom.models.fused import step_path
+
+    plain = _tiny()
+    assert step_path(object()).startswith("PyTorch ops: object is not the native model")
+    if KERNELS is not None:
+        assert step_path(plain.with_fused(KERNELS)) == "fused kernels"
+        assert step_path(plain) == "PyTorch ops: turned off (fused=False)"
+    bf16 = LlamaModel(plain.config, plain.embed.bfloat16(), plain.layers, plain.norm, plain.lm_head)
+    assert "float32 only" in step_path(bf16)
