@@ -1,4 +1,4 @@
-"""Fused float32 CPU kernels for the glue of a one-token decode step (`fused.c`).
+"""Fused CPU kernels (float32, bfloat16) for the glue of a one-token decode step (`fused.c`).
 
 Why: a batch-1 decode step of SmolLM2-135M in float32 is ~30 ms of matmuls and ~15 ms of some
 600 small PyTorch ops (two norms, RoPE, two cache writes, attention over one query, SwiGLU,
@@ -11,8 +11,10 @@ floats of work. `fused.c` does the same arithmetic in three calls per layer:
 - `silu_mul`: SwiGLU's ``silu(gate) * up``.
 
 The matmuls stay PyTorch's. `metaloom.models.llama.LlamaModel` takes this path for one-token
-steps when it was given the kernels (`load` does so on the CPU in float32); prefill and k-token
-verification stay on the PyTorch ops. Results agree with the PyTorch path to float rounding
+steps when it was given the kernels (`load` does so on the CPU); prefill, k-token
+verification and steps over more than `MAX_ROW_KEYS` (row, cached key) pairs (where one thread
+of attention is slower than PyTorch's two) stay on the PyTorch ops. Arithmetic is float32; bfloat16 tensors are rounded
+where PyTorch's ops would round them. Results agree with the PyTorch path to float rounding
 (tests/test_fused.py).
 
 The C file is compiled on first use with the machine's C compiler (``$CC``, else ``cc``,
@@ -39,7 +41,12 @@ import torch
 from metaloom.models.config import LlamaConfig
 
 SOURCE = Path(__file__).with_name("fused.c")
-ABI_VERSION = 1  # must match fused.c
+ABI_VERSION = 2  # must match fused.c
+# Above this many (row, cached key) pairs per step the single-threaded attention of fused.c
+# falls behind PyTorch's two-thread attention, so the model takes the PyTorch ops. Measured
+# on SmolLM2-135M, fused step time / PyTorch step time (best of 5): 16 rows x 352 keys 0.95
+# (float32) and 1.10 (bfloat16); 8 x 352 0.90 and 0.95; 16 x 40 and 1 x 1000 well under 1.
+MAX_ROW_KEYS = 4096
 MAX_HEAD_DIM = 256  # fused.c keeps a query and its output in 16 vectors of 16
 _FLAGS = ("-O3", "-fno-math-errno", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -47,9 +54,10 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 @dataclass(frozen=True)
 class FusedKernels:
-    """The loaded library. Every tensor argument must be a contiguous float32 CPU tensor of the
-    documented shape (the model's fused step guarantees it; these calls check nothing, since
-    a check per call would cost a good part of what fusing saves)."""
+    """The loaded library. Every tensor argument must be a contiguous CPU tensor of the
+    documented shape, all float32 or all bfloat16 (``lengths`` int64). The model's fused step
+    guarantees it; these calls check nothing, since a check per call would cost a good part of
+    what fusing saves."""
 
     lib: ctypes.CDLL
     path: str
@@ -58,11 +66,11 @@ class FusedKernels:
                           y: torch.Tensor, eps: float) -> None:
         """x [R, d] += delta (if given, in place); y [R, d] = RMSNorm(x) * w."""
         self.lib.residual_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), w.data_ptr(),
-                                   y.data_ptr(), x.shape[0], x.shape[1], eps)
+                                   y.data_ptr(), x.shape[0], x.shape[1], eps, x.dtype == torch.bfloat16)
 
     def silu_mul(self, gate_up: torch.Tensor, y: torch.Tensor) -> None:
         """gate_up [R, 2 I] = [gate | up]; y [R, I] = silu(gate) * up."""
-        self.lib.silu_mul(gate_up.data_ptr(), y.data_ptr(), y.shape[0], y.shape[1])
+        self.lib.silu_mul(gate_up.data_ptr(), y.data_ptr(), y.shape[0], y.shape[1], y.dtype == torch.bfloat16)
 
     def rope_attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: torch.Tensor,
                     keys: torch.Tensor, values: torch.Tensor, out: torch.Tensor, heads: int,
@@ -74,7 +82,7 @@ class FusedKernels:
         rows, kv_heads, cap, dim = keys.shape
         rc = self.lib.rope_attend(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), lengths.data_ptr(),
                                   keys.data_ptr(), values.data_ptr(), out.data_ptr(), rows, heads, kv_heads,
-                                  dim, cap, window or 0)
+                                  dim, cap, window or 0, out.dtype == torch.bfloat16)
         if rc != 0:
             raise MemoryError("fused attention could not allocate its score buffer" if rc == -1
                               else f"fused attention refused head_dim {dim} (at most {MAX_HEAD_DIM})")
@@ -90,8 +98,8 @@ def unsupported_reason(config: LlamaConfig, dtype: torch.dtype, device: torch.de
     """Why the fused step cannot run this model here, or None when it can."""
     if device.type != "cpu":
         return f"the fused kernels are for the CPU, not {device.type}"
-    if dtype != torch.float32:
-        return f"the fused kernels are float32 only, not {dtype}"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"the fused kernels are for float32 and bfloat16, not {dtype}"
     c = config
     if c.hidden_size % 16 or c.intermediate_size % 16:
         return "hidden and intermediate sizes must be multiples of 16"
@@ -153,11 +161,11 @@ def _bind(path: Path) -> FusedKernels:
     lib.metaloom_fused_abi.restype = ctypes.c_int
     if lib.metaloom_fused_abi() != ABI_VERSION:
         raise OSError(f"{path} has ABI {lib.metaloom_fused_abi()}, expected {ABI_VERSION}")
-    lib.residual_rms_norm.argtypes = [_P, _P, _P, _P, _I, _I, ctypes.c_float]
+    lib.residual_rms_norm.argtypes = [_P, _P, _P, _P, _I, _I, ctypes.c_float, ctypes.c_int]
     lib.residual_rms_norm.restype = None
-    lib.silu_mul.argtypes = [_P, _P, _I, _I]
+    lib.silu_mul.argtypes = [_P, _P, _I, _I, ctypes.c_int]
     lib.silu_mul.restype = None
-    lib.rope_attend.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I]
+    lib.rope_attend.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int]
     lib.rope_attend.restype = ctypes.c_int
     return FusedKernels(lib, str(path))
 

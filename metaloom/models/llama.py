@@ -2,7 +2,11 @@
 
 Plain tensors and `torch.nn.functional`, no `nn.Module` tree: at batch 1 on a CPU the per-op
 overhead is a large share of a decode step, so q/k/v and gate/up are fused into one matmul
-each and one attention mask per forward is shared by all layers.
+each and one attention mask per forward is shared by all layers. One-token steps on the CPU
+(float32, bfloat16) go further when the model was given `metaloom.models.fused` kernels:
+everything between the matmuls runs in three C calls per layer (`LlamaModel._step_fused`);
+prefill, k-token verification and steps with many rows over long caches take the PyTorch ops
+below.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from metaloom.errors import ContextWindowExceeded, InvalidParameter, NotAModel, 
 from metaloom.models.cache import StaticKVCache
 from metaloom.models.config import LlamaConfig
 from metaloom.models.flops import forward_flops
-from metaloom.models.fused import FusedKernels, unsupported_reason
+from metaloom.models.fused import MAX_ROW_KEYS, FusedKernels, unsupported_reason
 from metaloom.models.packed import PackedLinear, pack
 from metaloom.models.protocols import KVCache
 from metaloom.models.rope import apply_rope, rope_tables
@@ -219,7 +223,7 @@ class LlamaModel:
         if valid is None:
             valid = torch.full((b,), t, dtype=torch.long, device=tokens.device)
         cache.reserve(t)
-        if t == 1 and self.fused is not None:
+        if t == 1 and self.fused is not None and b > 0 and b * (int(cache.lengths.max()) + 1) <= MAX_ROW_KEYS:
             return self._step_fused(tokens, cache, valid, self.fused)
         lengths = cache.lengths
         uniform = bool((lengths == lengths[0]).all()) if b else True
@@ -262,8 +266,8 @@ class LlamaModel:
         act = x.new_empty(b, c.intermediate_size)
         lengths = cache.lengths.contiguous()
         for t in (cache.keys[0], cache.values[0]):  # the kernels write the cache by raw offsets
-            if t.shape[0] != b or t.dtype != torch.float32 or not t.is_contiguous():
-                raise UnsupportedModel("the fused step needs the contiguous float32 cache of new_cache()")
+            if t.shape[0] != b or t.dtype != self.dtype or not t.is_contiguous():
+                raise UnsupportedModel("the fused step needs the contiguous cache of new_cache()")
         delta = None  # the last sublayer's output, added to x by the next norm
         for i, w in enumerate(self.layers):
             k.residual_rms_norm(x, delta, w.attn_norm, y, c.rms_norm_eps)

@@ -150,7 +150,7 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
       (`metaloom.models.packed`); None packs on the CPU when the extra copies take under a
       quarter of the machine's memory;
     - ``fused``: take one-token decode steps through the fused CPU kernels
-      (`metaloom.models.fused`, float32); None uses them where they build and apply.
+      (`metaloom.models.fused`, float32 and bfloat16); None uses them where they build and apply.
 
     True for either where it cannot be done is an `InvalidParameter` naming why."""
     if dtype not in DTYPES:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from metaloom.errors import InvalidParameter, UnsupportedModel
+from metaloom.models.fused import unsupported_reason
 from metaloom.models.llama import LayerWeights, LlamaModel, Weight, plain_weight
 from metaloom.models.protocols import KVCache, LanguageModel
 from metaloom.speculative.drafters.draft_model import DraftModelDrafter
@@ -106,11 +107,13 @@ class QuantizedLlama(LlamaModel):
                 raise UnsupportedModel(f"the target's weights are already quantised ({type(w).__name__})")
             return quantize_linear(w, bits, compute_dtype, group_size, bias)
 
+        # the target's fused step kernels, where they take the compute dtype
+        fused = target.fused if unsupported_reason(target.config, compute_dtype, target.device) is None else None
         layers = [LayerWeights(attn_norm=w.attn_norm.to(compute_dtype), qkv=q(w.qkv, w.qkv_bias), qkv_bias=None,
                                o=q(w.o), mlp_norm=w.mlp_norm.to(compute_dtype), gate_up=q(w.gate_up), down=q(w.down))
                   for w in target.layers]
         super().__init__(target.config, target.embed.to(compute_dtype), layers, target.norm.to(compute_dtype),
-                         q(target.lm_head), target.fused if compute_dtype == torch.float32 else None)
+                         q(target.lm_head), fused)
         self.bits = bits
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, *, valid: torch.Tensor | None = None,
