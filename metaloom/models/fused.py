@@ -11,11 +11,11 @@ floats of work. `fused.c` does the same arithmetic in three calls per layer:
 - `silu_mul`: SwiGLU's ``silu(gate) * up``.
 
 The matmuls stay PyTorch's. `metaloom.models.llama.LlamaModel` takes this path for one-token
-steps when it was given the kernels (`load` does so on the CPU); prefill, k-token
-verification and steps over more than `MAX_ROW_KEYS` (row, cached key) pairs (where one thread
-of attention is slower than PyTorch's two) stay on the PyTorch ops. Arithmetic is float32; bfloat16 tensors are rounded
-where PyTorch's ops would round them. Results agree with the PyTorch path to float rounding
-(tests/test_fused.py).
+steps when it was given the kernels (`load` does so on the CPU); prefill, k-token verification
+and steps over more than `MAX_ROW_KEYS` (row, cached key) pairs (where one thread of attention
+is slower than PyTorch's two) stay on the PyTorch ops. Arithmetic is float32; bfloat16 tensors
+are rounded where PyTorch's ops would round them. Results agree with the PyTorch path to float
+rounding (tests/test_fused.py).
 
 The C file is compiled on first use with the machine's C compiler (``$CC``, else ``cc``,
 ``gcc`` or ``clang``) into ``~/.cache/metaloom/kernels/<hash>/`` (about a second), keyed by the
@@ -45,7 +45,7 @@ ABI_VERSION = 2  # must match fused.c
 # Above this many (row, cached key) pairs per step the single-threaded attention of fused.c
 # falls behind PyTorch's two-thread attention, so the model takes the PyTorch ops. Measured
 # on SmolLM2-135M, fused step time / PyTorch step time (best of 5): 16 rows x 352 keys 0.95
-# (float32) and 1.10 (bfloat16); 8 x 352 0.90 and 0.95; 16 x 40 and 1 x 1000 well under 1.
+# (float32) and 1.10 (bfloat16); 8 x 352 0.90 and 0.95; 16 x 40 0.77 and 0.76; 1 x 352 0.75 and 0.80.
 MAX_ROW_KEYS = 4096
 MAX_HEAD_DIM = 256  # fused.c keeps a query and its output in 16 vectors of 16
 _FLAGS = ("-O3", "-fno-math-errno", "-shared", "-fPIC")
