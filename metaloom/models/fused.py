@@ -38,7 +38,9 @@ from pathlib import Path
 
 import torch
 
+from metaloom.errors import UnsupportedModel
 from metaloom.models.config import LlamaConfig
+from metaloom.models.load import user_cache_dir
 
 SOURCE = Path(__file__).with_name("fused.c")
 ABI_VERSION = 2  # must match fused.c
@@ -83,9 +85,10 @@ class FusedKernels:
         rc = self.lib.rope_attend(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), lengths.data_ptr(),
                                   keys.data_ptr(), values.data_ptr(), out.data_ptr(), rows, heads, kv_heads,
                                   dim, cap, window or 0, out.dtype == torch.bfloat16)
+        if rc == -1:
+            raise MemoryError("fused attention could not allocate its score buffer")
         if rc != 0:
-            raise MemoryError("fused attention could not allocate its score buffer" if rc == -1
-                              else f"fused attention refused head_dim {dim} (at most {MAX_HEAD_DIM})")
+            raise UnsupportedModel(f"fused attention refused head_dim {dim} (at most {MAX_HEAD_DIM})")
 
 
 @dataclass(frozen=True)
@@ -125,12 +128,6 @@ def _cpu_signature() -> str:
         return platform.processor() or platform.machine()
     lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features", "CPU part"))]
     return "\n".join(sorted(set(lines)))
-
-
-def _kernels_dir() -> Path:
-    base = os.environ.get("METALOOM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "metaloom")
-    return Path(base) / "kernels"
 
 
 def _compile(cc: str, out: Path) -> str | None:
@@ -178,7 +175,7 @@ def build(cache_dir: Path | None = None, compiler: str | None = None) -> Availab
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(_FLAGS).encode(),
                                      platform.machine().encode(), _cpu_signature().encode()])).hexdigest()[:16]
-    path = (cache_dir or _kernels_dir()) / key / "fused.so"
+    path = (cache_dir or Path(user_cache_dir("kernels"))) / key / "fused.so"
     if not path.exists():
         error = _compile(cc, path)
         if error is not None:

@@ -51,10 +51,17 @@ def default_model_path() -> str:
     return os.path.join(folder, ggufs[0])
 
 
-def cache_root() -> str:
+def user_cache_dir(sub: str) -> str:
+    """``sub`` under metaloom's cache: ``$METALOOM_CACHE``, else ``$XDG_CACHE_HOME/metaloom``,
+    else ``~/.cache/metaloom``."""
     base = os.environ.get("METALOOM_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "metaloom")
-    return os.path.join(base, "converted")
+    return os.path.join(base, sub)
+
+
+def cache_root() -> str:
+    """Where converted GGUF folders live."""
+    return user_cache_dir("converted")
 
 
 def _fingerprint(path: str) -> str:
@@ -189,8 +196,10 @@ def _native(config: LlamaConfig, folder: str, dtype: torch.dtype, device: torch.
     if pack and not packing_available(dtype, device):
         raise InvalidParameter("pack", pack, f"False here: no packed kernels for {dtype} on {device}")
     why_not = unsupported_reason(config, dtype, device)
-    if fused and why_not is None:
-        why_not = kernels().reason if kernels().kernels is None else None
+    fused_kernels = None
+    if fused is not False and why_not is None:
+        available = kernels()
+        fused_kernels, why_not = available.kernels, None if available.kernels else available.reason
     if fused and why_not is not None:
         raise InvalidParameter("fused", fused, f"False here: {why_not}")
     model = LlamaModel.from_state_dict(config, load_state_dict(folder), dtype=dtype, device=device)
@@ -198,6 +207,6 @@ def _native(config: LlamaConfig, folder: str, dtype: torch.dtype, device: torch.
         pack = packing_available(dtype, device) and fits_in_memory(extra_bytes(model.linear_weight_bytes(), dtype))
     if pack:
         model = model.packed()
-    if fused is not False and why_not is None:
-        model = model.with_fused(kernels().kernels)
+    if fused_kernels is not None:
+        model = model.with_fused(fused_kernels)
     return model
