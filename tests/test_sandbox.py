@@ -1,17 +1,32 @@
-"""The sandbox: limits hold, the network is unreachable, nothing is left behind."""
+"""The sandbox: limits hold, the network is unreachable, nothing is left behind; the weak hook
+mode keeps the caller alive and the file system clean, and runs only on opt-in."""
 
 import dataclasses
 import json
 import os
+import shutil
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from metaloom.errors import InvalidParameter
-from metaloom.sandbox import SandboxLimits, namespaces_available, resolve_mode, run_python
-from metaloom.score.execution import run_tests
+from metaloom.errors import InvalidParameter, MetaloomError
+from metaloom.generator.types import Completion
+from metaloom.ledger import Ledger
+from metaloom.sandbox import (
+    WEAK_ENV,
+    SandboxError,
+    SandboxLimits,
+    SandboxUnavailable,
+    namespaces_available,
+    resolve_mode,
+    run_python,
+)
+from metaloom.sandbox import run as sandbox_run
+from metaloom.score.execution import ExecutionScorer, run_tests
 
 MODES = [
     pytest.param("namespace", marks=pytest.mark.skipif(not namespaces_available(), reason="unshare not permitted here")),
@@ -173,10 +188,16 @@ def test_hook_mode_refuses_new_processes():
     assert r.status == "failed" and "subprocess.Popen is not allowed" in r.failure
     r = run_python("import os\nos.fork()", limits=limits("hook"))
     assert r.status == "failed" and "os.fork is not allowed" in r.failure
+    # the C function under subprocess raises no audit event of its own: the sandbox wraps it
+    r = run_python("import _posixsubprocess\n_posixsubprocess.fork_exec()", limits=limits("hook"))
+    assert r.status == "failed" and "_posixsubprocess.fork_exec is not allowed" in r.failure
+    # a subinterpreter would run without the audit hook
+    r = run_python("import _xxsubinterpreters", limits=limits("hook"))
+    assert r.status == "failed" and "importing _xxsubinterpreters is not allowed" in r.failure
 
 
 @pytest.mark.parametrize("kw", [{"timeout_s": 0}, {"timeout_s": float("inf")}, {"memory_mb": 16},
-                                {"output_kb": 0}, {"network": "off"}])
+                                {"output_kb": 0}, {"network": "off"}, {"allow_weak": "yes"}])
 def test_limits_are_validated(kw):
     with pytest.raises(InvalidParameter):
         SandboxLimits(**kw)
@@ -187,11 +208,243 @@ def test_death_by_signal_is_an_error(mode):
     assert r.status == "error" and "SIGSEGV" in r.failure
 
 
-def test_auto_falls_back_to_the_hook_without_namespaces(monkeypatch):
-    from metaloom.sandbox import run as sandbox_run
+# --- the weak hook mode: the caller lives on, the file system stays clean ---------------------
 
-    monkeypatch.setattr(sandbox_run, "namespaces_available", lambda: False)
-    assert resolve_mode("auto") == "hook" and resolve_mode("hook") == "hook"
+# Runs the sandbox from a throwaway process, so that a signal the hook failed to refuse reaches
+# that process, not the test runner. It is started in a session of its own (a signal to its
+# process group reaches nothing else) and keeps a witness process in its group (which does not
+# hold our pipes: were the parent killed, the test would not wait for the witness).
+_THROWAWAY_PARENT = """
+import json, subprocess, sys
+from metaloom.sandbox import SandboxLimits, run_python
+witness = subprocess.Popen(["sleep", "30"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+r = run_python(sys.stdin.read(), limits=SandboxLimits(network="hook", timeout_s=10.0))
+alive = witness.poll() is None
+witness.kill()
+witness.wait()
+print(json.dumps({"status": r.status, "stdout": r.stdout, "failure": r.failure, "witness_alive": alive}))
+"""
+
+_ATTEMPTS = """
+import json, os, resource, shutil, signal
+out = {}
+def attempt(name, call):
+    try:
+        call()
+    except (PermissionError, ImportError) as exc:
+        out[name] = type(exc).__name__ + ": " + str(exc)
+    except Exception as exc:
+        out[name] = "NOT REFUSED, but failed: " + type(exc).__name__ + ": " + str(exc)
+    else:
+        out[name] = "NOT REFUSED"
+"""
+
+
+def _run_under_throwaway_parent(code: str, prefix: tuple[str, ...] = ()) -> dict:
+    proc = subprocess.run([*prefix, sys.executable, "-c", _THROWAWAY_PARENT], input=code, capture_output=True,
+                          text=True, timeout=120, start_new_session=True)
+    assert proc.returncode == 0, f"the process that ran the sandbox died (status {proc.returncode}): {proc.stderr[-2000:]}"
+    return json.loads(proc.stdout)
+
+
+def _refusals(status: str, stdout: str, failure: str) -> dict:
+    """What the sandboxed ``_ATTEMPTS`` recorded; fails unless each attempt was refused."""
+    assert status == "passed", failure
+    out = json.loads(stdout)
+    not_refused = {k: v for k, v in out.items() if not v.startswith(("PermissionError: sandbox:", "ImportError: sandbox:"))}
+    assert not not_refused, not_refused
+    assert all("not allowed" in v for v in out.values()), out
+    return out
+
+
+def test_hook_mode_keeps_the_caller_alive():
+    code = _ATTEMPTS + """
+parent = os.getppid()
+attempt("kill parent", lambda: os.kill(parent, signal.SIGKILL))
+attempt("kill parent's group", lambda: os.kill(-os.getpgid(parent), signal.SIGKILL))
+attempt("killpg parent's group", lambda: os.killpg(os.getpgid(parent), signal.SIGKILL))
+attempt("kill every process", lambda: os.kill(-1, 0))  # signal 0: checks, delivers nothing
+attempt("pidfd_send_signal", lambda: signal.pidfd_send_signal(os.pidfd_open(parent), signal.SIGKILL))
+attempt("prlimit parent", lambda: resource.prlimit(parent, resource.RLIMIT_CORE, (0, 0)))
+os.kill(os.getpid(), 0)  # itself and its own group (only itself): allowed
+os.killpg(0, 0)
+signal.pthread_kill(__import__("threading").get_ident(), 0)
+print(json.dumps(out))
+"""
+    r = _run_under_throwaway_parent(code)
+    out = _refusals(r["status"], r["stdout"], r["failure"])
+    assert "signals only to the program itself" in out["kill parent"]
+    assert "os.kill to -1" in out["kill every process"]
+    assert r["witness_alive"]
+
+
+@pytest.mark.skipif(not namespaces_available(), reason="needs a PID namespace to contain a broken refusal")
+def test_hook_mode_refuses_sigterm_to_every_process():
+    # kill(-1, SIGTERM) reaches every process the user may signal: the throwaway parent runs in
+    # a fresh PID namespace, so that even a broken refusal reaches only its witness
+    user = () if os.geteuid() == 0 else ("--user", "--map-root-user")
+    prefix = (shutil.which("unshare") or "unshare", *user, "--pid", "--fork", "--kill-child")
+    code = _ATTEMPTS + "attempt('kill -1', lambda: os.kill(-1, signal.SIGTERM))\nprint(json.dumps(out))\n"
+    r = _run_under_throwaway_parent(code, prefix)
+    assert "os.kill to -1 is not allowed" in _refusals(r["status"], r["stdout"], r["failure"])["kill -1"]
+    assert r["witness_alive"]
+
+
+def _snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): (p.lstat().st_mode, p.lstat().st_mtime_ns,
+                                         None if p.is_dir() else p.read_bytes()) for p in [folder, *folder.rglob("*")]}
+
+
+def test_hook_mode_leaves_the_file_system_outside_untouched(tmp_path):
+    victim, victim_dir = tmp_path / "victim.txt", tmp_path / "victim_dir"
+    victim.write_text("keep")
+    victim_dir.mkdir()
+    (victim_dir / "inner.txt").write_text("keep")
+    before = _snapshot(tmp_path)
+    code = _ATTEMPTS + f"""
+outside, victim, victim_dir = {str(tmp_path)!r}, {str(victim)!r}, {str(victim_dir)!r}
+open("inside.txt", "w").write("mine")
+here = os.open(".", os.O_RDONLY)
+attempt("create", lambda: open(os.path.join(outside, "new.txt"), "x"))
+attempt("overwrite", lambda: open(victim, "w"))
+attempt("append", lambda: open(victim, "a"))
+attempt("os.open", lambda: os.open(victim, os.O_WRONLY | os.O_TRUNC))
+attempt("relative ..", lambda: open(os.path.relpath(os.path.join(outside, "rel.txt")), "w"))
+attempt("via /proc", lambda: open("/proc/self/root" + victim, "w"))
+attempt("remove", lambda: os.remove(victim))
+attempt("rename out", lambda: os.rename("inside.txt", os.path.join(outside, "moved.txt")))
+attempt("rename in", lambda: os.rename(victim, "stolen.txt"))
+attempt("mkdir", lambda: os.mkdir(os.path.join(outside, "new_dir")))
+attempt("rmtree", lambda: shutil.rmtree(victim_dir))
+attempt("rmdir", lambda: os.rmdir(victim_dir))
+attempt("copy", lambda: shutil.copy("inside.txt", outside))
+attempt("chmod", lambda: os.chmod(victim, 0o777))
+attempt("chmod by descriptor", lambda: os.chmod(os.open(victim, os.O_RDONLY), 0o777))  # reading is allowed
+attempt("chmod from dir_fd", lambda: os.chmod(os.path.relpath(victim), 0o777, dir_fd=here))
+attempt("utime", lambda: os.utime(victim, (0, 0)))
+attempt("truncate", lambda: os.truncate(victim, 0))
+attempt("hard link", lambda: os.link(victim, "hard.txt"))
+attempt("mkfifo", lambda: os.mkfifo(os.path.join(outside, "fifo")))
+attempt("mknod", lambda: os.mknod(os.path.join(outside, "node")))
+attempt("directory descriptor", lambda: os.open("via_fd.txt", os.O_WRONLY | os.O_CREAT,
+                                                dir_fd=os.open(outside, os.O_RDONLY)))
+attempt("sqlite3", lambda: __import__("sqlite3").connect(os.path.join(outside, "db.sqlite")))
+
+def climb_from_dir_fd():  # the open event does not say which directory a relative path starts from
+    top = os.getcwd()
+    deep = os.path.join(top, *["d"] * top.count(os.sep))
+    os.makedirs(deep)
+    os.chdir(deep)  # from here the path below seems to stay inside; from `here` (top) it leaves
+    try:
+        os.open(os.path.relpath(os.path.join(outside, "fd.txt"), top), os.O_WRONLY | os.O_CREAT, dir_fd=here)
+    finally:
+        os.chdir(top)
+attempt("dir_fd climbing", climb_from_dir_fd)
+print(json.dumps(out))
+"""
+    r = run_python(code, limits=limits("hook"))
+    out = _refusals(r.status, r.stdout, r.failure)
+    assert len(out) == 24
+    assert "files may change only inside" in out["overwrite"] and "climb out" in out["relative .."]
+    assert _snapshot(tmp_path) == before
+
+
+def test_hook_mode_refuses_symbolic_links(tmp_path):
+    code = _ATTEMPTS + f"""
+attempt("symlink", lambda: os.symlink({str(tmp_path)!r}, "escape"))
+try:  # through the link, had it been made
+    open("escape/through.txt", "w")
+except OSError as exc:
+    out["write through"] = type(exc).__name__
+print(json.dumps(out))
+"""
+    r = run_python(code, limits=limits("hook"))
+    assert r.passed, r.failure
+    out = json.loads(r.stdout)
+    assert out["symlink"].startswith("PermissionError: sandbox: os.symlink is not allowed")
+    assert out["write through"] in ("FileNotFoundError", "PermissionError")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_hook_mode_refuses_ctypes():
+    for module in ("ctypes", "_ctypes", "ctypes.util"):
+        r = run_python(f"import {module}\n", limits=limits("hook"))
+        assert r.status == "failed" and "ImportError: sandbox: importing" in r.failure, r.failure
+        assert "audit hook cannot see" in r.failure
+    # numpy imports ctypes only optionally: it still works
+    r = run_python("import numpy\nprint(int(numpy.arange(4).sum()))", limits=limits("hook"))
+    assert r.passed and r.stdout == "6\n", r.failure
+
+
+def test_hook_mode_still_lets_the_code_use_its_working_directory():
+    code = """
+import os, pathlib, shutil, sqlite3, tempfile
+open("a.txt", "w").write("x")
+os.mkdir("sub")
+os.rename("a.txt", "sub/b.txt")
+os.chmod("sub/b.txt", 0o600)
+shutil.copy("sub/b.txt", "c.txt")
+os.link("c.txt", "d.txt")
+os.mkfifo("fifo")
+here = os.open(".", os.O_RDONLY)
+os.close(os.open("e.txt", os.O_WRONLY | os.O_CREAT, dir_fd=here))
+with tempfile.TemporaryDirectory() as d:
+    pathlib.Path(d, "t").write_text("t")
+sqlite3.connect("db.sqlite").close()
+shutil.rmtree("sub")
+os.remove("c.txt")
+open(os.devnull, "w").write("discarded")
+print(sorted(os.listdir(".")))
+"""
+    r = run_python(code, limits=limits("hook"))
+    assert r.passed, r.failure
+    assert r.stdout == "['d.txt', 'db.sqlite', 'e.txt', 'fifo']\n"
+
+
+# --- the weak mode runs only on opt-in ----------------------------------------------------------
+
+@pytest.fixture
+def no_namespaces(monkeypatch):
+    """This machine as one without namespaces, and no opt-in in the environment."""
+    monkeypatch.setattr(sandbox_run, "_namespace_probe", lambda: "unshare: unshare failed: Operation not permitted")
+    monkeypatch.delenv(WEAK_ENV, raising=False)
+
+
+def test_auto_without_namespaces_refuses_to_run_without_an_opt_in(no_namespaces, monkeypatch):
+    monkeypatch.setattr(sandbox_run, "_run", lambda *a: pytest.fail("the code ran"))
+    with pytest.raises(SandboxUnavailable) as info:
+        run_python("print(1)", limits=SandboxLimits(network="auto"))
+    assert isinstance(info.value, SandboxError) and isinstance(info.value, MetaloomError)
+    message = str(info.value)
+    assert "unshare failed: Operation not permitted" in message  # why
+    assert "allow_weak=True" in message and "network='hook'" in message and f"{WEAK_ENV}=1" in message  # how
+    with pytest.raises(SandboxUnavailable):
+        run_python("print(1)")  # the default limits
+    with pytest.raises(SandboxUnavailable):
+        resolve_mode("auto")
+    monkeypatch.setenv(WEAK_ENV, "0")
+    with pytest.raises(SandboxUnavailable):
+        resolve_mode("auto")
+    monkeypatch.setenv(WEAK_ENV, "maybe")
+    with pytest.raises(InvalidParameter, match=WEAK_ENV):
+        resolve_mode("auto")
     with pytest.raises(InvalidParameter, match="network"):
         resolve_mode("namespace")
-    assert run_python("print(1)", limits=SandboxLimits(network="auto")).mode == "hook"
+
+
+def test_the_weak_mode_runs_when_the_caller_opts_in(no_namespaces, monkeypatch):
+    assert resolve_mode("hook") == "hook"
+    assert resolve_mode("auto", allow_weak=True) == "hook"
+    assert run_python("print(1)", limits=SandboxLimits(network="auto", allow_weak=True)).mode == "hook"
+    assert run_python("print(1)", limits=SandboxLimits(network="hook")).mode == "hook"
+    monkeypatch.setenv(WEAK_ENV, "1")
+    assert run_python("print(1)").mode == "hook"
+
+
+def test_execution_scoring_surfaces_the_refusal(no_namespaces):
+    with pytest.raises(SandboxUnavailable):
+        run_tests("assert 1 + 1 == 2")
+    scorer = ExecutionScorer(tests=("assert f() == 1",))
+    candidate = Completion(text="def f():\n    return 1\n", token_ids=(), logprobs=(), finish_reason="stop")
+    with pytest.raises(SandboxUnavailable, match="no strong sandbox here"):
+        scorer.score("write f", [candidate], ledger=Ledger())

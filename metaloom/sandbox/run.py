@@ -2,7 +2,8 @@
 hang the caller, exhaust its memory, reach the network, or leave files behind.
 
 Isolation, strongest available first (``SandboxLimits.network`` picks; ``"auto"`` takes the
-namespace mode when this machine allows it):
+namespace mode when this machine allows it, and the weak hook mode only when the caller opted
+in to it):
 
 ``namespace`` (Linux, root or unprivileged user namespaces; needs ``unshare`` from util-linux)
   - network: a fresh network namespace — no interface but a loopback that is down, so every
@@ -19,13 +20,45 @@ namespace mode when this machine allows it):
   (RLIMIT_NPROC does not bind root) beyond the wall-time kill; RLIMIT_AS bounds each process,
   not their sum.
 
-``hook`` (fallback, any POSIX system)
-  - an audit hook (PEP 578) installed before the code runs refuses socket creation and
-    process creation (fork, exec, spawn, subprocess, os.system);
-  - the caller kills the whole process group on timeout.
-  Limits: best effort against accidental misuse, not against a hostile program — C-level code
-  (ctypes, an extension module) can bypass the hook; the file system outside the working
-  directory is not protected.
+``hook`` (weak fallback, any POSIX system; runs only when the caller opts in, see below)
+  The code runs in a child process, in a session and process group of its own, under an
+  audit hook (PEP 578) installed before the code runs (`metaloom.sandbox._runner.make_hook`).
+  What it guarantees against code that uses Python's own means (the standard library, the
+  os/signal/socket/subprocess functions, open, pathlib, shutil, tempfile, sqlite3):
+  - no network: creating a socket is refused;
+  - no new processes: fork, exec, spawn, subprocess, os.system, posix_spawn, and a
+    subinterpreter (which would run without the hook) are refused;
+  - the caller lives on: a signal may go only to the code's own process (``os.kill`` of its
+    own pid, or of its own group, which holds nothing else); ``os.kill(os.getppid(), ...)``,
+    ``os.kill(-1, ...)``, ``os.killpg`` of another group, ``signal.pidfd_send_signal`` and
+    ``resource.prlimit`` on another process are refused; in its own session the code has no
+    controlling terminal, and the ioctl that types into a terminal (TIOCSTI) is refused;
+  - the file system stays as it was outside the working directory: opening for writing
+    (``/dev/null`` excepted), creating, removing, renaming, hard-linking, chmod, chown, utime,
+    truncate, extended attributes, FIFOs and device nodes are refused there, with paths
+    resolved as the kernel would (``realpath``, ``dir_fd`` and descriptors through
+    /proc/self/fd); symbolic links cannot be created at all, relative paths that climb with
+    ``..`` cannot be opened, and directories outside cannot be opened (a directory
+    descriptor would let relative paths escape);
+  - no ready-made C escape hatch: importing ctypes or cffi (C calls the hook cannot see),
+    the test C-API modules, dbm's C back ends, readline or POSIX shared memory raises
+    ImportError; unaudited functions (os.mkfifo, os.mknod, pidfd_send_signal,
+    _posixsubprocess.fork_exec) are wrapped so the hook sees them.
+  A refusal is a PermissionError (ImportError for an import) raised in the code, so the run
+  ends "failed" with the reason in ``failure`` unless the code catches it.
+  What it does not guarantee: an audit hook lives in the interpreter it guards, so code
+  written to defeat it can get around it — from C, in an installed extension module that
+  acts without audit events; from Python, by altering what the hook relies on
+  (monkeypatching os or os.path, reaching the hook or the original functions through
+  introspection or importlib internals); or by racing the checks from a second thread.
+  Not covered at all: reading (the code can read what the caller's user can), the CPU
+  priority and affinity of the user's other processes (os.setpriority,
+  os.sched_setaffinity), files opened by SQL ``ATTACH`` in sqlite3. On systems without
+  /proc, operations on file descriptors (fchmod, ``dir_fd``) are refused.
+  Hence the opt-in: ``network="auto"`` uses the hook mode only with ``allow_weak=True`` or
+  ``METALOOM_SANDBOX_WEAK=1`` in the environment (for the CLI, and for code paths that use
+  the default limits); ``network="hook"`` asks for it explicitly. Without either, running
+  raises `SandboxUnavailable`, which says why namespaces are unavailable.
 
 Both modes: a wall-time limit enforced by the caller (SIGKILL to the process group), CPU time,
 address space, file size and core limits (setrlimit, soft = hard), a fresh temporary working
@@ -60,21 +93,45 @@ _UNSHARE_FLAGS = ("--net", "--pid", "--mount-proc", "--fork", "--kill-child")
 _FAILURE_CHARS = 2000
 
 
+WEAK_ENV = "METALOOM_SANDBOX_WEAK"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
 class SandboxError(MetaloomError):
     """The sandbox could not isolate the code, so it did not run it."""
+
+
+class SandboxUnavailable(SandboxError):
+    """Only the weak ``hook`` mode is available here and the caller did not opt in to it; the
+    code did not run. ``reason`` says why the namespace mode is unavailable."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(
+            f"no strong sandbox here: the namespace mode is unavailable ({reason}). The only isolation "
+            "left is the weak 'hook' mode, an audit hook inside the child process: it stops code that "
+            "signals other processes, writes outside its folder, starts processes or opens sockets "
+            "through Python's own means, but not code written to get around it (details: "
+            "metaloom.sandbox.run). To run untrusted code with it anyway, opt in with "
+            f"SandboxLimits(allow_weak=True) or SandboxLimits(network='hook'), or {WEAK_ENV}=1 in the "
+            "environment (CLI); or enable user namespaces (e.g. sysctl kernel.unprivileged_userns_clone=1, "
+            "kernel.apparmor_restrict_unprivileged_userns=0) or run where `unshare` is permitted.")
 
 
 @dataclass(frozen=True)
 class SandboxLimits:
     """How much one run may take. ``memory_mb`` is address space (RLIMIT_AS) per process;
     ``output_kb`` is how much of the end of stdout and of stderr is kept; ``file_mb`` caps
-    each file the code writes (stdout and stderr included)."""
+    each file the code writes (stdout and stderr included). ``network`` picks the isolation
+    (see the module docstring); ``allow_weak=True`` lets ``"auto"`` fall back to the weak
+    ``hook`` mode where namespaces are unavailable (else running raises `SandboxUnavailable`)."""
 
     timeout_s: float = 5.0
     memory_mb: int = 512
     file_mb: int = 16
     output_kb: int = 64
     network: str = "auto"
+    allow_weak: bool = False
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
@@ -87,6 +144,8 @@ class SandboxLimits:
             raise InvalidParameter("memory_mb", self.memory_mb, "at least 64")
         if self.network not in NETWORK_MODES:
             raise InvalidParameter("network", self.network, f"one of {NETWORK_MODES}")
+        if not isinstance(self.allow_weak, bool):
+            raise InvalidParameter("allow_weak", self.allow_weak, "True or False")
 
 
 @dataclass(frozen=True)
@@ -115,15 +174,35 @@ class SandboxResult:
 
 
 @functools.cache  # what the machine allows does not change while we run
-def namespaces_available() -> bool:
-    """Whether the ``namespace`` mode works here: an empty program run in it, so that every
-    step (namespaces, read-only remounts, dropping capabilities) is tried once."""
-    if shutil.which("unshare") is None or not sys.platform.startswith("linux"):
-        return False
+def _namespace_probe() -> str | None:
+    """``None`` when the ``namespace`` mode works here, else why not. An empty program is run
+    in it, so that every step (namespaces, read-only remounts, dropping capabilities) is
+    tried once."""
+    if not sys.platform.startswith("linux"):
+        return f"namespaces are Linux-only; this is {sys.platform}"
+    if shutil.which("unshare") is None:
+        return "`unshare` (util-linux) is not on PATH"
     try:
-        return _run("", "", SandboxLimits(timeout_s=20.0), "namespace").passed
-    except (OSError, SandboxError):
-        return False
+        result = _run("", "", SandboxLimits(timeout_s=20.0), "namespace")
+    except (OSError, SandboxError) as exc:
+        return f"`unshare {' '.join(_user_flags() + _UNSHARE_FLAGS)}` failed: {str(exc).strip()[-300:]}"
+    if result.passed:
+        return None
+    detail = (result.stderr.strip() or result.failure).strip()[-300:]
+    return f"`unshare {' '.join(_user_flags() + _UNSHARE_FLAGS)}` failed: {detail}"
+
+
+def namespaces_available() -> bool:
+    """Whether the ``namespace`` mode works here (probed once per process)."""
+    return _namespace_probe() is None
+
+
+def weak_opted_in() -> bool:
+    """Whether ``METALOOM_SANDBOX_WEAK`` in the environment opts in to the weak ``hook`` mode."""
+    value = os.environ.get(WEAK_ENV, "").strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise InvalidParameter(WEAK_ENV, value, "1 (opt in to the weak hook mode) or 0")
+    return value in _TRUE
 
 
 def _user_flags() -> tuple[str, ...]:
@@ -132,15 +211,19 @@ def _user_flags() -> tuple[str, ...]:
     return () if os.geteuid() == 0 else ("--user", "--map-root-user")
 
 
-def resolve_mode(network: str) -> str:
-    """The isolation mode ``network`` means on this machine."""
+def resolve_mode(network: str, *, allow_weak: bool = False) -> str:
+    """The isolation mode ``network`` means on this machine. ``"auto"`` without namespaces
+    gives ``"hook"`` only when the caller opted in (``allow_weak`` or ``METALOOM_SANDBOX_WEAK=1``),
+    else raises `SandboxUnavailable`; ``"hook"`` is itself the opt-in."""
     if network == "hook":
         return "hook"
     if namespaces_available():
         return "namespace"
     if network == "namespace":
         raise InvalidParameter("network", network, "'auto' or 'hook' here: `unshare --net --pid --mount` is not permitted")
-    return "hook"
+    if allow_weak or weak_opted_in():
+        return "hook"
+    raise SandboxUnavailable(_namespace_probe() or "the namespace probe failed")
 
 
 def _clean_env(workdir: str) -> dict[str, str]:
@@ -188,9 +271,10 @@ def _classify(code: int, mode: str, timed_out: bool, stderr: str, limits: Sandbo
 def run_python(code: str, *, stdin: str = "", limits: SandboxLimits | None = None) -> SandboxResult:
     """Run ``code`` as a Python program (``__name__ == "__main__"``) in the sandbox, with
     ``stdin`` as its standard input. Never raises for what the code does; raises
-    `SandboxError` when isolation could not be set up (the code did not run)."""
+    `SandboxError` when isolation could not be set up (the code did not run), in particular
+    `SandboxUnavailable` when only the weak mode is available and the caller did not opt in."""
     limits = limits or SandboxLimits()
-    return _run(code, stdin, limits, resolve_mode(limits.network))
+    return _run(code, stdin, limits, resolve_mode(limits.network, allow_weak=limits.allow_weak))
 
 
 def _run(code: str, stdin: str, limits: SandboxLimits, mode: str) -> SandboxResult:
