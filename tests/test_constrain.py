@@ -221,3 +221,57 @@ def test_toy_tokenizer_without_tokenizer_json_decodes_under_a_regex():
     out = gen.generate([Request("a", params, constraint=ConstraintSpec.regex("(ab|c){2}d"))], ledger=Ledger())[0]
     for c in out:
         assert c.finish_reason == "stop" and re.fullmatch("(ab|c){2}d", c.text), c
+
+
+# --- JSON Schema property order -----------------------------------------------------------------
+
+ORDERED = {  # declared reasoning-first: not alphabetical, so a sorted schema would flip it
+    "type": "object",
+    "properties": {"reasoning": {"type": "string", "maxLength": 40}, "answer": {"type": "string", "maxLength": 10}},
+    "required": ["reasoning", "answer"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_spec_keeps_declared_key_order_and_stays_canonical():
+    spec = ConstraintSpec.json_schema(ORDERED)
+    assert list(json.loads(spec.source)["properties"]) == ["reasoning", "answer"]
+    assert list(json.loads(spec.source)) == list(ORDERED)
+    again = ConstraintSpec.json_schema(json.loads(json.dumps(ORDERED)))
+    text = ConstraintSpec.json_schema(json.dumps(ORDERED, indent=4))  # JSON text: its whitespace is dropped
+    assert spec == again == text and hash(spec) == hash(again) == hash(text)
+    flipped = {**ORDERED, "properties": dict(reversed(list(ORDERED["properties"].items())))}
+    assert ConstraintSpec.json_schema(flipped) != spec  # the order is part of the constraint
+
+
+def _accepted_prefix(cursor, vocab, text):
+    """Feed ``text``'s tokens while the mask allows them; the text the cursor accepted."""
+    tokens = _ids(vocab, text)
+    for k, t in enumerate(tokens):
+        if not cursor.mask()[t]:
+            return vocab.ll.decode_str(tokens[:k]) if k else ""
+        cursor.advance(t)
+    return text
+
+
+def test_json_schema_output_follows_declared_property_order(vocab):
+    compiled = compile_constraint(ConstraintSpec.json_schema(ORDERED), vocab)
+    right = '{"reasoning": "x", "answer": "y"}'
+    cursor = compiled.cursor()
+    assert _accepted_prefix(cursor, vocab, right) == right
+    assert cursor.done() and cursor.accepting()
+    prefix = _accepted_prefix(compiled.cursor(), vocab, '{"answer": "y", "reasoning": "x"}')
+    assert len(prefix) <= len('{"')  # refused at the first key, before any of "answer" is consumed
+    after_brace = compiled.cursor()
+    assert _accepted_prefix(after_brace, vocab, '{"') == '{"'
+    assert not after_brace.mask()[_ids(vocab, "answer")[0]] and after_brace.mask()[_ids(vocab, "reasoning")[0]]
+
+
+def test_greedy_generation_writes_reasoning_first(smollm_generator):
+    request = dataclasses.replace(
+        Request.chat("What is 6 times 7? Explain briefly, then answer.", SamplingParams(temperature=0, max_tokens=40)),
+        constraint=ConstraintSpec.json_schema(ORDERED))
+    (c,) = smollm_generator.generate([request], ledger=Ledger())[0]
+    assert c.text.startswith('{"reasoning": "'), c.text
+    if c.finish_reason == "stop":
+        assert list(json.loads(c.text)) == ["reasoning", "answer"]

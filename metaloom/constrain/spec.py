@@ -20,10 +20,10 @@ KINDS: tuple[str, ...] = ("json_schema", "regex", "lark", "choices")
 
 @dataclass(frozen=True)
 class ConstraintSpec:
-    """One constraint. ``source`` is the schema as canonical JSON text (``json_schema``), the
-    pattern (``regex``, Rust `regex` syntax, matched against the whole output), the grammar
-    text (``lark``, llguidance's Lark dialect), or the options (``choices``: the output is
-    exactly one of them). Build with the class methods."""
+    """One constraint. ``source`` is the schema as JSON text in its declared key order
+    (``json_schema``), the pattern (``regex``, Rust `regex` syntax, matched against the whole
+    output), the grammar text (``lark``, llguidance's Lark dialect), or the options
+    (``choices``: the output is exactly one of them). Build with the class methods."""
 
     kind: Kind
     source: str | tuple[str, ...]
@@ -43,7 +43,13 @@ class ConstraintSpec:
 
     @classmethod
     def json_schema(cls, schema: Mapping[str, Any] | bool | str) -> ConstraintSpec:
-        """A JSON Schema given as a mapping or as JSON text."""
+        """A JSON Schema given as a mapping or as JSON text.
+
+        Keys keep their declared order (no sorting): the order of ``properties`` is the order
+        the keys are generated in, so a ``reasoning`` declared before ``answer`` comes first.
+        The text is otherwise canonical (``json.dumps``' fixed separators; the whitespace of JSON
+        text input is dropped), so the same schema gives equal, equally hashed specs; the same
+        keys in another order are a different spec (and a different compile-cache entry)."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -51,7 +57,7 @@ class ConstraintSpec:
                 raise InvalidGrammar("json_schema", f"not JSON: {exc}") from exc
         if not isinstance(schema, (Mapping, bool)):
             raise InvalidGrammar("json_schema", f"a schema is a JSON object or boolean, not {type(schema).__name__}")
-        return cls("json_schema", json.dumps(schema, sort_keys=True, ensure_ascii=False))
+        return cls("json_schema", json.dumps(schema, ensure_ascii=False))
 
     @classmethod
     def regex(cls, pattern: str) -> ConstraintSpec:
