@@ -5,12 +5,14 @@ import operator
 
 import pytest
 
-from metaloom.cli import main
+from metaloom.cli import build_parser, main
+from metaloom.commands.run import parse_budget, strategy_config
 from metaloom.errors import InvalidParameter
+from metaloom.ledger import Budget
 from metaloom.meta import BestOfN, Chain, MajorityVote, Refine
 from metaloom.meta.configure import build_strategy
 from metaloom.meta.registry import STRATEGIES
-from metaloom.score.answers import ChoiceLetter, LastNumber
+from metaloom.score.answers import ChoiceLetter, LastNumber, MathAnswer
 from metaloom.score.feedback import ScorerFeedback
 from metaloom.score.logprob import SequenceLogprob
 from metaloom.score.verifier import FunctionVerifier
@@ -39,7 +41,10 @@ def test_a_judge_gets_the_model_being_run():
 
 @pytest.mark.parametrize(("name", "params", "groups", "match"), [
     ("nope", {}, {}, r"invalid strategy='nope': allowed one of \['adaptive_vote', 'best_of_n'"),
-    ("best_of_n", {"bogus": "1"}, {}, r"invalid strategy.bogus='1': allowed one of \['n', 'scorer', 'params', 'extractor'"),
+    ("best_of_n", {"bogus": "1"}, {}, r"invalid strategy.bogus='1': allowed one of \['n', 'scorer', 'extractor', 'inner'\]$"),
+    ("best_of_n", {"scorer": "judge"}, {"scorer": {"bogus": "1"}},
+     r"scorer.bogus='1': allowed one of \['method', 'template', 'yes', 'no'\]$"),
+    ("best_of_n", {"scorer": "judge"}, {"scorer": {"generator": "x"}}, r"scorer.generator='x'.*the model being run"),
     ("best_of_n", {"scorer": "oracle"}, {}, r"invalid scorer='oracle': allowed one of \['execution', 'judge', 'logprob'"),
     ("best_of_n", {"n": "many"}, {}, r"invalid strategy.n='many': allowed a value of type int"),
     ("best_of_n", {"n": "0"}, {}, r"invalid n=0"),
@@ -55,6 +60,66 @@ def test_build_errors_name_the_valid_choices(name, params, groups, match):
         build_strategy(name, params, groups)
 
 
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_unknown_parameter_offers_only_what_the_command_line_can_set(name):
+    with pytest.raises(InvalidParameter) as info:
+        build_strategy(name, {"bogus": "1"}, {})
+    offered = info.value.allowed.removeprefix("one of ")
+    assert offered.startswith("[") and "'params'" not in offered  # sampling params: the sampling flags
+    with pytest.raises(InvalidParameter, match="sampling flags instead"):
+        build_strategy(name, {"params": "x"}, {})
+
+
+def parsed(*argv):
+    """`metaloom run` arguments as `run` sees them, and what `strategy_config` makes of them."""
+    args = build_parser().parse_args(["run", *argv])
+    return args, strategy_config(args)
+
+
+def test_cli_parameters_configure_the_strategy_and_its_components():
+    args, (params, groups, sampling) = parsed(
+        "--strategy", "best_of_n", "--strategy.n", "3", "--strategy.scorer", "logprob", "--scorer.normalize", "true",
+        "--strategy.extractor=last_number", "Which is larger, 900 or 1,000?", "--temperature", "0.5", "--seed", "7")
+    assert args.prompt == "Which is larger, 900 or 1,000?"
+    assert (params, groups) == ({"n": "3", "scorer": "logprob", "extractor": "last_number"}, {"scorer": {"normalize": "true"}})
+    assert sampling == {"temperature": 0.5, "seed": 7}  # only the flags given override the strategy's defaults
+    s = build_strategy(args.strategy, params, groups)
+    assert type(s) is BestOfN and s.n == 3 and s.inner is None
+    assert type(s.scorer) is SequenceLogprob and s.scorer.normalize is True
+    assert type(s.extractor) is LastNumber and s.extractor.extract(args.prompt) == "1000"
+    args, (params, groups, _) = parsed("--strategy", "majority_vote", "Q", "--strategy.inner", "chain",
+                                       "--inner.max_tokens", "64,8")
+    s = build_strategy(args.strategy, params, groups)
+    assert type(s) is MajorityVote and type(s.extractor) is MathAnswer and s.n == MajorityVote().n
+    assert type(s.inner) is Chain and s.inner.max_tokens == (64, 8)
+
+
+def test_budget_limits_are_typed_numbers():
+    b = parse_budget(["output_tokens=2000", "flops=1e9", "seconds=2.5"])
+    assert b == Budget(output_tokens=2000, flops=1e9, seconds=2.5) and type(b.output_tokens) is int
+    assert parse_budget([]) == Budget()
+    with pytest.raises(InvalidParameter, match=r"budget\.output_tokens='9': allowed one limit"):
+        parse_budget(["output_tokens=1", "output_tokens=9"])  # not silently the last one
+
+
+@pytest.mark.parametrize(("item", "match"), [
+    ("output_tokens=abc", "invalid budget.output_tokens='abc': allowed a whole number >= 0"),
+    ("output_tokens=1.5", "invalid budget.output_tokens='1.5': allowed a whole number >= 0"),
+    ("output_tokens=", "invalid budget.output_tokens='': allowed a whole number >= 0"),
+    ("output_tokens=-5", "invalid budget.output_tokens='-5': allowed a whole number >= 0"),
+    ("flops=nan", "invalid budget.flops='nan': allowed a finite number >= 0"),
+    ("flops=inf", "invalid budget.flops='inf': allowed a finite number >= 0"),
+    ("seconds=-0.5", "invalid budget.seconds='-0.5': allowed a finite number >= 0"),
+    ("seconds=soon", "invalid budget.seconds='soon': allowed a finite number >= 0"),
+    ("tokens=3", "invalid budget='tokens=3': allowed FIELD=LIMIT with FIELD one of ['input_tokens'"),
+    ("output_tokens", "invalid budget='output_tokens': allowed FIELD=LIMIT"),
+])
+def test_bad_budgets_name_the_field(item, match):
+    with pytest.raises(InvalidParameter) as info:
+        parse_budget([item])
+    assert str(info.value).startswith(match)
+
+
 @pytest.mark.parametrize(("argv", "match"), [
     (["--strategy", "nope"], "invalid strategy='nope': allowed one of"),
     (["--strategy", "best_of_n", "--strategy.bogus", "1"], "invalid strategy.bogus='1'"),
@@ -62,16 +127,51 @@ def test_build_errors_name_the_valid_choices(name, params, groups, match):
     (["--strategy", "best_of_n", "--n", "3"], "strategy's --strategy.n"),
     (["--strategy", "best_of_n", "--temperature", "-1"], "invalid temperature=-1.0"),
     (["--strategy", "best_of_n", "--budget", "tokens=3"], "FIELD=LIMIT with FIELD one of"),
+    (["--strategy", "best_of_n", "--budget", "output_tokens=-5"], "invalid budget.output_tokens='-5'"),
+    (["--strategy", "best_of_n", "--budget", "output_tokens=abc"], "invalid budget.output_tokens='abc'"),
+    (["--strategy", "best_of_n", "--budget", "flops=nan"], "invalid budget.flops='nan'"),
+    (["--strategy", "best_of_n", "--strategy.params", "x"], "invalid strategy.params='x': allowed sampling flags"),
 ])
-def test_cli_errors_before_loading_the_model(capsys, argv, match):
+def test_cli_errors_before_loading_the_model(capsys, monkeypatch, argv, match):
+    monkeypatch.setattr("metaloom.models.load", no_model)
     assert main(["run", "What is 2 + 2?", *argv]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and match in err
+    assert err.startswith("error: ") and match in err and err.count("\n") == 1
 
 
-def test_dotted_values_never_become_the_prompt(capsys):
-    assert main(["run", "--strategy", "best_of_n", "--strategy.n", "0", "the prompt"]) == 2
-    assert "invalid n=0" in capsys.readouterr().err  # "0" went to n, "the prompt" to the prompt
+def no_model(*args, **kwargs):
+    raise AssertionError("the model was loaded before the arguments were checked")
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    # the prompt taken as a parameter's value: the parameter's check runs first and says so
+    (["--strategy", "majority_vote", "--strategy.n", "Q"],
+     "invalid strategy.n='Q': allowed a value of type int ('Q' was taken as the value of --strategy.n, "
+     "so the prompt is missing)"),
+    (["--strategy", "majority_vote", "--strategy.bogus", "Q"],
+     "invalid strategy.bogus='Q': allowed one of ['n', 'extractor', 'inner'] "
+     "('Q' was taken as the value of --strategy.bogus, so the prompt is missing)"),
+    (["--strategy", "best_of_n", "--strategy.scorer", "What is 2 + 2?"],
+     "invalid scorer='What is 2 + 2?': allowed one of ['execution', 'judge', 'logprob', 'reward_model', 'verifier'] "
+     "('What is 2 + 2?' was taken as the value of --strategy.scorer, so the prompt is missing)"),
+    # valid parameters, no prompt left
+    (["--strategy", "majority_vote", "--strategy.n", "5"],
+     "invalid prompt=None: allowed the text to run the strategy on, as its own argument "
+     "('5' was taken as the value of --strategy.n, so the prompt is missing)"),
+    (["--strategy", "majority_vote", "--strategy.n=5"],
+     "invalid prompt=None: allowed the text to run the strategy on, as its own argument"),
+])
+def test_a_missing_prompt_is_one_error_line_naming_the_parameter(capsys, monkeypatch, argv, error):
+    monkeypatch.setattr("metaloom.models.load", no_model)
+    assert main(["run", *argv]) == 2
+    assert capsys.readouterr().err == f"error: {error}\n"  # one line: no usage dump
+
+
+def test_dotted_values_never_become_the_prompt():
+    args, (params, _, _) = parsed("--strategy", "best_of_n", "--strategy.n", "0", "the prompt")
+    assert args.prompt == "the prompt" and params == {"n": "0"}  # "0" went to n, "the prompt" to the prompt
+    with pytest.raises(InvalidParameter, match="invalid n=0"):
+        build_strategy(args.strategy, params, {})
 
 
 def test_strategies_lists_every_strategy_and_component(capsys):
@@ -94,4 +194,4 @@ def test_cli_json_run_on_the_default_model(capsys):
     assert out["best"] == out["candidates"][out["best_index"]]["text"]
     assert out["usage"]["scorer_calls"] == 1 and 2 <= out["usage"]["output_tokens"] <= 16
     assert [e["kind"] for e in out["trace"]] == ["sample", "score", "select"]
-    assert isinstance(LastNumber(), LastNumber)
+    assert out["answers"] == [LastNumber().extract(c["text"]) for c in out["candidates"]]  # the extractor named

@@ -3,7 +3,9 @@ file): each parameter is converted to the type its dataclass field or factory ar
 declares; a parameter whose type is a component protocol (Scorer, Extractor, Utility,
 Feedback, Strategy) names a registry entry, configured in turn by ``FIELD.PARAM`` values.
 
-Unknown names and parameters raise `InvalidParameter` listing the valid ones.
+Unknown names and parameters raise `InvalidParameter` listing the valid ones: only the
+parameters text can set (`settable`); sampling params come from the sampling flags, a
+`Generator` parameter receives the model being run.
 """
 
 from __future__ import annotations
@@ -70,6 +72,26 @@ def kind_of(t: Any) -> tuple[str, Callable[[], Mapping[str, Any]]] | None:
     return KINDS.get(_options(t)[0])
 
 
+def settable(t: Any) -> bool:
+    """Whether a parameter of type ``t`` can be given as text (`convert` takes it): not a
+    `SamplingParams` (the sampling flags set it), nor the `Generator` being run, nor any
+    other structured value."""
+    t = _options(t)[0]
+    if kind_of(t) is not None or t in (bool, int, float, str) or t is collections.abc.Callable:
+        return True
+    if typing.get_origin(t) is tuple:
+        return settable(typing.get_args(t)[0])
+    return typing.get_origin(t) is collections.abc.Callable
+
+
+def _not_settable(where: str, value: str, t: Any) -> InvalidParameter:
+    if _options(t)[0] is SamplingParams:
+        return InvalidParameter(where, value, "sampling flags instead (--temperature, --top-p, --max-tokens, --seed, ...)")
+    if is_generator(t):
+        return InvalidParameter(where, value, "nothing: it is the model being run")
+    return InvalidParameter(where, value, f"a parameter settable from text (its type is {t})")
+
+
 def convert(value: str, t: Any, where: str, groups: Mapping[str, dict[str, str]], context: Mapping[str, Any]) -> Any:
     """``value`` as type ``t``; ``where`` names the parameter in errors."""
     t, nullable = _options(t)
@@ -98,9 +120,7 @@ def convert(value: str, t: Any, where: str, groups: Mapping[str, dict[str, str]]
         return tuple(texts) if item is str else tuple(convert(v, item, where, groups, context) for v in texts)
     if t is collections.abc.Callable or typing.get_origin(t) is collections.abc.Callable:
         return load_callable(value)
-    if t is SamplingParams:
-        raise InvalidParameter(where, value, "sampling flags instead (--temperature, --top-p, --max-tokens, --seed, ...)")
-    raise InvalidParameter(where, value, f"a parameter settable from text (its type is {t})")
+    raise _not_settable(where, value, t)
 
 
 def _json(value: str, where: str, kind: type) -> Any:
@@ -118,10 +138,13 @@ def build(label: str, entry: Callable[..., Any], params: Mapping[str, str], grou
     """Call ``entry`` with ``params`` converted to its declared types; parameters typed
     `Generator` receive ``context["generator"]``. With ``context["dry"]`` nothing is called."""
     declared = params_of(entry)
-    names = [p.name for p in declared]
+    types = {p.name: p.type for p in declared}
+    names = [p.name for p in declared if settable(p.type)]  # only what text can set is offered
     for key, value in params.items():
-        if key not in names:
+        if key not in types:
             raise InvalidParameter(f"{label}.{key}", value, f"one of {names}")
+        if key not in names:
+            raise _not_settable(f"{label}.{key}", value, types[key])
     kwargs: dict[str, Any] = {}
     for p in declared:
         if is_generator(p.type) and p.default is REQUIRED and ("generator" in context or context.get("dry")):

@@ -46,24 +46,123 @@ def _math_verify():  # import guard: an optional dependency
     return math_verify
 
 
+# a final-answer phrase ("The answer is", "Final answer:", GSM8K's "####"): its answer runs to
+# the end of the sentence (a period before a space or the end) or of the line
+_ANSWER_PHRASE = re.compile(r"(?:\b(?:final\s+)?answer\b\**\s*(?:is\b\s*:?|:)|####)\**[ \t]*(?P<span>[^\n]*)", re.IGNORECASE)
+_SENTENCE_END = re.compile(r"\.(?=\s|$)")
+_MATH_DELIMITERS = re.compile(r"\$|\\[()\[\]]")
+_THOUSANDS = re.compile(r",(?=\d{3}(?!\d))")
+_NUM = r"[-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+)"
+_FRAC_ARG = rf"(?:\{{\s*{_NUM}\s*\}}|\d)"
+_LITERAL = re.compile(rf"{_NUM}(?:\s*/\s*{_NUM})?|[-+]?\\[dt]?frac\s*{_FRAC_ARG}\s*{_FRAC_ARG}")
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
+def _last_boxed(text: str) -> str | None:
+    """The last ``\\boxed{...}`` (or ``\\fbox``) in ``text``, braces balanced, or ``None``."""
+    for m in reversed(list(_BOXED.finditer(text))):
+        depth = 1
+        for i in range(m.end(), len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                return text[m.start():i + 1]
+    return None
+
+
+def _last_side(expr: str) -> str:
+    """The right-most side of an equation or chain of them (``42 - 15 = 27`` -> ``27``,
+    ``a = b = 3`` -> ``3``); ``expr`` itself when it has no top-level ``=`` (``<=``, ``!=``
+    and ``==`` are not equations here) or lists several (``x = 1, y = 2``)."""
+    depth, cuts = 0, []
+    for i, c in enumerate(expr):
+        if c in "{([":
+            depth += 1
+        elif c in "})]":
+            depth -= 1
+        elif c == "=" and depth == 0 and expr[i - 1:i] not in ("<", ">", "!", "=", ":") and expr[i + 1:i + 2] != "=":
+            cuts.append(i)
+    if not cuts or re.search(r"[,;]", _THOUSANDS.sub("", expr[cuts[0]:])):
+        return expr
+    return expr[cuts[-1] + 1:].strip()
+
+
 @dataclass(frozen=True)
 class MathAnswer:
-    """Final mathematical answer via `math-verify` (boxed, "the answer is", last expression),
-    compared symbolically with its ``verify``."""
+    """Final mathematical answer via `math-verify`, compared symbolically with its ``verify``.
+
+    Where to look, first found wins: the last ``\\boxed{}``; the sentence after the last
+    "the answer is" / "answer:" / "####"; the last expression in the text. An equation's
+    answer is its last side (``\\boxed{42 - 15 = 27}`` -> ``27``, ``x = \\frac{3}{4}`` ->
+    ``\\frac{3}{4}``). A number comes out as written (``1,234.50``, ``-3/4``), arithmetic on
+    numbers as its value (``\\boxed{42 - 15}`` -> ``27``), anything else as the LaTeX or text."""
 
     name: str = "math"
 
     def extract(self, text: str) -> str | None:
-        mv = _math_verify()
-        parsed = mv.parse(text, parsing_timeout=_timeout())
-        return str(parsed[-1]) if parsed else None
+        boxed = _last_boxed(text)
+        spans = [boxed] if boxed is not None else []
+        phrases = list(_ANSWER_PHRASE.finditer(text))
+        if phrases:
+            span = _SENTENCE_END.split(phrases[-1]["span"], maxsplit=1)[0]
+            side = _last_side(_MATH_DELIMITERS.sub(" ", span).strip(" \t*"))
+            if side:  # LaTeX stays LaTeX once its delimiters are gone
+                spans.append(f"${side}$" if _MATH_DELIMITERS.search(span) else side)
+        spans.append(text)
+        for span in spans:
+            found = _parse(span)
+            if found is not None:
+                return found
+        return None
 
     def same(self, a: str, b: str) -> bool:
         if a == b:
             return True
         mv = _math_verify()
-        t = _timeout()
-        return bool(mv.verify(mv.parse(a, parsing_timeout=t), mv.parse(b, parsing_timeout=t), timeout_seconds=t))
+        pa, pb = _parse_answer(a), _parse_answer(b)
+        return bool(pa and pb and mv.verify(pa, pb, timeout_seconds=_timeout()))
+
+
+def _parse_answer(answer: str) -> list:
+    """math-verify's reading of an extracted answer (LaTeX without delimiters included)."""
+    mv, t = _math_verify(), _timeout()
+    return mv.parse(f"${answer}$", parsing_timeout=t) or mv.parse(answer, parsing_timeout=t)
+
+
+def _parse(span: str) -> str | None:
+    """The canonical answer math-verify finds in ``span``, or ``None``."""
+    mv = _math_verify()
+    parsed = mv.parse(span, parsing_timeout=_timeout())
+    if not parsed:
+        return None
+    value, raw = parsed[0], str(parsed[-1]).strip()
+    side = _last_side(raw)
+    if side != raw:
+        raw = side
+        reparsed = _parse_answer(side)
+        value = reparsed[0] if reparsed else side
+    percent = "%" in raw or re.search(re.escape(raw) + r"\s*\\?%", span) is not None
+    return raw if percent else _canonical(value, raw)
+
+
+def _canonical(value: object, raw: str) -> str:
+    """``raw`` when it is a number as written (``1,234.50``, ``-3/4``, ``\\frac{1}{2}``) or
+    not a number; else the number sympy evaluates ``value`` to (``42 - 15`` -> ``27``)."""
+    import sympy
+
+    if _LITERAL.fullmatch(raw) or not isinstance(value, sympy.Basic) or not value.is_number:
+        return raw
+    try:
+        number = value.doit()
+    except Exception:  # sympy evaluation of odd input: keep the text
+        return raw
+    if isinstance(number, sympy.Rational):
+        return str(number)  # 27, -3/4
+    if isinstance(number, sympy.Float):
+        try:
+            return format(Decimal(str(number)).normalize(), "f")  # 0.750000000000000 -> 0.75
+        except InvalidOperation:
+            return raw
+    return raw
 
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")

@@ -1,0 +1,75 @@
+"""`MathAnswer`: the extracted answer is the final value, never the working that led to it."""
+
+import pytest
+
+from metaloom.score.answers import MathAnswer, classes
+
+
+@pytest.mark.parametrize(("text", "answer"), [
+    # an equation's answer is its last side, wherever the answer is found
+    ("42 - 15 = 27", "27"),
+    (r"So she has $\boxed{42 - 15 = 27}$ apples.", "27"),
+    (r"The final answer is $\boxed{42 - 15 = 27}$. I hope it is correct.", "27"),
+    ("The answer is $42 - 15 = 27$.", "27"),
+    ("The answer is 42 - 15 = 27", "27"),
+    ("Answer: 42-15=27", "27"),  # math-verify alone says 42
+    ("The answer is 42-15=27", "27"),
+    ("**Answer:** 42 - 15 = 27", "27"),
+    ("First 3+4=7.\nThen 7*6=42.\n$$42 - 15 = 27$$", "27"),
+    (r"\[ 42 - 15 = 27 \]", "27"),
+    (r"\boxed{x = 5}", "5"),
+    (r"$2x+3=7$ so $x=2$", "2"),
+    (r"\(x = \frac{1}{2}\)", r"\frac{1}{2}"),
+    (r"\boxed{a = b = 3}", "3"),
+    (r"The answer is $x = 1,234$.", "1,234"),
+    (r"\boxed{42 - 15}", "27"),  # arithmetic on numbers: its value
+    (r"\boxed{0.5 + 0.25}", "0.75"),
+    ("so the answer is 7. Check: 7 + 1 = 8", "7"),  # the stated answer, not the check after it
+    ("The answer is **27**.", "27"),  # was '27**.'
+    # what already worked
+    ("#### 27", "27"),
+    ("She has 27 apples left.", "27"),
+    ("The answer is -3.5", "-3.5"),
+    ("The answer is 3.5.", "3.5"),
+    (r"\boxed{-5}", "-5"),
+    (r"\boxed{2.50}", "2.50"),
+    (r"so it is $\frac{3}{4}$", r"\frac{3}{4}"),
+    (r"$-\frac{3}{4}$", r"-\frac{3}{4}"),
+    ("x = 3/4", "3/4"),
+    ("The answer is $1,234.50$", "1,234.50"),
+    ("1,234", "1234"),
+    (r"\boxed{1,000}", "1,000"),
+    (r"\boxed{\$18}", "18"),
+    (r"\boxed{\sqrt{2}}", r"\sqrt{2}"),
+    (r"\boxed{x^2 + 1}", "x^2 + 1"),
+    (r"The answer is $x \leq 3$", r"x \leq 3"),  # an inequality is not an equation
+    (r"\boxed{x = 1, y = 2}", "x = 1, y = 2"),  # nor is a system's solution cut to its last value
+    ("The answer is 10%", "10"),
+    ("The answer is unclear. Anyway 5 apples.", "5"),
+    ("nothing here", None),
+])
+def test_math_answer_is_the_final_value(text, answer):
+    assert MathAnswer().extract(text) == answer
+
+
+@pytest.mark.parametrize(("a", "b", "same"), [
+    ("27", "27", True),
+    (r"\frac{3}{4}", "0.75", True),
+    (r"-\frac{3}{4}", "-3/4", True),
+    ("1,234.50", "1234.5", True),
+    (r"\frac{\sqrt{3}}{2}", r"\frac{\sqrt 3}{2}", True),  # LaTeX without delimiters still parses
+    ("27", "42", False),
+    (r"\frac{3}{4}", "3/5", False),
+    ("x^2 + 1", "x^2 - 1", False),  # was True: both read as 1 without delimiters
+])
+def test_math_answers_compare_by_value(a, b, same):
+    assert MathAnswer().same(a, b) is same
+    assert MathAnswer().same(b, a) is same
+
+
+def test_equations_vote_with_their_values():
+    m = MathAnswer()
+    texts = [r"$\boxed{42 - 15 = 27}$", "27", "Answer: 42-15=27", "The answer is 42.", r"\boxed{27.0}", "no answer"]
+    answers = [m.extract(t) for t in texts]
+    assert answers == ["27", "27", "27", "42", "27.0", None]
+    assert classes(answers, m) == [0, 0, 0, 1, 0, None]
