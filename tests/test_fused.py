@@ -75,19 +75,22 @@ def test_bfloat16_results_round_to_nearest_even_and_keep_nan():
     assert torch.equal(x[0, :3], expected[0, :3]) and torch.isnan(x[0, 3])
 
 
-def _reference_attend(qkv, cos, sin, lengths, keys, values, heads, window):
-    """The PyTorch ops of LlamaModel._hidden for one token per row: RoPE, cache write, SDPA."""
-    rows, kv_heads, _, dim = keys.shape
+def _reference_attend(qkv, cos, sin, lengths, table, keys, values, heads, window):
+    """The PyTorch ops of LlamaModel._hidden for one token per row: RoPE, the write into the
+    new position's slot, then SDPA over the row's keys gathered through its slot table."""
+    _, kv_heads, dim = keys.shape
     out = []
-    for r in range(rows):
+    for r in range(len(lengths)):
         pos = int(lengths[r])
         x = qkv[r].view(heads + 2 * kv_heads, 1, dim)[None]  # [1, heads, 1, dim]
         q, k = apply_rope(x[:, :heads + kv_heads], cos[pos][None, None, None], sin[pos][None, None, None]).split(
             [heads, kv_heads], dim=1)
-        keys[r, :, pos] = k[0, :, 0]
-        values[r, :, pos] = x[0, heads + kv_heads:, 0]
+        slot = int(table[r, pos])
+        keys[slot] = k[0, :, 0]
+        values[slot] = x[0, heads + kv_heads:, 0]
         lo = max(0, pos - window + 1) if window else 0
-        a = F.scaled_dot_product_attention(q, keys[r:r + 1, :, lo:pos + 1], values[r:r + 1, :, lo:pos + 1],
+        index = table[r, lo:pos + 1]
+        a = F.scaled_dot_product_attention(q, keys[index].transpose(0, 1)[None], values[index].transpose(0, 1)[None],
                                            enable_gqa=True)
         out.append(a.reshape(heads * dim))
     return torch.stack(out)
@@ -95,21 +98,27 @@ def _reference_attend(qkv, cos, sin, lengths, keys, values, heads, window):
 
 @needs
 @DTYPES
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("heads, kv_heads, dim, window", [(9, 3, 64, None), (4, 1, 128, None), (2, 2, 96, None),
                                                           (6, 2, 64, 5)])
-def test_rope_attend_equals_rope_cache_write_and_sdpa(heads, kv_heads, dim, window, dtype):
-    rows, cap = 3, 40
-    lengths = torch.tensor([0, 7, 33])  # a fresh row, a short one, one past the window
+def test_rope_attend_equals_rope_cache_write_and_sdpa(heads, kv_heads, dim, window, threads, dtype):
+    rows, cap, slots = 4, 40, 160
+    lengths = torch.tensor([0, 7, 33, 20])  # a fresh row, a short one, one past the window, a fork
     cos, sin = rope_tables(dim, 10000.0, None, 64, dtype, CPU)
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=_g(5)).to(dtype)
-    keys = torch.randn(rows, kv_heads, cap, dim, generator=_g(6)).to(dtype)
-    values = torch.randn(rows, kv_heads, cap, dim, generator=_g(7)).to(dtype)
+    keys = torch.randn(slots, kv_heads, dim, generator=_g(6)).to(dtype)
+    values = torch.randn(slots, kv_heads, dim, generator=_g(7)).to(dtype)
+    # every row's positions at scattered slots; row 3 shares row 2's first 20 (a fork), and each
+    # row's new position has a slot of its own
+    order = torch.randperm(slots, generator=_g(8))
+    table = order[:rows * cap].view(rows, cap).clone()
+    table[3, :20] = table[2, :20]
     ref_keys, ref_values = keys.clone(), values.clone()
-    expected = _reference_attend(qkv, cos, sin, lengths, ref_keys, ref_values, heads, window)
+    expected = _reference_attend(qkv, cos, sin, lengths, table, ref_keys, ref_values, heads, window)
     out = torch.empty(rows, heads * dim, dtype=dtype)
-    KERNELS.rope_attend(qkv, cos, sin, lengths, keys, values, out, heads, window)
+    KERNELS.rope_attend(qkv, cos, sin, lengths, table, keys, values, out, heads, window, threads)
     assert _close(out, expected, dtype)
-    assert _close(keys, ref_keys, dtype)  # the rotated key, at each row's position
+    assert _close(keys, ref_keys, dtype)  # the rotated key, in each row's new slot
     assert torch.equal(values, ref_values)  # the value, copied
 
 
@@ -167,7 +176,8 @@ def test_fused_steps_equal_pytorch_steps_for_mixed_length_rows(kind, dtype):
             assert (a.float() - b.float()).abs().max().item() <= tol * max(1.0, a.abs().max().item()), step
         outs = [o[0] for o in outs]
     assert torch.equal(caches[0].lengths, caches[1].lengths)
-    assert (caches[0].keys[1][:, :, :20].float() - caches[1].keys[1][:, :, :20].float()).abs().max().item() <= tol
+    keys = [c.gather(1, 20)[0] for c in caches]  # layer 1's keys of positions 0..19, through the slot tables
+    assert (keys[0].float() - keys[1].float()).abs().max().item() <= tol
 
 
 @needs
@@ -265,22 +275,29 @@ class _Counting:
 
 
 @needs
-def test_many_rows_over_long_caches_take_the_pytorch_ops(monkeypatch):
+@pytest.mark.parametrize("parallel_from", [10**9, 0])  # one thread; every step split over threads
+def test_fused_steps_over_forked_rows_equal_pytorch_steps(monkeypatch, parallel_from):
     import metaloom.models.llama as llama
 
-    monkeypatch.setattr(llama, "MAX_ROW_KEYS", 24)  # 2 rows x 12 keys
+    monkeypatch.setattr(llama, "PARALLEL_MIN_KEYS", parallel_from)
     plain = _tiny()
     counting = _Counting(KERNELS)
     fused = LlamaModel(plain.config, plain.embed, plain.layers, plain.norm, plain.lm_head, fused=counting)
-    caches = [m.new_cache(2, 40) for m in (plain, fused)]
-    prompt = torch.randint(0, 103, (2, 9), generator=_g(9))
-    outs = [m.forward(prompt, c, last_only=True) for m, c in zip((plain, fused), caches, strict=True)]
+    prompt = torch.randint(0, 103, (1, 9), generator=_g(9))
+    caches, outs = [], []
+    for m in (plain, fused):
+        cache = m.new_cache(1, 40)
+        out = m.forward(prompt, cache, last_only=True)
+        forked = cache.fork([0, 0, 0])  # three rows sharing the prompt's slots
+        cache.release()
+        caches.append(forked)
+        outs.append(out.expand(3, -1, -1))
     assert counting.calls == 0  # a prefill
-    seen = []
-    for _ in range(5):  # keys after each step: 10, 11, 12 (fused), 13, 14 (PyTorch)
-        token = outs[0][:, -1].argmax(-1, keepdim=True)
+    assert caches[1].pool.used_slots == 9  # the fork copied no keys
+    for step in range(6):
+        token = torch.tensor([[3], [50], [77]]) if step == 0 else outs[0][:, -1].argmax(-1, keepdim=True)
         before = counting.calls
         outs = [m.forward(token, c) for m, c in zip((plain, fused), caches, strict=True)]
-        seen.append(counting.calls > before)
+        assert counting.calls > before
         assert (outs[0] - outs[1]).abs().max().item() <= 1e-4
-    assert seen == [True, True, True, False, False]
+    assert caches[1].pool.used_slots == 9 + 3 * 6

@@ -1,110 +1,335 @@
-"""A preallocated KV cache with per-row lengths.
+"""The native model's KV cache: a pool of token slots shared by every row that holds them.
 
-Layout per layer: keys and values [B, H_kv, capacity, D]. Row ``b`` holds its first
-``lengths[b]`` positions; anything after is garbage and masked out. Rows of different lengths
-live in one batch without left padding: each row writes at its own offset and the attention
-mask hides keys past each query's position, so a row gives the same tokens alone or batched.
+Why slots. Tree search forks hundreds of branches from shared prefixes, best-of-N forks N
+samples from one prompt, beam search reorders beams every step, and the radix prefix cache
+hands a stored prefix to a new request. With one dense [B, H, capacity, D] tensor per cache
+each of those copies the shared keys and values once per row. Here a key/value pair is
+written once, into a slot of a `KVPool` (per layer: keys and values [slots, H_kv, D]), and a
+row is the list of its positions' slots (`PagedKVCache`: a table [B, capacity] of slot ids).
+Forking a row copies its slot ids (8 bytes a position) and counts references; the KV stays
+where it is. This is paged attention with one-token pages (Kwon et al. 2023, "Efficient Memory
+Management for Large Language Model Serving with PagedAttention"; SGLang's token-to-KV pool,
+Zheng et al. 2024): no page is ever partly shared, so nothing is ever copied on write — a
+slot is written once, by the row that allocated it, before anyone can share it.
+
+Reading: the fused one-token kernels (`metaloom.models.fused`) read keys through the table;
+the PyTorch path gathers a batch's keys into [B, H_kv, L, D] per layer (`PagedKVCache.gather`).
+
+Slot 0 is a scratch slot owned by the pool: positions a forward computes but does not keep
+(right padding, rows that already finished) are written there and never read.
+
+Reference counts free a slot when the last row (or prefix-cache entry) holding it lets go:
+`PagedKVCache.release`, `truncate`, and garbage collection of a cache nobody released.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from metaloom.errors import CacheFull, InvalidParameter
 
+SCRATCH = 0  # the slot padding writes go to
 
-class StaticKVCache:
-    def __init__(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        shape = (batch, kv_heads, capacity, head_dim)
+
+class KVPool:
+    """Keys and values for ``slots`` token slots of every layer, [slots, H_kv, D] each, with a
+    reference count per slot. Grows (doubling, copying once) when a request needs more free
+    slots than it has; ``max_slots`` bounds it (`CacheFull` beyond). Thread-safe."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", slots: int = 256, max_slots: int | None = None) -> None:
+        if slots < 2:
+            raise InvalidParameter("slots", slots, ">= 2 (slot 0 is scratch)")
+        self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        self.max_slots = max_slots
+        shape = (slots, kv_heads, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self._lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.refs = np.zeros(slots, dtype=np.int64)
+        self.refs[SCRATCH] = 1  # never freed, never allocated
+        self._free = np.arange(slots - 1, 0, -1, dtype=np.int64)  # a stack: pop from the end
+        self._nfree = slots - 1
+        self.lock = threading.RLock()
 
     @property
+    def slots(self) -> int:
+        return len(self.refs)
+
+    @property
+    def used_slots(self) -> int:
+        """Slots holding a live key/value (referenced by some row or prefix entry)."""
+        return self.slots - 1 - self._nfree
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used_slots * self.bytes_per_slot
+
+    def allocate(self, n: int) -> np.ndarray:
+        """``n`` fresh slots, each with one reference (the caller's)."""
+        with self.lock:
+            if n > self._nfree:
+                self._grow(n - self._nfree)
+            out = self._free[self._nfree - n:self._nfree][::-1].copy()
+            self._nfree -= n
+            self.refs[out] = 1
+            return out
+
+    def retain(self, slots: np.ndarray) -> None:
+        """One more reference to each of ``slots`` (repeats count repeatedly)."""
+        if slots.size == 0:
+            return
+        with self.lock:
+            if slots.size > 4096:
+                self.refs += np.bincount(slots, minlength=len(self.refs))
+            else:
+                np.add.at(self.refs, slots, 1)
+
+    def release(self, slots: np.ndarray) -> None:
+        """One reference fewer to each of ``slots``; slots left with none become free."""
+        if slots.size == 0:
+            return
+        with self.lock:
+            if slots.size > 4096:
+                self.refs -= np.bincount(slots, minlength=len(self.refs))
+            else:
+                np.subtract.at(self.refs, slots, 1)
+            gone = np.unique(slots[self.refs[slots] == 0])
+            if gone.size and bool((self.refs[gone] < 0).any()):  # pragma: no cover - a bookkeeping bug
+                raise RuntimeError("KV pool slot released more often than retained")
+            self._free[self._nfree:self._nfree + gone.size] = gone
+            self._nfree += gone.size
+
+    def _grow(self, extra: int) -> None:
+        old = self.slots
+        new = max(2 * old, old + extra)
+        if self.max_slots is not None and new > self.max_slots:
+            new = self.max_slots
+            if new - old < extra:
+                raise CacheFull(f"KV pool needs {old + extra - self._nfree} slots in use but is capped at {self.max_slots}")
+        for store in (self.keys, self.values):
+            for i, t in enumerate(store):
+                grown = torch.zeros((new, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                grown[:old] = t
+                store[i] = grown
+        self.refs = np.concatenate([self.refs, np.zeros(new - old, dtype=np.int64)])
+        # the free stack pops from its end: the new slots go below the old free ones, so low
+        # slot ids are reused first
+        added = np.arange(new - 1, old - 1, -1, dtype=np.int64)
+        stack = np.empty(new, dtype=np.int64)
+        stack[:len(added)] = added
+        stack[len(added):len(added) + self._nfree] = self._free[:self._nfree]
+        self._free = stack
+        self._nfree += len(added)
+
+
+class PagedKVCache:
+    """Rows of slots in a `KVPool`: row ``b`` holds positions ``0 .. lengths[b] - 1`` at slots
+    ``table[b, :lengths[b]]``. ``capacity`` bounds each row's length. The bookkeeping (table,
+    lengths) lives on the CPU; the pool on the model's device."""
+
+    def __init__(self, pool: KVPool, batch: int, capacity: int) -> None:
+        if batch < 0 or capacity < 0:
+            raise InvalidParameter("batch, capacity", (batch, capacity), "non-negative sizes")
+        self.pool = pool
+        self.slots = np.zeros((batch, capacity), dtype=np.int64)  # slot of each position
+        self._n = np.zeros(batch, dtype=np.int64)  # lengths
+        self._lengths: torch.Tensor | None = None  # device copy, rebuilt after a change
+        self._table: torch.Tensor | None = None
+        self._released = False
+
+    # --- the KVCache protocol ---------------------------------------------------------
+    @property
     def lengths(self) -> torch.Tensor:
+        """[B] long on the pool's device. A fresh tensor after every change: callers may keep one."""
+        if self._lengths is None:
+            self._lengths = torch.from_numpy(self._n.copy()).to(self.pool.device)
         return self._lengths
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[2] if self.keys else 0
+        return self.slots.shape[1]
 
     @property
     def batch(self) -> int:
-        return self._lengths.shape[0]
+        return len(self._n)
 
-    def reserve(self, new_tokens: int) -> None:
-        """Raise `CacheFull` if appending ``new_tokens`` to the longest row would overflow."""
-        need = int(self._lengths.max()) + new_tokens if self.batch else new_tokens
-        if need > self.capacity:
-            raise CacheFull(f"KV cache needs {need} positions but was allocated {self.capacity}")
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, uniform: bool) -> None:
-        """Write k, v [B, H_kv, T, D] at each row's current length (lengths advance later,
-        once for all layers, in `advance`)."""
-        t = k.shape[2]
-        if uniform:
-            start = int(self._lengths[0])
-            self.keys[layer][:, :, start:start + t] = k
-            self.values[layer][:, :, start:start + t] = v
-            return
-        pos = self._lengths[:, None] + torch.arange(t, device=k.device)  # [B, T]
-        rows = torch.arange(self.batch, device=k.device)[:, None]
-        # advanced indices (rows, pos) around a slice put [B, T] first: target [B, T, H, D]
-        self.keys[layer][rows, :, pos] = k.transpose(1, 2)
-        self.values[layer][rows, :, pos] = v.transpose(1, 2)
-
-    def advance(self, valid: torch.Tensor) -> None:
-        self._lengths = self._lengths + valid
-
-    def fork(self, rows: Sequence[int]) -> StaticKVCache:
-        index = torch.as_tensor(list(rows), dtype=torch.long, device=self._lengths.device)
-        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.batch):
+    def fork(self, rows: Sequence[int]) -> PagedKVCache:
+        """A new cache whose row ``i`` shares row ``rows[i]``'s keys and values (no KV copy)."""
+        index = np.asarray(list(rows), dtype=np.int64)
+        if index.size and (int(index.min()) < 0 or int(index.max()) >= self.batch):
             raise InvalidParameter("rows", list(rows), f"row indices in [0, {self.batch})")
-        new = StaticKVCache.__new__(StaticKVCache)
-        used = int(self._lengths.max()) if self.batch else 0
-        # copy only the used prefix; the rest of the new cache is fresh space
-        new.keys, new.values = [], []
-        for k, v in zip(self.keys, self.values, strict=True):
-            nk = k.new_zeros((len(index), *k.shape[1:]))
-            nv = v.new_zeros((len(index), *v.shape[1:]))
-            nk[:, :, :used] = k[index, :, :used]
-            nv[:, :, :used] = v[index, :, :used]
-            new.keys.append(nk)
-            new.values.append(nv)
-        new._lengths = self._lengths[index].clone()
+        new = PagedKVCache(self.pool, len(index), self.capacity)
+        new._n = self._n[index].copy()
+        used = int(new._n.max()) if len(index) else 0
+        new.slots[:, :used] = self.slots[index, :used]
+        self.pool.retain(new._held())
         return new
 
     def truncate(self, lengths: Sequence[int] | torch.Tensor) -> None:
-        new = torch.as_tensor(lengths, dtype=torch.long, device=self._lengths.device)
-        if new.shape != self._lengths.shape or bool((new < 0).any()) or bool((new > self._lengths).any()):
-            allowed = f"{self.batch} values in [0, current lengths {self._lengths.tolist()}]"
-            raise InvalidParameter("lengths", new.tolist(), allowed)
-        self._lengths = new.clone()
+        """Shorten each row to ``lengths[b]`` (<= its length); dropped positions let go of their slots."""
+        new = np.asarray(torch.as_tensor(lengths, dtype=torch.long).cpu().numpy(), dtype=np.int64)
+        if new.shape != self._n.shape or bool((new < 0).any()) or bool((new > self._n).any()):
+            raise InvalidParameter("lengths", new.tolist(), f"{self.batch} values in [0, current lengths {self._n.tolist()}]")
+        dropped = [self.slots[b, new[b]:self._n[b]] for b in range(self.batch) if new[b] < self._n[b]]
+        if dropped:
+            self.pool.release(np.concatenate(dropped))
+        self._n = new.copy()
+        self._lengths = None
 
-    # --- blocks, for the prefix cache (metaloom.prefix) ----------------------------------
-    def read_block(self, row: int, start: int, end: int) -> torch.Tensor:
-        """A copy of row ``row``'s keys and values at positions ``start .. end - 1``:
-        [layers, 2, H_kv, end - start, D]."""
-        if not 0 <= row < self.batch or not 0 <= start <= end <= int(self._lengths[row]):
+    def join(self, other: PagedKVCache) -> PagedKVCache:
+        """This cache's rows, then ``other``'s, in a new cache; both given caches are spent (their
+        references move over, nothing is copied in the pool). Rows of another pool of the same
+        shape are copied into this one first (a draft model's caches, made per start)."""
+        if not isinstance(other, PagedKVCache):
+            raise InvalidParameter("other", type(other).__name__, "a PagedKVCache")
+        if other.pool is not self.pool:
+            other = other.moved_to(self.pool)
+        capacity = max(self.capacity, other.capacity)
+        new = PagedKVCache(self.pool, self.batch + other.batch, capacity)
+        new.slots[:self.batch, :self.capacity] = self.slots
+        new.slots[self.batch:, :other.capacity] = other.slots
+        new._n = np.concatenate([self._n, other._n])
+        for spent in (self, other):
+            spent._n = np.zeros(0, dtype=np.int64)
+            spent.slots = np.zeros((0, 0), dtype=np.int64)
+            spent._released = True
+        return new
+
+    def moved_to(self, pool: KVPool) -> PagedKVCache:
+        """The same rows in ``pool`` (their keys and values copied; rows that shared a slot still
+        share its copy). This cache is spent."""
+        p = self.pool
+        if (pool.layers, pool.kv_heads, pool.head_dim, pool.dtype) != (p.layers, p.kv_heads, p.head_dim, p.dtype):
+            raise InvalidParameter("pool", (pool.layers, pool.kv_heads, pool.head_dim, pool.dtype),
+                                   "a pool of the same shape and dtype")
+        held = self._held()
+        old = np.unique(held)
+        new = pool.allocate(len(old))
+        src = torch.from_numpy(old).to(p.device)
+        dst = torch.from_numpy(new).to(pool.device)
+        for layer in range(p.layers):
+            pool.keys[layer][dst] = p.keys[layer][src].to(pool.device)
+            pool.values[layer][dst] = p.values[layer][src].to(pool.device)
+        # every reference a row held moves: one per occurrence, the allocation gave one per slot
+        pool.retain(new[np.searchsorted(old, held)])
+        pool.release(new)
+        moved = PagedKVCache(pool, self.batch, self.capacity)
+        moved._n = self._n.copy()
+        for b in range(self.batch):
+            n = int(self._n[b])
+            moved.slots[b, :n] = new[np.searchsorted(old, self.slots[b, :n])]
+        self.release()
+        return moved
+
+    def release(self) -> None:
+        """Let go of every slot (idempotent). The cache is empty afterwards."""
+        if self._released:
+            return
+        self._released = True
+        held = self._held()
+        self._n = np.zeros(self.batch, dtype=np.int64)
+        self._lengths = None
+        self.pool.release(held)
+
+    def __del__(self) -> None:
+        # a safety net for caches dropped without `release` (an exception mid-decode)
+        with contextlib.suppress(Exception):  # interpreter shutdown, or __init__ failed
+            self.release()
+
+    # --- what the model's forward uses --------------------------------------------------
+    def reserve(self, new_tokens: int) -> None:
+        """Raise `CacheFull` if appending ``new_tokens`` to the longest row would pass capacity."""
+        need = (int(self._n.max()) if self.batch else 0) + new_tokens
+        if need > self.capacity:
+            raise CacheFull(f"KV cache needs {need} positions but was allocated {self.capacity}")
+
+    def prepare(self, valid: Sequence[int], width: int) -> torch.Tensor:
+        """Slots for a forward of ``width`` positions per row, the first ``valid[b]`` of which
+        row b keeps: fresh slots for those, the scratch slot for the padding. Records the kept
+        ones in the table (the lengths advance in `advance`). Returns [B, width] long slots."""
+        self.reserve(width)
+        keep = np.asarray(valid, dtype=np.int64)
+        fresh = self.pool.allocate(int(keep.sum()))
+        out = np.full((self.batch, width), SCRATCH, dtype=np.int64)
+        if width == 1:  # a decode step: one slot per kept row, vectorised
+            rows = np.flatnonzero(keep)
+            out[rows, 0] = fresh
+        else:
+            at = 0
+            for b in np.flatnonzero(keep).tolist():
+                k = int(keep[b])
+                out[b, :k] = fresh[at:at + k]
+                at += k
+        # the table gets every written position, padding included (as the scratch slot): a
+        # kernel that writes at a row's next position must never find a stale slot there,
+        # which may by now belong to another row
+        for j in range(width):
+            self.slots[np.arange(self.batch), self._n + j] = out[:, j]
+        self._table = None if self.pool.device.type != "cpu" else self._table
+        return torch.from_numpy(out).to(self.pool.device)
+
+    def advance(self, valid: torch.Tensor | Sequence[int]) -> None:
+        add = torch.as_tensor(valid, dtype=torch.long).cpu().numpy()
+        self._n = self._n + add
+        self._lengths = None
+
+    def table(self) -> torch.Tensor:
+        """The slot table [B, capacity] as a contiguous long tensor on the pool's device;
+        entries past a row's length are stale and must be masked. On the CPU it shares memory
+        with the bookkeeping, so it is always current."""
+        if self._table is None:
+            self._table = torch.from_numpy(self.slots)
+            if self.pool.device.type != "cpu":
+                self._table = self._table.to(self.pool.device)
+        return self._table
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store k, v [B, H_kv, T, D] at ``slots`` [B, T] (from `prepare`)."""
+        flat = slots.reshape(-1)
+        kv_heads, dim = k.shape[1], k.shape[3]
+        self.pool.keys[layer][flat] = k.transpose(1, 2).reshape(-1, kv_heads, dim)
+        self.pool.values[layer][flat] = v.transpose(1, 2).reshape(-1, kv_heads, dim)
+
+    def gather(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions ``0 .. length - 1`` of every row, [B, H_kv, length, D]
+        (a copy; positions past a row's length hold stale data and must be masked)."""
+        index = self.table()[:, :length]
+        return (self.pool.keys[layer][index].transpose(1, 2), self.pool.values[layer][index].transpose(1, 2))
+
+    # --- rows as slot lists (the prefix cache) ---------------------------------------------
+    def row_slots(self, row: int, start: int, end: int) -> np.ndarray:
+        """The slots of row ``row``'s positions ``start .. end - 1`` (a copy of the ids)."""
+        if not 0 <= row < self.batch or not 0 <= start <= end <= int(self._n[row]):
             raise InvalidParameter("span", (row, start, end), f"a row in [0, {self.batch}) and 0 <= start <= end <= its length")
-        return torch.stack([torch.stack((k[row, :, start:end], v[row, :, start:end]))
-                            for k, v in zip(self.keys, self.values, strict=True)])
+        return self.slots[row, start:end].copy()
 
-    def append_block(self, row: int, block: torch.Tensor) -> None:
-        """Write ``block`` [layers, 2, H_kv, n, D] (from `read_block`) at row ``row``'s length
-        and advance that row by ``n``; the positions are the row's, so RoPE stays consistent as
-        long as the block was read from the same positions."""
-        n = block.shape[3]
+    def append_slots(self, row: int, slots: np.ndarray) -> None:
+        """Append positions held at ``slots`` (already in this pool, e.g. a cached prefix) to
+        row ``row``, taking a reference to each."""
         if not 0 <= row < self.batch:
             raise InvalidParameter("row", row, f"a row in [0, {self.batch})")
-        start = int(self._lengths[row])
+        start, n = int(self._n[row]), len(slots)
         if start + n > self.capacity:
             raise CacheFull(f"KV cache row needs {start + n} positions but was allocated {self.capacity}")
-        for layer, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
-            k[row, :, start:start + n] = block[layer, 0]
-            v[row, :, start:start + n] = block[layer, 1]
-        self._lengths = self._lengths.clone()  # never mutate a lengths tensor a caller may hold
-        self._lengths[row] += n
+        self.pool.retain(slots)
+        self.slots[row, start:start + n] = slots
+        self._n = self._n.copy()
+        self._n[row] += n
+        self._lengths = None
+        if self.pool.device.type != "cpu":
+            self._table = None
+
+    def _held(self) -> np.ndarray:
+        if not self.batch:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([self.slots[b, :self._n[b]] for b in range(self.batch)])

@@ -18,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define ABI_VERSION 2
+#define ABI_VERSION 3
 #define MAX_VECTORS 16 /* head_dim up to 256 */
 #define INLINE static inline __attribute__((always_inline))
 
@@ -86,6 +86,15 @@ INLINE vec vexp(vec x) {
 
 int metaloom_fused_abi(void) { return ABI_VERSION; }
 
+/* 1 when compiled with OpenMP (attention then splits over threads), else 0 */
+int metaloom_fused_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* ---- residual add + RMSNorm ------------------------------------------------------------ */
 
 INLINE void residual_rms_norm_t(void *x, const void *delta, const void *w, void *y, int64_t rows, int64_t d,
@@ -142,17 +151,20 @@ INLINE void rope(const void *x, int64_t xi, const void *cs, const void *sn, int6
     }
 }
 
-/* One query head against its cached keys and values (element offsets kv of position 0),
- * positions lo..pos: out = softmax(q . K^T * scale) V. nv = dim / W is a compile-time
- * constant at each call site (see head_attend), so q and the output stay in registers. */
-INLINE void head_attend_n(const void *q, const void *K, const void *V, int64_t kv, float *scores, void *out,
-                          int64_t oi, int64_t lo, int64_t pos, float scale, const int nv, const int bf) {
+/* One query head against its cached keys and values, positions lo..pos: out = softmax(q . K^T *
+ * scale) V. Position t of the row lives in slot slots[t]; this head's key is at element
+ * slots[t] * stride + off of K (and likewise V). nv = dim / W is a compile-time constant at each
+ * call site (see head_attend), so q and the output stay in registers. */
+INLINE void head_attend_n(const void *q, const void *K, const void *V, const int64_t *slots, int64_t stride,
+                          int64_t off, float *scores, void *out, int64_t oi, int64_t lo, int64_t pos, float scale,
+                          const int nv, const int bf) {
     vec qv[MAX_VECTORS], acc[MAX_VECTORS];
     for (int i = 0; i < nv; i++) qv[i] = ld(q, W * i, bf);
     float mx = -INFINITY;
     for (int64_t t = lo; t <= pos; t++) {
-        vec d = qv[0] * ld(K, kv + t * W * nv, bf);
-        for (int i = 1; i < nv; i++) d += qv[i] * ld(K, kv + t * W * nv + W * i, bf);
+        int64_t at = slots[t] * stride + off;
+        vec d = qv[0] * ld(K, at, bf);
+        for (int i = 1; i < nv; i++) d += qv[i] * ld(K, at + W * i, bf);
         float x = hsum(d) * scale;
         scores[t] = x;
         mx = x > mx ? x : mx;
@@ -165,16 +177,19 @@ INLINE void head_attend_n(const void *q, const void *K, const void *V, int64_t k
         sums += e;
     }
     for (int i = 0; i < nv; i++) acc[i] = splat(0.0f);
-    for (int64_t t = lo; t <= pos; t++)
-        for (int i = 0; i < nv; i++) acc[i] += scores[t] * ld(V, kv + t * W * nv + W * i, bf);
+    for (int64_t t = lo; t <= pos; t++) {
+        int64_t at = slots[t] * stride + off;
+        for (int i = 0; i < nv; i++) acc[i] += scores[t] * ld(V, at + W * i, bf);
+    }
     float inv = 1.0f / hsum(sums);
     for (int i = 0; i < nv; i++) st(out, oi + W * i, acc[i] * inv, bf);
 }
 
-#define HEAD_ATTEND(NV) head_attend_n(q, K, V, kv, scores, out, oi, lo, pos, scale, NV, bf)
+#define HEAD_ATTEND(NV) head_attend_n(q, K, V, slots, stride, off, scores, out, oi, lo, pos, scale, NV, bf)
 
-INLINE void head_attend(const void *q, const void *K, const void *V, int64_t kv, float *scores, void *out,
-                        int64_t oi, int64_t lo, int64_t pos, float scale, int64_t nv, const int bf) {
+INLINE void head_attend(const void *q, const void *K, const void *V, const int64_t *slots, int64_t stride,
+                        int64_t off, float *scores, void *out, int64_t oi, int64_t lo, int64_t pos, float scale,
+                        int64_t nv, const int bf) {
     switch (nv) { /* head_dim 64, 128, 256 unrolled; other multiples of 32 generic */
     case 4: HEAD_ATTEND(4); break;
     case 8: HEAD_ATTEND(8); break;
@@ -183,45 +198,65 @@ INLINE void head_attend(const void *q, const void *K, const void *V, int64_t kv,
     }
 }
 
-INLINE int rope_attend_t(const void *qkv, const void *cs, const void *sn, const int64_t *lengths, void *kc,
-                         void *vc, void *out, int64_t rows, int64_t h, int64_t hk, int64_t dim, int64_t cap,
-                         int64_t window, const int bf) {
+/* One (row, kv head) task: write the row's rotated key and its value for kv head j at the
+ * row's new position, then attend every query head of that group. */
+INLINE void attend_task(const void *qkv, const void *cs, const void *sn, const int64_t *lengths,
+                        const int64_t *table, int64_t width, void *kc, void *vc, void *out, int64_t r, int64_t j,
+                        int64_t h, int64_t hk, int64_t dim, int64_t window, float scale, float *scores, float *q,
+                        const int bf) {
     int64_t stride = (h + 2 * hk) * dim, group = h / hk, elem = bf ? 2 : 4;
+    int64_t pos = lengths[r];
+    int64_t lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+    int64_t row = r * stride, at = pos * dim;
+    const int64_t *slots = table + r * width;
+    int64_t slot = slots[pos] * hk * dim + j * dim;
+    rope(qkv, row + (h + j) * dim, cs, sn, at, kc, slot, dim, bf);
+    memcpy((char *)vc + slot * elem, (const char *)qkv + (row + (h + hk + j) * dim) * elem, (size_t)(dim * elem));
+    for (int64_t g = j * group; g < (j + 1) * group; g++) {
+        rope(qkv, row + g * dim, cs, sn, at, q, 0, dim, bf);
+        head_attend(q, kc, vc, slots, hk * dim, j * dim, scores, out, (r * h + g) * dim, lo, pos, scale, dim / W, bf);
+    }
+}
+
+INLINE int rope_attend_t(const void *qkv, const void *cs, const void *sn, const int64_t *lengths,
+                         const int64_t *table, int64_t width, void *kc, void *vc, void *out, int64_t rows, int64_t h,
+                         int64_t hk, int64_t dim, int64_t window, int64_t threads, const int bf) {
     if (dim > W * MAX_VECTORS) return -2;
     float scale = 1.0f / sqrtf((float)dim);
-    /* scores [cap + W] (the last block of W may run past pos), then the rotated q [dim] */
-    float *scores = malloc(sizeof(float) * (size_t)(cap + W + dim));
-    if (!scores) return -1;
-    float *q = scores + cap + W;
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t pos = lengths[r];
-        int64_t lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
-        int64_t row = r * stride, at = pos * dim;
-        for (int64_t j = 0; j < hk; j++) {
-            int64_t slot = ((r * hk + j) * cap + pos) * dim;
-            rope(qkv, row + (h + j) * dim, cs, sn, at, kc, slot, dim, bf);
-            memcpy((char *)vc + slot * elem, (const char *)qkv + (row + (h + hk + j) * dim) * elem,
-                   (size_t)(dim * elem));
+    int64_t longest = 0;
+    for (int64_t r = 0; r < rows; r++) longest = lengths[r] > longest ? lengths[r] : longest;
+    /* per thread: scores [longest + 1 + W] (the last block of W may run past pos), then the rotated q [dim] */
+    size_t scratch = (size_t)(longest + 1 + W + dim);
+    int failed = 0;
+    int64_t tasks = rows * hk;
+#pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1)
+    {
+        float *scores = malloc(sizeof(float) * scratch);
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
         }
-        for (int64_t g = 0; g < h; g++) {
-            rope(qkv, row + g * dim, cs, sn, at, q, 0, dim, bf);
-            head_attend(q, kc, vc, (r * hk + g / group) * cap * dim, scores, out, (r * h + g) * dim, lo, pos,
-                        scale, dim / W, bf);
-        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++)
+            if (scores)
+                attend_task(qkv, cs, sn, lengths, table, width, kc, vc, out, task / hk, task % hk, h, hk, dim, window,
+                            scale, scores, scores + longest + 1 + W, bf);
+        free(scores);
     }
-    free(scores);
-    return 0;
+    return failed ? -1 : 0;
 }
 
 /* One new token per row, at position lengths[r]:
  *   qkv [rows, (h + 2 hk) * dim]: q heads, then k heads, then v heads (the fused projection);
- *   cs, sn [positions, dim] (cos, sin); kc, vc [rows, hk, cap, dim] (the layer's cache).
- * Writes the rotated k and the v at that position, then for every query head g (kv head
- * g / (h / hk)) out[r, g] = softmax(q . K^T / sqrt(dim)) V over positions lo..pos (lo > 0 only
- * with a sliding window). out [rows, h * dim]. Returns 0; -1 out of memory; -2 dim > 256. */
-int rope_attend(const void *qkv, const void *cs, const void *sn, const int64_t *lengths, void *kc, void *vc,
-                void *out, int64_t rows, int64_t h, int64_t hk, int64_t dim, int64_t cap, int64_t window,
-                int bf16) {
-    if (bf16) return rope_attend_t(qkv, cs, sn, lengths, kc, vc, out, rows, h, hk, dim, cap, window, 1);
-    return rope_attend_t(qkv, cs, sn, lengths, kc, vc, out, rows, h, hk, dim, cap, window, 0);
+ *   cs, sn [positions, dim] (cos, sin); table [rows, width]: the KV slot of each position of each row;
+ *   kc, vc [slots, hk, dim] (the layer's KV pool).
+ * Writes the rotated k and the v in slot table[r, lengths[r]], then for every query head g (kv
+ * head g / (h / hk)) out[r, g] = softmax(q . K^T / sqrt(dim)) V over positions lo..pos (lo > 0
+ * only with a sliding window). out [rows, h * dim]. Work is split over up to `threads` OpenMP
+ * threads by (row, kv head) when compiled with OpenMP. Returns 0; -1 out of memory; -2 dim > 256. */
+int rope_attend(const void *qkv, const void *cs, const void *sn, const int64_t *lengths, const int64_t *table,
+                int64_t width, void *kc, void *vc, void *out, int64_t rows, int64_t h, int64_t hk, int64_t dim,
+                int64_t window, int64_t threads, int bf16) {
+    if (bf16) return rope_attend_t(qkv, cs, sn, lengths, table, width, kc, vc, out, rows, h, hk, dim, window, threads, 1);
+    return rope_attend_t(qkv, cs, sn, lengths, table, width, kc, vc, out, rows, h, hk, dim, window, threads, 0);
 }

@@ -11,9 +11,12 @@ floats of work. `fused.c` does the same arithmetic in three calls per layer:
 - `silu_mul`: SwiGLU's ``silu(gate) * up``.
 
 The matmuls stay PyTorch's. `metaloom.models.llama.LlamaModel` takes this path for one-token
-steps when it was given the kernels (`load` does so on the CPU); prefill, k-token verification
-and steps over more than `MAX_ROW_KEYS` (row, cached key) pairs (where one thread of attention
-is slower than PyTorch's two) stay on the PyTorch ops. Arithmetic is float32; bfloat16 tensors
+steps when it was given the kernels (`load` does so on the CPU); prefill and k-token
+verification stay on the PyTorch ops. Keys and values live in the model's KV pool
+(`metaloom.models.cache`): `rope_attend` writes the new key into the row's new slot and reads a
+row's keys through its slot table, so rows forked from one prompt read the same keys. With many
+rows over long caches it splits its work (row x kv head) over PyTorch's OpenMP threads (fused.c
+is compiled with OpenMP where the compiler has it). Arithmetic is float32; bfloat16 tensors
 are rounded where PyTorch's ops would round them. Results agree with the PyTorch path to float
 rounding (tests/test_fused.py).
 
@@ -43,12 +46,10 @@ from metaloom.models.config import LlamaConfig
 from metaloom.models.load import user_cache_dir
 
 SOURCE = Path(__file__).with_name("fused.c")
-ABI_VERSION = 2  # must match fused.c
-# Above this many (row, cached key) pairs per step the single-threaded attention of fused.c
-# falls behind PyTorch's two-thread attention, so the model takes the PyTorch ops. Measured
-# on SmolLM2-135M, fused step time / PyTorch step time (best of 5): 16 rows x 352 keys 0.95
-# (float32) and 1.10 (bfloat16); 8 x 352 0.90 and 0.95; 16 x 40 0.77 and 0.76; 1 x 352 0.75 and 0.80.
-MAX_ROW_KEYS = 4096
+ABI_VERSION = 3  # must match fused.c
+# From this many (row, cached key) pairs per step, fused.c's attention splits over PyTorch's
+# threads (OpenMP); below it, one thread (a parallel region costs microseconds per layer).
+PARALLEL_MIN_KEYS = 2048
 MAX_HEAD_DIM = 256  # fused.c keeps a query and its output in 16 vectors of 16
 _FLAGS = ("-O3", "-fno-math-errno", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -63,6 +64,7 @@ class FusedKernels:
 
     lib: ctypes.CDLL
     path: str
+    openmp: bool = False  # compiled with OpenMP: attention can split over threads
 
     def residual_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor,
                           y: torch.Tensor, eps: float) -> None:
@@ -75,16 +77,19 @@ class FusedKernels:
         self.lib.silu_mul(gate_up.data_ptr(), y.data_ptr(), y.shape[0], y.shape[1], y.dtype == torch.bfloat16)
 
     def rope_attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: torch.Tensor,
-                    keys: torch.Tensor, values: torch.Tensor, out: torch.Tensor, heads: int,
-                    window: int | None) -> None:
+                    table: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, out: torch.Tensor, heads: int,
+                    window: int | None, threads: int = 1) -> None:
         """qkv [R, (H + 2 H_kv) D]; cos, sin [positions, D]; lengths [R] int64 (each row's new
-        position); keys, values [R, H_kv, capacity, D] (written at that position);
-        out [R, H D] = attention of the rotated queries over positions 0..length (the last
-        ``window`` of them with a sliding window)."""
-        rows, kv_heads, cap, dim = keys.shape
-        rc = self.lib.rope_attend(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), lengths.data_ptr(),
-                                  keys.data_ptr(), values.data_ptr(), out.data_ptr(), rows, heads, kv_heads,
-                                  dim, cap, window or 0, out.dtype == torch.bfloat16)
+        position); table [R, width] int64: the KV slot of each position of each row (the new
+        position's slot included); keys, values [slots, H_kv, D]: the layer's KV pool (the new
+        key and value are written at the new position's slot); out [R, H D] = attention of the
+        rotated queries over positions 0..length (the last ``window`` of them with a sliding
+        window). ``threads``: OpenMP threads to split rows x kv heads over (1: this thread)."""
+        rows, width = table.shape
+        _, kv_heads, dim = keys.shape
+        rc = self.lib.rope_attend(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), lengths.data_ptr(), table.data_ptr(),
+                                  width, keys.data_ptr(), values.data_ptr(), out.data_ptr(), rows, heads, kv_heads,
+                                  dim, window or 0, threads, out.dtype == torch.bfloat16)
         if rc == -1:
             raise MemoryError("fused attention could not allocate its score buffer")
         if rc != 0:
@@ -137,8 +142,9 @@ def _compile(cc: str, out: Path) -> str | None:
     os.close(fd)
     error = ""
     try:
-        # -march=native first (AVX-512 here); a compiler that does not know it gets the baseline
-        for arch in (("-march=native",), ()):
+        # -march=native first (AVX-512 here); a compiler that does not know it gets the baseline;
+        # OpenMP (attention split over threads) where the compiler has it, else single-threaded
+        for arch in (("-march=native", "-fopenmp"), ("-fopenmp",), ("-march=native",), ()):
             run = subprocess.run([cc, *arch, *_FLAGS, str(SOURCE), "-o", tmp, "-lm"],
                                  capture_output=True, text=True, timeout=300)
             if run.returncode == 0:
@@ -162,9 +168,10 @@ def _bind(path: Path) -> FusedKernels:
     lib.residual_rms_norm.restype = None
     lib.silu_mul.argtypes = [_P, _P, _I, _I, ctypes.c_int]
     lib.silu_mul.restype = None
-    lib.rope_attend.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int]
+    lib.rope_attend.argtypes = [_P, _P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int]
     lib.rope_attend.restype = ctypes.c_int
-    return FusedKernels(lib, str(path))
+    lib.metaloom_fused_openmp.restype = ctypes.c_int
+    return FusedKernels(lib, str(path), bool(lib.metaloom_fused_openmp()))
 
 
 def build(cache_dir: Path | None = None, compiler: str | None = None) -> Availability:

@@ -111,6 +111,37 @@ class HFCache:
         return new
 
     @torch.inference_mode()
+    def join(self, other: HFCache) -> HFCache:
+        """This cache's rows, then ``other``'s (rows joining a running batch): the shorter
+        physical side is padded with holes (invalid slots), then the layers are concatenated."""
+        if not isinstance(other, HFCache):
+            raise InvalidParameter("other", type(other).__name__, "an HFCache")
+        width = max(self.physical_length, other.physical_length)
+        new = HFCache(self.batch + other.batch, max(self._capacity, other._capacity), self._lengths.device)
+        mine, theirs = dict(self._layers()), dict(other._layers())
+        for i in sorted(set(mine) | set(theirs)):
+            parts = []
+            for cache, layers in ((self, mine), (other, theirs)):
+                layer = layers.get(i)
+                if layer is None:  # a side with no tensors yet (an empty cache)
+                    like = (mine.get(i) or theirs[i]).keys
+                    shape = (cache.batch, like.shape[1], width, like.shape[3])
+                    parts.append((like.new_zeros(shape), like.new_zeros(shape)))
+                    continue
+                pad = width - layer.keys.shape[2]
+                parts.append((torch.nn.functional.pad(layer.keys, (0, 0, 0, pad)),
+                              torch.nn.functional.pad(layer.values, (0, 0, 0, pad))))
+            keys = torch.cat([k for k, _ in parts])
+            values = torch.cat([v for _, v in parts])
+            new.kv.update(keys[:, :, :0], values[:, :, :0], i)
+            target: Any = new.kv.layers[i]
+            target.keys, target.values = keys, values
+        valid = [torch.nn.functional.pad(c.key_valid, (0, width - c.physical_length), value=False) for c in (self, other)]
+        new.key_valid = torch.cat(valid)
+        new._lengths = torch.cat([self._lengths, other._lengths])
+        return new
+
+    @torch.inference_mode()
     def truncate(self, lengths: Sequence[int] | torch.Tensor) -> None:
         new = torch.as_tensor(lengths, dtype=torch.long, device=self._lengths.device)
         if new.shape != self._lengths.shape or bool((new < 0).any()) or bool((new > self._lengths).any()):

@@ -5,8 +5,9 @@ overhead is a large share of a decode step, so q/k/v and gate/up are fused into 
 each and one attention mask per forward is shared by all layers. One-token steps on the CPU
 (float32, bfloat16) go further when the model was given `metaloom.models.fused` kernels:
 everything between the matmuls runs in three C calls per layer (`LlamaModel._step_fused`);
-prefill, k-token verification and steps with many rows over long caches take the PyTorch ops
-below.
+prefill and k-token verification take the PyTorch ops below. Keys and values live in a KV pool
+of token slots shared by the caches made from it (`metaloom.models.cache`): a forked row reads
+its parent's keys where they are.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from metaloom.errors import ContextWindowExceeded, InvalidParameter, NotAModel, UnsupportedModel
-from metaloom.models.cache import StaticKVCache
+from metaloom.models.cache import KVPool, PagedKVCache
 from metaloom.models.config import LlamaConfig
 from metaloom.models.flops import forward_flops
-from metaloom.models.fused import MAX_ROW_KEYS, FusedKernels, unsupported_reason
+from metaloom.models.fused import PARALLEL_MIN_KEYS, FusedKernels, unsupported_reason
 from metaloom.models.packed import PackedLinear, pack
 from metaloom.models.protocols import KVCache
 from metaloom.models.rope import apply_rope, rope_tables
@@ -183,12 +184,25 @@ class LlamaModel:
             n += w.qkv_bias.numel() if w.qkv_bias is not None else 0
         return n
 
-    def new_cache(self, batch: int, capacity: int) -> StaticKVCache:
+    def new_pool(self, slots: int = 256, max_slots: int | None = None) -> KVPool:
+        """Empty KV memory for this model's caches (`metaloom.models.cache`): caches made from
+        one pool share keys and values without copying them."""
+        c = self.config
+        return KVPool(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype, self.device,
+                      slots=slots, max_slots=max_slots)
+
+    def new_cache(self, batch: int, capacity: int, pool: KVPool | None = None) -> PagedKVCache:
+        """``batch`` empty rows of up to ``capacity`` positions, in ``pool`` (default: a pool of
+        their own, sized for them)."""
         if capacity > self.max_context:
             raise ContextWindowExceeded(capacity, self.max_context, "the requested cache")
-        c = self.config
-        return StaticKVCache(c.num_hidden_layers, batch, c.num_key_value_heads, capacity, c.head_dim,
-                             self.dtype, self.device)
+        if pool is None:
+            pool = self.new_pool(slots=max(2, batch * capacity + 1))
+        elif (pool.layers, pool.kv_heads, pool.head_dim, pool.dtype) != (
+                self.config.num_hidden_layers, self.config.num_key_value_heads, self.config.head_dim, self.dtype):
+            raise InvalidParameter("pool", (pool.layers, pool.kv_heads, pool.head_dim, pool.dtype),
+                                   "a KV pool of this model's shape (model.new_pool())")
+        return PagedKVCache(pool, batch, capacity)
 
     def flops(self, new_tokens: int, attended: int, logit_rows: int) -> float:
         c = self.config
@@ -214,19 +228,20 @@ class LlamaModel:
     def _hidden(self, tokens: torch.Tensor, cache: KVCache, valid: torch.Tensor | None,
                 last_only: bool) -> torch.Tensor:
         """The transformer up to and including the final norm: [B, T, d] (or [B, 1, d])."""
-        if not isinstance(cache, StaticKVCache):
-            raise InvalidParameter("cache", type(cache).__name__, "a StaticKVCache from this model's new_cache()")
+        if not isinstance(cache, PagedKVCache) or cache.pool.layers != len(self.layers):
+            raise InvalidParameter("cache", type(cache).__name__, "a PagedKVCache from this model's new_cache()")
         c = self.config
         b, t = tokens.shape
         if b != cache.batch:
             raise InvalidParameter("tokens", tuple(tokens.shape), f"a batch of {cache.batch} rows (the cache's)")
         if valid is None:
             valid = torch.full((b,), t, dtype=torch.long, device=tokens.device)
-        cache.reserve(t)
-        if t == 1 and self.fused is not None and b > 0 and b * (int(cache.lengths.max()) + 1) <= MAX_ROW_KEYS:
-            return self._step_fused(tokens, cache, valid, self.fused)
-        lengths = cache.lengths
+        lengths = cache.lengths  # before this forward
+        slots = cache.prepare(valid.tolist(), t)  # [B, T]: where the new keys and values go
+        if t == 1 and self.fused is not None and b > 0:
+            return self._step_fused(tokens, cache, lengths, valid, self.fused)
         uniform = bool((lengths == lengths[0]).all()) if b else True
+        fresh = uniform and (not b or int(lengths[0]) == 0)  # nothing cached: attend to this forward's keys
         positions = lengths[:, None] + torch.arange(t, device=tokens.device)  # [B, T]
         cos = self._cos[positions][:, None]  # [B, 1, T, D]
         sin = self._sin[positions][:, None]
@@ -241,10 +256,10 @@ class LlamaModel:
             # one RoPE call for q and k together (half the small ops of two calls)
             q, k = apply_rope(qkv[:, :h + hk], cos, sin).split([h, hk], dim=1)  # [B, heads, T, D]
             v = qkv[:, h + hk:]
-            cache.write(i, k, v, uniform)
-            attn = F.scaled_dot_product_attention(
-                q, cache.keys[i][:, :, :keys_len], cache.values[i][:, :, :keys_len],
-                attn_mask=mask, is_causal=causal, enable_gqa=hk != h)
+            cache.write(i, k, v, slots)
+            keys, values = (k, v) if fresh else cache.gather(i, keys_len)
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
+                                                  enable_gqa=hk != h)
             x = x + linear(attn.transpose(1, 2).reshape(b, t, h * d), w.o)
             y = F.rms_norm(x, (c.hidden_size,), w.mlp_norm, c.rms_norm_eps)
             gate, up = linear(y, w.gate_up).chunk(2, dim=-1)
@@ -254,26 +269,31 @@ class LlamaModel:
             x = x[torch.arange(b, device=x.device), valid - 1][:, None]
         return F.rms_norm(x, (c.hidden_size,), self.norm, c.rms_norm_eps)
 
-    def _step_fused(self, tokens: torch.Tensor, cache: StaticKVCache, valid: torch.Tensor,
+    def _step_fused(self, tokens: torch.Tensor, cache: PagedKVCache, lengths: torch.Tensor, valid: torch.Tensor,
                     k: FusedKernels) -> torch.Tensor:
         """`_hidden` for one new token per row through the fused kernels (`metaloom.models.fused`):
-        the same arithmetic, three kernel calls and four matmuls per layer. -> [B, 1, d]"""
+        the same arithmetic, three kernel calls and four matmuls per layer. The new position's
+        slot is already in the cache's table (`PagedKVCache.prepare`). -> [B, 1, d]"""
         c = self.config
         b, h = tokens.shape[0], c.num_attention_heads
         x = F.embedding(tokens[:, 0], self.embed)  # [B, d], a fresh tensor: the residual stream
         y = torch.empty_like(x)
         attn = x.new_empty(b, h * c.head_dim)
         act = x.new_empty(b, c.intermediate_size)
-        lengths = cache.lengths.contiguous()
-        for t in (cache.keys[0], cache.values[0]):  # the kernels write the cache by raw offsets
-            if t.shape[0] != b or t.dtype != self.dtype or not t.is_contiguous():
-                raise UnsupportedModel("the fused step needs the contiguous cache of new_cache()")
+        lengths = lengths.contiguous()
+        table = cache.table()
+        pool = cache.pool
+        if pool.dtype != self.dtype or not pool.keys[0].is_contiguous() or not table.is_contiguous():
+            raise UnsupportedModel("the fused step needs the contiguous KV pool of new_cache()")
+        # split attention over threads only when there is enough of it (each parallel region
+        # costs a few microseconds, 2 per layer)
+        threads = torch.get_num_threads() if b * (int(lengths.max()) + 1) >= PARALLEL_MIN_KEYS else 1
         delta = None  # the last sublayer's output, added to x by the next norm
         for i, w in enumerate(self.layers):
             k.residual_rms_norm(x, delta, w.attn_norm, y, c.rms_norm_eps)
             qkv = linear(y, w.qkv, w.qkv_bias).contiguous()
-            k.rope_attend(qkv, self._cos, self._sin, lengths, cache.keys[i], cache.values[i], attn, h,
-                          c.sliding_window)
+            k.rope_attend(qkv, self._cos, self._sin, lengths, table, pool.keys[i], pool.values[i], attn, h,
+                          c.sliding_window, threads)
             k.residual_rms_norm(x, linear(attn, w.o).contiguous(), w.mlp_norm, y, c.rms_norm_eps)
             k.silu_mul(linear(y, w.gate_up).contiguous(), act)
             delta = linear(act, w.down).contiguous()

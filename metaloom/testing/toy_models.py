@@ -45,6 +45,14 @@ class TokenCache:
         new._lengths = self._lengths[index].clone()
         return new
 
+    def join(self, other: TokenCache) -> TokenCache:
+        """This cache's rows, then ``other``'s (rows joining a running batch)."""
+        new = TokenCache(self.tokens.shape[0] + other.tokens.shape[0], max(self.capacity, other.capacity))
+        new.tokens[:self.tokens.shape[0], :self.capacity] = self.tokens
+        new.tokens[self.tokens.shape[0]:, :other.capacity] = other.tokens
+        new._lengths = torch.cat([self._lengths, other._lengths])
+        return new
+
     def truncate(self, lengths: Sequence[int] | torch.Tensor) -> None:
         new = torch.as_tensor(lengths, dtype=torch.long)
         if new.shape != self._lengths.shape or bool((new < 0).any()) or bool((new > self._lengths).any()):
