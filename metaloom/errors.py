@@ -83,3 +83,15 @@ class InvalidGrammar(MetaloomError, ValueError):
 
 class NoSpeculatorHeads(UnsupportedModel):
     """Speculator heads were asked for a model that has none shipped and no heads file was given."""
+
+
+class Unsupported(MetaloomError):
+    """A request asks for something this generator cannot do (a sampling parameter, a decoder,
+    a constraint kind, a feature such as token-id prompts or scoring). Raised before any
+    compute; never silently ignored. ``field`` names what was asked for."""
+
+    def __init__(self, field: str, generator: str, detail: str = "") -> None:
+        self.field = field
+        self.generator = generator
+        self.detail = detail
+        super().__init__(f"unsupported {field}: {generator} cannot serve it" + (f" ({detail})" if detail else ""))

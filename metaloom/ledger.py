@@ -2,7 +2,9 @@
 
 The ledger is explicit state: callers create one and pass it down; nothing is global.
 Child ledgers (for nested strategies) forward every charge to their parent, so a parent's
-totals always include what its children spent.
+totals always include what its children spent. A ledger tree shares one lock, so threads may
+charge any of its ledgers at once (a server's requests, a strategy's parallel calls): each
+charge lands in every ancestor atomically, and its budget check sees the totals it made.
 
 Token fields follow the OpenAI convention:
 - ``input_tokens``: prompt tokens the request supplied (counted once per request, even for
@@ -15,9 +17,11 @@ Token fields follow the OpenAI convention:
 from __future__ import annotations
 
 import dataclasses
+import math
+import threading
 from dataclasses import dataclass, field
 
-from metaloom.errors import BudgetExceeded
+from metaloom.errors import BudgetExceeded, InvalidParameter
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,17 @@ class Budget:
     rejected_tokens: int | None = None
     verify_steps: int | None = None
 
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            limit = getattr(self, f.name)
+            if limit is None:
+                continue
+            whole = f.name not in ("flops", "seconds")
+            if isinstance(limit, bool) or not isinstance(limit, (int, float)) or (whole and not isinstance(limit, int)):
+                raise InvalidParameter(f"budget.{f.name}", limit, "an integer >= 0" if whole else "a number >= 0")
+            if not math.isfinite(limit) or limit < 0:
+                raise InvalidParameter(f"budget.{f.name}", limit, "a finite limit >= 0 (None for no limit)")
+
     def check(self, usage: Usage) -> None:
         for f in dataclasses.fields(self):
             limit = getattr(self, f.name)
@@ -79,11 +94,19 @@ class Budget:
 
 @dataclass
 class Ledger:
-    """Mutable accumulator of `Usage`, optionally capped by a `Budget` and chained to a parent."""
+    """Mutable accumulator of `Usage`, optionally capped by a `Budget` and chained to a parent.
+    Safe to charge from several threads (one lock per ledger tree)."""
 
     budget: Budget | None = None
     parent: Ledger | None = None
     usage: Usage = field(default_factory=Usage)
+    lock: threading.RLock = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.budget is not None and not isinstance(self.budget, Budget):
+            raise InvalidParameter("budget", self.budget, "a Budget")
+        if self.lock is None:
+            self.lock = self.parent.lock if self.parent is not None else threading.RLock()
 
     def charge(self, **amounts: float) -> None:
         """Add ``amounts`` (names of `Usage` fields) here and in every ancestor.
@@ -92,15 +115,29 @@ class Ledger:
         reported; the caller stops before doing more.
         """
         delta = Usage(**amounts)  # type: ignore[arg-type]
-        ledger: Ledger | None = self
-        while ledger is not None:
-            ledger.usage = ledger.usage + delta
-            ledger = ledger.parent
-        ledger = self
-        while ledger is not None:
-            if ledger.budget is not None:
-                ledger.budget.check(ledger.usage)
-            ledger = ledger.parent
+        with self.lock:
+            ledger: Ledger | None = self
+            while ledger is not None:
+                ledger.usage = ledger.usage + delta
+                ledger = ledger.parent
+            self.check()
+
+    def check(self) -> None:
+        """Raise `BudgetExceeded` if this ledger or an ancestor is over its budget."""
+        with self.lock:
+            ledger: Ledger | None = self
+            while ledger is not None:
+                if ledger.budget is not None:
+                    ledger.budget.check(ledger.usage)
+                ledger = ledger.parent
+
+    def over_budget(self) -> bool:
+        """Whether this ledger or an ancestor is already over a budget limit."""
+        try:
+            self.check()
+        except BudgetExceeded:
+            return True
+        return False
 
     def child(self, budget: Budget | None = None) -> Ledger:
         return Ledger(budget=budget, parent=self)

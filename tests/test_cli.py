@@ -22,7 +22,7 @@ def test_generate_json_contract():
     assert set(data) >= {"completions", "usage"}
     assert len(data["completions"]) == 2
     for c in data["completions"]:
-        assert set(c) == {"text", "tokens", "logprob", "finish_reason"}
+        assert set(c) == {"text", "tokens", "logprob", "finish_reason", "stop_reason"}
         assert isinstance(c["text"], str) and c["finish_reason"] in ("stop", "length")
         assert all(isinstance(t, int) for t in c["tokens"]) and 1 <= len(c["tokens"]) <= 8
         assert c["logprob"] <= 0

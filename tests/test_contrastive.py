@@ -9,16 +9,15 @@ import pytest
 import torch
 
 from metaloom.decode.contrastive import (
-    ContrastiveParams,
-    GuidanceParams,
     LockstepPair,
     PairCache,
     contrastive_scores,
     guidance_scores,
     truncated_llama,
 )
-from metaloom.errors import InvalidParameter
+from metaloom.errors import InvalidParameter, Unsupported
 from metaloom.generator import LocalGenerator, Request
+from metaloom.generator.specs import ContrastiveParams, GuidanceParams
 from metaloom.ledger import Ledger
 from metaloom.models.load import LoadedModel
 from metaloom.sampling import SamplingParams
@@ -71,8 +70,14 @@ def test_greedy_contrastive_picks_the_formula_token_and_respects_the_cut(alpha, 
     request = Request("a", SamplingParams(temperature=0, max_tokens=3), decoder=ContrastiveParams(alpha=alpha))
     out = engine.generate([request], ledger=Ledger())[0][0]
     assert out.text == expected * 3
-    # the reported log-probabilities are those of the distribution decoded from
-    assert out.logprobs[0] == pytest.approx(float(_cd(alpha).log_softmax(-1)["abcd".index(expected)]), abs=1e-5)
+    # logprobs keep their meaning: the expert model's own log-probability of each token
+    token = "abcd".index(expected)
+    expert = torch.tensor(EXPERT).log().log_softmax(-1)
+    assert out.logprobs == pytest.approx([float(expert[token])] * 3, abs=1e-6)
+    # the decoder's score of the token (log-softmax of the contrastive scores) is reported beside them
+    assert out.decoder_logprobs == pytest.approx([float(_cd(alpha).log_softmax(-1)[token])] * 3, abs=1e-5)
+    if expected != "a":  # where contrastive decoding departs from the expert, the two differ
+        assert out.logprobs[0] != pytest.approx(out.decoder_logprobs[0], abs=1e-3)
 
 
 def test_sampling_contrastive_draws_from_the_softmax_of_the_scores():
@@ -156,7 +161,7 @@ def test_guidance_scores_formula():
 
 def test_pair_cache_forks_rows_with_their_parameters_and_truncates_both_streams():
     model = MarkovModel.random(4, seed=0)
-    pair = LockstepPair(model, model, guidance_scores, Ledger(), [1.0])
+    pair = LockstepPair(model, model, guidance_scores, [1.0])
     first, second = model.new_cache(2, 16), model.new_cache(2, 16)
     model.forward(torch.zeros(2, 5, dtype=torch.long), first)
     model.forward(torch.zeros(2, 2, dtype=torch.long), second)
@@ -225,13 +230,16 @@ def test_amateur_with_a_different_vocabulary_is_a_typed_error():
     with pytest.raises(InvalidParameter, match="vocab"):
         _engine(MarkovModel.random(4), MarkovModel.random(5))
     with pytest.raises(InvalidParameter, match="vocab"):
-        LockstepPair(MarkovModel.random(4), MarkovModel.random(5), contrastive_scores, Ledger(), [0.1, 1.0])
+        LockstepPair(MarkovModel.random(4), MarkovModel.random(5), contrastive_scores, [0.1, 1.0])
 
 
 def test_contrastive_without_an_amateur_is_a_typed_error():
     engine = _engine(_constant(EXPERT))
-    with pytest.raises(InvalidParameter, match="amateur"):
-        engine.generate([Request("a", SamplingParams(max_tokens=2), decoder=ContrastiveParams())], ledger=Ledger())
+    ledger = Ledger()
+    with pytest.raises(Unsupported, match="contrastive"):
+        engine.generate([Request("a", SamplingParams(max_tokens=2), decoder=ContrastiveParams())], ledger=ledger)
+    assert ledger.usage.forward_passes == 0  # refused before any compute
+    assert "contrastive" not in engine.capabilities.decoders
 
 
 def test_streaming_contrastive_concatenates_to_the_generated_text():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from metaloom.decode.rows import RowState
-from metaloom.errors import ContextWindowExceeded, InvalidParameter
+from metaloom.errors import ContextWindowExceeded
 from metaloom.generator import LocalGenerator, Request
 from metaloom.ledger import Budget, Ledger
 from metaloom.models.flops import attended_keys, forward_flops
@@ -97,13 +97,23 @@ def test_prompt_longer_than_context_is_a_typed_error_before_compute(smollm_gener
     assert ledger.usage.forward_passes == 0
 
 
-def test_budget_stops_with_a_typed_error():
+def test_a_budget_reached_mid_generation_keeps_the_tokens_so_far():
     from metaloom.errors import BudgetExceeded
 
     gen = _toy_generator()
+    ledger = Ledger(budget=Budget(forward_passes=3))
+    out = gen.generate([Request("abc", SamplingParams(temperature=0, max_tokens=50, n=2))], ledger=ledger)[0]
+    # the prefill and three steps ran (the third passed the limit): the token each forward
+    # gave is kept, and the rows say why they stopped
+    assert [(len(c.token_ids), c.finish_reason) for c in out] == [(4, "budget"), (4, "budget")]
+    whole = gen.generate([Request("abc", SamplingParams(temperature=0, max_tokens=50))], ledger=Ledger())[0][0]
+    assert out[0].token_ids == whole.token_ids[:4]
+    assert ledger.usage.forward_passes == 4 and ledger.usage.output_tokens == 8  # the passing step is reported
     with pytest.raises(BudgetExceeded, match="forward_passes"):
-        gen.generate([Request("abc", SamplingParams(temperature=0, max_tokens=50))],
-                     ledger=Ledger(budget=Budget(forward_passes=3)))
+        ledger.check()  # the ledger stays over its budget: the next call's first charge stops it
+    again = gen.generate([Request("abc", SamplingParams(temperature=0, max_tokens=5))], ledger=ledger)[0][0]
+    assert (again.token_ids, again.finish_reason) == ((), "budget")
+    assert ledger.usage.forward_passes == 4  # nothing more was computed
 
 
 def test_toy_greedy_follows_the_markov_table():
@@ -129,21 +139,31 @@ def test_toy_eos_and_max_tokens_finish_reasons():
     assert (done[1][0].text, done[1][0].finish_reason) == ("b", "length")
 
 
-def test_stream_requires_n_one():
-    with pytest.raises(InvalidParameter, match="n"):
-        list(_toy_generator().stream(Request("a", SamplingParams(n=2)), ledger=Ledger()))
+def test_streaming_n_samples_interleaves_chunks_that_say_whose_they_are():
+    gen = _toy_generator()
+    request = Request("a", SamplingParams(n=3, seed=4, max_tokens=7, temperature=1.0))
+    chunks = list(gen.stream(request, ledger=Ledger()))
+    alone = gen.generate([request], ledger=Ledger())[0]
+    assert {c.index for c in chunks} == {0, 1, 2}
+    for i, completion in enumerate(alone):
+        mine = [c for c in chunks if c.index == i]
+        assert "".join(c.text for c in mine) == completion.text
+        assert sum((c.token_ids for c in mine), ()) == completion.token_ids
+        assert sum((c.logprobs for c in mine), ()) == pytest.approx(completion.logprobs)
+        assert [c.finish_reason for c in mine][-1] == completion.finish_reason
+        assert all(c.finish_reason is None for c in mine[:-1])
 
 
 def test_row_state_streaming_holds_back_partial_stop_strings():
     tok = CharTokenizer(26)
-    row = RowState(max_tokens=20, stop=("cde",))
+    row = RowState.start(tok, 20, stop=("cde",))
     shown = []
     for ch in "abcdx":
-        row.append(ord(ch) - 97, 0.0, tok)
+        row.append(ord(ch) - 97, 0.0)
         shown.append(row.pending_text())
     assert shown == ["a", "b", "", "", "cdx"]
-    row = RowState(max_tokens=20, stop=("cde",))
+    row = RowState.start(tok, 20, stop=("cde",))
     for ch in "abcde":
-        row.append(ord(ch) - 97, 0.0, tok)
+        row.append(ord(ch) - 97, 0.0)
     # nothing was streamed yet: the text before the stop string is released, the stop string never
     assert (row.text, row.finish_reason, row.pending_text(), row.pending_text()) == ("ab", "stop", "ab", "")

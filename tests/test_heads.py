@@ -6,15 +6,15 @@ import json
 import pytest
 import torch
 
-from metaloom.decode.loop import decode, prefill
-from metaloom.decode.rows import RowState
 from metaloom.errors import InvalidParameter, NoSpeculatorHeads, NotAModel, UnsupportedModel
+from metaloom.generator import LocalGenerator, Request, TokenIds
 from metaloom.ledger import Ledger
 from metaloom.models.config import LlamaConfig
 from metaloom.models.llama import LlamaModel
+from metaloom.models.load import LoadedModel
 from metaloom.sampling import SamplingParams
 from metaloom.sampling.pipeline import make_sampler
-from metaloom.speculative.decode import speculative_decode
+from metaloom.speculative import Speculative
 from metaloom.speculative.drafters.heads import HeadsDrafter
 from metaloom.speculative.heads import DEFAULT_FILE, load_heads, save_heads
 from metaloom.speculative.heads.data import Example, hidden_states
@@ -23,10 +23,15 @@ from metaloom.speculative.heads.train import TrainConfig, evaluate, train
 
 
 class _Tok:
+    """Token ids as text (the tiny model has no tokenizer)."""
+
     eos_token_ids = frozenset()
 
     def decode(self, ids):
         return " ".join(map(str, ids))
+
+    def encode(self, text, add_special_tokens=True):
+        return [int(t) for t in text.split()]
 
 
 def _tiny_model(seed=0, vocab=97, d=64, layers=2):
@@ -53,14 +58,15 @@ def _tiny_model(seed=0, vocab=97, d=64, layers=2):
     return LlamaModel.from_state_dict(config, sd)
 
 
+def _engine(model, tokenizer, drafter=None, num_draft=4):
+    loaded = LoadedModel(model=model, tokenizer=tokenizer, name="tiny", folder="", dtype=torch.float32)
+    return LocalGenerator(loaded, speculative=None if drafter is None else Speculative(drafter, num_draft))
+
+
 def _greedy(model, prompt, n):
     """Plain greedy continuation of ``prompt`` (list of ids) by ``n`` tokens."""
-    cache, logits = prefill(model, [prompt], len(prompt) + n, Ledger())
-    rows = [RowState(max_tokens=n)]
-    sampler = make_sampler([SamplingParams(temperature=0.0, max_tokens=n)], model.vocab_size, model.device)
-    for _ in decode(model, _Tok(), cache, logits, sampler, rows, [None], Ledger()):
-        pass
-    return rows[0].tokens
+    request = Request(TokenIds(tuple(prompt)), SamplingParams(temperature=0.0, max_tokens=n))
+    return list(_engine(model, _Tok()).generate([request], ledger=Ledger())[0][0].token_ids)
 
 
 def _speculative(model, tokenizer, prompt, n, drafter, num_draft=4, eos=True):
@@ -71,14 +77,10 @@ def _speculative(model, tokenizer, prompt, n, drafter, num_draft=4, eos=True):
 def _speculative_batch(model, tokenizer, prompts, lengths, drafter, num_draft=4, eos=True):
     """Greedy speculative decoding of several rows in one batch; row r stops after lengths[r] tokens."""
     ledger = Ledger()
-    cache, logits = prefill(model, prompts, max(len(p) for p in prompts) + max(lengths) + num_draft + 2, ledger)
-    rows = [RowState(max_tokens=n, eos_ids=tokenizer.eos_token_ids if eos else frozenset()) for n in lengths]
-    sampler = make_sampler([SamplingParams(temperature=0.0, max_tokens=n) for n in lengths], model.vocab_size, model.device)
-    state = drafter.start(model, sampler, prompts, [None] * len(prompts))
-    for _ in speculative_decode(model, tokenizer, cache, logits, sampler, rows, [None] * len(prompts), ledger,
-                                drafter=state, prompts=prompts, num_draft=num_draft):
-        pass
-    return [r.tokens for r in rows], ledger.usage
+    requests = [Request(TokenIds(tuple(p)), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=not eos))
+                for p, n in zip(prompts, lengths, strict=True)]
+    outs = _engine(model, tokenizer, drafter, num_draft).generate(requests, ledger=ledger)
+    return [list(o[0].token_ids) for o in outs], ledger.usage
 
 
 @pytest.fixture(scope="module")

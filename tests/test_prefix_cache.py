@@ -1,13 +1,15 @@
-"""The prefix cache's KV pool (budget, LRU, references) and generation through it: same tokens
-as without it, with the shared prefix charged as cached and fewer FLOPs."""
+"""The prefix cache over the engine's KV pool (budget, LRU, references, no copies) and
+generation through it: same tokens as without it, with the shared prefix charged as cached and
+fewer FLOPs; finished samples' tokens are kept, so a continuation prefills almost nothing."""
 
+import numpy as np
 import pytest
 import torch
 
 from metaloom.errors import InvalidParameter, UnsupportedModel
 from metaloom.generator import LocalGenerator, Request
 from metaloom.ledger import Ledger
-from metaloom.models.cache import StaticKVCache
+from metaloom.models.cache import KVPool, PagedKVCache
 from metaloom.models.config import LlamaConfig
 from metaloom.models.llama import LlamaModel
 from metaloom.models.load import LoadedModel
@@ -19,83 +21,116 @@ LAYERS, HEADS, DIM = 2, 2, 4
 PER_TOKEN = LAYERS * 2 * HEADS * DIM * 4  # bytes of one token's keys and values, float32
 
 
-def _row(tokens, capacity=64, seed=None):
-    """A one-row cache whose KV at position p is a function of the tokens up to p (like a
-    real model's), so equal prefixes have equal blocks."""
-    cache = StaticKVCache(LAYERS, 1, HEADS, capacity, DIM, torch.float32)
+def _kv(tokens, p, layer):
+    """The key of position p: a function of the tokens up to p (like a real model's)."""
+    g = torch.Generator().manual_seed(hash((tuple(tokens[:p + 1]), layer)) % 2**31)
+    return torch.randn(HEADS, DIM, generator=g)
+
+
+def _row(pool, tokens):
+    """A one-row cache in ``pool`` holding ``tokens``' (made-up) keys and values."""
+    cache = PagedKVCache(pool, 1, 64)
+    slots = cache.prepare([len(tokens)], len(tokens))
     for layer in range(LAYERS):
-        for p in range(len(tokens)):
-            g = torch.Generator().manual_seed(hash((tuple(tokens[:p + 1]), layer, seed)) % 2**31)
-            cache.keys[layer][0, :, p] = torch.randn(HEADS, DIM, generator=g)
-            cache.values[layer][0, :, p] = torch.randn(HEADS, DIM, generator=g)
-    cache.advance(torch.tensor([len(tokens)]))
+        k = torch.stack([_kv(tokens, p, layer) for p in range(len(tokens))])  # [T, H, D]
+        cache.write(layer, k.transpose(0, 1)[None], -k.transpose(0, 1)[None], slots)
+    cache.advance([len(tokens)])
     return cache
 
 
-def _loaded_back(pool, tokens):
-    hit = pool.match(tokens)
+def _setup(budget_tokens):
+    pool = KVPool(LAYERS, HEADS, DIM, torch.float32, slots=8)
+    cache = PrefixCache(budget_bytes=budget_tokens * PER_TOKEN + PER_TOKEN // 2)
+    cache.bind(pool)
+    return pool, cache
+
+
+def _loaded_back(prefix, tokens):
+    hit = prefix.match(tokens)
     try:
-        cache = StaticKVCache(LAYERS, 1, HEADS, 64, DIM, torch.float32)
-        pool.load(hit, cache, 0)
+        cache = PagedKVCache(prefix.pool, 1, 64)
+        prefix.load(hit, cache, 0)
         assert int(cache.lengths[0]) == hit.length
         return hit.length, cache
     finally:
-        pool.release(hit)
+        prefix.release(hit)
 
 
-def test_blocks_round_trip_and_bytes_are_counted_from_real_tensors():
-    pool = PrefixCache(budget_bytes=10_000)
+def test_entries_are_slots_of_the_pool_not_copies():
+    pool, prefix = _setup(100)
     a, b = [1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 9]
-    assert pool.insert(a, _row(a), 0) == 6
-    assert pool.insert(b, _row(b), 0) == 2  # splits the edge after (1, 2, 3)
-    assert pool.bytes_per_token == PER_TOKEN
-    held = sum(n.value.numel() * n.value.element_size() for n in pool.tree.nodes())
-    assert pool.used_bytes == held == 8 * PER_TOKEN
+    row_a, row_b = _row(pool, a), _row(pool, b)
+    assert prefix.insert(a, row_a, 0) == 6
+    assert prefix.insert(b, row_b, 0) == 2  # splits the edge after (1, 2, 3)
+    assert prefix.bytes_per_token == PER_TOKEN == pool.bytes_per_slot
+    assert prefix.used_bytes == 8 * PER_TOKEN and pool.used_slots == 11  # nothing copied: 6 + 5 slots
+    row_a.release(), row_b.release()
+    assert pool.used_slots == 8  # the tree keeps its 8 slots alive; b's shared (1, 2, 3) went back
     for tokens, expected in ((a, 6), (b, 5), ([1, 2, 3, 4, 7], 4)):
-        n, cache = _loaded_back(pool, tokens)
-        ref = _row(tokens)
+        n, cache = _loaded_back(prefix, tokens)
         assert n == expected
+        assert pool.used_slots == 8  # loading hands slot ids over
         for layer in range(LAYERS):
-            assert torch.equal(cache.keys[layer][0, :, :n], ref.keys[layer][0, :, :n])
-            assert torch.equal(cache.values[layer][0, :, :n], ref.values[layer][0, :, :n])
+            keys, values = cache.gather(layer, n)
+            want = torch.stack([_kv(tokens, p, layer) for p in range(n)]).transpose(0, 1)
+            assert torch.equal(keys[0], want) and torch.equal(values[0], -want)
+        cache.release()
 
 
 @pytest.mark.parametrize("budget_tokens", [0, 3, 7, 12])
 def test_budget_is_respected_after_every_insert(budget_tokens):
-    pool = PrefixCache(budget_bytes=budget_tokens * PER_TOKEN + PER_TOKEN // 2)
+    pool, prefix = _setup(budget_tokens)
     g = torch.Generator().manual_seed(budget_tokens)
     for _ in range(30):
         tokens = torch.randint(0, 3, (int(torch.randint(1, 10, (1,), generator=g)),), generator=g).tolist()
-        pool.insert(tokens, _row(tokens), 0)
-        assert pool.used_bytes <= pool.budget_bytes
-        assert pool.cached_tokens <= budget_tokens
+        row = _row(pool, tokens)
+        prefix.insert(tokens, row, 0)
+        row.release()
+        assert prefix.used_bytes <= prefix.budget_bytes
+        assert prefix.cached_tokens <= budget_tokens
+        assert pool.used_slots == prefix.cached_tokens  # evicted entries gave their slots back
 
 
 def test_least_recently_used_prefix_goes_first():
-    pool = PrefixCache(budget_bytes=8 * PER_TOKEN)
+    pool, prefix = _setup(8)
     a, b, c = [1] * 4, [2] * 4, [3] * 4
-    pool.insert(a, _row(a), 0)
-    pool.insert(b, _row(b), 0)
-    _loaded_back(pool, a)  # a is now more recent than b
-    pool.insert(c, _row(c), 0)
-    assert [_loaded_back(pool, t)[0] for t in (a, b, c)] == [4, 0, 4]
+    for t in (a, b):
+        prefix.insert(t, _row(pool, t), 0)
+    _loaded_back(prefix, a)  # a is now more recent than b
+    prefix.insert(c, _row(pool, c), 0)
+    assert [_loaded_back(prefix, t)[0] for t in (a, b, c)] == [4, 0, 4]
 
 
 def test_a_referenced_prefix_is_never_evicted_and_release_frees_it():
-    pool = PrefixCache(budget_bytes=6 * PER_TOKEN)
+    pool, prefix = _setup(6)
     a = [1, 1, 1, 1]
-    pool.insert(a, _row(a), 0)
-    hit = pool.match(a)  # in use
+    prefix.insert(a, _row(pool, a), 0)
+    hit = prefix.match(a)  # in use
     other = [2, 2, 2, 2, 2, 2]
-    assert pool.insert(other, _row(other), 0) == 2  # only the room left, a stays
-    assert _loaded_back(pool, a)[0] == 4 and _loaded_back(pool, other)[0] == 2
-    pool.release(hit)
-    assert pool.insert(other, _row(other), 0) == 4  # now a, the older, makes room
-    assert _loaded_back(pool, a)[0] == 0 and _loaded_back(pool, other)[0] == 6
+    assert prefix.insert(other, _row(pool, other), 0) == 2  # only the room left, a stays
+    assert _loaded_back(prefix, a)[0] == 4 and _loaded_back(prefix, other)[0] == 2
+    prefix.release(hit)
+    assert prefix.insert(other, _row(pool, other), 0) == 4  # now a, the older, makes room
+    assert _loaded_back(prefix, a)[0] == 0 and _loaded_back(prefix, other)[0] == 6
     with pytest.raises(InvalidParameter):
-        pool.release(hit)
+        prefix.release(hit)
     with pytest.raises(InvalidParameter):
-        pool.insert([1] * 10, _row([1] * 3), 0)  # more tokens than the row holds
+        prefix.insert([1] * 10, _row(pool, [1] * 3), 0)  # more tokens than the row holds
+
+
+def test_pool_reference_counts_free_slots_exactly_once():
+    pool = KVPool(LAYERS, HEADS, DIM, torch.float32, slots=4)
+    row = _row(pool, [5, 6, 7])
+    assert pool.slots >= 4 and pool.used_slots == 3
+    forks = row.fork([0, 0, 0])
+    assert pool.used_slots == 3 and int(pool.refs[row.row_slots(0, 0, 3)].min()) == 4
+    forks.truncate([3, 1, 0])
+    row.release()
+    assert pool.used_slots == 3  # row 0 of the fork still holds all three
+    forks.release()
+    assert pool.used_slots == 0 and int(pool.refs[1:].max()) == 0
+    again = pool.allocate(2)
+    assert sorted(again.tolist()) == sorted(np.unique(again).tolist())  # freed slots are handed out once
 
 
 # --- generation --------------------------------------------------------------------------
@@ -149,16 +184,32 @@ def test_tiny_model_cached_equals_uncached_for_a_batch_with_different_cached_len
     assert _ids(cached.generate(sample, ledger=Ledger())) == _ids(plain.generate(sample, ledger=Ledger()))
 
 
+def test_finished_samples_are_kept_so_a_continuation_prefills_one_token():
+    loaded = _tiny_llama()
+    prefix = PrefixCache(budget_bytes=1 << 20)
+    cached, plain = LocalGenerator(loaded, prefix_cache=prefix), LocalGenerator(loaded)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    first = cached.generate([Request("abcabc", params)], ledger=Ledger())[0][0]
+    assert prefix.cached_tokens == 6 + 10 - 1  # the prompt and every generated token but the last (never fed)
+    ledger = Ledger()
+    more = cached.generate([Request("abcabc", params, prefix=first.token_ids)], ledger=ledger)[0][0]
+    assert ledger.usage.input_tokens == 16 and ledger.usage.cached_tokens == 15  # only the last token computed
+    whole = plain.generate([Request("abcabc", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))],
+                           ledger=Ledger())[0][0]
+    assert first.token_ids + more.token_ids == whole.token_ids  # exact continuation
+
+
 def test_prefix_cache_needs_a_block_cache_and_one_model():
     toy = LoadedModel(model=MarkovModel.random(5), tokenizer=CharTokenizer(5), name="toy", folder="", dtype=torch.float32)
     with pytest.raises(UnsupportedModel):
         LocalGenerator(toy, prefix_cache=PrefixCache(1 << 20))
     pool = PrefixCache(1 << 20)
-    a, b = _tiny_llama(), _tiny_llama()
+    a = _tiny_llama()
+    first = LocalGenerator(a, prefix_cache=pool)
+    with pytest.raises(InvalidParameter):  # one engine's KV pool per prefix cache
+        LocalGenerator(a, prefix_cache=pool)
+    del first  # once that engine is gone, its entries are of no use to anyone: the cache may serve another
     LocalGenerator(a, prefix_cache=pool)
-    LocalGenerator(a, prefix_cache=pool)  # the same model again is fine
-    with pytest.raises(InvalidParameter):
-        LocalGenerator(b, prefix_cache=pool)
     with pytest.raises(InvalidParameter):
         PrefixCache(-1)
 

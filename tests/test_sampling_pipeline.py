@@ -210,7 +210,7 @@ def test_real_model_with_many_adapters(smollm_generator):
                             max_tokens=12, n=2, seed=0, ignore_eos=True)
     prompt = "List the days of the week: Monday, Tuesday, Wednesday,"
     out = smollm_generator.generate([Request(prompt, params)], ledger=Ledger())[0]
-    ids = smollm_generator.encode_prompt(prompt)
+    ids = smollm_generator.tokenizer.encode(prompt)
     for c in out:
         assert len(c.token_ids) == 12 and c.finish_reason == "length" and c.text
         assert not _repeats_an_ngram(ids, c.token_ids, 3)

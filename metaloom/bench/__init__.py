@@ -25,8 +25,14 @@ def _speculative(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _fork(args: argparse.Namespace) -> int:
+    from metaloom.bench.fork import main
+
+    return main(args)
+
+
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], int]] = {"decode": _decode, "constrained": _constrained,
-                                                              "speculative": _speculative}
+                                                              "speculative": _speculative, "fork": _fork}
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:

@@ -75,14 +75,18 @@ class Case:
 def _steps(gen: LocalGenerator, request: Request) -> tuple[list[float], list[list[int]]]:
     """Durations of every decoding step after the first, and the rows' tokens."""
     times: list[float] = []
-    final: list = []
-    last = time.perf_counter()
-    for i, (rows, _) in enumerate(gen._run([request], Ledger())):
-        now = time.perf_counter()
-        if i > 0:
+    batch = gen.new_batch(type(request.decoder))
+    try:
+        rows = batch.admit(gen.rows_for(request, Ledger()))
+        last = time.perf_counter()
+        while batch.rows:
+            batch.step()
+            now = time.perf_counter()
             times.append(now - last)
-        last, final = now, rows
-    return times, [list(r.tokens) for r in final]
+            last = now
+    finally:
+        batch.close()
+    return times, [list(r.state.tokens) for r in rows]
 
 
 def _median_steps(gen: LocalGenerator, request: Request, repeats: int) -> tuple[float, list[list[int]]]:

@@ -44,18 +44,24 @@ def run(args: argparse.Namespace) -> int:
     request = dataclasses.replace(request, constraint=constraint, token_healing=args.token_healing)
     ledger = Ledger()
     if params.n == 1 and not args.json:
+        last = None
         for chunk in generator.stream(request, ledger=ledger):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
+            last = chunk
         sys.stdout.write("\n")
+        if last is not None and last.finish_reason == "error":
+            print(f"error: generation stopped: {last.error}", file=sys.stderr)
+            return 1
         return 0
     completions = generator.generate([request], ledger=ledger)[0]
     if args.json:
         print(json.dumps({
             "model": loaded.name,
             "completions": [{"text": c.text, "tokens": list(c.token_ids), "logprob": c.logprob,
-                             "finish_reason": c.finish_reason} | ({} if c.score is None else {"score": c.score})
-                            for c in completions],
+                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                            | ({} if c.score is None else {"score": c.score})
+                            | ({} if c.error is None else {"error": c.error}) for c in completions],
             "usage": ledger.usage.to_dict(),
         } | speculative_report(speculative, ledger.usage)))
     else:

@@ -6,25 +6,43 @@ feedback, inner strategy) takes a registry name, and ``--FIELD.PARAM VALUE`` con
 component (``--strategy.scorer reward_model --scorer.path ./rm``). Sampling flags
 (``--temperature``, ``--max-tokens``, ...) override the strategy's own sampling defaults
 only when given. ``--budget FIELD=LIMIT`` caps any usage field.
+
+Bad input is one `InvalidParameter` (one ``error:`` line, exit status 2) before any model
+loads: the dotted parameters are checked against the strategy's fields and types first, so
+a prompt taken as a parameter's value (``--strategy.n "Q"``) is reported as that.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import math
+import re
 import sys
+import typing
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from metaloom.commands.common import SAMPLER_DESTS, add_model_args, add_sampling_args, sampling_kwargs
 from metaloom.errors import InvalidParameter
 
 
-def split_dotted(args: Sequence[str]) -> tuple[list[tuple[str, str, str | None]], list[str]]:
-    """Pull ``--GROUP.PARAM VALUE`` / ``--GROUP.PARAM=VALUE`` out of ``args``: returns
-    (group, param, value or None when missing) triples and the other arguments."""
-    dotted: list[tuple[str, str, str | None]] = []
+class Dotted(NamedTuple):
+    """One ``--GROUP.PARAM VALUE`` flag; ``detached`` when VALUE was the next argument
+    (``--GROUP.PARAM VALUE``, not ``--GROUP.PARAM=VALUE``), so it may have been meant as the prompt."""
+
+    group: str
+    param: str
+    value: str | None  # None: no value given
+    detached: bool = False
+
+
+def split_dotted(args: Sequence[str]) -> tuple[list[Dotted], list[str]]:
+    """Pull ``--GROUP.PARAM VALUE`` / ``--GROUP.PARAM=VALUE`` out of ``args``: returns the
+    `Dotted` flags (value None when missing) and the other arguments."""
+    dotted: list[Dotted] = []
     rest: list[str] = []
     i = 0
     while i < len(args):
@@ -33,12 +51,12 @@ def split_dotted(args: Sequence[str]) -> tuple[list[tuple[str, str, str | None]]
         if a.startswith("--") and "." in head and not head.startswith("."):
             group, _, param = head.partition(".")
             if "=" in a:
-                dotted.append((group, param, a.split("=", 1)[1]))
+                dotted.append(Dotted(group, param, a.split("=", 1)[1]))
             elif i + 1 < len(args) and not args[i + 1].startswith("--"):
-                dotted.append((group, param, args[i + 1]))
+                dotted.append(Dotted(group, param, args[i + 1], detached=True))
                 i += 1
             else:
-                dotted.append((group, param, None))
+                dotted.append(Dotted(group, param, None))
         else:
             rest.append(a)
         i += 1
@@ -63,7 +81,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         r = sub.add_parser("run", help="run a meta-generation strategy (see `metaloom strategies`)")
     finally:
         sub._parser_class = previous
-    r.add_argument("prompt")
+    # optional for argparse so that a prompt taken as a parameter's value is reported by
+    # `strategy_config` (after the parameters are checked), not as a usage dump
+    r.add_argument("prompt", nargs="?", default=None, help="the prompt (required)")
     r.add_argument("--strategy", required=True, help="strategy name (`metaloom strategies` lists them)")
     add_model_args(r)
     add_sampling_args(r)
@@ -76,32 +96,53 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="cap a usage field, e.g. output_tokens=2000 (repeatable); the run stops cleanly at it")
     r.add_argument("--json", action="store_true", help="print one JSON object: best, candidates, scores, usage, trace")
     r.add_argument("--progress", action="store_true", help="progress bar on stderr (default: when stderr is a terminal)")
+    r.add_argument("--prefix-cache-mb", type=int, default=1024, metavar="MB",
+                   help="radix prefix cache kept across the strategy's calls (prompts and generated tokens, so a "
+                        "continuation prefills only what is new); 0 turns it off")
     r.set_defaults(run=run)
 
 
 def parse_budget(items: Sequence[str]) -> Any:
+    """A `Budget` from ``FIELD=LIMIT`` texts: a whole number for count fields, a number for
+    ``flops`` and ``seconds``, finite and >= 0, each field once; else `InvalidParameter`
+    naming ``budget.FIELD``."""
     from metaloom.ledger import Budget
 
+    hints = typing.get_type_hints(Budget)
     fields = [f.name for f in dataclasses.fields(Budget)]
     limits: dict[str, float] = {}
     for item in items:
         key, sep, value = item.partition("=")
+        key, text = key.strip(), value.strip()
         if not sep or key not in fields:
             raise InvalidParameter("budget", item, f"FIELD=LIMIT with FIELD one of {fields}")
-        try:
-            limits[key] = float(value) if key in ("flops", "seconds") else int(value)
-        except ValueError as exc:
-            raise InvalidParameter(f"budget.{key}", value, "a number") from exc
+        if key in limits:
+            raise InvalidParameter(f"budget.{key}", value, f"one limit (already {limits[key]})")
+        whole = int in typing.get_args(hints[key])
+        allowed = "a whole number >= 0" if whole else "a finite number >= 0"
+        limit: float = math.nan
+        if whole and re.fullmatch(r"[-+]?\d+", text):
+            limit = int(text)
+        elif not whole:
+            with contextlib.suppress(ValueError):  # not a number: stays nan
+                limit = float(text)
+        if not math.isfinite(limit) or limit < 0:
+            raise InvalidParameter(f"budget.{key}", value, allowed)
+        limits[key] = limit
     return Budget(**limits)  # type: ignore[arg-type]
 
 
 def strategy_config(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, dict[str, str]], dict[str, Any]]:
-    """(strategy params, component params by field, sampling overrides), validated as text."""
+    """(strategy params, component params by field, sampling overrides), checked before any
+    model loads: the dotted values against the strategy's (and its components') fields and
+    types, the sampling flags, then that a prompt was given."""
+    from metaloom.meta.configure import build_strategy
     from metaloom.sampling import SamplingParams
 
+    dotted: list[Dotted] = getattr(args, "dotted", [])
     params: dict[str, str] = {}
     groups: dict[str, dict[str, str]] = {}
-    for group, key, value in getattr(args, "dotted", []):
+    for group, key, value, _ in dotted:
         if value is None:
             raise InvalidParameter(f"{group}.{key}", None, f"a value: --{group}.{key} VALUE")
         (params if group == "strategy" else groups.setdefault(group, {}))[key] = value
@@ -109,6 +150,20 @@ def strategy_config(args: argparse.Namespace) -> tuple[dict[str, str], dict[str,
     if "n" in sampling:
         raise InvalidParameter("n", sampling["n"], "not a sampling flag here: the strategy's --strategy.n (or batch)")
     SamplingParams(**sampling)  # validate the flags themselves before any model load
+    prompt = getattr(args, "prompt", None)
+    swallowed = [d for d in dotted if d.detached]
+    hint = ""
+    if prompt is None and swallowed:
+        d = swallowed[-1]
+        hint = f" ({d.value!r} was taken as the value of --{d.group}.{d.param}, so the prompt is missing)"
+    try:
+        build_strategy(args.strategy, params, groups, {"dry": True})  # names, parameters, types
+    except InvalidParameter as exc:
+        if hint:
+            raise InvalidParameter(exc.name, exc.value, exc.allowed + hint) from exc
+        raise
+    if prompt is None:
+        raise InvalidParameter("prompt", None, "the text to run the strategy on, as its own argument" + hint)
     return params, groups, sampling
 
 
@@ -119,11 +174,11 @@ def run(args: argparse.Namespace) -> int:
     from metaloom.models import load
     from metaloom.sampling import SamplingParams
 
-    params, groups, sampling = strategy_config(args)
+    params, groups, sampling = strategy_config(args)  # names, parameters, types, prompt: before the load
     budget = parse_budget(args.budget)
-    build_strategy(args.strategy, params, groups, {"dry": True})  # names, parameters, types: before the load
+    prefix_cache(args.prefix_cache_mb, None)  # validated before the load
     loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend)
-    generator: Any = LocalGenerator(loaded)
+    generator: Any = LocalGenerator(loaded, prefix_cache=prefix_cache(args.prefix_cache_mb, loaded))
     bar = None
     if args.progress or sys.stderr.isatty():
         generator, bar = with_progress(generator)
@@ -156,6 +211,18 @@ def run(args: argparse.Namespace) -> int:
     for e in result.trace:
         print("trace: " + json.dumps(e.to_dict(), default=str))
     return 0
+
+
+def prefix_cache(megabytes: int, loaded: Any) -> Any:
+    """The radix prefix cache ``metaloom run`` keeps across a strategy's calls, or None (off, or
+    a model without the native KV pool)."""
+    from metaloom.prefix import PrefixCache
+
+    if not isinstance(megabytes, int) or megabytes < 0:
+        raise InvalidParameter("prefix_cache_mb", megabytes, "a number of megabytes >= 0 (0 turns the cache off)")
+    if megabytes == 0 or loaded is None or not hasattr(loaded.model, "new_pool"):
+        return None
+    return PrefixCache(budget_bytes=megabytes << 20)
 
 
 class _Progress:

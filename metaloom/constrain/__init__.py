@@ -34,52 +34,27 @@ incomplete match, as with any other decoding. Regular expressions use llguidance
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-
-from metaloom.constrain.grammar import CompiledGrammar, GrammarCursor, compile_constraint, grammar_masks
 from metaloom.constrain.spec import ConstraintSpec
-from metaloom.constrain.vocab import Vocabulary
+
+if TYPE_CHECKING:
+    from metaloom.constrain.cursor import Constraint, batch_mask
+    from metaloom.constrain.grammar import CompiledGrammar, GrammarCursor, compile_constraint
+    from metaloom.constrain.vocab import Vocabulary
+
+# the grammar engine, numpy and torch load on first use: a `ConstraintSpec` is plain data
+_LAZY = {"Constraint": "metaloom.constrain.cursor", "batch_mask": "metaloom.constrain.cursor",
+         "CompiledGrammar": "metaloom.constrain.grammar", "GrammarCursor": "metaloom.constrain.grammar",
+         "compile_constraint": "metaloom.constrain.grammar", "Vocabulary": "metaloom.constrain.vocab"}
 
 
-@runtime_checkable
-class Constraint(Protocol):
-    """One row's cursor. ``unconstrained`` is True while `mask` would allow every token."""
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
 
-    @property
-    def unconstrained(self) -> bool: ...
-
-    def mask(self) -> torch.Tensor: ...  # [V] bool
-
-    def advance(self, token: int) -> None: ...
-
-    def rollback(self, n: int) -> None: ...
-
-    def fork(self) -> Constraint: ...
-
-    def done(self) -> bool: ...
-
-
-def batch_mask(cursors: Sequence[Constraint | None], vocab_size: int,
-               device: torch.device | str = "cpu") -> torch.Tensor | None:
-    """The allowed-token mask of a batch, [B, V] bool on ``device``, or None when no row is
-    constrained. Grammar cursors of one vocabulary are computed in one parallel engine call."""
-    active = [(i, c) for i, c in enumerate(cursors) if c is not None and not c.unconstrained]
-    if not active:
-        return None
-    out = np.ones((len(cursors), vocab_size), dtype=np.bool_)
-    by_vocab: dict[int, list[tuple[int, GrammarCursor]]] = {}
-    for i, c in active:
-        if isinstance(c, GrammarCursor):
-            by_vocab.setdefault(id(c.vocab), []).append((i, c))
-        else:
-            out[i] = c.mask().numpy()
-    for group in by_vocab.values():
-        out[[i for i, _ in group]] = grammar_masks([c for _, c in group])
-    return torch.from_numpy(out).to(device)
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["CompiledGrammar", "Constraint", "ConstraintSpec", "GrammarCursor", "Vocabulary", "batch_mask",

@@ -29,7 +29,6 @@ dropped, and the best unfinished candidates keep the beam slots (2 * group_size 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,57 +36,12 @@ import torch
 
 from metaloom.constrain import Constraint, batch_mask
 from metaloom.decode.forward import charged_forward
-from metaloom.decode.rows import RowState
-from metaloom.errors import InvalidParameter
+from metaloom.decode.rows import RowState, emit
+from metaloom.generator.specs import BeamParams
 from metaloom.ledger import Ledger
-from metaloom.models.protocols import KVCache, LanguageModel, Tokenizer
-from metaloom.sampling.params import SamplingParams
+from metaloom.models.protocols import KVCache, LanguageModel
 from metaloom.sampling.pipeline import Sampler
 from metaloom.sampling.state import SamplingState
-
-
-@dataclass(frozen=True)
-class BeamParams:
-    """Beam search configuration; validated on construction (raises, never clamps)."""
-
-    beams: int = 4
-    length_penalty: float = 1.0
-    early_stopping: bool | str = False
-    num_beam_groups: int = 1
-    diversity_penalty: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("beams", "num_beam_groups"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidParameter(name, value, "an integer >= 1")
-        if self.beams % self.num_beam_groups:
-            raise InvalidParameter("num_beam_groups", self.num_beam_groups, f"a divisor of beams={self.beams}")
-        for name in ("length_penalty", "diversity_penalty"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-                raise InvalidParameter(name, value, "a finite number")
-        if self.diversity_penalty < 0:
-            raise InvalidParameter("diversity_penalty", self.diversity_penalty, ">= 0")
-        if not (self.early_stopping is True or self.early_stopping is False or self.early_stopping == "never"):
-            raise InvalidParameter("early_stopping", self.early_stopping, "True, False or 'never'")
-
-    @property
-    def group_size(self) -> int:
-        return self.beams // self.num_beam_groups
-
-    def check_sampling(self, params: SamplingParams) -> None:
-        """Beam search is deterministic: sampling-only settings would be silently ignored, so
-        they are errors. (Temperature 1 and 0 leave the log-probabilities unchanged.)"""
-        if params.temperature not in (0.0, 1.0):
-            raise InvalidParameter("temperature", params.temperature, "0 or 1 with beam search (beams rank log-probabilities)")
-        sampled, greedy = dataclasses.replace(params, temperature=1.0), dataclasses.replace(params, temperature=0.0)
-        sampling_only = sampled.adapters - greedy.adapters
-        if sampling_only:
-            raise InvalidParameter("sampling adapters", sorted(sampling_only),
-                                   "none with beam search (only penalties, logit bias and constraints shape beam scores)")
-        if params.n > self.beams:
-            raise InvalidParameter("n", params.n, f"<= beams ({self.beams}): beam search returns its n best hypotheses")
 
 
 @dataclass(frozen=True)
@@ -101,6 +55,7 @@ class Hypothesis:
     score: float
     finish_reason: str
     group: int = 0
+    stop_reason: str | int | None = None
 
     @property
     def logprob(self) -> float:
@@ -113,10 +68,6 @@ class _Beam:
     score: float  # sum of pipeline log-probabilities
     source: int  # cache row it extends
     cursor: Constraint | None
-
-
-def _copy(row: RowState) -> RowState:
-    return dataclasses.replace(row, tokens=list(row.tokens), logprobs=list(row.logprobs))
 
 
 def _penalised(score: float, length: int, alpha: float) -> float:
@@ -152,7 +103,7 @@ class _Group:
 
 
 def _select(lp: torch.Tensor, raw: torch.Tensor, beams: list[_Beam], diversity: torch.Tensor | None,
-            params: BeamParams, group: _Group, gid: int, tokenizer: Tokenizer) -> list[_Beam]:
+            params: BeamParams, group: _Group, gid: int) -> list[_Beam]:
     """One group's step: rank ``beams``' continuations, record finished ones, return the new
     live beams (at most group_size). lp, raw [R, V]: pipeline and raw log-probabilities."""
     size, vocab = group.size, lp.shape[-1]
@@ -167,19 +118,15 @@ def _select(lp: torch.Tensor, raw: torch.Tensor, beams: list[_Beam], diversity: 
         if value == float("-inf"):
             break
         parent, token = beams[flat // vocab], flat % vocab
-        row = _copy(parent.row)
-        row.append(token, raws[rank], tokenizer)
+        row = parent.row.fork()
         score = scores[rank]
-        cursor = None
-        if parent.cursor is not None:
-            cursor = parent.cursor.fork()
-            cursor.advance(token)
-            if cursor.done() and not row.done:
-                row.finish_reason = "stop"
+        cursor = parent.cursor.fork() if parent.cursor is not None else None
+        emit(row, token, raws[rank], None, cursor)
         if row.done:
             if rank < size:
                 group.add(Hypothesis(tuple(row.tokens), tuple(row.logprobs), row.text,
-                                     _penalised(score, len(row.tokens), params.length_penalty), row.finish_reason or "stop", gid))
+                                     _penalised(score, len(row.tokens), params.length_penalty), row.finish_reason or "stop", gid,
+                                     row.stop_reason))
             continue
         out.append(_Beam(row, score, parent.source, cursor))
         if len(out) == size:
@@ -187,7 +134,7 @@ def _select(lp: torch.Tensor, raw: torch.Tensor, beams: list[_Beam], diversity: 
     return out
 
 
-def beam_search(model: LanguageModel, tokenizer: Tokenizer, cache: KVCache, logits: torch.Tensor, sampler: Sampler,
+def beam_search(model: LanguageModel, cache: KVCache, logits: torch.Tensor, sampler: Sampler,
                 rows: Sequence[RowState], params: BeamParams, ledger: Ledger, *, state: SamplingState | None = None,
                 cursors: Sequence[Constraint | None] | None = None) -> list[list[Hypothesis]]:
     """Beam search for B prompts at once.
@@ -203,7 +150,7 @@ def beam_search(model: LanguageModel, tokenizer: Tokenizer, cache: KVCache, logi
     b_count = len(rows)
     groups = [[_Group(params.group_size) for _ in range(params.num_beam_groups)] for _ in range(b_count)]
     # live beams per prompt and group; every group starts from the prompt's row with score 0
-    live = [[[_Beam(_copy(rows[b]), 0.0, b, None if cursors is None else cursors[b])] for _ in range(params.num_beam_groups)]
+    live = [[[_Beam(rows[b].fork(), 0.0, b, None if cursors is None else cursors[b])] for _ in range(params.num_beam_groups)]
             for b in range(b_count)]
     owner = list(range(b_count))  # prompt of each cache row
     if state is None:
@@ -219,7 +166,7 @@ def beam_search(model: LanguageModel, tokenizer: Tokenizer, cache: KVCache, logi
                 by_row[beam.source] = beam.cursor
             mask = batch_mask(by_row, logits.shape[-1], logits.device)
         lp = row_sampler.process(logits, state, mask=mask)
-        raw = torch.log_softmax(logits.float(), dim=-1)
+        raw = logits.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)  # as `select.raw_logprobs`
         ledger.charge(output_tokens=len(owner))
         for b in range(b_count):
             diversity = torch.zeros(lp.shape[-1], device=lp.device) if params.num_beam_groups > 1 else None
@@ -227,7 +174,7 @@ def beam_search(model: LanguageModel, tokenizer: Tokenizer, cache: KVCache, logi
                 if group.done:
                     live[b][g] = []
                     continue
-                chosen = _select(lp, raw, live[b][g], diversity, params, group, g, tokenizer)
+                chosen = _select(lp, raw, live[b][g], diversity, params, group, g)
                 group.settle(max((c.score for c in chosen), default=None), step, params, rows[b].max_tokens)
                 live[b][g] = [] if group.done else chosen
                 if diversity is not None:
@@ -243,7 +190,13 @@ def beam_search(model: LanguageModel, tokenizer: Tokenizer, cache: KVCache, logi
         for i, beam in enumerate(order):  # beam i now lives in cache row i
             beam.source = i
         if sources != list(range(len(owner))) or len(sources) != int(cache.lengths.shape[0]):
-            cache = cache.fork(sources)
+            old, cache = cache, cache.fork(sources)  # the native cache forks without copying keys
+            release = getattr(old, "release", None)
+            if release is not None:
+                release()
         state = sampler.select(owner).advance(state.select(sources), tokens, lp[index])
         logits = charged_forward(model, tokens[:, None], cache, ledger)[:, -1]
+    release = getattr(cache, "release", None)
+    if release is not None:
+        release()
     return [sorted((h for group in groups[b] for h in group.hyps), key=lambda h: -h.score) for b in range(b_count)]

@@ -15,77 +15,30 @@ combination of their next-token log-probabilities:
   conditional decoding.
 
 `LockstepPair` wraps the two streams as one `LanguageModel` whose logits are these scores, so
-the ordinary decode loop (greedy or any sampler, penalties, constraints, streaming, row
-compaction) runs unchanged on top; `PairCache` holds the two caches and each row's parameters,
-which travel with the row when the cache is forked. The secondary stream's forward is charged
-by `charged_forward` inside `LockstepPair.forward`; the primary's by the caller's
-`charged_forward` (the pair reports the primary model's FLOPs), so every model call is
-charged once with its own exact FLOPs.
+the one decode loop (`metaloom.decode.batch`: greedy or any sampler, penalties, constraints,
+streaming, rows joining and leaving) runs unchanged on top; its `forward_both` also returns the
+primary stream's raw logits, which is what `Completion.logprobs` reports (the decoder's own
+scores go to `Completion.decoder_logprobs`). `PairCache` holds the two caches and each row's
+parameters, which travel with the row when the cache is forked or joined. Charging: the pair
+names both streams (`cost_streams`), so `metaloom.decode.forward` charges each model's forward
+with its own cache — two forward passes, each with its exact FLOPs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from metaloom.decode.forward import charged_forward
-from metaloom.decode.loop import prefill
 from metaloom.errors import InvalidParameter
-from metaloom.ledger import Ledger
 from metaloom.models.protocols import KVCache, LanguageModel
 
 if TYPE_CHECKING:
     from metaloom.models.llama import LlamaModel
 
 Combine = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def _finite(name: str, value: object) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise InvalidParameter(name, value, "a finite number")
-    return float(value)
-
-
-@dataclass(frozen=True)
-class ContrastiveParams:
-    """``alpha``: plausibility cut in [0, 1] (0 keeps every token; Li et al. use 0.1);
-    ``amateur_temperature``: tau > 0 applied to the amateur's logits."""
-
-    alpha: float = 0.1
-    amateur_temperature: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= _finite("alpha", self.alpha) <= 1.0:
-            raise InvalidParameter("alpha", self.alpha, "in [0, 1]")
-        if _finite("amateur_temperature", self.amateur_temperature) <= 0:
-            raise InvalidParameter("amateur_temperature", self.amateur_temperature, "> 0")
-
-    def row(self) -> tuple[float, ...]:
-        return (self.alpha, self.amateur_temperature)
-
-
-@dataclass(frozen=True)
-class GuidanceParams:
-    """``scale``: guidance strength gamma >= 0 (1 = conditional, 0 = unconditional; Sanchez et
-    al. use 1.5); ``negative_prompt``: the unconditional stream's prompt, encoded like the
-    request's prompt (text, or chat messages); None: the prompt's last token alone."""
-
-    scale: float = 1.5
-    negative_prompt: str | tuple[dict[str, str], ...] | None = None
-
-    def __post_init__(self) -> None:
-        if _finite("cfg_scale", self.scale) < 0:
-            raise InvalidParameter("cfg_scale", self.scale, ">= 0")
-        if self.negative_prompt is not None and not self.negative_prompt:
-            raise InvalidParameter("negative_prompt", self.negative_prompt, "non-empty text or messages, or None")
-
-    def row(self) -> tuple[float, ...]:
-        return (self.scale,)
 
 
 def _column(params: torch.Tensor, i: int, like: torch.Tensor) -> torch.Tensor:
@@ -143,22 +96,30 @@ class PairCache:
         self.primary.truncate(new)
         self.secondary.truncate(self.secondary.lengths - drop.to(self.secondary.lengths.device))
 
+    def join(self, other: KVCache) -> PairCache:
+        if not isinstance(other, PairCache) or other.params.shape[1] != self.params.shape[1]:
+            raise InvalidParameter("other", type(other).__name__, "a PairCache of the same decoder")
+        return PairCache(self.primary.join(other.primary), self.secondary.join(other.secondary),  # type: ignore[attr-defined]
+                         torch.cat([self.params, other.params]))
+
+    def release(self) -> None:
+        for c in (self.primary, self.secondary):
+            release = getattr(c, "release", None)
+            if release is not None:
+                release()
+
 
 class LockstepPair:
     """Two models stepped together as one `LanguageModel` whose logits are
-    ``combine(primary_logits, secondary_logits, cache.params)``.
+    ``combine(primary_logits, secondary_logits, cache.params)``. Holds no state of its own:
+    the caches and each row's parameters are in the `PairCache`."""
 
-    ``ledger`` is the ledger of the current call (the pair is built per call): the secondary
-    stream's forwards are charged to it here; the primary's are charged by whoever calls
-    `charged_forward` on the pair (``flops`` reports the primary model's)."""
-
-    def __init__(self, primary: LanguageModel, secondary: LanguageModel, combine: Combine, ledger: Ledger,
+    def __init__(self, primary: LanguageModel, secondary: LanguageModel, combine: Combine,
                  defaults: Sequence[float]) -> None:
         check_same_vocab(primary, secondary)
         self.primary = primary
         self.secondary = secondary
         self.combine = combine
-        self.ledger = ledger
         self.defaults = torch.tensor(list(defaults), dtype=torch.float32)
 
     @property
@@ -178,16 +139,29 @@ class LockstepPair:
                          self.defaults.expand(batch, -1).clone())
 
     def flops(self, new_tokens: int, attended: int, logit_rows: int) -> float:
+        """The primary stream's; `metaloom.decode.forward` charges each stream through `cost_streams`."""
         return self.primary.flops(new_tokens, attended, logit_rows)
+
+    def cost_streams(self, cache: KVCache) -> list[tuple[LanguageModel, KVCache]]:
+        """(model, its cache) of each stream a forward runs, for exact charging."""
+        if not isinstance(cache, PairCache):
+            raise InvalidParameter("cache", type(cache).__name__, "a PairCache (from new_cache or prefill_pair)")
+        return [(self.primary, cache.primary), (self.secondary, cache.secondary)]
+
+    def forward_both(self, tokens: torch.Tensor, cache: KVCache, *, valid: torch.Tensor | None = None,
+                     last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [B, T] -> (primary logits, combined scores), each [B, T, V] (or [B, 1, V]);
+        both caches advance."""
+        if not isinstance(cache, PairCache):
+            raise InvalidParameter("cache", type(cache).__name__, "a PairCache (from new_cache or prefill_pair)")
+        first = self.primary.forward(tokens, cache.primary, valid=valid, last_only=last_only)
+        second = self.secondary.forward(tokens, cache.secondary, valid=valid, last_only=last_only)
+        return first, self.combine(first, second, cache.params)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, *, valid: torch.Tensor | None = None,
                 last_only: bool = False) -> torch.Tensor:
         """tokens [B, T] -> combined scores [B, T, V] (or [B, 1, V]); both caches advance."""
-        if not isinstance(cache, PairCache):
-            raise InvalidParameter("cache", type(cache).__name__, "a PairCache (from new_cache or prefill_pair)")
-        first = self.primary.forward(tokens, cache.primary, valid=valid, last_only=last_only)
-        second = charged_forward(self.secondary, tokens, cache.secondary, self.ledger, valid=valid, last_only=last_only)
-        return self.combine(first, second, cache.params)
+        return self.forward_both(tokens, cache, valid=valid, last_only=last_only)[1]
 
 
 def check_same_vocab(expert: LanguageModel, amateur: LanguageModel) -> None:
@@ -195,17 +169,6 @@ def check_same_vocab(expert: LanguageModel, amateur: LanguageModel) -> None:
     if amateur.vocab_size != expert.vocab_size:
         raise InvalidParameter("amateur vocab_size", amateur.vocab_size,
                                f"{expert.vocab_size} (the expert's): both models must share one tokenizer")
-
-
-def prefill_pair(primary: LanguageModel, secondary: LanguageModel, prompts: Sequence[Sequence[int]],
-                 secondary_prompts: Sequence[Sequence[int]], capacities: tuple[int, int], params: torch.Tensor,
-                 combine: Combine, ledger: Ledger) -> tuple[LockstepPair, PairCache, torch.Tensor]:
-    """Prefill both streams (each its own prompts and cache capacity). params [B, k] are the
-    rows' combine parameters. Returns (pair, cache, combined scores [B, V])."""
-    pair = LockstepPair(primary, secondary, combine, ledger, params[0].tolist() if len(params) else ())
-    first_cache, first = prefill(primary, prompts, capacities[0], ledger)
-    second_cache, second = prefill(secondary, secondary_prompts, capacities[1], ledger)
-    return pair, PairCache(first_cache, second_cache, params), combine(first, second, params)
 
 
 def truncated_llama(model: object, layers: int) -> LlamaModel:

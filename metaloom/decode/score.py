@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from metaloom.decode.forward import charged_forward
-from metaloom.decode.loop import prefill
+from metaloom.decode.prefill import prefill
 from metaloom.errors import ContextWindowExceeded, InvalidParameter
 from metaloom.ledger import Ledger
+from metaloom.models.cache import KVPool
 from metaloom.models.protocols import LanguageModel, Tokenizer
 
 
@@ -38,11 +39,12 @@ class ContinuationScore:
 
 
 def score_continuations(model: LanguageModel, prompt: Sequence[int], continuations: Sequence[Sequence[int]],
-                        ledger: Ledger, *, batch_size: int = 16) -> list[ContinuationScore]:
+                        ledger: Ledger, *, batch_size: int = 16, pool: KVPool | None = None) -> list[ContinuationScore]:
     """Per-token log-probabilities of each continuation (token ids) after ``prompt``.
 
     Charges the prompt once and every continuation token as input tokens; one forward for the
-    prompt plus one per batch of ``batch_size`` continuations.
+    prompt plus one per batch of ``batch_size`` continuations. The batch's rows fork the
+    prompt's cache row (with the native model's KV pool, ``pool``, without copying it).
     """
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise InvalidParameter("batch_size", batch_size, "an integer >= 1")
@@ -57,7 +59,7 @@ def score_continuations(model: LanguageModel, prompt: Sequence[int], continuatio
     if len(prompt) + longest > model.max_context:
         raise ContextWindowExceeded(len(prompt) + longest, model.max_context, "prompt plus the longest continuation")
     ledger.charge(input_tokens=len(prompt) + sum(len(c) for c in continuations))
-    cache, last = prefill(model, [list(prompt)], len(prompt) + longest, ledger)
+    cache, last = prefill(model, [list(prompt)], len(prompt) + longest, ledger, pool=pool)
     first = torch.log_softmax(last[0].float(), dim=-1)  # [V]: scores each continuation's first token
     out: list[ContinuationScore] = []
     for start in range(0, len(continuations), batch_size):
@@ -68,12 +70,19 @@ def score_continuations(model: LanguageModel, prompt: Sequence[int], continuatio
             tokens[i, :len(c)] = torch.as_tensor(c, dtype=torch.long)
         valid = torch.tensor([len(c) for c in batch], dtype=torch.long, device=model.device)
         # the last token's logits are not needed, but dropping it would leave 1-token rows empty
-        logits = charged_forward(model, tokens, cache.fork([0] * len(batch)), ledger, valid=valid)
+        rows = cache.fork([0] * len(batch))
+        logits = charged_forward(model, tokens, rows, ledger, valid=valid)
+        release = getattr(rows, "release", None)
+        if release is not None:
+            release()
         lp = torch.log_softmax(logits.float(), dim=-1)  # [N, T, V]
         for i, c in enumerate(batch):
             later = lp[i, torch.arange(len(c) - 1), tokens[i, 1:len(c)]] if len(c) > 1 else lp.new_zeros(0)
             values = [float(first[c[0]]), *later.tolist()]
             out.append(ContinuationScore(tuple(c), tuple(values)))
+    release = getattr(cache, "release", None)
+    if release is not None:
+        release()
     return out
 
 

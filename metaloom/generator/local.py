@@ -1,40 +1,48 @@
-"""The local engine as a `Generator`: batches requests, prefills each prompt once, forks the
-cache ``n`` ways for ``n`` samples, and charges the ledger for every forward."""
+"""The local engine as a `Generator`: every request is validated and prepared first
+(`metaloom.generator.plan`), then its rows are admitted to the one decode loop
+(`metaloom.decode.batch`): each prompt prefilled once and forked ``n`` ways (the native model's
+KV pool shares the prompt's keys instead of copying them), every forward charged to the ledger.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
 from metaloom.constrain import Vocabulary
-from metaloom.decode.contrastive import check_same_vocab
-from metaloom.decode.healing import Prepared, prepare
-from metaloom.decode.loop import decode, prefill, prefill_cached
+from metaloom.decode.batch import DecodeBatch, NewRow, Prefill, Row
+from metaloom.decode.beam import beam_search
+from metaloom.decode.contrastive import LockstepPair, check_same_vocab, contrastive_scores, guidance_scores
+from metaloom.decode.prefill import prefill, prefill_cached, prefill_pair
 from metaloom.decode.rows import RowState
-from metaloom.errors import ContextWindowExceeded, InvalidParameter, UnsupportedModel
-from metaloom.generator import decoders
-from metaloom.generator.types import Completion, Request, StreamChunk
+from metaloom.decode.score import score_continuations, split_continuation
+from metaloom.errors import BudgetExceeded, InvalidParameter, Unsupported, UnsupportedModel
+from metaloom.generator.capabilities import FEATURES, Capabilities
+from metaloom.generator.plan import Plan, check_ids, encode, plan
+from metaloom.generator.specs import BeamParams, ContrastiveParams
+from metaloom.generator.types import Completion, Message, Prompt, Request, Scored, StreamChunk, TokenIds, check_prompt
 from metaloom.ledger import Ledger
 from metaloom.models.load import LoadedModel
-from metaloom.models.protocols import KVCache, LanguageModel
-from metaloom.prefix.pool import BlockKVCache, PrefixCache
+from metaloom.models.protocols import LanguageModel
+from metaloom.prefix.pool import PrefixCache
 from metaloom.sampling.pipeline import make_sampler
-from metaloom.speculative import Speculative
 
 
 class LocalGenerator:
     """``prefix_cache``: an optional `metaloom.prefix.PrefixCache` kept across calls; prompts
-    then compute only what is not cached (charged as ``cached_tokens``). One per model.
+    then compute only what is not cached (charged as ``cached_tokens``), and every finished
+    sample's tokens are stored too, so continuing a partial output prefills almost nothing.
     ``amateur``: the second model of contrastive decoding (same tokenizer), if any.
     ``speculative``: draft-and-verify decoding (`metaloom.speculative.Speculative`) for requests
-    decoded through the sampling pipeline; same outputs (greedy) or distribution (sampling).
-
-    Each request's ``decoder`` picks how it is run (`metaloom.generator.decoders.RUNNERS`)."""
+    decoded through the sampling pipeline; same outputs (greedy) or distribution (sampling)."""
 
     def __init__(self, loaded: LoadedModel, prefix_cache: PrefixCache | None = None,
-                 amateur: LanguageModel | None = None, speculative: Speculative | None = None) -> None:
+                 amateur: LanguageModel | None = None, speculative: Any = None) -> None:
         self.speculative = speculative
         if amateur is not None:
             check_same_vocab(loaded.model, amateur)
@@ -42,12 +50,21 @@ class LocalGenerator:
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
+        self.name = f"the local engine ({loaded.name})"
+        # the engine's KV memory: every cache of this engine lives here, so rows fork and join
+        # without copying keys, and the prefix cache refers to them in place
+        new_pool = getattr(self.model, "new_pool", None)
+        self.pool = new_pool() if new_pool is not None else None
+        amateur_pool = getattr(amateur, "new_pool", None)
+        self.amateur_pool = amateur_pool() if amateur_pool is not None else None
         self.prefix_cache = prefix_cache
         if prefix_cache is not None:
-            if not isinstance(self.model.new_cache(1, 1), BlockKVCache):
-                raise UnsupportedModel(f"{type(self.model).__name__} has no KV cache the prefix cache can copy "
-                                       "(read_block/append_block); use the native backend or no prefix cache")
-            prefix_cache.bind(self.model)
+            if self.pool is None:
+                raise UnsupportedModel(f"{type(self.model).__name__} keeps no KV pool the prefix cache can refer to; "
+                                       "use the native backend or no prefix cache")
+            prefix_cache.bind(self.pool)
+        decoders = {"beam", "cfg"} | ({"contrastive"} if amateur is not None else set())
+        self.capabilities = Capabilities(decoders=frozenset(decoders), features=FEATURES)
         self._vocabulary: Vocabulary | None = None
 
     @property
@@ -57,122 +74,206 @@ class LocalGenerator:
             self._vocabulary = Vocabulary(self.tokenizer, self.model.vocab_size)
         return self._vocabulary
 
-    def encode_prompt(self, prompt: str | tuple[dict[str, str], ...]) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt), add_special_tokens=False)
-        if not ids:
-            raise InvalidParameter("prompt", prompt, "text that encodes to at least one token")
-        return ids
-
-    def _check(self, prompt: list[int], request: Request) -> None:
-        window = self.model.max_context
-        if len(prompt) >= window:
-            raise ContextWindowExceeded(len(prompt), window)
-        if len(prompt) + request.params.max_tokens > window:
-            raise ContextWindowExceeded(len(prompt) + request.params.max_tokens, window,
-                                        f"prompt ({len(prompt)} tokens) plus max_tokens")
-        request.params.check_vocab(self.model.vocab_size)
-
-    def prefill_prompts(self, prompts: list[list[int]], capacity: int,
-                        ledger: Ledger) -> tuple[LanguageModel, KVCache, torch.Tensor]:
-        """(model, cache, next-token logits [B, V]) after prefilling ``prompts`` (through the
-        prefix cache when there is one)."""
-        if self.prefix_cache is None:
-            cache, logits = prefill(self.model, prompts, capacity, ledger)
-        else:
-            cache, logits = prefill_cached(self.model, prompts, capacity, ledger, self.prefix_cache)
-        return self.model, cache, logits
-
-    def _run(self, requests: Sequence[Request], ledger: Ledger,
-             start: decoders.Start | None = None) -> Iterator[tuple[list[RowState], list[int]]]:
-        """Shared by `generate` and `stream`: yields (rows, rows stepped) after every step.
-        ``start`` prefills a different model to decode with (contrastive, guidance)."""
-        if not requests:
-            return
-        prompts = [self.encode_prompt(r.prompt) for r in requests]
-        # token healing and grammar compilation (a bad grammar raises here, before any compute)
-        prepared: list[Prepared | None] = [
-            prepare(p, r.constraint, r.token_healing, self.vocabulary) if r.constraint is not None or r.token_healing
-            else None for p, r in zip(prompts, requests, strict=True)]
-        prompts = [list(h.ids) if h is not None else p for p, h in zip(prompts, prepared, strict=True)]
-        for p, r in zip(prompts, requests, strict=True):  # validate everything before any compute
-            self._check(p, r)
-        capacity = max(len(p) + r.params.max_tokens for p, r in zip(prompts, requests, strict=True))
-        ledger.charge(input_tokens=sum(len(p) for p in prompts))
-        if start is None:
-            model, cache, logits = self.prefill_prompts(prompts, capacity, ledger)
-        else:
-            model, cache, logits = start(self, requests, prompts, capacity, ledger)
-        # one output row per sample; rows of a request share its prompt's cache and its RNG
-        owner = [i for i, r in enumerate(requests) for _ in range(r.params.n)]
-        if owner != list(range(len(requests))):
-            cache = cache.fork(owner)
-            logits = logits[torch.as_tensor(owner, device=logits.device)]
-        generators = []
-        for r in requests:
-            g = None
-            if not r.params.greedy:
-                g = torch.Generator(device=self.model.device)
-                g.manual_seed(r.params.seed if r.params.seed is not None else int(torch.seed() % (2**63)))
-            generators.append(g)
-        eos = self.tokenizer.eos_token_ids
-        rows = [RowState(max_tokens=requests[i].params.max_tokens, stop=requests[i].params.stop,
-                         eos_ids=frozenset() if requests[i].params.ignore_eos else eos) for i in owner]
-        sampler = make_sampler([requests[i].params for i in owner], self.model.vocab_size, logits.device,
-                               encode=lambda text: self.tokenizer.encode(text, add_special_tokens=False))
-        state = sampler.start([prompts[i] for i in owner])
-        constraints = None
-        if any(h is not None for h in prepared):
-            constraints = [h.cursor() if (h := prepared[i]) is not None else None for i in owner]  # one per row
-        row_generators = [generators[i] for i in owner]
-        if self.speculative is not None and start is None:
-            steps = self.speculative.decode(model, self.tokenizer, cache, logits, sampler, rows, row_generators, ledger,
-                                            prompts=[prompts[i] for i in owner], state=state, constraints=constraints)
-        else:
-            steps = decode(model, self.tokenizer, cache, logits, sampler, rows, row_generators, ledger,
-                           state=state, constraints=constraints)
-        for stepped in steps:
-            yield rows, stepped
+    # --- the Generator protocol ----------------------------------------------------------------
+    def render(self, messages: Sequence[Message]) -> str:
+        return self.tokenizer.apply_chat_template(list(messages))
 
     def generate(self, requests: Sequence[Request], *, ledger: Ledger) -> list[list[Completion]]:
-        return decoders.generate(self, requests, ledger)
+        plans = [plan(self, r) for r in requests]  # everything validated before any compute
+        started = time.perf_counter()
+        try:
+            out: list[list[Completion]] = [[] for _ in plans]
+            kinds: dict[type, list[int]] = {}
+            for i, p in enumerate(plans):
+                kinds.setdefault(p.kind, []).append(i)
+            for kind, members in kinds.items():
+                chosen = [plans[i] for i in members]
+                results = self._beam(chosen, ledger) if kind is BeamParams else self._decode(chosen, ledger)
+                for i, completions in zip(members, results, strict=True):
+                    out[i] = completions
+            return out
+        finally:
+            _charge_time(ledger, time.perf_counter() - started)
 
     def stream(self, request: Request, *, ledger: Ledger) -> Iterator[StreamChunk]:
-        return decoders.runner_for(request.decoder).stream(self, request, ledger)
+        p = plan(self, request)  # a bad request raises here, at the call, not at the first next()
+        return self._stream(p, ledger)
 
-    def _generate(self, requests: Sequence[Request], ledger: Ledger,
-                  prefill_with: decoders.Start | None = None) -> list[list[Completion]]:
-        start = time.perf_counter()
-        rows: list[RowState] = []
+    def score(self, prompt: Prompt, continuations: Sequence[str | TokenIds], *, ledger: Ledger) -> list[Scored]:
+        check_prompt(prompt)
+        if not continuations:
+            return []
+        if isinstance(prompt, TokenIds):
+            context_ids: list[int] = list(prompt.ids)
+            context_text = None
+        else:
+            context_ids = encode(self, prompt)
+            context_text = prompt if isinstance(prompt, str) else self.render(prompt)
+        conts: list[list[int]] = []
+        for i, c in enumerate(continuations):
+            if isinstance(c, TokenIds):
+                conts.append(list(c.ids))
+            elif isinstance(c, str) and c:
+                if context_text is None:
+                    conts.append(self.tokenizer.encode(c, add_special_tokens=False))
+                else:
+                    ctx, ids = split_continuation(self.tokenizer, context_text, c,
+                                                  add_special_tokens=isinstance(prompt, str))
+                    if ctx != context_ids:  # the context must be the one scored
+                        ids = self.tokenizer.encode(c, add_special_tokens=False)
+                    conts.append(ids)
+            else:
+                raise InvalidParameter(f"continuations[{i}]", c, "non-empty text or TokenIds")
+        check_ids("prompt ids", context_ids, self.model.vocab_size)
+        for c_ids in conts:
+            check_ids("continuation ids", c_ids, self.model.vocab_size)
+        started = time.perf_counter()
         try:
-            for step_rows, _ in self._run(requests, ledger, prefill_with):
-                rows = step_rows
+            scored = score_continuations(self.model, context_ids, conts, ledger, pool=self.pool)
         finally:
-            ledger.charge(seconds=time.perf_counter() - start)
-        out: list[list[Completion]] = []
-        it = iter(rows)
-        for r in requests:
-            out.append([_completion(next(it)) for _ in range(r.params.n)])
-        return out
+            _charge_time(ledger, time.perf_counter() - started)
+        return [Scored(c if isinstance(c, str) else self.tokenizer.decode(list(c.ids)), s.tokens, s.logprobs)
+                for c, s in zip(continuations, scored, strict=True)]
 
-    def _stream(self, request: Request, ledger: Ledger, prefill_with: decoders.Start | None = None) -> Iterator[StreamChunk]:
-        if request.params.n != 1:
-            raise InvalidParameter("n", request.params.n, "1 when streaming")
-        start = time.perf_counter()
+    # --- the decode loop, for callers that drive it (the server's scheduler) ----------------------
+    def new_batch(self, decoder: type | None = None) -> DecodeBatch:
+        """An empty decode loop for requests decoded by ``decoder`` (the type of their
+        ``Request.decoder``: None for the sampling pipeline, `ContrastiveParams`,
+        `GuidanceParams`); rows join it through `rows_for` and `DecodeBatch.admit`."""
+        if decoder is None or decoder is type(None):
+            return DecodeBatch(self.model, self.tokenizer, self._plain_prefill(), speculative=self.speculative,
+                               prefix_cache=self.prefix_cache)
+        if decoder is BeamParams:
+            raise UnsupportedModel("beam search reorders its rows every step; it runs as a whole (generate)")
+        pair, run = self._pair_prefill(decoder)
+        return DecodeBatch(pair, self.tokenizer, run)
+
+    def rows_for(self, request: Request, ledger: Ledger, tag: Any = None) -> list[NewRow]:
+        """The rows of ``request`` (validated and prepared: a bad request raises here)."""
+        return plan(self, request).rows(ledger, self.model.device, tag)
+
+    # --- runs --------------------------------------------------------------------------------------
+    def _decode(self, plans: list[Plan], ledger: Ledger) -> list[list[Completion]]:
+        batch = self.new_batch(plans[0].kind)
+        handles: list[list[Row]] = []
         try:
-            sent = 0  # tokens already streamed (a speculative step emits several)
-            for rows, stepped in self._run([request], ledger, prefill_with):
-                row = rows[0]
-                if stepped:
-                    yield StreamChunk(row.pending_text(), tuple(row.tokens[sent:]), row.finish_reason)
-                    sent = len(row.tokens)
+            rows = batch.admit([r for i, p in enumerate(plans) for r in p.rows(ledger, self.model.device, i)])
+            it = iter(rows)
+            handles = [[next(it) for _ in range(p.request.params.n)] for p in plans]
+            while batch.rows:
+                batch.step()
         finally:
-            ledger.charge(seconds=time.perf_counter() - start)
+            batch.close()
+        return [[completion(r.state) for r in rs] for rs in handles]
+
+    def _stream(self, p: Plan, ledger: Ledger) -> Iterator[StreamChunk]:
+        if p.kind is BeamParams:  # beam search knows its hypotheses only at the end
+            for i, c in enumerate(self.generate([p.request], ledger=ledger)[0]):
+                yield StreamChunk(c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason, i, c.error)
+            return
+        started = time.perf_counter()
+        batch = self.new_batch(p.kind)
+        try:
+            rows = batch.admit(p.rows(ledger, self.model.device))
+            yield from _chunks(rows)
+            while batch.rows:
+                batch.step()
+                yield from _chunks(rows)
+        finally:
+            batch.close()  # a closed stream cancels what is left
+            _charge_time(ledger, time.perf_counter() - started)
+
+    def _plain_prefill(self) -> Prefill:
+        def run(reps: Sequence[NewRow], capacity: int, ledgers: list[Ledger]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+            prompts = [list(r.prompt) for r in reps]
+            if self.prefix_cache is not None and self.pool is not None:
+                cache, logits = prefill_cached(self.model, prompts, capacity, ledgers, self.prefix_cache, pool=self.pool)
+            else:
+                cache, logits = prefill(self.model, prompts, capacity, ledgers, pool=self.pool)
+            return cache, logits, logits
+        return run
+
+    def _pair_prefill(self, decoder: type) -> tuple[LockstepPair, Prefill]:
+        contrastive = decoder is ContrastiveParams
+        secondary = self.amateur if contrastive else self.model
+        if secondary is None:
+            raise Unsupported("decoder contrastive", self.name, "no amateur model (LocalGenerator(amateur=...))")
+        combine = contrastive_scores if contrastive else guidance_scores
+        defaults = (0.1, 1.0) if contrastive else (1.5,)
+        pair = LockstepPair(self.model, secondary, combine, defaults)
+        second_pool = self.amateur_pool if contrastive else self.pool
+
+        def run(reps: Sequence[NewRow], capacity: int, ledgers: list[Ledger]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+            prompts = [list(r.prompt) for r in reps]
+            seconds = [list(r.secondary) if r.secondary is not None else list(r.prompt) for r in reps]
+            if not contrastive:  # the unconditional stream's prompt is an input too
+                for r, s in zip(reps, seconds, strict=True):
+                    with contextlib.suppress(BudgetExceeded):
+                        r.ledger.charge(input_tokens=len(s))
+            second_capacity = max(len(s) + r.params.max_tokens for s, r in zip(seconds, reps, strict=True))
+            params = torch.tensor([list(r.combine) for r in reps], dtype=torch.float32)
+            return prefill_pair(pair, prompts, seconds, (capacity, second_capacity), params, ledgers,
+                                (self.pool, second_pool))
+        return pair, run
+
+    def _beam(self, plans: list[Plan], ledger: Ledger) -> list[list[Completion]]:
+        """Beam search: the n best hypotheses of each request (``params.n`` <= beams); requests
+        with different beam settings are searched separately."""
+        groups: dict[BeamParams, list[int]] = {}
+        for i, p in enumerate(plans):
+            assert isinstance(p.request.decoder, BeamParams)
+            groups.setdefault(p.request.decoder, []).append(i)
+        results: dict[int, list[Completion]] = {}
+        for spec, members in groups.items():
+            chosen = [plans[i] for i in members]
+            for i, found in zip(members, self._beam_group(chosen, spec, ledger), strict=True):
+                results[i] = found
+        return [results[i] for i in range(len(plans))]
+
+    def _beam_group(self, plans: list[Plan], spec: BeamParams, ledger: Ledger) -> list[list[Completion]]:
+        prompts = [list(p.ids) for p in plans]
+        ledger.charge(input_tokens=sum(len(ids) for ids in prompts))
+        capacity = max(len(ids) + p.request.params.max_tokens for ids, p in zip(prompts, plans, strict=True))
+        cache, logits = prefill(self.model, prompts, capacity, ledger, pool=self.pool)
+        params = [dataclasses.replace(p.request.params, temperature=0.0) for p in plans]
+        sampler = make_sampler(params, self.model.vocab_size, logits.device,
+                               encode=lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        eos = self.tokenizer.eos_token_ids
+        rows = [RowState.start(self.tokenizer, p.request.params.max_tokens, stop=p.request.params.stop,
+                               eos_ids=frozenset() if p.request.params.ignore_eos else eos,
+                               include_stop=p.request.params.include_stop_str_in_output,
+                               context=p.ids[len(p.ids) - p.prefix:] if p.prefix else ()) for p in plans]
+        cursors = [p.cursor() for p in plans]
+        state = sampler.start([list(p.ids[:len(p.ids) - p.prefix]) for p in plans],
+                              [list(p.ids[len(p.ids) - p.prefix:]) for p in plans])
+        hyps = beam_search(self.model, cache, logits, sampler, rows, spec, ledger, state=state,
+                           cursors=cursors if any(c is not None for c in cursors) else None)
+        return [[Completion(text=h.text, token_ids=h.tokens, logprobs=h.logprobs, finish_reason=h.finish_reason,
+                            stop_reason=h.stop_reason, score=h.score) for h in found[:p.request.params.n]]
+                for p, found in zip(plans, hyps, strict=True)]
 
 
-def _completion(row: RowState) -> Completion:
-    assert row.finish_reason is not None
-    return Completion(text=row.text, token_ids=tuple(row.tokens), logprobs=tuple(row.logprobs),
-                      finish_reason=row.finish_reason)
+def completion(state: RowState) -> Completion:
+    """A finished row as a `Completion`."""
+    assert state.finish_reason is not None
+    return Completion(text=state.text, token_ids=tuple(state.tokens), logprobs=tuple(state.logprobs),
+                      finish_reason=state.finish_reason, stop_reason=state.stop_reason,
+                      decoder_logprobs=tuple(state.scores) if state.scores else None, error=state.error)
+
+
+def _chunks(rows: Sequence[Row]) -> Iterator[StreamChunk]:
+    """A chunk for each row with new tokens since the last call, or whose finish is not yet
+    reported (``StreamChunk.index``: the row's sample index)."""
+    for i, row in enumerate(rows):
+        s = row.state
+        if s.sent == len(s.tokens) and (not s.done or s.closed):
+            continue
+        new = slice(s.sent, len(s.tokens))
+        s.sent, s.closed = len(s.tokens), s.done
+        yield StreamChunk(s.pending_text(), tuple(s.tokens[new]), tuple(s.logprobs[new]), s.finish_reason,
+                          s.stop_reason, i, s.error)
+
+
+def _charge_time(ledger: Ledger, seconds: float) -> None:
+    with contextlib.suppress(BudgetExceeded):
+        ledger.charge(seconds=seconds)

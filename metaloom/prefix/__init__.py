@@ -1,5 +1,5 @@
 """Radix prefix cache across calls (SGLang's RadixAttention, Zheng et al. 2024): a pure trie
-over token ids (`radix`) and a pool binding it to KV blocks under a memory budget (`pool`).
+over token ids (`radix`) whose values are KV slots of the engine's pool (`pool`).
 
     cache = PrefixCache(budget_bytes=2 << 30)
     gen = LocalGenerator(loaded, prefix_cache=cache)
@@ -7,7 +7,7 @@ over token ids (`radix`) and a pool binding it to KV blocks under a memory budge
 `metaloom.prefix.bench.time_to_first_token` measures what it saves.
 """
 
-from metaloom.prefix.pool import BlockKVCache, PrefixCache, PrefixHit
+from metaloom.prefix.pool import PrefixCache, PrefixHit
 from metaloom.prefix.radix import Match, Node, RadixTree
 
-__all__ = ["BlockKVCache", "Match", "Node", "PrefixCache", "PrefixHit", "RadixTree"]
+__all__ = ["Match", "Node", "PrefixCache", "PrefixHit", "RadixTree"]

@@ -1,18 +1,20 @@
-"""The prefix cache: a `RadixTree` whose values are KV blocks, under a memory budget.
+"""The prefix cache: a `RadixTree` whose values are KV slots of the engine's `KVPool`.
 
-A block is a copy of one tree edge's keys and values for every layer, a tensor
-[layers, 2, H_kv, n, D] on the model's device. Reading a prefix copies its blocks into a row of
-a fresh `StaticKVCache` (`BlockKVCache.append_block`); storing one copies a row's span out
-(`read_block`). Copying rather than sharing pages (SGLang shares them through a paged KV pool)
-keeps the native cache a plain dense tensor, so the path without a prefix cache is untouched;
-the copy costs one memory pass over the prefix, far less than recomputing it.
+Each tree edge holds the slot ids of its tokens' keys and values (`metaloom.models.cache`): a
+cached prefix is not a copy of KV but a set of references into the same pool the decoding rows
+use. Loading a prefix into a new row copies slot ids (8 bytes a token) and takes a reference to
+each slot; storing a row's tokens takes references to the row's slots. Neither copies a key or
+a value, so storing generated tokens (a branch a search may continue from) costs nothing but
+bookkeeping (SGLang's RadixAttention, Zheng et al. 2024).
 
-Budget: ``budget_bytes`` bounds the bytes held in blocks after every insert. When a new prompt
-needs room, unreferenced leaves go first, least recently used first (the tree's order); if even
-that is not enough, only the part of the prompt that fits is stored. Reference counts (`match`
-locks, `release` unlocks) keep a prefix that a caller is still reading from being evicted.
+Budget: ``budget_bytes`` bounds the KV the tree keeps alive on its own, counted as slots held
+by the tree times the bytes of one slot. When a new entry needs room, unreferenced leaves go
+first, least recently used first (the tree's order); if even that is not enough, only the part
+that fits is stored. A slot that a decoding row also holds stays alive until the row lets go.
+Reference counts on the tree (`match` locks, `release` unlocks) keep a prefix that a caller is
+still reading from being evicted.
 
-Not thread-safe: one generator (or one caller at a time) per cache.
+Not thread-safe by itself: one engine (one decode loop) per cache.
 """
 
 from __future__ import annotations
@@ -20,31 +22,17 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
-import torch
+import numpy as np
 
 from metaloom.errors import InvalidParameter
+from metaloom.models.cache import KVPool, PagedKVCache
 from metaloom.prefix.radix import Match, RadixTree
 
 
-@runtime_checkable
-class BlockKVCache(Protocol):
-    """What the prefix cache needs of a KV cache, beyond `KVCache`: copy a row's span out and
-    append a copied span to a row (`metaloom.models.cache.StaticKVCache` has both)."""
-
-    @property
-    def lengths(self) -> torch.Tensor: ...
-
-    def read_block(self, row: int, start: int, end: int) -> torch.Tensor: ...
-
-    def append_block(self, row: int, block: torch.Tensor) -> None: ...
-
-
-def split_block(block: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cut a block [L, 2, H, n, D] after ``k`` tokens. Clones, so that evicting one half frees
-    its memory (a view would keep the whole original storage alive)."""
-    return block[:, :, :, :k].clone(), block[:, :, :, k:].clone()
+def split_slots(slots: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Cut an edge's slot ids after ``k`` tokens (the references move with them)."""
+    return slots[:k].copy(), slots[k:].copy()
 
 
 @dataclass(frozen=True)
@@ -53,28 +41,39 @@ class PrefixHit:
     and, once done, to `PrefixCache.release`."""
 
     length: int
-    match: Match[torch.Tensor]
+    match: Match[np.ndarray]
 
 
 class PrefixCache:
     """Radix prefix cache across calls; create one and hand it to `LocalGenerator(...,
-    prefix_cache=...)`. It serves one model only (the first it is bound to)."""
+    prefix_cache=...)`. It serves one KV pool (one model) only: the first it is bound to."""
 
     def __init__(self, budget_bytes: int) -> None:
-        if budget_bytes < 0:
+        if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes < 0:
             raise InvalidParameter("budget_bytes", budget_bytes, "a non-negative number of bytes")
         self.budget_bytes = budget_bytes
-        self.tree: RadixTree[torch.Tensor] = RadixTree(split_block)
-        self.bytes_per_token = 0  # known after the first insert
-        self._model: weakref.ref[object] | None = None
+        self.tree: RadixTree[np.ndarray] = RadixTree(split_slots)
+        self._pool: weakref.ref[KVPool] | None = None
 
-    def bind(self, model: object) -> None:
-        """Tie this cache to ``model``: KV entries are only valid for the weights that made them."""
-        bound = self._model() if self._model is not None else None
-        if bound is not None and bound is not model:
+    def bind(self, pool: KVPool) -> None:
+        """Tie this cache to ``pool``: its entries are slots there, valid for that model only."""
+        bound = self._pool() if self._pool is not None else None
+        if bound is not None and bound is not pool:
             raise InvalidParameter("prefix_cache", type(self).__name__,
-                                   "a prefix cache not already in use by another model (create one per model)")
-        self._model = weakref.ref(model)
+                                   "a prefix cache not already in use by another engine (create one per engine)")
+        self._pool = weakref.ref(pool)
+
+    @property
+    def pool(self) -> KVPool:
+        pool = self._pool() if self._pool is not None else None
+        if pool is None:
+            raise InvalidParameter("prefix_cache", type(self).__name__, "a cache bound to an engine's KV pool")
+        return pool
+
+    @property
+    def bytes_per_token(self) -> int:
+        pool = self._pool() if self._pool is not None else None
+        return pool.bytes_per_slot if pool is not None else 0
 
     @property
     def cached_tokens(self) -> int:
@@ -93,15 +92,19 @@ class PrefixCache:
     def release(self, hit: PrefixHit) -> None:
         self.tree.unlock(hit.match)
 
-    def load(self, hit: PrefixHit, cache: BlockKVCache, row: int) -> None:
+    def load(self, hit: PrefixHit, cache: PagedKVCache, row: int) -> None:
         """Append the hit's ``length`` cached tokens to ``row`` of ``cache`` (normally empty)."""
-        for block, take in hit.match.spans():
-            if take:
-                cache.append_block(row, block if take == block.shape[3] else block[:, :, :, :take])
+        if cache.pool is not self.pool:
+            raise InvalidParameter("cache", type(cache).__name__, "a cache in the prefix cache's KV pool")
+        spans = [slots[:take] for slots, take in hit.match.spans() if take]
+        if spans:
+            cache.append_slots(row, np.concatenate(spans))
 
-    def insert(self, tokens: Sequence[int], cache: BlockKVCache, row: int) -> int:
+    def insert(self, tokens: Sequence[int], cache: PagedKVCache, row: int) -> int:
         """Store ``tokens``, whose KV are the first ``len(tokens)`` positions of ``row``; returns
         how many tokens were stored anew (fewer than missing when the budget is short)."""
+        if cache.pool is not self.pool:
+            raise InvalidParameter("cache", type(cache).__name__, "a cache in the prefix cache's KV pool")
         if int(cache.lengths[row]) < len(tokens):
             raise InvalidParameter("tokens", len(tokens), f"at most the row's length {int(cache.lengths[row])}")
         hit = self.match(tokens)  # pin the present part, so making room never evicts it
@@ -109,23 +112,33 @@ class PrefixCache:
             present = hit.length
             if present == len(tokens):
                 return 0
-            block = cache.read_block(row, present, len(tokens))
-            if not self.bytes_per_token:
-                self.bytes_per_token = block.numel() * block.element_size() // block.shape[3]
             room = self._make_room(len(tokens) - present)
         finally:
             self.release(hit)
         if room <= 0:
             return 0
-        if room < block.shape[3]:
-            block = block[:, :, :, :room].clone()
-        return self.tree.insert(tokens[:present + room], block, offset=present)
+        slots = cache.row_slots(row, present, present + room)
+        self.pool.retain(slots)
+        return self.tree.insert(tokens[:present + room], slots, offset=present)
+
+    def evict(self, tokens: int) -> int:
+        """Drop up to ``tokens`` unreferenced cached tokens (least recently used first); returns
+        how many were dropped. Their slots go back to the pool unless a row still holds them."""
+        gone = self.tree.evict(tokens)
+        for e in gone:
+            self.pool.release(e.value)
+        return sum(e.tokens for e in gone)
+
+    def clear(self) -> None:
+        """Drop every unreferenced entry."""
+        self.evict(self.tree.size)
 
     def _make_room(self, want: int) -> int:
         """Evict until ``want`` more tokens fit the budget (or nothing evictable is left);
         returns how many tokens fit now."""
-        capacity = self.budget_bytes // self.bytes_per_token
+        per = self.bytes_per_token
+        capacity = self.budget_bytes // per if per else 0
         short = self.tree.size + want - capacity
         if short > 0:
-            self.tree.evict(short)
+            self.evict(short)
         return min(want, capacity - self.tree.size)

@@ -51,6 +51,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # keep generating past end-of-sequence (benchmarks)
+    include_stop_str_in_output: bool = False  # keep a matched stop string in the text (vLLM's name)
     # dynamic temperature (llama.cpp dynatemp): temperature in [t - range, t + range] by entropy
     dynatemp_range: float = 0.0  # 0 disables
     dynatemp_exponent: float = 1.0
@@ -103,6 +104,9 @@ class SamplingParams:
             _integer("seed", self.seed)
         if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidParameter("stop", self.stop, "a tuple of non-empty strings")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidParameter(name, getattr(self, name), "True or False")
 
     def _check_adapters(self) -> None:
         _finite("dynatemp_range", self.dynatemp_range)

@@ -100,12 +100,17 @@ class Sampler:
     def any_penalty(self) -> bool:
         return any(p.uses_penalties for p in self.params)
 
-    def start(self, prompts: Sequence[Sequence[int]] | None = None) -> SamplingState:
-        """The state before the first draw; ``prompts[i]`` are row ``i``'s prompt token ids
-        (repetition penalty, DRY and no-repeat-n-gram look at them). None: empty prompts."""
+    def start(self, prompts: Sequence[Sequence[int]] | None = None,
+              outputs: Sequence[Sequence[int]] | None = None) -> SamplingState:
+        """The state before the next draw; ``prompts[i]`` are row ``i``'s prompt token ids
+        (repetition penalty, DRY and no-repeat-n-gram look at them) and ``outputs[i]`` the ids
+        it has already generated (a continuation's prefix: they also count for presence and
+        frequency penalties). None: empty. Mirostat's bound starts afresh either way."""
         rows = [list(p) for p in prompts] if prompts is not None else [[] for _ in self.params]
-        if len(rows) != len(self.params):
-            raise ValueError(f"{len(rows)} prompts for a batch of {len(self.params)} rows")
+        done = [list(o) for o in outputs] if outputs is not None else [[] for _ in rows]
+        if len(rows) != len(self.params) or len(done) != len(rows):
+            raise ValueError(f"{len(rows)} prompts and {len(done)} outputs for a batch of {len(self.params)} rows")
+        rows = [p + o for p, o in zip(rows, done, strict=True)]
         device, b, v = self.temperature.device, len(rows), self.vocab_size
         seen = None
         if "repetition" in self.enabled:
@@ -113,7 +118,13 @@ class Sampler:
             for i, p in enumerate(rows):
                 seen[i, torch.as_tensor(p, dtype=torch.long)] = True
             seen = seen.to(device)
-        counts = torch.zeros(b, v, dtype=torch.int32, device=device) if "presence_frequency" in self.enabled else None
+        counts = None
+        if "presence_frequency" in self.enabled:
+            counts = torch.zeros(b, v, dtype=torch.int32)
+            for i, o in enumerate(done):
+                if o:
+                    counts[i].scatter_add_(0, torch.as_tensor(o, dtype=torch.long), torch.ones(len(o), dtype=torch.int32))
+            counts = counts.to(device)
         history = lengths = None
         if self.enabled & {"dry", "no_repeat_ngram"}:
             history = torch.full((b, max((len(p) for p in rows), default=0)), -1, dtype=torch.long)
@@ -182,9 +193,11 @@ class Sampler:
             heads.append(u < p.xtc_probability)
         return torch.tensor(heads, dtype=torch.bool, device=device)
 
-    def draw(self, logprobs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-        """Step 8. logprobs [B, V] -> tokens [B] (long)."""
-        tokens = logprobs.argmax(dim=-1)
+    def draw(self, logprobs: torch.Tensor, generators: Sequence[torch.Generator | None],
+             argmax: torch.Tensor | None = None) -> torch.Tensor:
+        """Step 8. logprobs [B, V] -> tokens [B] (long). ``argmax``: ``logprobs.argmax(-1)`` if the
+        caller has it already."""
+        tokens = logprobs.argmax(dim=-1) if argmax is None else argmax.clone()
         for row, p in enumerate(self.params):
             if not p.greedy:
                 tokens[row] = P.categorical(logprobs[row], generators[row])
@@ -220,6 +233,36 @@ class Sampler:
             bias=None if self.bias is None else self.bias[index],
             breakers=None if self.breakers is None else self.breakers[index])
 
+
+
+    def join(self, other: Sampler) -> Sampler:
+        """This batch's rows, then ``other``'s (rows joining a running decode loop)."""
+        if other.vocab_size != self.vocab_size:
+            raise InvalidParameter("vocab_size", other.vocab_size, f"{self.vocab_size} (the batch's)")
+        params = self.params + other.params
+        device = self.temperature.device
+
+        def column(side: Sampler, name: str) -> torch.Tensor:
+            # a side whose rows do not use the adapter has no column: its rows' own (disabled) values
+            if name in side.columns:
+                return side.columns[name].to(device)
+            like = self.columns[name] if name in self.columns else other.columns[name]
+            return torch.tensor([getattr(p, name) for p in side.params], dtype=like.dtype, device=device)
+
+        names = set(self.columns) | set(other.columns)
+        columns = {name: torch.cat([column(self, name), column(other, name)]) for name in names}
+
+        def stacked(a: torch.Tensor | None, b: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+            if a is None and b is None:
+                return None
+            parts = [t.to(device) if t is not None else torch.zeros(len(side.params), self.vocab_size, dtype=dtype,
+                                                                     device=device)
+                     for t, side in ((a, self), (b, other))]
+            return torch.cat(parts)
+
+        return Sampler(params=params, vocab_size=self.vocab_size, enabled=self.enabled | other.enabled, columns=columns,
+                       bias=stacked(self.bias, other.bias, torch.float32),
+                       breakers=stacked(self.breakers, other.breakers, torch.bool))
 
 def make_sampler(params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str = "cpu", *,
                  encode: Callable[[str], Sequence[int]] | None = None) -> Sampler:

@@ -31,6 +31,34 @@ class SamplingState:
                 changes[name] = value[torch.as_tensor(list(rows), dtype=torch.long, device=value.device)]
         return replace(self, **changes)
 
+    def join(self, other: SamplingState, rows: int, other_rows: int) -> SamplingState:
+        """This state's ``rows`` rows, then ``other``'s ``other_rows`` (rows joining a decode loop).
+        A field only one side tracks is filled for the other side's rows with values their
+        (disabled) adapters never read."""
+        out: dict[str, torch.Tensor | None] = {}
+        for name in ("seen", "counts", "history", "lengths", "mu"):
+            a, b = getattr(self, name), getattr(other, name)
+            if a is None and b is None:
+                out[name] = None
+                continue
+            like = a if a is not None else b
+            assert like is not None
+            if name == "history":
+                width = max(t.shape[1] for t in (a, b) if t is not None)
+                parts = []
+                for t, n in ((a, rows), (b, other_rows)):
+                    if t is None:
+                        t = torch.full((n, width), -1, dtype=like.dtype, device=like.device)
+                    elif t.shape[1] < width:
+                        t = torch.cat([t, torch.full((n, width - t.shape[1]), -1, dtype=t.dtype, device=t.device)], dim=1)
+                    parts.append(t)
+                out[name] = torch.cat(parts)
+                continue
+            parts = [t if t is not None else torch.zeros((n, *like.shape[1:]), dtype=like.dtype, device=like.device)
+                     for t, n in ((a, rows), (b, other_rows))]
+            out[name] = torch.cat(parts)
+        return SamplingState(**out)
+
     def need(self, name: str, adapter: str) -> torch.Tensor:
         value = getattr(self, name)
         if value is None:

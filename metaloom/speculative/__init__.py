@@ -5,6 +5,9 @@ produced (Leviathan et al. 2023; Chen et al. 2023).
     spec = Speculative(NgramDrafter(), num_draft=8)
     gen = LocalGenerator(loaded, speculative=spec)
 
+The step itself (draft, verify in one forward, accept, roll the cache back) is the speculative
+step of the one decode loop, `metaloom.decode.batch`; the acceptance maths is `core`.
+
 Drafters (`registry.DRAFTERS`): ``ngram`` (prompt lookup), ``draft`` (a smaller model with
 the same tokenizer), ``quantized`` (the target with int8/int4 weights), ``jacobi``
 (fixed-point iteration), ``heads`` (speculator heads). New ones implement `Drafter`.
@@ -24,20 +27,10 @@ matters.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-import torch
-
-from metaloom.constrain import Constraint
-from metaloom.decode.rows import RowState
 from metaloom.errors import InvalidParameter
-from metaloom.ledger import Ledger
-from metaloom.models.protocols import KVCache, LanguageModel, Tokenizer
-from metaloom.sampling.pipeline import Sampler
-from metaloom.sampling.state import SamplingState
 from metaloom.speculative.core import Acceptance, accept, target_logprobs
-from metaloom.speculative.decode import speculative_decode
 from metaloom.speculative.drafter import MAX_DRAFT, Draft, Drafter, DraftState, Verified
 
 
@@ -52,15 +45,6 @@ class Speculative:
         if not isinstance(self.num_draft, int) or isinstance(self.num_draft, bool) or not 1 <= self.num_draft <= MAX_DRAFT:
             raise InvalidParameter("num_draft", self.num_draft, f"an integer in [1, {MAX_DRAFT}]")
 
-    def decode(self, model: LanguageModel, tokenizer: Tokenizer, cache: KVCache, logits: torch.Tensor, sampler: Sampler,
-               rows: Sequence[RowState], generators: Sequence[torch.Generator | None], ledger: Ledger, *,
-               prompts: Sequence[Sequence[int]], state: SamplingState | None = None,
-               constraints: Sequence[Constraint | None] | None = None) -> Iterator[list[int]]:
-        """`metaloom.decode.loop.decode`'s contract, speculatively (``prompts[r]``: row r's prompt ids)."""
-        drafter = self.drafter.start(model, sampler, prompts, generators)
-        return speculative_decode(model, tokenizer, cache, logits, sampler, rows, generators, ledger, drafter=drafter,
-                                  prompts=prompts, num_draft=self.num_draft, state=state, constraints=constraints)
-
 
 __all__ = [
     "MAX_DRAFT",
@@ -71,6 +55,5 @@ __all__ = [
     "Speculative",
     "Verified",
     "accept",
-    "speculative_decode",
     "target_logprobs",
 ]

@@ -31,7 +31,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from metaloom.ledger import Ledger
+from metaloom.decode.forward import Ledgers
 from metaloom.models.protocols import LanguageModel
 from metaloom.sampling.pipeline import Sampler
 
@@ -70,7 +70,7 @@ class Verified:
 
 @runtime_checkable
 class DraftState(Protocol):
-    def propose(self, contexts: Sequence[Sequence[int]], limits: Sequence[int], ledger: Ledger) -> Draft:
+    def propose(self, contexts: Sequence[Sequence[int]], limits: Sequence[int], ledger: Ledgers) -> Draft:
         """At most ``limits[b]`` tokens for row b (0: propose nothing)."""
         ...
 
@@ -80,6 +80,11 @@ class DraftState(Protocol):
 
     def select(self, rows: Sequence[int]) -> DraftState:
         """The state of a sub-batch (rows in the order given), when finished rows are dropped."""
+        ...
+
+    def join(self, other: DraftState) -> DraftState:
+        """This state's rows, then ``other``'s (a state of the same drafter, `Drafter.start`ed for
+        rows joining the running batch)."""
         ...
 
 

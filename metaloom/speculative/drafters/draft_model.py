@@ -20,12 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from metaloom.decode.forward import charged_forward
-from metaloom.ledger import Ledger
+from metaloom.decode.forward import Ledgers, charged_forward
 from metaloom.models.protocols import KVCache, LanguageModel
 from metaloom.sampling.params import SamplingParams
 from metaloom.sampling.pipeline import Sampler, make_sampler
-from metaloom.speculative.drafter import MAX_DRAFT, Draft, Verified
+from metaloom.speculative.drafter import MAX_DRAFT, Draft, DraftState, Verified
 
 
 @dataclass(frozen=True)
@@ -80,7 +79,7 @@ class DraftModelState:
         self.checked = [len(c) for c in contexts]
         return [list(c[n:]) for c, n in zip(contexts, keep, strict=True)]
 
-    def propose(self, contexts: Sequence[Sequence[int]], limits: Sequence[int], ledger: Ledger) -> Draft:
+    def propose(self, contexts: Sequence[Sequence[int]], limits: Sequence[int], ledger: Ledgers) -> Draft:
         b = len(contexts)
         k = max(limits, default=0)
         if k == 0:
@@ -133,4 +132,17 @@ class DraftModelState:
         state = DraftModelState(self.model, self.cache.fork(index), [list(self.fed[r]) for r in index],
                                 self.q_sampler.select(index), self.vocab, [self.generators[r] for r in index])
         state.checked = [self.checked[r] for r in index]
+        release = getattr(self.cache, "release", None)
+        if release is not None:
+            release()  # this state is replaced by the selection
+        return state
+
+    def join(self, other: DraftState) -> DraftModelState:
+        assert isinstance(other, DraftModelState)
+        joined = getattr(self.cache, "join", None)
+        if joined is None:
+            raise NotImplementedError(f"{type(self.cache).__name__} cannot take rows into a running batch")
+        state = DraftModelState(self.model, joined(other.cache), self.fed + other.fed, self.q_sampler.join(other.q_sampler),
+                                self.vocab, self.generators + other.generators)
+        state.checked = self.checked + other.checked
         return state

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
+from metaloom.decode.forward import Ledgers, charge_rows
 from metaloom.errors import InvalidParameter, UnsupportedModel
-from metaloom.ledger import Ledger
 from metaloom.models.llama import dense_weight
 from metaloom.models.protocols import LanguageModel
 from metaloom.sampling.pipeline import Sampler
-from metaloom.speculative.drafter import Draft, Verified
+from metaloom.speculative.drafter import Draft, DraftState, Verified
 from metaloom.speculative.heads.model import SpeculatorHeads, load_heads, matches
 from metaloom.speculative.heads.shipped import shipped_heads
 
@@ -91,14 +91,15 @@ class HeadsState:
     needs_hidden = True  # the decode loop fills `Verified.hidden`
 
     def __init__(self, heads: SpeculatorHeads, embed: torch.Tensor, head: torch.Tensor,
-                 hidden: torch.Tensor | None, min_prob: float = 0.0) -> None:
+                 hidden: torch.Tensor | None, min_prob: float = 0.0, known: torch.Tensor | None = None) -> None:
+        self.known = known  # [B] bool: rows whose hidden state is real (None: all of them)
         self.min_prob = min_prob
         self.heads = heads
         self.embed = embed  # [V, d]: the target's (frozen) embedding
         self.head = head  # [V_d, d] float32: the target's LM head rows of the draft vocabulary
         self.hidden = hidden  # [B, d]: target's hidden state at each row's last kept position; None before the first step
 
-    def propose(self, contexts: Sequence[Sequence[int]], limits: Sequence[int], ledger: Ledger) -> Draft:
+    def propose(self, contexts: Sequence[Sequence[int]], limits: Sequence[int], ledger: Ledgers) -> Draft:
         k = min(max(limits, default=0), self.heads.config.stages)
         device = self.embed.device
         if k == 0 or self.hidden is None:
@@ -107,8 +108,10 @@ class HeadsState:
         tokens, confident = self.heads.draft_confident(self.hidden.float(), first, k, self.embed, self.head, self.min_prob)
         caps = torch.as_tensor([min(limit, k) for limit in limits], dtype=torch.long, device=device)
         lengths = torch.minimum(caps, confident.to(device))
+        if self.known is not None:  # rows that joined since the last verification
+            lengths = torch.where(self.known.to(device), lengths, torch.zeros_like(lengths))
         ran = min(k, int(confident.max()) + 1)  # stages computed: drafting stops after the last confident one
-        ledger.charge(flops=self.heads.flops_per_token() * ran * len(contexts))
+        charge_rows(ledger, len(contexts), flops=self.heads.flops_per_token() * ran)
         return Draft(tokens=tokens, lengths=lengths)
 
     def observe(self, verified: Verified) -> None:
@@ -118,9 +121,35 @@ class HeadsState:
         rows = torch.arange(verified.hidden.shape[0], device=verified.hidden.device)
         # the last kept position (pending + accepted drafts) produced the next pending token
         self.hidden = verified.hidden[rows, verified.accepted.to(verified.hidden.device)]
+        self.known = None
+
+    @property
+    def _rows(self) -> int:
+        return 0 if self.hidden is None else self.hidden.shape[0]
 
     def select(self, rows: Sequence[int]) -> HeadsState:
-        hidden = None
+        hidden = known = None
         if self.hidden is not None:
-            hidden = self.hidden[torch.as_tensor(list(rows), dtype=torch.long, device=self.hidden.device)]
-        return HeadsState(self.heads, self.embed, self.head, hidden, self.min_prob)
+            index = torch.as_tensor(list(rows), dtype=torch.long, device=self.hidden.device)
+            hidden = self.hidden[index]
+            known = None if self.known is None else self.known[index]
+        return HeadsState(self.heads, self.embed, self.head, hidden, self.min_prob, known)
+
+    def join(self, other: DraftState) -> HeadsState:
+        """Rows that joined have no target hidden state until their first verification: they
+        draft nothing until then (``known``)."""
+        assert isinstance(other, HeadsState)
+        if self.hidden is None and other.hidden is None:
+            return HeadsState(self.heads, self.embed, self.head, None, self.min_prob)
+        like = self.hidden if self.hidden is not None else other.hidden
+        assert like is not None
+        parts, known = [], []
+        for state, n in ((self, self._rows), (other, other._rows)):
+            if state.hidden is None:
+                parts.append(torch.zeros(n, like.shape[1], dtype=like.dtype, device=like.device))
+                known.append(torch.zeros(n, dtype=torch.bool, device=like.device))
+            else:
+                parts.append(state.hidden)
+                known.append(state.known if state.known is not None
+                             else torch.ones(n, dtype=torch.bool, device=like.device))
+        return HeadsState(self.heads, self.embed, self.head, torch.cat(parts), self.min_prob, torch.cat(known))

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
+from metaloom.decode.forward import Ledgers
 from metaloom.errors import InvalidParameter
-from metaloom.ledger import Ledger
 from metaloom.models.protocols import LanguageModel
 from metaloom.sampling.pipeline import Sampler
-from metaloom.speculative.drafter import Draft, Verified
+from metaloom.speculative.drafter import Draft, DraftState, Verified
 from metaloom.speculative.drafters.ngram import _RowIndex
 
 FILLS = ("repeat", "lookup")
@@ -57,7 +57,7 @@ class JacobiState:
         self.guesses = guesses  # guesses[b]: the block after row b's pending token, from the last iteration
         self.lookup = lookup
 
-    def propose(self, contexts: Sequence[Sequence[int]], limits: Sequence[int], ledger: Ledger) -> Draft:
+    def propose(self, contexts: Sequence[Sequence[int]], limits: Sequence[int], ledger: Ledgers) -> Draft:
         drafts = []
         sizes = range(1, 4)
         for b, (context, limit) in enumerate(zip(contexts, limits, strict=True)):
@@ -81,3 +81,7 @@ class JacobiState:
 
     def select(self, rows: Sequence[int]) -> JacobiState:
         return JacobiState(self.fill, [self.guesses[r] for r in rows], [self.lookup[r] for r in rows])
+
+    def join(self, other: DraftState) -> JacobiState:
+        assert isinstance(other, JacobiState)
+        return JacobiState(self.fill, self.guesses + other.guesses, self.lookup + other.lookup)

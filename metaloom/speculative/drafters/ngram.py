@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from metaloom.decode.forward import Ledgers
 from metaloom.errors import InvalidParameter
-from metaloom.ledger import Ledger
 from metaloom.models.protocols import LanguageModel
 from metaloom.sampling.pipeline import Sampler
-from metaloom.speculative.drafter import Draft, Verified
+from metaloom.speculative.drafter import Draft, DraftState, Verified
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class NgramState:
         self.rows = rows
         self.sizes = range(drafter.min_ngram, drafter.max_ngram + 1)
 
-    def propose(self, contexts: Sequence[Sequence[int]], limits: Sequence[int], ledger: Ledger) -> Draft:
+    def propose(self, contexts: Sequence[Sequence[int]], limits: Sequence[int], ledger: Ledgers) -> Draft:
         drafts = []
         for index, context, limit in zip(self.rows, contexts, limits, strict=True):
             index.update(context, self.sizes)
@@ -89,3 +89,7 @@ class NgramState:
 
     def select(self, rows: Sequence[int]) -> NgramState:
         return NgramState(self.drafter, [self.rows[r] for r in rows])
+
+    def join(self, other: DraftState) -> NgramState:
+        assert isinstance(other, NgramState)
+        return NgramState(self.drafter, self.rows + other.rows)

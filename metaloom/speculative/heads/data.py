@@ -199,6 +199,7 @@ def generate_answers(generator: object, prompts: Sequence[str], max_tokens: int,
     with ``samples`` > 0 that many sampled answers a prompt (``temperature``, seeded): text in
     the model's own distribution, which phase 2 labels with the model's argmax anyway."""
     from metaloom.generator import LocalGenerator, Request
+    from metaloom.generator.plan import encode
     from metaloom.sampling import SamplingParams
 
     assert isinstance(generator, LocalGenerator)
@@ -212,7 +213,7 @@ def generate_answers(generator: object, prompts: Sequence[str], max_tokens: int,
                       if samples else SamplingParams(temperature=0.0, max_tokens=max_tokens))
             requests.append(Request.chat(p, params))
         for request, completions in zip(requests, generator.generate(requests, ledger=ledger), strict=True):
-            ids = generator.encode_prompt(request.prompt)
+            ids = encode(generator, request.prompt)
             out += [(ids, list(c.token_ids)) for c in completions]
         log(f"  {min(i + per, len(prompts))}/{len(prompts)} prompts answered")
     return out

@@ -1,0 +1,381 @@
+"""The one decode loop: rows join and leave a running batch between steps.
+
+`DecodeBatch` holds the rows being decoded together, their KV cache, their sampling
+parameters and state, their constraint cursors and RNGs. `admit` adds rows at any time
+between steps: their prompts are prefilled (each distinct prompt once, then forked to its
+samples; through the radix prefix cache when there is one), their first token is drawn, and
+their cache rows, sampler rows, pipeline state and drafter state are appended to the batch's.
+`step` advances every live row by one forward. Finished rows leave (their cache freed, their
+generated tokens stored in the prefix cache) before the next step. `generate`, `stream`, the
+server's continuous batching and tree search's expansions all drive this one loop.
+
+A step, for every decoder:
+
+1. (speculative decoding) each row's drafter proposes tokens after its pending token;
+2. one forward over ``[pending, draft]`` per row (``valid`` right-pads rows of different
+   draft lengths; a finished row still in the batch feeds nothing);
+3. plain: `select.draw` one token per row; speculative: `select.verify` a prefix of each draft
+   plus one token (a plain step is a speculative step with empty drafts, and takes the plain
+   draw for speed);
+4. `rows.emit` every new token (stop strings, end-of-sequence, constraint completion and
+   ``max_tokens`` end a row exactly where they occur), roll the cache back past rejected
+   drafts, charge each row's ledger.
+
+Rows of different requests may belong to different ledgers: each ledger is charged for its own
+rows (`metaloom.decode.forward`), and a ledger over its budget ends only its own rows, with
+finish "budget" and what they produced so far. Plain sampling, contrastive decoding and
+classifier-free guidance (a `LockstepPair` as the model) and speculative decoding all run here;
+beam search, which reorders rows every step, has its own loop (`metaloom.decode.beam`) on the
+same rows, forward and emit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from metaloom.constrain import Constraint
+from metaloom.decode.forward import charged_forward_both
+from metaloom.decode.rows import RowState, emit
+from metaloom.decode.select import draw, raw_logprobs, verify
+from metaloom.errors import BudgetExceeded
+from metaloom.ledger import Ledger
+from metaloom.models.cache import PagedKVCache
+from metaloom.models.protocols import KVCache, LanguageModel, Tokenizer
+from metaloom.prefix.pool import PrefixCache
+from metaloom.sampling.params import SamplingParams
+from metaloom.sampling.pipeline import Sampler, make_sampler
+from metaloom.sampling.state import SamplingState
+from metaloom.speculative.drafter import Draft, DraftState
+from metaloom.speculative.drafter import Verified as Observed
+
+
+@dataclass
+class NewRow:
+    """One output row to admit. ``prompt``: every id the model reads before the output (the
+    prompt, then the answer so far: its last ``prefix`` ids). Rows with equal ``group`` (the
+    samples of one request) share one prefill and are charged its input tokens once; they
+    share ``rng`` too. ``secondary``: the second stream's prompt for contrastive decoding or
+    guidance (None: the same prompt); ``combine``: that row's combination parameters."""
+
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    ledger: Ledger
+    prefix: int = 0
+    rng: torch.Generator | None = None
+    cursor: Constraint | None = None
+    group: Hashable | None = None
+    secondary: tuple[int, ...] | None = None
+    combine: tuple[float, ...] = ()
+    tag: Any = None
+
+
+@dataclass
+class Row:
+    """A row of the batch: what it was admitted with and its decoding state."""
+
+    spec: NewRow
+    state: RowState
+    context: list[int] = field(default_factory=list)  # prompt then output, for drafters
+
+
+# (representative rows of the groups, cache capacity, their ledgers) -> (cache, raw logits [G, V], scores [G, V])
+Prefill = Callable[[Sequence[NewRow], int, list[Ledger]], tuple[KVCache, torch.Tensor, torch.Tensor]]
+
+
+class DecodeBatch:
+    """Rows decoded together. ``model`` steps them (a `LockstepPair` for contrastive decoding
+    and guidance); ``prefill`` runs admitted prompts into a cache joinable with the batch's;
+    ``speculative`` (a `metaloom.speculative.Speculative`) drafts and verifies; a
+    ``prefix_cache`` receives every finished row's tokens (their KV stays in the pool for a
+    later continuation)."""
+
+    def __init__(self, model: LanguageModel, tokenizer: Tokenizer, prefill: Prefill, *, speculative: Any = None,
+                 prefix_cache: PrefixCache | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.prefill = prefill
+        self.speculative = speculative
+        self.prefix_cache = prefix_cache
+        self.rows: list[Row] = []
+        self.cache: KVCache | None = None
+        self.sampler: Sampler | None = None
+        self.state: SamplingState | None = None
+        self.pending: torch.Tensor | None = None  # [B] each row's last emitted token, not yet fed
+        self.drafter: DraftState | None = None
+        self.cursors: list[Constraint | None] = []
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # --- joining ----------------------------------------------------------------------------
+    def admit(self, new: Sequence[NewRow]) -> list[Row]:
+        """Prefill ``new`` rows, draw their first tokens and add them to the batch. Returns
+        their `Row`s in order (some may already be finished: an end token first, a budget)."""
+        if not new:
+            return []
+        groups: dict[Hashable, int] = {}
+        reps: list[NewRow] = []
+        owner: list[int] = []
+        for r in new:
+            key = r.group if r.group is not None else ("row", id(r))
+            if key not in groups:
+                groups[key] = len(reps)
+                reps.append(r)
+            owner.append(groups[key])
+        rows = [Row(spec, RowState.start(self.tokenizer, spec.params.max_tokens, stop=spec.params.stop,
+                                         eos_ids=frozenset() if spec.params.ignore_eos else self.tokenizer.eos_token_ids,
+                                         include_stop=spec.params.include_stop_str_in_output,
+                                         context=spec.prompt[len(spec.prompt) - spec.prefix:] if spec.prefix else ()))
+                for spec in new]
+        go = []
+        for g, rep in enumerate(reps):  # input tokens are charged before any compute
+            try:
+                rep.ledger.charge(input_tokens=len(rep.prompt))
+                go.append(g)
+            except BudgetExceeded:
+                pass
+        admitted = [i for i in range(len(new)) if owner[i] in go]
+        for i in range(len(new)):
+            if owner[i] not in go:
+                rows[i].state.finish("budget")
+        if admitted:
+            self._prefill_and_join([rows[i] for i in admitted], [reps[g] for g in go],
+                                   [go.index(owner[i]) for i in admitted])
+        self._settle()
+        return rows
+
+    def _prefill_and_join(self, rows: list[Row], reps: list[NewRow], index: list[int]) -> None:
+        capacity = max(len(r.prompt) + r.params.max_tokens for r in reps) + self._room()
+        cache, raw, scores = self.prefill(reps, capacity, [r.ledger for r in reps])
+        if index != list(range(len(reps))):
+            forked = cache.fork(index)
+            _release(cache)
+            cache = forked
+            at = torch.as_tensor(index, dtype=torch.long, device=raw.device)
+            raw, scores = raw[at], scores[at]
+        specs = [r.spec for r in rows]
+        sampler = make_sampler([s.params for s in specs], self.model.vocab_size, raw.device, encode=self._encode)
+        state = sampler.start([s.prompt[:len(s.prompt) - s.prefix] for s in specs],
+                              [s.prompt[len(s.prompt) - s.prefix:] for s in specs])
+        cursors = [s.cursor for s in specs]
+        rngs = [s.rng for s in specs]
+        got = draw(sampler, state, raw, scores, cursors if any(c is not None for c in cursors) else None, rngs)
+        state = sampler.advance(state, got.tokens, got.logprobs)
+        self._emit_drawn(rows, got, cursors)
+        drafter = None
+        if self.speculative is not None:
+            contexts = [list(s.prompt) for s in specs]
+            drafter = self.speculative.drafter.start(self.model, sampler, contexts, rngs)
+            for row, ctx in zip(rows, contexts, strict=True):
+                row.context = ctx + row.state.tokens
+        self._join(rows, cache, sampler, state, got.tokens, drafter, cursors)
+
+    def _room(self) -> int:
+        """Spare cache positions a row may need past max_tokens (a speculative step's draft)."""
+        return 0 if self.speculative is None else self.speculative.num_draft + 1
+
+    def _join(self, rows: list[Row], cache: KVCache, sampler: Sampler, state: SamplingState, pending: torch.Tensor,
+              drafter: DraftState | None, cursors: list[Constraint | None]) -> None:
+        if self.cache is None:
+            self.cache, self.sampler, self.state, self.pending, self.drafter = cache, sampler, state, pending, drafter
+            self.rows, self.cursors = list(rows), list(cursors)
+            return
+        assert self.sampler is not None and self.state is not None and self.pending is not None
+        joined = getattr(self.cache, "join", None)
+        if joined is None:
+            raise NotImplementedError(f"{type(self.cache).__name__} cannot take rows into a running batch (no join)")
+        self.cache = joined(cache)
+        self.state = self.state.join(state, len(self.rows), len(rows))
+        self.sampler = self.sampler.join(sampler)
+        self.pending = torch.cat([self.pending, pending.to(self.pending.device)])
+        if self.drafter is not None and drafter is not None:
+            self.drafter = self.drafter.join(drafter)
+        self.rows += rows
+        self.cursors += cursors
+
+    # --- stepping ---------------------------------------------------------------------------
+    def step(self) -> list[Row]:
+        """One forward for every live row; returns the rows that received tokens or finished."""
+        if not self.rows:
+            return []
+        assert self.cache is not None and self.sampler is not None and self.state is not None
+        assert self.pending is not None
+        done = [row.state.done for row in self.rows]
+        ledgers = [row.spec.ledger for row in self.rows]
+        rngs = [row.spec.rng for row in self.rows]
+        cursors = self.cursors if any(c is not None for c in self.cursors) else None
+        device = self.pending.device
+        if self.speculative is None:
+            valid = torch.tensor([0 if d else 1 for d in done], dtype=torch.long, device=device)
+            raw, scores, _ = charged_forward_both(self.model, self.pending[:, None], self.cache, ledgers, valid=valid)
+            got = draw(self.sampler, self.state, raw[:, -1], scores[:, -1], cursors, rngs, skip=done)
+            self.state = self.sampler.advance(self.state, got.tokens, got.logprobs)
+            self.pending = got.tokens
+            stepped = [row for row, d in zip(self.rows, done, strict=True) if not d]
+            self._emit_drawn(self.rows, got, self.cursors, skip=done)
+        else:
+            stepped = self._speculative_step(done, ledgers, rngs, cursors)
+        self._settle()
+        return stepped
+
+    def _speculative_step(self, done: list[bool], ledgers: list[Ledger], rngs: list[torch.Generator | None],
+                          cursors: list[Constraint | None] | None) -> list[Row]:
+        """Draft, verify in one forward, accept, roll back (`metaloom.speculative`)."""
+        assert self.cache is not None and self.sampler is not None and self.state is not None
+        assert self.pending is not None and self.drafter is not None
+        device = self.pending.device
+        room = self.cache.capacity - int(self.cache.lengths.max()) - 1  # never draft past the cache
+        limits = [0 if d else max(0, min(self.speculative.num_draft, room, row.state.max_tokens - len(row.state.tokens) - 1))
+                  for row, d in zip(self.rows, done, strict=True)]
+        draft = _checked(self.drafter.propose([row.context for row in self.rows], limits, ledgers), limits, device)
+        tokens = torch.cat([self.pending[:, None], draft.tokens], dim=1)  # [B, K+1]
+        start = self.cache.lengths.clone()
+        finished = torch.tensor(done, dtype=torch.bool, device=start.device)
+        valid = torch.where(finished.to(device), torch.zeros_like(draft.lengths), 1 + draft.lengths)
+        needs_hidden = bool(getattr(self.drafter, "needs_hidden", False))
+        raw, scores, hidden = charged_forward_both(self.model, tokens, self.cache, ledgers, valid=valid,
+                                                   hidden=needs_hidden)
+        live_cursors = None if cursors is None else [None if d else c for c, d in zip(cursors, done, strict=True)]
+        out = verify(self.sampler, self.state, scores, draft, live_cursors, rngs)
+        acc = out.acceptance
+        self.state = out.state
+        emitted_lp = raw_logprobs(raw, acc.tokens.to(raw.device)).tolist()  # [B, K+1]: each emitted token's
+        chosen_lp = out.logprobs.gather(-1, acc.tokens.to(out.logprobs.device)[..., None])[..., 0].tolist()
+        stepped, per_ledger = [], _Tally()
+        for b, row in enumerate(self.rows):
+            if done[b]:
+                continue
+            stepped.append(row)
+            if b in out.errors:
+                row.state.finish("error", error=out.errors[b])
+                continue
+            kept = int(acc.accepted[b])
+            emitted = 0
+            for j, token in enumerate(acc.emitted(b)):
+                emit(row.state, token, emitted_lp[b][j], chosen_lp[b][j], self.cursors[b])
+                row.context.append(token)
+                emitted += 1
+                if row.state.done:
+                    break
+            drafted = int(draft.lengths[b])
+            per_ledger.add(row.spec.ledger, output_tokens=emitted, drafted_tokens=drafted, accepted_tokens=kept,
+                           rejected_tokens=drafted - kept, verify_steps=1)
+        per_ledger.charge()
+        # keep pending + accepted drafts; rows finished before this step keep nothing
+        self.cache.truncate(torch.where(finished, start, start + 1 + acc.accepted.to(start.device)))
+        rows_index = torch.arange(len(self.rows), device=device)
+        self.pending = acc.tokens[rows_index, acc.accepted.to(device)]
+        self.drafter.observe(Observed(draft=draft, logits=raw, accepted=acc.accepted, tokens=acc.tokens, hidden=hidden))
+        return stepped
+
+    def _emit_drawn(self, rows: Sequence[Row], got: Any, cursors: Sequence[Constraint | None],
+                    skip: Sequence[bool] = ()) -> None:
+        tally = _Tally()
+        tokens, raw, chosen = got.tokens.tolist(), got.raw.tolist(), got.chosen.tolist()
+        for b, row in enumerate(rows):
+            if skip and skip[b]:
+                continue
+            if b in got.errors:
+                row.state.finish("error", error=got.errors[b])
+                continue
+            emit(row.state, tokens[b], raw[b], chosen[b], cursors[b])
+            if row.context:
+                row.context.append(tokens[b])
+            tally.add(row.spec.ledger, output_tokens=1)
+        tally.charge()
+
+    # --- leaving ----------------------------------------------------------------------------
+    def _settle(self) -> None:
+        """End the rows whose ledger went over budget; let finished rows leave."""
+        over: dict[int, bool] = {}
+        for row in self.rows:
+            if not row.state.done:
+                key = id(row.spec.ledger)
+                if key not in over:
+                    over[key] = row.spec.ledger.over_budget()
+                if over[key]:
+                    row.state.finish("budget")
+        finished = [i for i, row in enumerate(self.rows) if row.state.done]
+        if not finished:
+            return
+        # a paged cache drops rows for free; another cache copies its rows, so wait for half
+        if not isinstance(self.cache, PagedKVCache) and 2 * len(finished) < len(self.rows):
+            return
+        if self.prefix_cache is not None and isinstance(self.cache, PagedKVCache):
+            lengths = self.cache.lengths.tolist()
+            for i in finished:  # keep what was generated: a continuation of it prefills nothing
+                row = self.rows[i]
+                ids = list(row.spec.prompt) + row.state.tokens
+                self.prefix_cache.insert(ids[:lengths[i]], self.cache, i)
+        self.keep([i for i in range(len(self.rows)) if not self.rows[i].state.done])
+
+    def keep(self, positions: list[int]) -> None:
+        """Keep only the rows at ``positions`` (batch order); the others leave and free their cache."""
+        if not positions:
+            _release(self.cache)
+            self.rows, self.cursors = [], []
+            self.cache = self.sampler = self.state = self.pending = self.drafter = None
+            return
+        assert self.cache is not None and self.sampler is not None and self.state is not None
+        assert self.pending is not None
+        if positions == list(range(len(self.rows))):
+            return
+        old = self.cache
+        self.cache = old.fork(positions)
+        _release(old)
+        self.sampler = self.sampler.select(positions)
+        self.state = self.state.select(positions)
+        self.pending = self.pending[torch.as_tensor(positions, dtype=torch.long, device=self.pending.device)]
+        if self.drafter is not None:
+            self.drafter = self.drafter.select(positions)
+        self.rows = [self.rows[i] for i in positions]
+        self.cursors = [self.cursors[i] for i in positions]
+
+    def cancel(self, rows: Sequence[Row]) -> None:
+        """End ``rows`` now ("cancelled": a closed stream, a disconnected client) and free them."""
+        for row in rows:
+            row.state.finish("cancelled")
+        self._settle()
+
+    def close(self) -> None:
+        """Cancel every live row and free the batch's cache."""
+        self.cancel(list(self.rows))
+        self.keep([])
+
+
+class _Tally:
+    """Charges gathered per ledger, applied once each (per-row ledgers never raise here: the
+    loop asks each ledger afterwards, see `DecodeBatch._settle`)."""
+
+    def __init__(self) -> None:
+        self.by: dict[int, tuple[Ledger, dict[str, int]]] = {}
+
+    def add(self, ledger: Ledger, **amounts: int) -> None:
+        entry = self.by.setdefault(id(ledger), (ledger, {}))[1]
+        for k, v in amounts.items():
+            entry[k] = entry.get(k, 0) + v
+
+    def charge(self) -> None:
+        for ledger, amounts in self.by.values():
+            with contextlib.suppress(BudgetExceeded):
+                ledger.charge(**amounts)
+
+
+def _release(cache: KVCache | None) -> None:
+    release = getattr(cache, "release", None)
+    if release is not None:
+        release()
+
+
+def _checked(draft: Draft, limits: Sequence[int], device: torch.device) -> Draft:
+    """Hold a drafter to its limits (a longer draft would overflow the cache or max_tokens)."""
+    cap = torch.as_tensor(list(limits), dtype=torch.long, device=device)
+    lengths = torch.minimum(draft.lengths.to(device), cap)
+    k = int(lengths.max()) if lengths.numel() else 0
+    probs = None if draft.probs is None else draft.probs[:, :k].to(device)
+    return Draft(tokens=draft.tokens[:, :k].to(device), lengths=lengths, probs=probs)

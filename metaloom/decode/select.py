@@ -1,0 +1,152 @@
+"""Choosing tokens from a forward's scores, for the decode loop (`metaloom.decode.batch`):
+`draw` (one token per row, the plain step) and `verify` (a drafted block per row, the
+speculative step). Both go through the one logits pipeline (`metaloom.sampling.pipeline`),
+with each row's constraint mask as pipeline step 3.
+
+A row can become impossible to continue: its grammar engine fails, or the pipeline leaves it
+no token at all (a constraint whose allowed tokens the penalties all ban, a logit bias of
+-inf on every token). Such a row gets an error message and draws nothing; the other rows of
+the batch go on untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from metaloom.constrain import Constraint, batch_mask
+from metaloom.errors import InvalidGrammar
+from metaloom.sampling.pipeline import Sampler
+from metaloom.sampling.state import SamplingState
+from metaloom.speculative.core import Acceptance, accept, after_step, constraint_masks, target_logprobs
+from metaloom.speculative.drafter import Draft
+
+
+def masks(cursors: Sequence[Constraint | None] | None, vocab: int, device: torch.device,
+          errors: dict[int, str]) -> torch.Tensor | None:
+    """The batch's constraint mask [B, V] (None: no row constrained). A row whose grammar
+    engine fails gets ``errors[row]`` and is left unconstrained here (it will not draw)."""
+    if cursors is None:
+        return None
+    live = [None if b in errors else c for b, c in enumerate(cursors)]
+    try:
+        return batch_mask(live, vocab, device)
+    except InvalidGrammar:
+        for b, c in enumerate(live):
+            if c is None:
+                continue
+            try:
+                batch_mask([c], vocab, device)
+            except InvalidGrammar as exc:
+                errors[b] = str(exc)
+                live[b] = None
+        return batch_mask(live, vocab, device)
+
+
+def _why_empty(mask: torch.Tensor | None, row: int) -> str:
+    if mask is not None and not bool(mask[row].any()):
+        return "the constraint allows no token here"
+    if mask is not None:
+        return ("every token the constraint allows is excluded by the sampling pipeline "
+                "(penalties such as no_repeat_ngram_size, or logit_bias)")
+    return "every token is excluded by the sampling pipeline (penalties such as no_repeat_ngram_size, or logit_bias)"
+
+
+def dead_rows(best: torch.Tensor, mask: torch.Tensor | None, errors: dict[int, str]) -> None:
+    """Record in ``errors`` the rows whose highest log-probability ``best`` [B] is -inf (or NaN):
+    they leave no token to draw."""
+    empty = ~(best > float("-inf"))
+    for b in torch.nonzero(empty)[:, 0].tolist():
+        errors.setdefault(b, "no token can be drawn: " + _why_empty(mask, b))
+
+
+def raw_logprobs(raw: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(raw)[token] along the last axis, without building the whole log-softmax:
+    raw [..., V], tokens [...] -> [...] float32."""
+    raw = raw.float()
+    return raw.gather(-1, tokens[..., None])[..., 0] - torch.logsumexp(raw, dim=-1)
+
+
+@dataclass(frozen=True)
+class Drawn:
+    """One token per row: ``tokens`` [B], the pipeline's log-probabilities [B, V] (for the state
+    update), each token's raw model log-probability [B] and pipeline log-probability [B].
+    ``errors``: rows that could not draw (their entries are meaningless)."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    raw: torch.Tensor
+    chosen: torch.Tensor
+    errors: dict[int, str]
+
+
+def draw(sampler: Sampler, state: SamplingState, raw: torch.Tensor, scores: torch.Tensor,
+         cursors: Sequence[Constraint | None] | None, generators: Sequence[torch.Generator | None],
+         skip: Sequence[bool] = ()) -> Drawn:
+    """Draw one token per row from ``scores`` [B, V] (``raw`` [B, V]: the model's logits, for the
+    reported log-probabilities). Rows with ``skip[b]`` (finished) draw a placeholder."""
+    errors: dict[int, str] = {}
+    active = [c if not (skip and skip[b]) else None for b, c in enumerate(cursors)] if cursors is not None else None
+    mask = masks(active, scores.shape[-1], scores.device, errors)
+    lp = sampler.process(scores, state, mask=mask, generators=generators)
+    best = lp.max(dim=-1)
+    dead_rows(best.values, mask, errors)
+    for b in range(lp.shape[0]):
+        if skip and skip[b]:
+            errors.pop(b, None)
+    argmax: torch.Tensor | None = best.indices
+    if errors:  # give failed rows something drawable; they emit nothing
+        bad = torch.as_tensor(sorted(errors), dtype=torch.long, device=lp.device)
+        lp = lp.clone()
+        lp[bad] = 0.0
+        argmax = None
+    tokens = sampler.draw(lp, generators, argmax)
+    return Drawn(tokens, lp, raw_logprobs(raw, tokens), lp.gather(-1, tokens[:, None])[:, 0], errors)
+
+
+@dataclass(frozen=True)
+class Verified:
+    """A speculative step's outcome: what each row emits (`Acceptance`), the pipeline's
+    log-probabilities at every verified position [B, K+1, V], the state after the step, and the
+    rows that could not go on (with why)."""
+
+    acceptance: Acceptance
+    logprobs: torch.Tensor
+    state: SamplingState
+    errors: dict[int, str]
+
+
+def verify(sampler: Sampler, state: SamplingState, scores: torch.Tensor, draft: Draft,
+           cursors: Sequence[Constraint | None] | None, generators: Sequence[torch.Generator | None]) -> Verified:
+    """Accept a prefix of each row's draft and draw one more token (exact: Leviathan et al.
+    2023; see `metaloom.speculative.core`). ``scores`` [B, K+1, V] over ``[pending, draft]``."""
+    errors: dict[int, str] = {}
+    vocab = scores.shape[-1]
+    position_masks = None
+    if cursors is not None:
+        masks(cursors, vocab, scores.device, errors)  # rows whose engine fails now are out
+        live = [None if b in errors else c for b, c in enumerate(cursors)]
+        position_masks, advanced = constraint_masks(live, draft.tokens, draft.lengths, vocab, scores.device)
+        for c, n in zip(live, advanced, strict=True):
+            if c is not None and n:
+                c.rollback(n)  # re-advanced token by token when the rows emit
+    lp, states = target_logprobs(sampler, scores, draft.tokens, state, generators, position_masks)
+    lengths = draft.lengths.clone()
+    # a position that allows no token: draft no further than the position before it; at
+    # position 0 the row cannot go on at all
+    empty = ~torch.isfinite(lp).any(dim=-1)  # [B, K+1]
+    for b, i in torch.nonzero(empty).tolist():
+        if i == 0:
+            first = position_masks[0] if position_masks is not None else None
+            errors.setdefault(b, "no token can be drawn: " + _why_empty(first, b))
+        elif i <= int(lengths[b]):
+            lengths[b] = min(int(lengths[b]), i - 1)
+    if errors:
+        lp = lp.clone()
+        for b in errors:
+            lp[b] = 0.0
+            lengths[b] = 0
+    acceptance = accept(lp, draft.tokens, lengths, draft.probs, sampler.greedy, generators)
+    return Verified(acceptance, lp, after_step(sampler, states, lp, acceptance), errors)
