@@ -19,7 +19,10 @@ def test_budget_stop_keeps_the_rounds_already_drawn():
     ledger = Ledger(budget=Budget(output_tokens=5))
     r = AdaptiveVote(batch=2, max_samples=8, min_samples=8, extractor=LastNumber()).run("Q", g, ledger=ledger)
     assert r.stopped_reason == "budget"
-    assert len(r.candidates) == 2 and r.answer == "4"  # the second round was cut mid-generation
+    # the second round was cut mid-generation: its partial samples come back too, and the
+    # vote over what was said before the stop picks the answer
+    assert [c.finish_reason for c in r.candidates] == ["stop", "stop", "budget", "budget"]
+    assert r.answer == "4" and r.best_index in (0, 1)
     assert r.trace[-1].kind == "budget" and r.trace[-1].data == {"field": "output_tokens", "limit": 5, "value": 6}
     assert r.usage == ledger.usage == Usage(input_tokens=2, output_tokens=6, forward_passes=3)
 
@@ -31,10 +34,12 @@ def test_budget_on_scorer_calls_stops_before_the_selection():
     assert r.scores == () and r.best_index is None and r.best == ""
 
 
-def test_budget_stop_during_the_first_generation_has_no_candidates():
+def test_budget_stop_during_the_first_generation_keeps_what_was_generated():
     g = ScriptedGenerator({"Q": ["a1 a2 a3 a4", "b1 b2 b3 b4"]})
     r = PrunedBestOfN(n=2, chunk_tokens=2, max_tokens=2).run("Q", g, ledger=Ledger(budget=Budget(forward_passes=1)))
-    assert (r.stopped_reason, r.candidates, r.best, r.best_index) == ("budget", (), "", None)
+    assert r.stopped_reason == "budget"
+    assert [(c.text, c.finish_reason) for c in r.candidates] == [("a1", "budget"), ("b1", "budget")]
+    assert (r.best, r.best_index) == ("", None)  # nothing was scored: no choice is made up
     assert r.usage == Usage(input_tokens=1, output_tokens=2, forward_passes=2)
 
 

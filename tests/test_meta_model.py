@@ -1,93 +1,119 @@
 """Strategies on the real default model (SmolLM2-135M-Instruct): the machinery end to end.
 
-The self-consistency test prints its figures (run with ``-s`` to see them): accuracy of
-greedy decoding and of majority voting over 8 samples on 20 basic-arithmetic problems from
-reasoning-gym (fixed seed), and what each cost."""
+Self-consistency runs on 20 single-digit additions from reasoning-gym, asked with a two-shot
+raw prompt so the model answers with a bare number in a few tokens (asked in a chat it
+explains at length, and cutting the explanation short leaves only the question's numbers to
+extract). The model is right more often than not but far from always, which is where voting
+pays: the test asserts that majority voting over 8 samples beats the accuracy of one sample
+(measured on the same samples), that every vote is the most frequent answer with its exact
+count, and that the ledger charged each prompt once and every sampled token. Run with ``-s``
+to see the figures."""
 
 import os
 import time
+from collections import Counter
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from metaloom.generator.types import Request
 from metaloom.ledger import Ledger, Usage
 from metaloom.meta import MajorityVote
 from metaloom.sampling.params import SamplingParams
-from metaloom.score.answers import MathAnswer
+from metaloom.score.answers import LastNumber
 from metaloom.score.judge import LLMJudge
 
 pytestmark = pytest.mark.model
 
-MAX_TOKENS = 64
-STOP = ("\n\n",)
+N = 8
+MAX_TOKENS = 5  # " 13" and the newline that stops it fit; a sample that rambles is cut (and counted wrong)
+SHOTS = "Calculate 3 + 4.\nAnswer: 7\n\nCalculate 12 + 5.\nAnswer: 17\n\n"
 
 
-def arithmetic(size=20, seed=2025):
+def additions(size=20, seed=2025):
     reasoning_gym = pytest.importorskip("reasoning_gym")
     return list(reasoning_gym.create_dataset("basic_arithmetic", size=size, seed=seed, min_terms=2, max_terms=2,
-                                             min_digits=1, max_digits=2, operators=("+", "-", "*"),
-                                             allow_parentheses=False, allow_negation=False))
+                                             min_digits=1, max_digits=1, operators=("+",), allow_parentheses=False,
+                                             allow_negation=False))
 
 
-def chat(question):
-    return ({"role": "user", "content": f"{question} Give the final answer as a number."},)
-
-
-def test_self_consistency_against_greedy_on_basic_arithmetic(smollm_generator):
-    gen, math_answer = smollm_generator, MathAnswer()
-    problems = arithmetic()
-    start = time.perf_counter()
-    greedy_ledger = Ledger()
-    greedy = gen.generate([Request(chat(p["question"]), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=STOP))
-                           for p in problems], ledger=greedy_ledger)
-    greedy_answers = [math_answer.extract(g[0].text) for g in greedy]
-    greedy_seconds = time.perf_counter() - start
-
-    vote = MajorityVote(n=8, extractor=math_answer,
-                        params=SamplingParams(temperature=0.7, max_tokens=MAX_TOKENS, seed=0, stop=STOP))
+def test_self_consistency_beats_a_single_sample_on_easy_arithmetic(smollm_generator):
+    gen, extractor = smollm_generator, LastNumber()
+    problems = additions()
+    vote = MajorityVote(n=N, extractor=extractor,
+                        params=SamplingParams(temperature=0.7, max_tokens=MAX_TOKENS, seed=0, stop=("\n",)))
     parent = Ledger()
     start = time.perf_counter()
-    results = [vote.run(chat(p["question"]), gen, ledger=parent) for p in problems]
-    vote_seconds = time.perf_counter() - start
+    prompts = [f"{SHOTS}{p['question']}\nAnswer:" for p in problems]
+    results = [vote.run(prompt, gen, ledger=parent) for prompt in prompts]
+    seconds = time.perf_counter() - start
 
-    assert len(results) == 20
     total = Usage()
-    for p, r in zip(problems, results, strict=True):
+    for prompt, r in zip(prompts, results, strict=True):
         total = total + r.usage
-        assert r.stopped_reason is None and len(r.candidates) == 8 and len(r.answers) == 8
-        # best-of-8 on one prompt: the prompt is charged once, and 8 rows were decoded
-        assert r.usage.input_tokens == len(gen.encode_prompt(chat(p["question"])))
-        assert r.usage.output_tokens == sum(len(c.token_ids) for c in r.candidates) <= 8 * MAX_TOKENS
-        assert r.usage.forward_passes == max(len(c.token_ids) for c in r.candidates)
-        if any(a is not None for a in r.answers):
-            assert r.answer is not None
-    assert total.output_tokens == parent.usage.output_tokens and total.input_tokens == parent.usage.input_tokens
-    assert total.forward_passes == parent.usage.forward_passes
-    extracted = sum(a is not None for r in results for a in r.answers)
-    assert extracted >= 80  # most samples state a number
+        assert r.stopped_reason is None and len(r.candidates) == N
+        lengths = [len(c.token_ids) for c in r.candidates]
+        # one request with N samples: the prompt is prefilled and charged once, then forked N ways;
+        # every sampled token is charged, and a step of the batch is one forward pass for all rows
+        assert r.usage.input_tokens == len(gen.tokenizer.encode(prompt))
+        assert r.usage.output_tokens == sum(lengths)
+        assert r.usage.forward_passes == max(lengths) <= MAX_TOKENS
+        # the vote: each sample's answer, the most frequent one wins (ties: seen first), its first sample is chosen
+        assert r.answers == tuple(extractor.extract(c.text) for c in r.candidates)
+        counts = Counter(a for a in r.answers if a is not None)
+        event = next(e for e in r.trace if e.kind == "vote").data
+        if not counts:  # no sample gave a number: the first is kept and the vote says so
+            assert (r.best_index, r.answer, event) == (0, None, {"tally": {}, "winner": None})
+            continue
+        winner = max(counts, key=lambda a: counts[a])  # the first of the most frequent, in order of appearance
+        assert (r.answer, r.best_index) == (winner, r.answers.index(winner))
+        assert event == {"tally": {a: float(k) for a, k in counts.items()}, "winner": winner}
+    for field in ("input_tokens", "output_tokens", "forward_passes"):  # every run charged its parent, nothing more
+        assert getattr(total, field) == getattr(parent.usage, field)
 
-    def correct(answer, p):
-        return answer is not None and math_answer.same(answer, p["answer"])
-
-    acc_greedy = sum(correct(a, p) for a, p in zip(greedy_answers, problems, strict=True)) / len(problems)
-    acc_vote = sum(correct(r.answer, p) for r, p in zip(results, problems, strict=True)) / len(problems)
-    print(f"\nbasic_arithmetic x{len(problems)}: greedy accuracy {acc_greedy:.2f} "
-          f"({greedy_ledger.usage.output_tokens} output tokens, {greedy_ledger.usage.forward_passes} forwards, "
-          f"{greedy_ledger.usage.flops:.3g} FLOPs, {greedy_seconds:.1f} s)")
-    print(f"self-consistency@8 accuracy {acc_vote:.2f} (input {parent.usage.input_tokens}, output "
-          f"{parent.usage.output_tokens} tokens, {parent.usage.forward_passes} forwards, {parent.usage.flops:.3g} FLOPs, "
-          f"{vote_seconds:.1f} s); {extracted}/160 samples gave an answer")
+    golds = [extractor.extract(p["answer"]) for p in problems]
+    single = sum(a == g for r, g in zip(results, golds, strict=True) for a in r.answers) / (N * len(problems))
+    voted = sum(r.answer == g for r, g in zip(results, golds, strict=True)) / len(problems)
+    distinct = sum(len(set(r.answers)) > 1 for r in results)
+    print(f"\nsingle-digit addition x{len(problems)}: one sample is right {single:.3f} of the time, "
+          f"the vote over {N} {voted:.2f} (input {parent.usage.input_tokens}, output {parent.usage.output_tokens} "
+          f"tokens, {parent.usage.forward_passes} forwards, {seconds:.1f} s); {distinct} questions got differing answers")
+    # seed 0: 0.713 and 0.90. Over sampling seeds 0-15 one sample was right 0.64-0.81 of the time, the
+    # vote 0.80-0.95, the gain 0.07-0.21: a vote that fails to gain is broken, not unlucky
+    assert 0.5 <= single <= 0.95  # the premise: the model mostly answers, and the samples differ
+    assert voted >= single + 0.05
 
 
 def test_llm_judge_compares_yes_and_no_on_the_real_model(smollm_generator):
-    from metaloom.generator.types import Completion
+    """P(yes) is read by `Generator.score` as p(Yes) / (p(Yes) + p(No)); checked against the
+    same probabilities read by forcing each word with a logit bias. Direction: on seven sums the
+    correct answer gets a higher P(yes) than a nonsense one. (Measured: this 135M model cannot
+    tell a right sum from a wrong one — 4 and 7 for "2 + 2" score alike — so no such claim.)"""
+    import math
 
-    judge = LLMJudge(smollm_generator)  # method="compare": token ids from the tokenizer
-    cands = [Completion("4", (), (), "stop"), Completion("banana", (), (), "stop")]
-    ledger = Ledger()
-    p = judge.score(({"role": "user", "content": "What is 2 + 2?"},), cands, ledger=ledger)
-    assert all(0.0 < x < 1.0 for x in p)
-    assert ledger.usage.scorer_calls == 1 and ledger.usage.output_tokens == 4  # two forced tokens per candidate
-    assert ledger.usage.forward_passes == 1  # one batched prefill, nothing decoded after the first token
+    from metaloom.generator import Request
+    from metaloom.generator.types import Completion
+    from metaloom.sampling import SamplingParams
+    from metaloom.score.judge import JUDGE_TEMPLATE
+
+    gen = smollm_generator
+    judge = LLMJudge(gen)
+    for a in range(1, 8):
+        question = ({"role": "user", "content": f"What is {a} + {a}?"},)
+        ledger = Ledger()
+        right, nonsense = judge.score(question, [Completion(str(2 * a), (), (), "stop"),
+                                                 Completion("banana", (), (), "stop")], ledger=ledger)
+        assert right > nonsense + 0.03, (a, right, nonsense)
+        assert ledger.usage.scorer_calls == 1 and ledger.usage.output_tokens == 0
+        assert ledger.usage.forward_passes == 2 * 2  # per candidate: the question once, both words in one forward
+    asked = JUDGE_TEMPLATE.format(prompt="What is 2 + 2?", candidate="4")
+    forced = []
+    for word in ("Yes", "No"):
+        (token,) = gen.tokenizer.encode(word, add_special_tokens=False)
+        out = gen.generate([Request.chat(asked, SamplingParams(temperature=0, max_tokens=1, logit_bias={token: 100.0}))],
+                           ledger=Ledger())[0][0]
+        assert out.token_ids == (token,)
+        forced.append(out.logprobs[0])  # the raw model log-probability, whatever forced the token
+    expected = 1 / (1 + math.exp(forced[1] - forced[0]))
+    assert judge.score(({"role": "user", "content": "What is 2 + 2?"},), [Completion("4", (), (), "stop")],
+                       ledger=Ledger()) == [pytest.approx(expected, abs=1e-4)]

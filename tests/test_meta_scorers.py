@@ -64,32 +64,27 @@ def test_reward_model_errors(tiny_rm, tmp_path):
         RewardModel.load(tiny_rm, label=3)
 
 
-class Forced:
-    """A generator that reads the forced token of a one-token request from a table of raw
-    log-probabilities, as the local engine does with a large logit bias."""
-
-    def __init__(self, logprobs):
-        self.logprobs = logprobs
-
-    def generate(self, requests, *, ledger):
-        out = []
-        for r in requests:
-            (token,) = r.params.logit_bias
-            out.append([Completion(str(token), (token,), (self.logprobs[token],), "length")])
-        ledger.charge(input_tokens=len(requests), output_tokens=len(requests), forward_passes=1)
-        return out
-
-
 def test_judge_compare_normalises_yes_against_no():
-    g = Forced({7: math.log(0.3), 9: math.log(0.1)})
+    from metaloom.errors import Unsupported
+    from metaloom.generator.capabilities import Capabilities
+
+    g = ScriptedGenerator({}, likelihoods={"Yes": math.log(0.3), "No": math.log(0.1)})
     ledger = Ledger()
-    p = yes_probability(g, ["is it?", "really?"], ledger=ledger, yes_id=7, no_id=9)
-    assert p == pytest.approx([0.75, 0.75])
-    assert ledger.usage == Usage(input_tokens=4, output_tokens=4, forward_passes=1)
-    with pytest.raises(InvalidParameter, match="token id"):
-        yes_probability(g, ["x"], ledger=ledger)  # no tokenizer to look the words up
+    p = yes_probability(g, ["is it?", "really?"], ledger=ledger)
+    assert p == pytest.approx([0.75, 0.75])  # 0.3 / (0.3 + 0.1), read by Generator.score
+    # one scoring call per question over both words: the question's words ("is it?": 2,
+    # "really?": 1) and the two answer words, two forwards each
+    assert ledger.usage == Usage(input_tokens=2 + 2 + 1 + 2, forward_passes=4)
     with pytest.raises(InvalidParameter, match="method"):
         yes_probability(g, ["x"], ledger=ledger, method="vibes")
+    with pytest.raises(InvalidParameter, match="yes/no"):
+        yes_probability(g, ["x"], ledger=ledger, yes="Yes", no="Yes")
+
+    class NoScore(ScriptedGenerator):
+        capabilities = Capabilities(features=frozenset({"stream"}))
+
+    with pytest.raises(Unsupported, match="score"):
+        yes_probability(NoScore({}), ["x"], ledger=Ledger())
 
 
 def test_math_answers_are_classed_symbolically():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from metaloom.errors import BudgetExceeded, InvalidParameter
+from metaloom.errors import BudgetExceeded
 from metaloom.generator.types import Generator, Request
 from metaloom.ledger import Budget, Ledger, Usage
 from metaloom.sampling.params import SamplingParams
@@ -84,16 +84,20 @@ def test_stream_charges_step_by_step_and_stops_when_closed():
     next(s), next(s)
     s.close()
     assert ledger.usage == Usage(input_tokens=1, output_tokens=2, forward_passes=2)
-    with pytest.raises(InvalidParameter):
-        next(g.stream(Request("q", SamplingParams(n=2)), ledger=Ledger()))
+    g = ScriptedGenerator({"q": ["a b", "c d e"]})
+    chunks = list(g.stream(Request("q", SamplingParams(n=2)), ledger=Ledger()))  # any n: chunks say whose
+    assert ["".join(c.text for c in chunks if c.index == i) for i in (0, 1)] == ["a b", "c d e"]
+    assert [c.finish_reason for c in chunks if c.finish_reason] == ["stop", "stop"]
 
 
-def test_budget_raises_mid_generation_after_recording():
+def test_a_budget_mid_generation_ends_the_rows_with_what_they_have():
     g = ScriptedGenerator({"q": ["a b c d"]})
     ledger = Ledger(budget=Budget(output_tokens=2))
-    with pytest.raises(BudgetExceeded):
-        g.generate([Request("q")], ledger=ledger)
+    (c,) = g.generate([Request("q")], ledger=ledger)[0]
+    assert (c.text, c.finish_reason) == ("a b c", "budget")  # the third token passed the limit; it is kept
     assert ledger.usage.output_tokens == 3
+    with pytest.raises(BudgetExceeded):
+        ledger.check()
 
 
 def test_scripted_scorers():

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from metaloom.generator.types import Generator
 from metaloom.ledger import Ledger
-from metaloom.meta.helpers import Run, collect, default_sampling, ensure, fraction, guarded, positive
+from metaloom.meta.helpers import Run, collect, component, default_sampling, ensure, fraction, guarded, positive
 from metaloom.meta.types import Result
 from metaloom.meta.voting import decide
 from metaloom.sampling.params import SamplingParams
@@ -65,10 +65,14 @@ class AdaptiveVote:
     def __post_init__(self) -> None:
         positive("batch", self.batch)
         positive("max_samples", self.max_samples)
-        ensure(0 <= self.min_samples <= self.max_samples, "min_samples", self.min_samples,
-               f"in [0, max_samples={self.max_samples}]")
+        low = self.min_samples
+        ensure(isinstance(low, int) and not isinstance(low, bool) and 0 <= low <= self.max_samples, "min_samples", low,
+               f"an integer in [0, max_samples={self.max_samples}]")
         ensure(self.rule in RULES, "rule", self.rule, f"one of {RULES}")
+        ensure(not isinstance(self.threshold, bool), "threshold", self.threshold, "(0, 1]")
         fraction("threshold", self.threshold)
+        component("extractor", self.extractor, Extractor, "an Extractor instance (votes need answers)")
+        ensure(isinstance(self.params, SamplingParams), "params", self.params, "a SamplingParams")
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
         def body(run: Run) -> None:
@@ -86,4 +90,5 @@ class AdaptiveVote:
             run.event("adaptive", samples=len(run.candidates), saved=self.max_samples - len(run.candidates),
                       confidence=sure, rule=self.rule)
 
-        return guarded(ledger, body)
+        # on a budget stop, vote over what the samples said before it
+        return guarded(ledger, body, lambda run: decide(run, run.answers, [1.0] * len(run.candidates), self.extractor))

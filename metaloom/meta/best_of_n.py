@@ -12,7 +12,17 @@ from dataclasses import dataclass, field
 
 from metaloom.generator.types import Generator
 from metaloom.ledger import Ledger
-from metaloom.meta.helpers import Run, collect, default_sampling, guarded, positive, score, select_top
+from metaloom.meta.helpers import (
+    Run,
+    collect,
+    component,
+    default_sampling,
+    ensure,
+    guarded,
+    positive,
+    score,
+    select_top,
+)
 from metaloom.meta.types import Result, Strategy
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.answers import Extractor
@@ -39,6 +49,10 @@ class BestOfN:
 
     def __post_init__(self) -> None:
         positive("n", self.n)
+        component("scorer", self.scorer, Scorer, "a Scorer instance (a name and a score method)")
+        ensure(isinstance(self.params, SamplingParams), "params", self.params, "a SamplingParams")
+        component("extractor", self.extractor, Extractor, "None or an Extractor instance", optional=True)
+        component("inner", self.inner, Strategy, "None or a Strategy instance", optional=True)
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
         def body(run: Run) -> None:

@@ -19,7 +19,17 @@ from dataclasses import dataclass, field
 
 from metaloom.generator.types import Completion, Generator
 from metaloom.ledger import Ledger
-from metaloom.meta.helpers import Run, ensure, extract_all, generate_one, guarded, positive, render
+from metaloom.meta.helpers import (
+    Run,
+    component,
+    ensure,
+    extract_all,
+    generate_one,
+    guarded,
+    positive,
+    render,
+    stop_if_budget,
+)
 from metaloom.meta.types import Result
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.answers import Extractor
@@ -53,9 +63,21 @@ class BudgetForcing:
     def __post_init__(self) -> None:
         positive("max_thinking_tokens", self.max_thinking_tokens)
         positive("answer_max_tokens", self.answer_max_tokens)
-        ensure(0 <= self.min_thinking_tokens <= self.max_thinking_tokens, "min_thinking_tokens",
-               self.min_thinking_tokens, f"in [0, max_thinking_tokens={self.max_thinking_tokens}]")
-        ensure(bool(self.think_end), "think_end", self.think_end, "a non-empty marker")
+        low = self.min_thinking_tokens
+        ensure(isinstance(low, int) and not isinstance(low, bool) and 0 <= low <= self.max_thinking_tokens,
+               "min_thinking_tokens", low, f"an integer in [0, max_thinking_tokens={self.max_thinking_tokens}]")
+        for name in ("think_start", "answer_prefix"):  # may be empty: a model without that marker
+            ensure(isinstance(getattr(self, name), str), name, getattr(self, name), "a string")
+        for name in ("think_end", "wait"):  # the wait text is what keeps the model thinking
+            value = getattr(self, name)
+            ensure(isinstance(value, str) and bool(value), name, value, "a non-empty string")
+        ensure(isinstance(self.answer_stop, tuple | list) and all(isinstance(s, str) and s for s in self.answer_stop),
+               "answer_stop", self.answer_stop, "a tuple of non-empty strings")
+        waits = self.max_waits
+        ensure(waits is None or (isinstance(waits, int) and not isinstance(waits, bool) and waits >= 0), "max_waits",
+               waits, "None (as many as the minimum needs) or an integer >= 0")
+        ensure(isinstance(self.params, SamplingParams), "params", self.params, "a SamplingParams")
+        component("extractor", self.extractor, Extractor, "None or an Extractor instance", optional=True)
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
         base = render(generator, prompt) + self.think_start
@@ -68,6 +90,9 @@ class BudgetForcing:
                 params = dataclasses.replace(self.params, max_tokens=self.max_thinking_tokens - spent, stop=(self.think_end,))
                 c = generate_one(run, generator, base + thinking, params, "think", waits=waits)
                 thinking, spent, ids, lps = thinking + c.text, spent + len(c.token_ids), ids + c.token_ids, lps + c.logprobs
+                if c.finish_reason == "budget":  # what was thought so far is the candidate
+                    run.candidates.append(Completion(thinking, ids, lps, "budget"))
+                    stop_if_budget(run, [c])
                 # the model ended its thinking (marker or end-of-sequence) too early: suppress, append "Wait"
                 if c.finish_reason == "length" or spent >= self.min_thinking_tokens:
                     break
@@ -79,8 +104,10 @@ class BudgetForcing:
             params = dataclasses.replace(self.params, max_tokens=self.answer_max_tokens, stop=self.answer_stop)
             head = thinking + self.think_end + self.answer_prefix
             a = generate_one(run, generator, base + head, params, "answer")
-            run.candidates.append(Completion(head + a.text, ids + a.token_ids, lps + a.logprobs, a.finish_reason))
+            run.candidates.append(Completion(head + a.text, ids + a.token_ids, lps + a.logprobs, a.finish_reason,
+                                             a.stop_reason))
             run.answers.extend(extract_all(self.extractor, [a]))
             run.best_index, run.best_text = 0, a.text.strip()
+            stop_if_budget(run, [a])
 
         return guarded(ledger, body)

@@ -14,7 +14,16 @@ from dataclasses import dataclass, field
 
 from metaloom.generator.types import Generator
 from metaloom.ledger import Ledger
-from metaloom.meta.helpers import ensure, extract_all, generate_one, guarded, reseed, with_user_text
+from metaloom.meta.helpers import (
+    component,
+    ensure,
+    extract_all,
+    generate_one,
+    guarded,
+    reseed,
+    stop_if_budget,
+    with_user_text,
+)
 from metaloom.meta.types import Result
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.answers import Extractor
@@ -44,9 +53,23 @@ class Chain:
     extractor: Extractor | None = None
 
     def __post_init__(self) -> None:
-        ensure(len(self.steps) >= 1, "steps", self.steps, "at least one template")
-        ensure(len(self.max_tokens) == len(self.steps), "max_tokens", self.max_tokens,
-               f"one limit per step ({len(self.steps)})")
+        """Step i (1-based) may use ``{prompt}`` and the outputs ``{step1}`` .. ``{step<i-1>}``,
+        and must use at least one of them (so step 1 uses the question)."""
+        ensure(isinstance(self.steps, tuple | list) and len(self.steps) >= 1 and all(isinstance(t, str) for t in self.steps),
+               "steps", self.steps, "a tuple of at least one template string")
+        ensure(isinstance(self.max_tokens, tuple | list) and len(self.max_tokens) == len(self.steps), "max_tokens",
+               self.max_tokens, f"a tuple of one limit per step ({len(self.steps)})")
+        ensure(all(isinstance(m, int) and not isinstance(m, bool) and m >= 1 for m in self.max_tokens), "max_tokens",
+               self.max_tokens, "integers >= 1")
+        for i, template in enumerate(self.steps):
+            fields = ["prompt", *(f"step{j}" for j in range(1, i + 1))]
+            # fill raises InvalidParameter("steps", ...) for a field this step cannot know (yet)
+            used = fill(template, "steps", **dict.fromkeys(fields, "")) != fill(template, "steps", **dict.fromkeys(fields, "x"))
+            ensure(used, "steps", template, f"step {i + 1} using at least one of {{{'}, {'.join(fields)}}}")
+        ensure(isinstance(self.stop, tuple | list) and all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
+               "a tuple of non-empty strings")
+        ensure(isinstance(self.params, SamplingParams), "params", self.params, "a SamplingParams")
+        component("extractor", self.extractor, Extractor, "None or an Extractor instance", optional=True)
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
         question = user_text(prompt)
@@ -61,6 +84,7 @@ class Chain:
                 c = generate_one(step_run, generator, with_user_text(prompt, text), params, "step", index=i + 1)
                 run.events.extend(step_run.events)
                 run.candidates.append(c)
+                stop_if_budget(run, [c])
                 outputs[f"step{i + 1}"] = c.text.strip()
             run.best_index = len(run.candidates) - 1
             run.best_text = outputs[f"step{len(self.steps)}"]

@@ -8,13 +8,12 @@ It"; Agarwal et al. 2025, first-finish search).
   ``max_tokens`` (``chunk_tokens * growth**r``); after each round, if any sample has
   finished, the shortest finished one wins (earliest on ties) and the others are simply not
   continued. On the local engine each round is one batched call (round 0 prefills the
-  prompt once for all N); continuing re-sends prompt + partial text, so the ledger charges
-  those input tokens again. The losers ran at most to the end of the winner's round.
-- ``mode="stream"``: N streams stepped round-robin, one token each; when one finishes, the
-  other streams are closed. On the local engine closing a stream stops its decoding at
-  once, but each stream is its own request (its own prefill; the prompt is charged N times)
-  and steps with batch 1; on a remote server closing the stream cancels the request.
-  Streams carry no log-probabilities, so candidates' logprobs are NaN in this mode.
+  prompt once for all N); a later round continues each sample from its own tokens
+  (`Request.prefix`), so the prompt and the partial answers are charged as input again (as
+  cached tokens with a prefix cache). The losers ran at most to the end of the winner's round.
+- ``mode="stream"``: one request with N samples, streamed; the first sample to finish ends
+  the stream, which cancels the others at once (on the local engine they leave the decode
+  loop; on a remote server the request is cancelled). The prompt is prefilled once.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from dataclasses import dataclass, field
 
 from metaloom.generator.types import Completion, Generator, Request
 from metaloom.ledger import Ledger
-from metaloom.meta.helpers import Run, continue_all, default_sampling, ensure, guarded, positive, render, reseed, sample_n
+from metaloom.meta.helpers import Run, continue_all, default_sampling, ensure, guarded, positive, sample_n, stop_if_budget
 from metaloom.meta.types import Result
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.protocols import Prompt
@@ -50,22 +49,25 @@ class FirstFinish:
     def __post_init__(self) -> None:
         for name in ("n", "chunk_tokens", "max_tokens"):
             positive(name, getattr(self, name))
-        ensure(self.growth >= 1.0, "growth", self.growth, ">= 1")
+        g = self.growth
+        ensure(isinstance(g, int | float) and not isinstance(g, bool) and math.isfinite(g) and g >= 1.0, "growth", g,
+               "a finite number >= 1")
         ensure(self.mode in MODES, "mode", self.mode, f"one of {MODES}")
+        ensure(isinstance(self.params, SamplingParams), "params", self.params, "a SamplingParams")
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
-        base = render(generator, prompt)
-        return guarded(ledger, lambda run: (self._rounds if self.mode == "rounds" else self._stream)(run, generator, base))
+        return guarded(ledger, lambda run: (self._rounds if self.mode == "rounds" else self._stream)(run, generator, prompt))
 
-    def _rounds(self, run: Run, generator: Generator, base: str) -> None:
+    def _rounds(self, run: Run, generator: Generator, prompt: Prompt) -> None:
         r, used, size = 0, 0, float(self.chunk_tokens)
         while True:
             limit = min(int(size), self.max_tokens - used)
             params = dataclasses.replace(self.params, max_tokens=limit)
             if r == 0:
-                run.candidates[:] = sample_n(run, generator, base, params, self.n)
+                run.candidates[:] = sample_n(run, generator, prompt, params, self.n)
             else:
-                run.candidates[:] = continue_all(run, generator, base, run.candidates, params, r)
+                run.candidates[:] = continue_all(run, generator, prompt, run.candidates, params, r)
+            stop_if_budget(run, run.candidates)
             used += limit
             finished = [i for i, c in enumerate(run.candidates) if c.finish_reason == "stop"]
             if finished or used >= self.max_tokens:
@@ -73,28 +75,25 @@ class FirstFinish:
             r, size = r + 1, size * self.growth
         self._decide(run, finished, rounds=r + 1)
 
-    def _stream(self, run: Run, generator: Generator, base: str) -> None:
-        streams = [generator.stream(Request(base, dataclasses.replace(reseed(self.params, i), n=1, max_tokens=self.max_tokens)),
-                                    ledger=run.ledger) for i in range(self.n)]
-        parts: list[list] = [["", (), None] for _ in range(self.n)]  # text, token ids, finish reason
-        live = list(range(self.n))
+    def _stream(self, run: Run, generator: Generator, prompt: Prompt) -> None:
+        params = dataclasses.replace(self.params, n=self.n, max_tokens=self.max_tokens)
+        stream = generator.stream(Request(prompt, params), ledger=run.ledger)
+        parts: list[list] = [["", (), (), None, None] for _ in range(self.n)]  # text, ids, logprobs, finish, stop reason
         try:
-            while live and not any(p[2] == "stop" for p in parts):
-                for i in list(live):
-                    chunk = next(streams[i], None)
-                    if chunk is not None:
-                        parts[i] = [parts[i][0] + chunk.text, parts[i][1] + chunk.token_ids, chunk.finish_reason]
-                    if chunk is None or chunk.finish_reason is not None:
-                        live.remove(i)
-                    if parts[i][2] == "stop":
-                        break
+            for chunk in stream:
+                part = parts[chunk.index]
+                part[:] = [part[0] + chunk.text, part[1] + chunk.token_ids, part[2] + chunk.logprobs,
+                           chunk.finish_reason, chunk.stop_reason]
+                if chunk.finish_reason == "stop":
+                    break  # the first to finish: closing the stream stops the rest
         finally:
-            for s in streams:
-                close = getattr(s, "close", None)  # a Python generator (local engine, HTTP stream)
-                if close is not None:
-                    close()  # stop the rest
-        run.candidates[:] = [Completion(t, ids, (math.nan,) * len(ids), f or "length") for t, ids, f in parts]
-        self._decide(run, [i for i, p in enumerate(parts) if p[2] == "stop"], abandoned=len(live))
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()
+        run.candidates[:] = [Completion(t, ids, lps, f or "cancelled", s) for t, ids, lps, f, s in parts]
+        self._decide(run, [i for i, p in enumerate(parts) if p[3] == "stop"],
+                     abandoned=sum(p[3] is None for p in parts))
+        stop_if_budget(run, run.candidates)
 
     def _decide(self, run: Run, finished: list[int], **data: int) -> None:
         if finished:

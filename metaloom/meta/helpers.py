@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from metaloom.errors import BudgetExceeded, InvalidParameter, ScorerFailed
-from metaloom.generator.types import Completion, Generator, Request
+from metaloom.generator.types import Completion, Generator, Request, TokenIds
 from metaloom.ledger import Ledger, Usage
 from metaloom.meta.types import Event, Result, Strategy, usage_dict
 from metaloom.sampling.params import SamplingParams
@@ -53,16 +53,22 @@ class Run:
                       stopped_reason=stopped_reason, best_index=self.best_index)
 
 
-def guarded(ledger: Ledger, body: Callable[[Run], None]) -> Result:
+def guarded(ledger: Ledger, body: Callable[[Run], None], on_budget: Callable[[Run], object] | None = None) -> Result:
     """Run ``body`` on a child ledger. A `BudgetExceeded` ends the run cleanly with what it has
-    (``stopped_reason="budget"``); a `ScorerFailed` gets this run's partial result attached."""
+    (``stopped_reason="budget"``): the candidates gathered so far (samples cut by the budget
+    included, finish "budget"), and a choice among them where one can be made — by
+    ``on_budget(run)`` (e.g. a vote over the answers so far), else the best of what was scored.
+    A `ScorerFailed` gets this run's partial result attached."""
     run = Run(ledger.child())
     try:
         body(run)
     except BudgetExceeded as exc:
         run.event("budget", field=exc.field, limit=exc.limit, value=exc.would_be)
-        if run.best_index is None and run.candidates and len(run.scores) == len(run.candidates):
-            run.best_index = select_top(run.scores)[0]  # the best of what was scored
+        if run.best_index is None and run.candidates:
+            if on_budget is not None:
+                on_budget(run)
+            elif len(run.scores) == len(run.candidates):
+                run.best_index = select_top(run.scores)[0]  # the best of what was scored
         return run.result("budget")
     except ScorerFailed as exc:
         run.event("scorer_failed", scorer=exc.scorer, error=f"{type(exc.cause).__name__}: {exc.cause}")
@@ -74,11 +80,15 @@ def guarded(ledger: Ledger, body: Callable[[Run], None]) -> Result:
 def check_budget(ledger: Ledger) -> None:
     """Raise `BudgetExceeded` if this ledger or an ancestor is over its budget — used after a
     nested strategy stopped on a budget that belongs to us, so we stop too."""
-    node: Ledger | None = ledger
-    while node is not None:
-        if node.budget is not None:
-            node.budget.check(node.usage)
-        node = node.parent
+    ledger.check()
+
+
+def stop_if_budget(run: Run, completions: Sequence[Completion]) -> None:
+    """Raise `BudgetExceeded` if a generator cut any of ``completions`` short on a budget
+    (finish "budget"). Call it after recording them: the work was done and is reported."""
+    if any(c.finish_reason == "budget" for c in completions):
+        run.ledger.check()  # names the limit that was passed
+        raise BudgetExceeded("budget", 0, 0)  # pragma: no cover - a generator that said "budget" without one
 
 
 def reseed(params: SamplingParams, offset: int) -> SamplingParams:
@@ -143,37 +153,38 @@ def select_top(scores: Sequence[float], k: int = 1) -> list[int]:
 
 
 def render(generator: Generator, prompt: Prompt) -> str:
-    """The prompt as raw text the model continues — what strategies that extend a generation
-    (budget forcing, pruning, first-finish) send back as a raw prompt. A chat prompt needs the
-    generator's chat template: a ``render`` method, or a ``tokenizer`` (the local engine)."""
+    """The prompt as raw text the model continues — what strategies that insert text into a
+    generation (budget forcing's "Wait") send back as a raw prompt. A chat prompt goes through
+    the generator's chat template (`Generator.render`)."""
     if isinstance(prompt, str):
         return prompt
-    if callable(getattr(generator, "render", None)):
-        return generator.render(prompt)  # type: ignore[attr-defined]
-    tokenizer = getattr(generator, "tokenizer", None)
-    if tokenizer is not None:
-        return tokenizer.apply_chat_template(list(prompt))
-    raise InvalidParameter("prompt", prompt, f"raw text: {type(generator).__name__} cannot render a chat template")
+    if isinstance(prompt, TokenIds):
+        raise InvalidParameter("prompt", prompt, "text or chat messages (token ids have no text to extend)")
+    generator.capabilities.require("render", type(generator).__name__)
+    return generator.render(prompt)
 
 
 def extend(first: Completion, more: Completion) -> Completion:
-    """A completion continued by ``more`` (generated from first's text as a raw prompt)."""
-    return Completion(first.text + more.text, first.token_ids + more.token_ids,
-                      first.logprobs + more.logprobs, more.finish_reason)
+    """A completion continued by ``more`` (generated after first's tokens or text)."""
+    return Completion(first.text + more.text, first.token_ids + more.token_ids, first.logprobs + more.logprobs,
+                      more.finish_reason, more.stop_reason, error=more.error)
 
 
-def continue_all(run: Run, generator: Generator, base: str, partials: Sequence[Completion],
+def continue_all(run: Run, generator: Generator, prompt: Prompt, partials: Sequence[Completion],
                  params: SamplingParams, round: int) -> list[Completion]:
-    """Continue each partial completion by up to ``params.max_tokens`` tokens: one raw-text
-    request per partial (prompt text = ``base`` + its text so far), batched in one call.
-
-    The continuation re-encodes the text, so its tokens can differ at the seam from the ones
-    sampled (the usual token-healing caveat), and the prompt is charged again each round."""
+    """Continue each partial completion by up to ``params.max_tokens`` tokens, in one batched
+    call. Exact where the generator takes a token-id prefix (`Request.prefix`): each sample goes
+    on from its own tokens, as if it had never stopped. Otherwise the prompt is rendered and
+    the text so far appended, and the re-encoded text may tokenise differently at the seam.
+    The prompt is charged again each round (as cached tokens where the generator keeps them)."""
     before = run.ledger.usage
-    requests = [Request(base + p.text, dataclasses.replace(reseed(params, round * len(partials) + i), n=1))
+    exact = "prefix" in generator.capabilities.features and all(p.token_ids for p in partials)
+    base = None if exact else render(generator, prompt)
+    requests = [Request(prompt, dataclasses.replace(reseed(params, round * len(partials) + i), n=1), prefix=p.token_ids)
+                if exact else Request(f"{base}{p.text}", dataclasses.replace(reseed(params, round * len(partials) + i), n=1))
                 for i, p in enumerate(partials)]
     more = generator.generate(requests, ledger=run.ledger)
-    run.event("continue", n=len(partials), round=round, usage=run.spent_since(before))
+    run.event("continue", n=len(partials), round=round, exact=exact, usage=run.spent_since(before))
     return [extend(p, m[0]) for p, m in zip(partials, more, strict=True)]
 
 
@@ -191,6 +202,13 @@ def fraction(name: str, value: float, *, closed_low: bool = False) -> None:
 def ensure(condition: bool, name: str, value: Any, allowed: str) -> None:
     if not condition:
         raise InvalidParameter(name, value, allowed)
+
+
+def component(name: str, value: Any, kind: Any, allowed: str, *, optional: bool = False) -> None:
+    """``value`` must be an instance of ``kind`` (a runtime-checkable protocol or a class), not
+    the class itself (``LastNumber`` for ``LastNumber()``); None too when ``optional``."""
+    ok = (optional and value is None) or (isinstance(value, kind) and not isinstance(value, type))
+    ensure(ok, name, value, allowed)
 
 
 def with_user_text(prompt: Prompt, text: str) -> Prompt:
@@ -219,4 +237,5 @@ def collect(run: Run, generator: Generator, prompt: Prompt, params: SamplingPara
     candidates = sample_n(run, generator, prompt, params, n, inner=inner, round=round)
     run.candidates.extend(candidates)
     run.answers.extend(extract_all(extractor, candidates))
+    stop_if_budget(run, candidates)
     return candidates

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from metaloom.errors import BudgetExceeded, ScorerFailed
 from metaloom.generator.types import Generator
 from metaloom.ledger import Ledger
-from metaloom.meta.helpers import Run, collect, default_sampling, guarded, positive, select_top
+from metaloom.meta.helpers import Run, collect, component, default_sampling, ensure, guarded, positive, select_top
 from metaloom.meta.types import Result, Strategy
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.answers import Extractor
@@ -62,6 +62,12 @@ class MBR:
 
     def __post_init__(self) -> None:
         positive("n", self.n)
+        # called as utility(hyps, refs) -> matrix; a name is optional (the trace falls back to the type's)
+        ensure(callable(self.utility) and not isinstance(self.utility, type), "utility", self.utility,
+               "a Utility instance (called on hypotheses and references)")
+        ensure(isinstance(self.params, SamplingParams), "params", self.params, "a SamplingParams")
+        component("extractor", self.extractor, Extractor, "None or an Extractor instance", optional=True)
+        component("inner", self.inner, Strategy, "None or a Strategy instance", optional=True)
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
         def body(run: Run) -> None:

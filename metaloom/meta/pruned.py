@@ -4,8 +4,8 @@ early, so compute goes to the samples likely to win.
 
 Generation advances in chunks of ``chunk_tokens`` on the plain `Generator` interface: the
 first chunk is one request with N samples (prompt prefilled once); later chunks continue
-each surviving sample by sending prompt + its text as a raw prompt (so its input tokens are
-charged again — the ledger shows the price of not having a prefix cache). At each
+each surviving sample exactly from its own tokens (`Request.prefix`; its input tokens are
+charged again — as cached tokens when the generator keeps a prefix cache). At each
 checkpoint the unfinished samples are scored and only the top ``keep_fraction`` (at least
 ``min_keep``) continue; finished samples wait for the final comparison. At the end every
 surviving sample is scored in one call and the best wins.
@@ -21,15 +21,17 @@ from metaloom.generator.types import Generator
 from metaloom.ledger import Ledger
 from metaloom.meta.helpers import (
     Run,
+    component,
     continue_all,
     default_sampling,
+    ensure,
     fraction,
     guarded,
     positive,
-    render,
     sample_n,
     score,
     select_top,
+    stop_if_budget,
 )
 from metaloom.meta.types import Result
 from metaloom.sampling.params import SamplingParams
@@ -60,15 +62,18 @@ class PrunedBestOfN:
     def __post_init__(self) -> None:
         for name in ("n", "chunk_tokens", "min_keep", "max_tokens"):
             positive(name, getattr(self, name))
+        ensure(self.min_keep <= self.n, "min_keep", self.min_keep, f"an integer in [1, n={self.n}]")
+        ensure(not isinstance(self.keep_fraction, bool), "keep_fraction", self.keep_fraction, "(0, 1]")
         fraction("keep_fraction", self.keep_fraction)
+        component("scorer", self.scorer, Scorer, "a Scorer instance (a name and a score method)")
+        ensure(isinstance(self.params, SamplingParams), "params", self.params, "a SamplingParams")
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
-        base = render(generator, prompt)
-
         def body(run: Run) -> None:
             used = min(self.chunk_tokens, self.max_tokens)
             params = dataclasses.replace(self.params, max_tokens=used)
-            run.candidates[:] = sample_n(run, generator, base, params, self.n)
+            run.candidates[:] = sample_n(run, generator, prompt, params, self.n)
+            stop_if_budget(run, run.candidates)
             ids = list(range(self.n))  # original sample index of each candidate
             r = 0
             while True:
@@ -86,10 +91,11 @@ class PrunedBestOfN:
                     live = [k for k, c in enumerate(run.candidates) if c.finish_reason == "length"]
                 step = min(self.chunk_tokens, self.max_tokens - used)
                 r, used = r + 1, used + step
-                more = continue_all(run, generator, base, [run.candidates[k] for k in live],
+                more = continue_all(run, generator, prompt, [run.candidates[k] for k in live],
                                     dataclasses.replace(self.params, max_tokens=step), r)
                 for k, c in zip(live, more, strict=True):
                     run.candidates[k] = c
+                stop_if_budget(run, more)
             run.scores[:] = score(run, self.scorer, prompt, run.candidates)
             run.best_index = select_top(run.scores)[0]
             run.event("select", sample=ids[run.best_index], survivors=ids, score=run.scores[run.best_index])

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from metaloom.errors import BudgetExceeded, ScorerFailed
 from metaloom.generator.types import Completion, Generator
 from metaloom.ledger import Ledger
-from metaloom.meta.helpers import Run, default_sampling, generate_one, guarded, reseed
+from metaloom.meta.helpers import Run, default_sampling, ensure, generate_one, guarded, reseed, stop_if_budget
 from metaloom.meta.types import Result
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.feedback import CritiqueFeedback, Feedback, Verdict
@@ -58,6 +58,21 @@ class Refine:
     revise_template: str = REVISE
     params: SamplingParams = field(default_factory=default_sampling)
 
+    def __post_init__(self) -> None:
+        """``rounds`` counts revisions: 0 is one answer and its feedback, no revision."""
+
+        # called as feedback(prompt, candidate, ledger=...); a name is optional, as for MBR's utility
+        ensure(self.feedback is None or (callable(self.feedback) and not isinstance(self.feedback, type)), "feedback",
+               self.feedback, "None (a prompted critique) or a Feedback instance")
+        ensure(isinstance(self.rounds, int) and not isinstance(self.rounds, bool) and self.rounds >= 0, "rounds",
+               self.rounds, "an integer >= 0 (0: one answer and its feedback, no revision)")
+        ensure(isinstance(self.revise_template, str), "revise_template", self.revise_template, "a template string")
+        # fill raises InvalidParameter("revise_template", ...) for any field but {feedback}
+        uses_feedback = (fill(self.revise_template, "revise_template", feedback="")
+                         != fill(self.revise_template, "revise_template", feedback="x"))
+        ensure(uses_feedback, "revise_template", self.revise_template, "a template using {feedback}")
+        ensure(isinstance(self.params, SamplingParams), "params", self.params, "a SamplingParams")
+
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
         feedback: Feedback = self.feedback if self.feedback is not None else CritiqueFeedback(generator)
 
@@ -66,6 +81,7 @@ class Refine:
             for r in range(self.rounds + 1):
                 c = generate_one(run, generator, current, reseed(self.params, r), "generate" if r == 0 else "revise", round=r)
                 run.candidates.append(c)
+                stop_if_budget(run, [c])
                 v = verdict(run, feedback, prompt, c, r)
                 run.scores.append(v.score if v.score is not None else float(v.passed))
                 run.best_index = max(range(len(run.scores)), key=lambda i: (run.scores[i], i))

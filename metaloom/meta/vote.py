@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from metaloom.errors import InvalidParameter
 from metaloom.generator.types import Generator
 from metaloom.ledger import Ledger
-from metaloom.meta.helpers import Run, collect, default_sampling, ensure, guarded, positive, score
+from metaloom.meta.helpers import Run, collect, component, default_sampling, ensure, guarded, positive, score
 from metaloom.meta.types import Result, Strategy
 from metaloom.meta.voting import decide
 from metaloom.sampling.params import SamplingParams
@@ -35,13 +35,17 @@ class MajorityVote:
 
     def __post_init__(self) -> None:
         positive("n", self.n)
+        component("extractor", self.extractor, Extractor, "an Extractor instance (votes need answers)")
+        ensure(isinstance(self.params, SamplingParams), "params", self.params, "a SamplingParams")
+        component("inner", self.inner, Strategy, "None or a Strategy instance", optional=True)
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
         def body(run: Run) -> None:
             candidates = collect(run, generator, prompt, self.params, self.n, self.extractor, inner=self.inner)
             decide(run, run.answers, [1.0] * len(candidates), self.extractor)
 
-        return guarded(ledger, body)
+        # on a budget stop, vote over what the samples said before it
+        return guarded(ledger, body, lambda run: decide(run, run.answers, [1.0] * len(run.candidates), self.extractor))
 
 
 @dataclass(frozen=True)
@@ -61,8 +65,12 @@ class WeightedVote:
     inner: Strategy | None = None
 
     def __post_init__(self) -> None:
+        component("scorer", self.scorer, Scorer, "a Scorer instance (a name and a score method)")
         positive("n", self.n)
+        component("extractor", self.extractor, Extractor, "an Extractor instance (votes need answers)")
         ensure(self.transform in TRANSFORMS, "transform", self.transform, f"one of {TRANSFORMS}")
+        ensure(isinstance(self.params, SamplingParams), "params", self.params, "a SamplingParams")
+        component("inner", self.inner, Strategy, "None or a Strategy instance", optional=True)
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
         def body(run: Run) -> None:

@@ -82,7 +82,10 @@ class CritiqueFeedback:
         ledger.charge(scorer_calls=1)
         asked = fill(self.template, "template", prompt=user_text(prompt), candidate=candidate.text)
         params = SamplingParams(temperature=0.0, max_tokens=self.max_tokens)
-        critique = self.generator.generate([Request.chat(asked, params)], ledger=ledger)[0][0].text.strip()
+        out = self.generator.generate([Request.chat(asked, params)], ledger=ledger)[0][0]
+        if out.finish_reason == "budget":
+            ledger.check()  # the critique was cut short: stop on the budget rather than judge half a critique
+        critique = out.text.strip()
         return Verdict(self.ok_marker in critique, critique)
 
 

@@ -5,11 +5,10 @@ correct?) and as a pairwise MBR utility (do these two answers agree?) — Zheng 
 Any `Generator` can judge; its usage is charged to the ledger like any generation, plus one
 scorer call. Two ways to read P(yes), chosen by the user (nothing is inferred):
 
-- ``method="compare"`` (default): two one-token greedy requests per question whose
-  ``logit_bias`` forces the "Yes" token and the "No" token respectively. Because
-  `Completion.logprobs` hold the *raw* model log-probabilities, this reads log p(Yes) and
-  log p(No) exactly, and P(yes) = p(Yes) / (p(Yes) + p(No)). Needs the two token ids: given,
-  or looked up in the generator's ``tokenizer`` (each word must be one token).
+- ``method="compare"`` (default): `Generator.score` reads log p(Yes) and log p(No) as
+  continuations of the judge's question (one batched call per question; a word may span
+  several tokens), and P(yes) = p(Yes) / (p(Yes) + p(No)). Works on any generator that scores
+  (the local engine, a server with prompt log-probabilities).
 - ``method="sample"``: one greedy token. If it reads "yes", P(yes) = p(token); if "no",
   1 - p(token) (the mass not on "no" is credited to "yes"); anything else scores 0.
   Works on any generator, token ids unknown (e.g. a remote server without logit bias).
@@ -32,47 +31,33 @@ JUDGE_TEMPLATE = ("{prompt}\n\nProposed answer:\n{candidate}\n\n"
                   "Is the proposed answer correct? Answer Yes or No.")
 PAIR_TEMPLATE = ("Question:\n{prompt}\n\nAnswer A:\n{a}\n\nAnswer B:\n{b}\n\n"
                  "Do answers A and B reach the same final answer? Answer Yes or No.")
-FORCE = 100.0  # logit bias that makes a token the argmax without changing its raw logprob
 METHODS = ("compare", "sample")
 
 
-def _token_id(generator: Generator, word: str, given: int | None) -> int:
-    if given is not None:
-        return given
-    tokenizer = getattr(generator, "tokenizer", None)
-    if tokenizer is None:
-        raise InvalidParameter("method", "compare", f"'sample', or give the token id of {word!r}: "
-                                                    f"{type(generator).__name__} has no tokenizer")
-    try:
-        ids = tokenizer.encode(word, add_special_tokens=False)
-    except TypeError:
-        ids = tokenizer.encode(word)
-    if len(ids) != 1:
-        raise InvalidParameter("yes/no word", word, f"a word that is one token (it is {len(ids)} tokens)")
-    return ids[0]
-
-
 def yes_probability(generator: Generator, questions: Sequence[str], *, ledger: Ledger, method: str = "compare",
-                    yes: str = "Yes", no: str = "No", yes_id: int | None = None, no_id: int | None = None,
-                    chat: bool = True) -> list[float]:
-    """P(yes) for each judge question, all in one batched generate call."""
+                    yes: str = "Yes", no: str = "No", chat: bool = True) -> list[float]:
+    """P(yes) for each judge question."""
     if method not in METHODS:
         raise InvalidParameter("method", method, f"one of {METHODS}")
+    if not yes or not no or yes == no:
+        raise InvalidParameter("yes/no words", (yes, no), "two different non-empty words")
     if not questions:
         return []
 
-    def request(q: str, bias: dict[int, float]) -> Request:
-        params = SamplingParams(temperature=0.0, max_tokens=1, logit_bias=bias)
-        return Request.chat(q, params) if chat else Request(q, params)
+    def prompt(q: str) -> str | tuple[dict[str, str], ...]:
+        return ({"role": "user", "content": q},) if chat else q
 
     if method == "sample":
-        outs = generator.generate([request(q, {}) for q in questions], ledger=ledger)
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        outs = generator.generate([Request(prompt(q), params) for q in questions], ledger=ledger)
+        if any(o[0].finish_reason == "budget" for o in outs):
+            ledger.check()
         return [_read_sample(o[0], yes, no) for o in outs]
-    y, n = _token_id(generator, yes, yes_id), _token_id(generator, no, no_id)
-    outs = generator.generate([request(q, {t: FORCE}) for q in questions for t in (y, n)], ledger=ledger)
+    generator.capabilities.require("score", type(generator).__name__, "method='compare' reads p(yes) by scoring; "
+                                   "use method='sample'")
     probs = []
-    for i in range(len(questions)):
-        lp_yes, lp_no = outs[2 * i][0].logprobs[0], outs[2 * i + 1][0].logprobs[0]
+    for q in questions:
+        lp_yes, lp_no = (s.logprob for s in generator.score(prompt(q), [yes, no], ledger=ledger))
         probs.append(1.0 / (1.0 + math.exp(lp_no - lp_yes)))
     return probs
 
@@ -97,8 +82,6 @@ class LLMJudge:
     template: str = JUDGE_TEMPLATE
     yes: str = "Yes"
     no: str = "No"
-    yes_id: int | None = None
-    no_id: int | None = None
     name: str = "judge"
 
     def score(self, prompt: Prompt, candidates: Sequence[Completion], *, ledger: Ledger) -> list[float]:
@@ -106,7 +89,7 @@ class LLMJudge:
         q = user_text(prompt)
         questions = [fill(self.template, "template", prompt=q, candidate=c.text) for c in candidates]
         return yes_probability(self.generator, questions, ledger=ledger, method=self.method, yes=self.yes,
-                               no=self.no, yes_id=self.yes_id, no_id=self.no_id)
+                               no=self.no)
 
 
 @dataclass(frozen=True)

