@@ -12,6 +12,7 @@ from metaloom.ledger import Budget, Ledger
 from metaloom.models.load import LoadedModel
 from metaloom.sampling import SamplingParams
 from metaloom.testing.scripted import ScriptedGenerator
+from metaloom.testing.tiny import tiny_llama
 from metaloom.testing.toy_models import CharTokenizer, MarkovModel
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about autumn leaves.", "List three prime numbers."]
@@ -52,9 +53,7 @@ def test_rows_admitted_mid_flight_give_exactly_the_tokens_they_give_alone(smollm
 
 
 def test_finished_rows_leave_and_free_their_slots_at_once(tmp_path):
-    from tests.test_prefix_cache import _tiny_llama
-
-    gen = LocalGenerator(_tiny_llama())
+    gen = LocalGenerator(tiny_llama())
     batch = gen.new_batch()
     rows = batch.admit(gen.rows_for(Request("abcd", SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)),
                                     Ledger()) + gen.rows_for(Request("abcd", SamplingParams(temperature=0, max_tokens=6,
@@ -67,9 +66,7 @@ def test_finished_rows_leave_and_free_their_slots_at_once(tmp_path):
 
 
 def test_cancelling_a_stream_frees_the_rows():
-    from tests.test_prefix_cache import _tiny_llama
-
-    gen = LocalGenerator(_tiny_llama())
+    gen = LocalGenerator(tiny_llama())
     ledger = Ledger()
     stream = gen.stream(Request("abc", SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=50, ignore_eos=True)),
                         ledger=ledger)
@@ -170,9 +167,7 @@ def test_a_generator_refuses_what_it_cannot_do_naming_the_field():
 # --- forks share keys and values; honest state -------------------------------------------------
 
 def test_forking_many_branches_copies_no_keys():
-    from tests.test_prefix_cache import _tiny_llama
-
-    gen = LocalGenerator(_tiny_llama())
+    gen = LocalGenerator(tiny_llama())
     prompt = "abcdefghij" * 20  # 200 tokens
     batch = gen.new_batch()
     rows = batch.admit(gen.rows_for(Request(prompt, SamplingParams(n=64, temperature=1.0, seed=3, max_tokens=10,
@@ -268,9 +263,7 @@ def test_speculative_rows_admitted_mid_flight_equal_plain_greedy(drafter):
     from metaloom.speculative import Speculative
     from metaloom.speculative.drafters.draft_model import DraftModelDrafter
     from metaloom.speculative.drafters.ngram import NgramDrafter
-    from tests.test_prefix_cache import _tiny_llama
-
-    loaded = _tiny_llama()
+    loaded = tiny_llama()
     chosen = NgramDrafter() if drafter == "ngram" else DraftModelDrafter(loaded.model)  # itself: every draft kept
     gen = LocalGenerator(loaded, speculative=Speculative(chosen, num_draft=3))
     plain = LocalGenerator(loaded)
