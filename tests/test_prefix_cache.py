@@ -10,11 +10,10 @@ from metaloom.errors import InvalidParameter, UnsupportedModel
 from metaloom.generator import LocalGenerator, Request
 from metaloom.ledger import Ledger
 from metaloom.models.cache import KVPool, PagedKVCache
-from metaloom.models.config import LlamaConfig
-from metaloom.models.llama import LlamaModel
 from metaloom.models.load import LoadedModel
 from metaloom.prefix import PrefixCache
 from metaloom.sampling import SamplingParams
+from metaloom.testing.tiny import tiny_llama
 from metaloom.testing.toy_models import CharTokenizer, MarkovModel
 
 LAYERS, HEADS, DIM = 2, 2, 4
@@ -135,23 +134,37 @@ def test_pool_reference_counts_free_slots_exactly_once():
 
 # --- generation --------------------------------------------------------------------------
 
-def _tiny_llama(vocab=26):
-    config = LlamaConfig(model_type="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0,
-                         max_position_embeddings=256, tie_word_embeddings=False, attention_bias=False)
-    g = torch.Generator().manual_seed(0)
-    sd = {"model.embed_tokens.weight": torch.randn(vocab, 32, generator=g), "lm_head.weight": torch.randn(vocab, 32, generator=g),
-          "model.norm.weight": torch.ones(32)}
-    shapes = {"self_attn.q_proj": (32, 32), "self_attn.k_proj": (16, 32), "self_attn.v_proj": (16, 32),
-              "self_attn.o_proj": (32, 32), "mlp.gate_proj": (64, 32), "mlp.up_proj": (64, 32), "mlp.down_proj": (32, 64)}
-    for i in range(2):
-        for name, shape in shapes.items():
-            sd[f"model.layers.{i}.{name}.weight"] = torch.randn(*shape, generator=g) / shape[1] ** 0.5
-        sd[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(32)
-        sd[f"model.layers.{i}.post_attention_layernorm.weight"] = torch.ones(32)
-    model = LlamaModel.from_state_dict(config, sd)
-    return LoadedModel(model=model, tokenizer=CharTokenizer(vocab), name="tiny", folder="", dtype=torch.float32)
 
+def _extend(cache, tokens):
+    """Append ``tokens``' keys to the one row of ``cache`` (a decode or verify step)."""
+    start = int(cache.lengths[0])
+    slots = cache.prepare([len(tokens)], len(tokens))
+    for layer in range(LAYERS):
+        k = torch.stack([_kv(list(range(start + len(tokens))), p, layer) for p in range(start, start + len(tokens))])
+        cache.write(layer, k.transpose(0, 1)[None], -k.transpose(0, 1)[None], slots)
+    cache.advance([len(tokens)])
+
+
+def test_one_row_in_one_run_of_slots_is_read_in_place_and_equals_the_copy():
+    pool = KVPool(LAYERS, HEADS, DIM, torch.float32, slots=64)
+    row = _row(pool, [0, 1, 2, 3, 4])
+    _extend(row, [5, 6, 7])  # a verify of three drafted tokens ...
+    row.truncate([6])  # ... two rejected
+    _extend(row, [6, 7])  # the next step takes the freed slots back in order: still one run
+    start = row.run_start(8)
+    assert start is not None
+    for layer in range(LAYERS):
+        copy_k, copy_v = row.gather(layer, 8)
+        view_k, view_v = row.gather(layer, 8, start)
+        assert torch.equal(view_k, copy_k) and torch.equal(view_v, copy_v)
+        assert view_k.untyped_storage().data_ptr() == pool.keys[layer].untyped_storage().data_ptr()  # no copy
+    # not one run: two rows, or one row whose slots interleave with another's
+    assert row.fork([0, 0]).run_start(8) is None
+    a, b = PagedKVCache(pool, 1, 64), PagedKVCache(pool, 1, 64)
+    for _ in range(3):
+        _extend(a, [1])
+        _extend(b, [1])
+    assert a.run_start(3) is None and b.run_start(3) is None
 
 def _greedy(prompts, max_tokens=8):
     return [Request(p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
@@ -162,7 +175,7 @@ def _ids(outs):
 
 
 def test_tiny_model_cached_equals_uncached_for_a_batch_with_different_cached_lengths():
-    loaded = _tiny_llama()
+    loaded = tiny_llama()
     plain = LocalGenerator(loaded)
     pool = PrefixCache(budget_bytes=1 << 20)
     cached = LocalGenerator(loaded, prefix_cache=pool)
@@ -185,7 +198,7 @@ def test_tiny_model_cached_equals_uncached_for_a_batch_with_different_cached_len
 
 
 def test_finished_samples_are_kept_so_a_continuation_prefills_one_token():
-    loaded = _tiny_llama()
+    loaded = tiny_llama()
     prefix = PrefixCache(budget_bytes=1 << 20)
     cached, plain = LocalGenerator(loaded, prefix_cache=prefix), LocalGenerator(loaded)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -204,7 +217,7 @@ def test_prefix_cache_needs_a_block_cache_and_one_model():
     with pytest.raises(UnsupportedModel):
         LocalGenerator(toy, prefix_cache=PrefixCache(1 << 20))
     pool = PrefixCache(1 << 20)
-    a = _tiny_llama()
+    a = tiny_llama()
     first = LocalGenerator(a, prefix_cache=pool)
     with pytest.raises(InvalidParameter):  # one engine's KV pool per prefix cache
         LocalGenerator(a, prefix_cache=pool)

@@ -106,7 +106,10 @@ class KVPool:
             gone = np.unique(slots[self.refs[slots] == 0])
             if gone.size and bool((self.refs[gone] < 0).any()):  # pragma: no cover - a bookkeeping bug
                 raise RuntimeError("KV pool slot released more often than retained")
-            self._free[self._nfree:self._nfree + gone.size] = gone
+            # pushed highest first, so the lowest is taken first: a row rolled back (a rejected
+            # draft) and extended again gets the same ascending run of slots back, and its keys
+            # stay one contiguous block that attention can read in place (`PagedKVCache.gather`)
+            self._free[self._nfree:self._nfree + gone.size] = gone[::-1]
             self._nfree += gone.size
 
     def _grow(self, extra: int) -> None:
@@ -300,9 +303,26 @@ class PagedKVCache:
         self.pool.keys[layer][flat] = k.transpose(1, 2).reshape(-1, kv_heads, dim)
         self.pool.values[layer][flat] = v.transpose(1, 2).reshape(-1, kv_heads, dim)
 
-    def gather(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_start(self, length: int) -> int | None:
+        """The first slot when this is a single row whose positions ``0 .. length - 1`` sit in one
+        ascending run of slots (batch-1 decoding, a speculative verify), else None. Asked once
+        per forward: `gather` then reads a view of the pool instead of copying."""
+        if self.batch != 1 or length <= 0:
+            return None
+        run = self.slots[0, :length]
+        first = int(run[0])
+        if int(run[-1]) - first == length - 1 and bool((np.diff(run) == 1).all()):
+            return first
+        return None
+
+    def gather(self, layer: int, length: int, run: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions ``0 .. length - 1`` of every row, [B, H_kv, length, D]
-        (a copy; positions past a row's length hold stale data and must be masked)."""
+        (positions past a row's length hold stale data and must be masked): a copy, or with
+        ``run`` (from `run_start`) a view of the pool, read in place."""
+        if run is not None:
+            k = self.pool.keys[layer][run:run + length]  # [L, H, D]
+            v = self.pool.values[layer][run:run + length]
+            return k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         index = self.table()[:, :length]
         return (self.pool.keys[layer][index].transpose(1, 2), self.pool.values[layer][index].transpose(1, 2))
 

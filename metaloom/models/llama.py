@@ -247,6 +247,7 @@ class LlamaModel:
         sin = self._sin[positions][:, None]
         keys_len = int(lengths.max()) + t
         mask, causal = self._mask(positions, keys_len, uniform)
+        run = None if fresh else cache.run_start(keys_len)  # one row in one run of slots: read in place
 
         x = F.embedding(tokens, self.embed)  # [B, T, d]
         h, hk, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -257,7 +258,7 @@ class LlamaModel:
             q, k = apply_rope(qkv[:, :h + hk], cos, sin).split([h, hk], dim=1)  # [B, heads, T, D]
             v = qkv[:, h + hk:]
             cache.write(i, k, v, slots)
-            keys, values = (k, v) if fresh else cache.gather(i, keys_len)
+            keys, values = (k, v) if fresh else cache.gather(i, keys_len, run)
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
                                                   enable_gqa=hk != h)
             x = x + linear(attn.transpose(1, 2).reshape(b, t, h * d), w.o)
