@@ -244,8 +244,11 @@ class DecodeBatch:
         out = verify(self.sampler, self.state, scores, draft, live_cursors, rngs)
         acc = out.acceptance
         self.state = out.state
-        emitted_lp = raw_logprobs(raw, acc.tokens.to(raw.device)).tolist()  # [B, K+1]: each emitted token's
-        chosen_lp = out.logprobs.gather(-1, acc.tokens.to(out.logprobs.device)[..., None])[..., 0].tolist()
+        chosen = out.logprobs.gather(-1, acc.tokens.to(out.logprobs.device)[..., None])[..., 0]  # [B, K+1]
+        # where the pipeline is plain log-softmax of the model's own logits, the two agree
+        same = raw is scores and self.sampler.plain and cursors is None and not out.errors
+        emitted_lp = (chosen if same else raw_logprobs(raw, acc.tokens.to(raw.device))).tolist()
+        chosen_lp = chosen.tolist()
         stepped, per_ledger = [], _Tally()
         for b, row in enumerate(self.rows):
             if done[b]:

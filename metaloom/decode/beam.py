@@ -166,7 +166,7 @@ def beam_search(model: LanguageModel, cache: KVCache, logits: torch.Tensor, samp
                 by_row[beam.source] = beam.cursor
             mask = batch_mask(by_row, logits.shape[-1], logits.device)
         lp = row_sampler.process(logits, state, mask=mask)
-        raw = logits.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)  # as `select.raw_logprobs`
+        raw = torch.log_softmax(logits.float(), dim=-1)  # as `select.raw_logprobs`
         ledger.charge(output_tokens=len(owner))
         for b in range(b_count):
             diversity = torch.zeros(lp.shape[-1], device=lp.device) if params.num_beam_groups > 1 else None

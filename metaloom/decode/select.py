@@ -63,10 +63,10 @@ def dead_rows(best: torch.Tensor, mask: torch.Tensor | None, errors: dict[int, s
 
 
 def raw_logprobs(raw: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log softmax(raw)[token] along the last axis, without building the whole log-softmax:
-    raw [..., V], tokens [...] -> [...] float32."""
-    raw = raw.float()
-    return raw.gather(-1, tokens[..., None])[..., 0] - torch.logsumexp(raw, dim=-1)
+    """log_softmax(raw)[token] along the last axis: raw [..., V], tokens [...] -> [...] float32.
+    The same formula as the pipeline's (so a plain pipeline's log-probabilities can stand in
+    for it bit for bit, and every decoder reports the same numbers)."""
+    return torch.log_softmax(raw.float(), dim=-1).gather(-1, tokens[..., None])[..., 0]
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,10 @@ def draw(sampler: Sampler, state: SamplingState, raw: torch.Tensor, scores: torc
         lp[bad] = 0.0
         argmax = None
     tokens = sampler.draw(lp, generators, argmax)
-    return Drawn(tokens, lp, raw_logprobs(raw, tokens), lp.gather(-1, tokens[:, None])[:, 0], errors)
+    chosen = lp.gather(-1, tokens[:, None])[:, 0]
+    # where the pipeline is plain log-softmax of the model's own logits, the two agree
+    same = raw is scores and sampler.plain and mask is None and not errors
+    return Drawn(tokens, lp, chosen if same else raw_logprobs(raw, tokens), chosen, errors)
 
 
 @dataclass(frozen=True)
@@ -135,18 +138,21 @@ def verify(sampler: Sampler, state: SamplingState, scores: torch.Tensor, draft: 
     lp, states = target_logprobs(sampler, scores, draft.tokens, state, generators, position_masks)
     lengths = draft.lengths.clone()
     # a position that allows no token: draft no further than the position before it; at
-    # position 0 the row cannot go on at all
-    empty = ~torch.isfinite(lp).any(dim=-1)  # [B, K+1]
+    # position 0 the row cannot go on at all (one pass gives the argmax acceptance needs too)
+    best = lp.max(dim=-1)
+    empty = ~(best.values > float("-inf"))  # [B, K+1]
     for b, i in torch.nonzero(empty).tolist():
         if i == 0:
             first = position_masks[0] if position_masks is not None else None
             errors.setdefault(b, "no token can be drawn: " + _why_empty(first, b))
         elif i <= int(lengths[b]):
             lengths[b] = min(int(lengths[b]), i - 1)
+    argmax: torch.Tensor | None = best.indices
     if errors:
         lp = lp.clone()
         for b in errors:
             lp[b] = 0.0
             lengths[b] = 0
-    acceptance = accept(lp, draft.tokens, lengths, draft.probs, sampler.greedy, generators)
+        argmax = None
+    acceptance = accept(lp, draft.tokens, lengths, draft.probs, sampler.greedy, generators, argmax)
     return Verified(acceptance, lp, after_step(sampler, states, lp, acceptance), errors)

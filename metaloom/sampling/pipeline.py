@@ -97,6 +97,12 @@ class Sampler:
         return self.columns["temperature"]
 
     @property
+    def plain(self) -> bool:
+        """True when `process` is plain log-softmax for every row: greedy rows (or temperature 1)
+        with no adapter and no logit bias. (A constraint mask still applies: callers check it.)"""
+        return not self.enabled and all(p.greedy or p.temperature == 1.0 for p in self.params)
+
+    @property
     def any_penalty(self) -> bool:
         return any(p.uses_penalties for p in self.params)
 

@@ -50,7 +50,7 @@ class Acceptance:
 
 def accept(target_logprobs: torch.Tensor, draft_tokens: torch.Tensor, draft_lengths: torch.Tensor,
            draft_probs: torch.Tensor | None, greedy: torch.Tensor,
-           generators: Sequence[torch.Generator | None]) -> Acceptance:
+           generators: Sequence[torch.Generator | None], argmax: torch.Tensor | None = None) -> Acceptance:
     """Accept or reject each row's draft.
 
     target_logprobs [B, K+1, V]: log p_i (pipeline output; -inf where impossible).
@@ -58,6 +58,7 @@ def accept(target_logprobs: torch.Tensor, draft_tokens: torch.Tensor, draft_leng
     draft_probs [B, K, V] or None: q_i, the distribution each draft token was drawn from
     (None: deterministic drafts, q = one-hot). greedy [B] bool: rows decoded by argmax.
     generators[b]: row b's RNG (None: torch's default) for the uniform and the final draw.
+    argmax [B, K+1]: ``target_logprobs.argmax(-1)`` when the caller has it already.
     """
     b, k1, v = target_logprobs.shape
     k = k1 - 1
@@ -68,7 +69,7 @@ def accept(target_logprobs: torch.Tensor, draft_tokens: torch.Tensor, draft_leng
     lengths = draft_lengths.to(device)
     in_draft = torch.arange(k, device=device)[None, :] < lengths[:, None]  # [B, K]
     greedy = greedy.to(device)
-    best = target_logprobs.argmax(dim=-1)  # [B, K+1]: the same argmax as Sampler.draw
+    best = target_logprobs.argmax(dim=-1) if argmax is None else argmax  # [B, K+1]: the same argmax as Sampler.draw
     ok = (best[:, :k] == draft_tokens) & in_draft
     sampled = [r for r in range(b) if not bool(greedy[r])]
     p = q_n = None
@@ -140,6 +141,8 @@ def target_logprobs(sampler: Sampler, logits: torch.Tensor, drafts: torch.Tensor
     i (K+1 entries): after acceptance, `after_step` picks each row's.
     """
     k1 = logits.shape[1]
+    if sampler.plain and masks is None:  # every position the same map of its logits: one call
+        return torch.log_softmax(logits.float(), dim=-1), [state] * k1
     out = []
     states = [state]
     for i in range(k1):
