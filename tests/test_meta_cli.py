@@ -168,10 +168,13 @@ def test_a_missing_prompt_is_one_error_line_naming_the_parameter(capsys, monkeyp
 
 
 def test_dotted_values_never_become_the_prompt():
-    args, (params, _, _) = parsed("--strategy", "best_of_n", "--strategy.n", "0", "the prompt")
-    assert args.prompt == "the prompt" and params == {"n": "0"}  # "0" went to n, "the prompt" to the prompt
+    args, (params, _, _) = parsed("--strategy", "best_of_n", "--strategy.n", "3", "the prompt")
+    assert args.prompt == "the prompt" and params == {"n": "3"}  # "3" went to n, "the prompt" to the prompt
+    # a value the strategy itself refuses is caught while parsing, before any model is loaded
     with pytest.raises(InvalidParameter, match="invalid n=0"):
-        build_strategy(args.strategy, params, {})
+        parsed("--strategy", "best_of_n", "--strategy.n", "0", "the prompt")
+    with pytest.raises(InvalidParameter, match="invalid n=0"):
+        build_strategy("best_of_n", {"n": "0"}, {})
 
 
 def test_strategies_lists_every_strategy_and_component(capsys):

@@ -154,7 +154,15 @@ def build(label: str, entry: Callable[..., Any], params: Mapping[str, str], grou
         elif p.default is REQUIRED and p.factory is None:
             raise InvalidParameter(f"{label}.{p.name}", None, f"a value (--{label}.{p.name} is required)")
     if context.get("dry"):
-        return None  # a dry run checks names, parameters and types without building (no model loads)
+        # a dry run checks names, parameters and types without building components (no model
+        # loads); a strategy's own checks of its values (__post_init__) run too, on a throwaway
+        # copy made with the components' defaults, when it can be made without them
+        if isinstance(entry, type) and dataclasses.is_dataclass(entry):
+            given = {k: v for k, v in kwargs.items() if v is not None}
+            required = {p.name for p in declared if p.default is REQUIRED and p.factory is None}
+            if required <= given.keys():
+                entry(**given)
+        return None
     return entry(**kwargs)
 
 
