@@ -115,16 +115,17 @@ DECODER_NAMES: dict[type, str] = {BeamParams: "beam", ContrastiveParams: "contra
 
 @dataclass(frozen=True)
 class DecoderOptions:
-    """Every decoder's options, as the CLI and server collect them; each decoder reads its own."""
+    """Every decoder's options, as the CLI and server collect them; each decoder reads its own.
+    The defaults are the specs' own (one place to change them)."""
 
-    beams: int = 4
-    length_penalty: float = 1.0
-    early_stopping: bool | str = False
-    num_beam_groups: int = 1
-    diversity_penalty: float = 0.0
-    contrastive_alpha: float = 0.1
-    amateur_temperature: float = 1.0
-    cfg_scale: float = 1.5
+    beams: int = BeamParams.beams
+    length_penalty: float = BeamParams.length_penalty
+    early_stopping: bool | str = BeamParams.early_stopping
+    num_beam_groups: int = BeamParams.num_beam_groups
+    diversity_penalty: float = BeamParams.diversity_penalty
+    contrastive_alpha: float = ContrastiveParams.alpha
+    amateur_temperature: float = ContrastiveParams.amateur_temperature
+    cfg_scale: float = GuidanceParams.scale
     negative_prompt: str | tuple[dict[str, str], ...] | None = None
 
 
