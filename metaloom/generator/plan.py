@@ -86,9 +86,9 @@ def encode(engine: LocalGenerator, prompt: Prompt) -> list[int]:
 
 def check_ids(name: str, ids: tuple[int, ...] | list[int], vocab: int) -> None:
     """Raise `InvalidParameter` for token ids outside the vocabulary."""
-    bad = [t for t in ids if t >= vocab]
+    bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
-        raise InvalidParameter(name, bad[:8], f"token ids below the vocabulary size {vocab}")
+        raise InvalidParameter(name, bad[:8], f"token ids in [0, {vocab})")
 
 
 def plan(engine: LocalGenerator, request: Request) -> Plan:
@@ -96,8 +96,9 @@ def plan(engine: LocalGenerator, request: Request) -> Plan:
     engine.capabilities.check(request, engine.name)
     model, vocab = engine.model, engine.model.vocab_size
     ids = encode(engine, request.prompt)
-    if isinstance(request.prompt, TokenIds):
-        check_ids("prompt ids", ids, vocab)
+    # given ids, or a tokenizer whose ids the model does not have (a mismatched pair): a typed
+    # error naming the prompt, never an index error deep in the first forward
+    check_ids("prompt ids", ids, vocab)
     check_ids("prefix", request.prefix, vocab)
     prepared = None
     if request.constraint is not None or request.token_healing:
