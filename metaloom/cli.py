@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from metaloom.commands import bench, generate, run, score, strategies, train_speculator
+from metaloom.commands import bench, generate, run, score, serve, strategies, train_speculator
 from metaloom.errors import MetaloomError
 
 EXIT_USAGE = 2
@@ -18,6 +18,7 @@ EXIT_USAGE = 2
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [generate.register, bench.register]
 COMMANDS += [run.register, strategies.register]  # meta-generation
 COMMANDS += [score.register]  # log-probabilities of continuations
+COMMANDS += [serve.register]  # the OpenAI-compatible server
 COMMANDS += [train_speculator.register]  # speculator heads (metaloom.speculative.heads)
 
 

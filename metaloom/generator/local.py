@@ -175,10 +175,10 @@ class LocalGenerator:
         batch = self.new_batch(p.kind)
         try:
             rows = batch.admit(p.rows(ledger, self.model.device))
-            yield from _chunks(rows)
+            yield from chunks(rows)
             while batch.rows:
                 batch.step()
-                yield from _chunks(rows)
+                yield from chunks(rows)
         finally:
             batch.close()  # a closed stream cancels what is left
             _charge_time(ledger, time.perf_counter() - started)
@@ -261,7 +261,7 @@ def completion(state: RowState) -> Completion:
                       decoder_logprobs=tuple(state.scores) if state.scores else None, error=state.error)
 
 
-def _chunks(rows: Sequence[Row]) -> Iterator[StreamChunk]:
+def chunks(rows: Sequence[Row]) -> Iterator[StreamChunk]:
     """A chunk for each row with new tokens since the last call, or whose finish is not yet
     reported (``StreamChunk.index``: the row's sample index)."""
     for i, row in enumerate(rows):

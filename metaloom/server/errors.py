@@ -1,0 +1,50 @@
+"""Errors in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the status
+that says who must act: 400 the caller's parameters (naming the field), 401, 404 an unknown model,
+413 an oversized body, 429 overloaded (with Retry-After), 500 only for a bug (logged server-side
+with its traceback; the client gets no internals)."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+from metaloom.errors import (
+    BudgetExceeded,
+    ContextWindowExceeded,
+    InvalidGrammar,
+    InvalidParameter,
+    MetaloomError,
+    Unsupported,
+)
+from metaloom.server.scheduler import Overloaded
+
+
+class ApiError(Exception):
+    """An error with an HTTP status, in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, dict[str, str | None]]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def api_error(exc: BaseException) -> ApiError:
+    """The HTTP face of an exception: 400 for what the caller can fix, 429 overloaded, 500 a bug."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, Overloaded):
+        return ApiError(429, str(exc), "rate_limit_exceeded", code="overloaded",
+                        headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, InvalidParameter):
+        return ApiError(400, str(exc), "invalid_request_error", param=exc.name)
+    if isinstance(exc, Unsupported):
+        return ApiError(400, str(exc), "invalid_request_error", param=getattr(exc, "field", None), code="unsupported")
+    if isinstance(exc, InvalidGrammar | ContextWindowExceeded | BudgetExceeded | MetaloomError):
+        return ApiError(400, str(exc), "invalid_request_error")
+    return ApiError(500, "internal server error (logged on the server)", "server_error")

@@ -1,0 +1,255 @@
+"""The OpenAI request bodies as pydantic models (so the app publishes a real OpenAPI schema), and
+their translation into metaloom `Request`s.
+
+Every field OpenAI defines is either honoured or refused with a 400 that names it (``tools``,
+``audio``, ``echo``…): never silently dropped. metaloom's own sampling parameters sit beside
+OpenAI's under the names vLLM uses (``top_k``, ``min_p``, ``repetition_penalty``,
+``include_stop_str_in_output``, ``guided_json``, ``guided_regex``, ``guided_choice``,
+``guided_grammar``), and the rest under their `SamplingParams` names; decoders under
+``decoder`` with `DecoderOptions`' names; a strategy under ``metaloom``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from metaloom.constrain.spec import ConstraintSpec
+from metaloom.errors import InvalidParameter
+from metaloom.generator.specs import DECODERS, DecoderOptions, build_decoder
+from metaloom.generator.types import Request, TokenIds
+from metaloom.sampling.params import SamplingParams
+
+# OpenAI fields metaloom does not serve: a request that sets one (to anything but null/false/empty)
+# is refused naming it
+REFUSED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio", "modalities",
+           "prediction", "reasoning_effort", "service_tier", "store", "metadata", "web_search_options", "suffix",
+           "echo", "best_of", "verbosity", "prompt_cache_key", "safety_identifier")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StrategyOptions(BaseModel):
+    """``{"strategy": "majority_vote", "params": {"n": 8}, "budget": {"output_tokens": 2000}}``;
+    ``trace``: include the strategy's trace in the response."""
+
+    model_config = ConfigDict(extra="forbid")
+    strategy: str
+    params: dict[str, Any] = Field(default_factory=dict)
+    budget: dict[str, float] = Field(default_factory=dict)
+    trace: bool = False
+
+
+# every SamplingParams field OpenAI does not define, under its own name (vLLM's where vLLM has one)
+_OPENAI_SAMPLING = {"temperature", "top_p", "n", "seed", "stop", "presence_penalty", "frequency_penalty", "logit_bias",
+                    "max_tokens"}
+_HINTS = typing.get_type_hints(SamplingParams)
+_EXTRA_SAMPLING: dict[str, Any] = {f.name: (_HINTS[f.name] | None, None) for f in dataclasses.fields(SamplingParams)
+                   if f.name not in _OPENAI_SAMPLING}
+_DECODER_HINTS = typing.get_type_hints(DecoderOptions)
+_DECODER_FIELDS: dict[str, Any] = {f.name: (_DECODER_HINTS[f.name] | None, None) for f in dataclasses.fields(DecoderOptions)}
+_REFUSED_FIELDS: dict[str, Any] = {name: (Any, None) for name in REFUSED}
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model: str
+    n: int | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user id for the caller's own records; changes nothing here
+    # constraints, by vLLM's names
+    guided_json: dict[str, Any] | str | bool | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    decoder: str | None = None
+    token_healing: bool = False
+    metaloom: StrategyOptions | None = None
+
+
+_CHAT: dict[str, Any] = {"messages": (list[dict[str, Any]], ...), "max_completion_tokens": (int | None, None),
+                         "logprobs": (bool, False), "top_logprobs": (int | None, None),
+                         "response_format": (ResponseFormat | None, None)}
+_COMPLETION: dict[str, Any] = {"prompt": (str | list[str] | list[int] | list[list[int]], ...),
+                               "logprobs": (int | None, None)}
+ChatBody = create_model("ChatBody", __base__=_Common, **_CHAT, **_EXTRA_SAMPLING, **_DECODER_FIELDS, **_REFUSED_FIELDS)
+CompletionBody = create_model("CompletionBody", __base__=_Common, **_COMPLETION, **_EXTRA_SAMPLING, **_DECODER_FIELDS,
+                              **_REFUSED_FIELDS)
+
+
+def _refuse_unsupported(body: BaseModel) -> None:
+    for name in REFUSED:
+        value = getattr(body, name, None)
+        if value not in (None, False, [], {}):
+            if name == "best_of" and value == (getattr(body, "n", None) or 1):  # best_of == n is plain sampling
+                continue
+            raise InvalidParameter(name, value, "not set: metaloom's server does not support it")
+
+
+MAX_N = 128  # samples per request: more is a 400, not a queue of rows that starves everyone else
+
+
+def sampling_params(body: BaseModel, *, chat: bool) -> SamplingParams:
+    """The body's sampling parameters (validated by `SamplingParams`, which names a bad field)."""
+    data = body.model_dump(exclude_none=True, by_alias=False)
+    if isinstance(data.get("n"), int) and data["n"] > MAX_N:
+        raise InvalidParameter("n", data["n"], f"at most {MAX_N} samples per request")
+    if chat:
+        if data.get("max_completion_tokens") is not None:
+            data["max_tokens"] = data["max_completion_tokens"]
+        if data.get("top_logprobs"):
+            raise InvalidParameter("top_logprobs", data["top_logprobs"],
+                                   "0 or unset: this server reports the chosen token's log-probability only")
+    elif data.get("logprobs"):
+        raise InvalidParameter("logprobs", data["logprobs"],
+                               "0 or unset: this server reports the chosen token's log-probability only")
+    data.pop("logprobs", None)
+    return SamplingParams.from_openai(data)
+
+
+def constraint(body: BaseModel) -> ConstraintSpec | None:
+    """At most one of ``response_format`` (json_object / json_schema) and vLLM's ``guided_*``."""
+    found: list[tuple[str, ConstraintSpec]] = []
+    fmt = getattr(body, "response_format", None)
+    if fmt is not None and fmt.type != "text":
+        if fmt.type == "json_object":
+            found.append(("response_format", ConstraintSpec.json_schema({"type": "object"})))
+        else:
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise InvalidParameter("response_format.json_schema.schema", None, "a JSON Schema")
+            found.append(("response_format", ConstraintSpec.json_schema(fmt.json_schema.schema_)))
+    b: Any = body
+    if b.guided_json is not None:
+        found.append(("guided_json", ConstraintSpec.json_schema(b.guided_json)))
+    if b.guided_regex is not None:
+        found.append(("guided_regex", ConstraintSpec.regex(b.guided_regex)))
+    if b.guided_choice is not None:
+        found.append(("guided_choice", ConstraintSpec.choices(b.guided_choice)))
+    if b.guided_grammar is not None:
+        found.append(("guided_grammar", ConstraintSpec.lark(b.guided_grammar)))
+    if len(found) > 1:
+        raise InvalidParameter(found[1][0], "set", f"one constraint per request (already {found[0][0]})")
+    return found[0][1] if found else None
+
+
+def messages(raw: list[dict[str, Any]]) -> tuple[dict[str, str], ...]:
+    """Chat messages as the engine takes them: role and text. Text parts are joined; images,
+    audio and tool messages are refused naming where."""
+    if not raw:
+        raise InvalidParameter("messages", raw, "at least one message")
+    out = []
+    for i, m in enumerate(raw):
+        role, content = m.get("role"), m.get("content")
+        if role not in ("system", "user", "assistant", "developer"):
+            raise InvalidParameter(f"messages[{i}].role", role, "one of system, developer, user, assistant")
+        extra = sorted(set(m) - {"role", "content", "name"})
+        if extra:
+            raise InvalidParameter(f"messages[{i}].{extra[0]}", m[extra[0]], "not set: only role, content and name")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise InvalidParameter(f"messages[{i}].content[{j}]", part, "a text part {'type': 'text', 'text': ...}")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise InvalidParameter(f"messages[{i}].content", content, "a string or a list of text parts")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return tuple(out)
+
+
+def decoder(body: BaseModel, params: SamplingParams) -> tuple[SamplingParams, Any]:
+    b: Any = body
+    if b.decoder is None:
+        given = [f.name for f in dataclasses.fields(DecoderOptions) if getattr(b, f.name) is not None]
+        if given:
+            raise InvalidParameter(given[0], getattr(b, given[0]), f"set with a decoder (decoder: one of {sorted(DECODERS)})")
+        return params, None
+    options = DecoderOptions(**{f.name: getattr(b, f.name) for f in dataclasses.fields(DecoderOptions)
+                                if getattr(b, f.name) is not None})
+    return build_decoder(b.decoder, params, options)
+
+
+def chat_request(body: BaseModel) -> Request:
+    _refuse_unsupported(body)
+    params = sampling_params(body, chat=True)
+    params, spec = decoder(body, params)
+    b: Any = body
+    return Request(messages(b.messages), params, constraint=constraint(body), token_healing=b.token_healing,
+                   decoder=spec)
+
+
+def completion_requests(body: BaseModel) -> list[Request]:
+    """One request per prompt (a list of prompts is a batch; token-id lists are exact prompts)."""
+    _refuse_unsupported(body)
+    params = sampling_params(body, chat=False)
+    params, spec = decoder(body, params)
+    b: Any = body
+    prompt = b.prompt
+    prompts: list[Any]
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [TokenIds(tuple(prompt))]
+    elif prompt and all(isinstance(p, list) for p in prompt):
+        prompts = [TokenIds(tuple(p)) for p in prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise InvalidParameter("prompt", prompt, "a non-empty prompt or list of prompts")
+    return [Request(p, params, constraint=constraint(body), token_healing=b.token_healing, decoder=spec) for p in prompts]
+
+
+def strategy_params(options: StrategyOptions) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+    """The ``metaloom.params`` object as the CLI's text parameters: ``{"n": 8, "scorer": "judge",
+    "scorer.limits": ...}``; a nested object configures the component chosen by that field."""
+    params: dict[str, str] = {}
+    groups: dict[str, dict[str, str]] = {}
+    for key, value in options.params.items():
+        group, dot, sub = key.partition(".")
+        if isinstance(value, Mapping) and not dot:
+            groups.setdefault(key, {}).update({k: _text(v) for k, v in value.items()})
+        elif dot:
+            groups.setdefault(group, {})[sub] = _text(value)
+        else:
+            params[key] = _text(value)
+    return params, groups
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value)

@@ -1,0 +1,327 @@
+"""`metaloom serve` through the official `openai` client, on the real default model, on loopback:
+the same text as offline generation, streaming that joins to the non-streamed text, 64 concurrent
+clients each getting its own answer, cancellation that frees rows, strategies per request,
+errors in OpenAI's shape with the right status, auth, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+
+import httpx2 as httpx  # the HTTP client the openai package itself uses (openai >= 3)
+import openai
+import pytest
+import uvicorn
+
+from metaloom.generator import LocalGenerator, Request
+from metaloom.generator.plan import encode
+from metaloom.ledger import Ledger
+from metaloom.prefix import PrefixCache
+from metaloom.sampling import SamplingParams
+from metaloom.server.app import create_app
+
+KEY = "test-key"
+
+
+class Served:
+    def __init__(self, app, port: int) -> None:
+        self.app, self.port = app, port
+        self.url = f"http://127.0.0.1:{port}"
+
+    def client(self, key: str | None = None, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key or "none", max_retries=0, timeout=120, **kw)
+
+    def async_client(self, key: str | None = None) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=key or "none", max_retries=0, timeout=300)
+
+
+@contextlib.contextmanager
+def serving(generator, **kw):
+    with serve_app(create_app(generator, model_ids=["default"], **kw)) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def serve_app(app):
+    """``app`` on a free loopback port, in a thread, for the duration."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield Served(app, port)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def served(smollm):
+    with serving(LocalGenerator(smollm, prefix_cache=PrefixCache(budget_bytes=256 << 20))) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def secured(smollm):
+    with serving(LocalGenerator(smollm), api_key=KEY) as s:
+        yield s
+
+
+def _chat(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def _offline(smollm_generator, messages, **params) -> list:
+    request = Request(tuple(messages), SamplingParams(**params))
+    return smollm_generator.generate([request], ledger=Ledger())[0]
+
+
+# --- the request honoured ----------------------------------------------------------------------
+
+def test_chat_greedy_equals_offline_generation_with_usage_and_logprobs(served, smollm_generator):
+    messages = _chat("Name three fruits.")
+    r = served.client().chat.completions.create(model="default", messages=messages, max_tokens=20, temperature=0,
+                                                logprobs=True)
+    expected = _offline(smollm_generator, messages, temperature=0, max_tokens=20)[0]
+    choice = r.choices[0]
+    assert choice.message.content == expected.text and choice.finish_reason == expected.finish_reason
+    assert [t.logprob for t in choice.logprobs.content] == pytest.approx(list(expected.logprobs), abs=1e-4)
+    assert r.usage.completion_tokens == len(expected.token_ids)
+    assert r.usage.prompt_tokens == len(encode(smollm_generator, tuple(messages)))
+    extra = r.usage.model_extra["metaloom"]
+    assert extra["forward_passes"] == len(expected.token_ids) and extra["flops"] > 0
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_stream_chunks_join_to_the_non_streamed_text_for_the_same_seed(served, chat):
+    c = served.client()
+    args = dict(model="default", max_tokens=24, temperature=0.9, seed=7, n=2)
+    if chat:
+        whole = c.chat.completions.create(messages=_chat("Tell me about owls."), **args)
+        texts = {ch.index: ch.message.content for ch in whole.choices}
+        stream = c.chat.completions.create(messages=_chat("Tell me about owls."), stream=True,
+                                           stream_options={"include_usage": True}, **args)
+    else:
+        whole = c.completions.create(prompt="Owls are", **args)
+        texts = {ch.index: ch.text for ch in whole.choices}
+        stream = c.completions.create(prompt="Owls are", stream=True, stream_options={"include_usage": True}, **args)
+    parts: dict[int, str] = {0: "", 1: ""}
+    finishes: dict[int, str] = {}
+    usage = None
+    for chunk in stream:
+        for ch in chunk.choices:
+            parts[ch.index] += (ch.delta.content or "") if chat else ch.text
+            if ch.finish_reason is not None:
+                finishes[ch.index] = ch.finish_reason
+        usage = chunk.usage or usage
+    assert parts == texts and texts[0] != texts[1]  # two different samples, each joined exactly
+    assert finishes == {ch.index: ch.finish_reason for ch in whole.choices}
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_completions_take_a_batch_of_prompts_and_token_ids(served, smollm_generator):
+    tok = smollm_generator.tokenizer
+    ids = tok.encode("The capital of France is", add_special_tokens=False)
+    r = served.client().completions.create(model="default", prompt=["The capital of France is", "1, 2, 3,"], n=1,
+                                           max_tokens=6, temperature=0)
+    by_ids = served.client().completions.create(model="default", prompt=ids, max_tokens=6, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert by_ids.choices[0].text == r.choices[0].text  # the same prompt, as text and as its token ids
+
+
+def test_response_format_json_schema_is_enforced(served):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = served.client().chat.completions.create(
+        model="default", messages=_chat("Invent a person."), max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    value = json.loads(r.choices[0].message.content)
+    assert set(value) == {"name", "age"} and isinstance(value["age"], int)
+
+
+def test_two_requests_with_one_system_prompt_prefill_it_once(served):
+    system = "You are a terse assistant. " * 20
+    c = served.client()
+    first = c.chat.completions.create(model="default", messages=[{"role": "system", "content": system}, *_chat("Hi")],
+                                      max_tokens=4, temperature=0)
+    second = c.chat.completions.create(model="default", messages=[{"role": "system", "content": system}, *_chat("Bye")],
+                                       max_tokens=4, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens >= 100  # the system prompt's tokens came from the cache
+    assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens_details.cached_tokens
+
+
+# --- continuous batching -------------------------------------------------------------------------
+
+def test_64_concurrent_clients_each_get_their_own_answer(served, smollm_generator):
+    prompts = [f"Write the number {i} in words." for i in range(64)]
+    expected = [_offline(smollm_generator, _chat(p), temperature=0, max_tokens=10)[0].text for p in prompts]
+
+    async def ask(client, p):
+        r = await client.chat.completions.create(model="default", messages=_chat(p), max_tokens=10, temperature=0)
+        return r.choices[0].message.content
+
+    async def everyone():
+        client = served.async_client()
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(ask(client, p) for p in prompts)), timeout=600)
+        finally:
+            await client.close()
+
+    steps_before = served.app.state.scheduler.steps
+    got = asyncio.run(everyone())
+    assert got == expected  # every response correct and to the client that asked
+    # and they were batched: far fewer steps than 64 requests decoded one after another
+    assert served.app.state.scheduler.steps - steps_before < 64 * 10 // 4
+
+
+def test_a_client_that_goes_away_frees_its_rows(served):
+    sched = served.app.state.scheduler
+    with httpx.stream("POST", served.url + "/v1/chat/completions", timeout=60,
+                      json={"model": "default", "messages": _chat("Write a long story."), "max_tokens": 2000,
+                            "temperature": 0.8, "ignore_eos": True, "stream": True}) as response:
+        lines = response.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in got)
+        assert sched.stats().running_rows == 1
+    deadline = time.monotonic() + 20
+    while sched.stats().running_rows and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sched.stats().running_rows == 0  # cancelled long before its 2,000 tokens
+
+
+# --- strategies per request ----------------------------------------------------------------------
+
+def test_a_strategy_by_model_alias_and_by_metaloom_object(served):
+    c = served.client()
+    question = _chat("What is 2 + 3? Answer with a number.")
+    by_alias = c.chat.completions.create(model="majority_vote@n=4:default", messages=question, max_tokens=16, seed=3)
+    by_body = c.chat.completions.create(model="default", messages=question, max_tokens=16, seed=3,
+                                        extra_body={"metaloom": {"strategy": "majority_vote", "params": {"n": 4},
+                                                                 "trace": True}})
+    for r in (by_alias, by_body):
+        info = r.model_extra["metaloom"]
+        assert info["strategy"] == "majority_vote" and len(info["candidates"]) == 4
+        assert r.choices[0].message.content == info["candidates"][info["best_index"]]["text"]
+        assert r.usage.completion_tokens == sum(cand["tokens"] for cand in info["candidates"])
+    assert by_alias.choices[0].message.content == by_body.choices[0].message.content  # same seed, same run
+    assert any(e["kind"] == "vote" for e in by_body.model_extra["metaloom"]["trace"])
+
+
+def test_a_streamed_strategy_sends_progress_then_the_answer(served):
+    stream = served.client().chat.completions.create(
+        model="default", messages=_chat("Name a color."), max_tokens=8, stream=True, stream_options={"include_usage": True},
+        extra_body={"metaloom": {"strategy": "best_of_n", "params": {"n": 3}}})
+    events = list(stream)
+    progress = [e.model_extra["metaloom"] for e in events if (e.model_extra or {}).get("metaloom", {}).get("event")]
+    assert progress and progress[-1]["samples_finished"] == 3
+    text = "".join(ch.delta.content or "" for e in events for ch in e.choices)
+    final = events[-1]
+    assert final.usage is not None and text == final.model_extra["metaloom"]["candidates"][
+        final.model_extra["metaloom"]["best_index"]]["text"]
+
+
+def test_a_strategy_budget_stops_and_keeps_the_work(served):
+    r = served.client().chat.completions.create(
+        model="default", messages=_chat("Count to fifty."), max_tokens=64, seed=1,
+        extra_body={"metaloom": {"strategy": "majority_vote", "params": {"n": 4}, "budget": {"output_tokens": 40}}})
+    info = r.model_extra["metaloom"]
+    assert info["stopped_reason"] is not None and info["candidates"]
+    assert r.usage.completion_tokens <= 40 + 4  # the step that crossed the limit, at most one token per row
+
+
+# --- errors in OpenAI's shape ----------------------------------------------------------------------
+
+def _post(served, body, headers=None, path="/v1/chat/completions"):
+    return httpx.post(served.url + path, json=body, headers=headers or {}, timeout=60)
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    ({"model": "default", "messages": _chat("x"), "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"model": "default", "messages": _chat("x"), "frobnicate": 1}, 400, "frobnicate"),
+    ({"model": "default", "messages": _chat("x"), "temperature": -1}, 400, "temperature"),
+    ({"model": "default", "messages": _chat("x"), "max_tokens": "many"}, 400, "max_tokens"),
+    ({"model": "default", "messages": []}, 400, "messages"),
+    ({"model": "default", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
+     "messages[0].content[0]"),
+    ({"model": "default", "messages": _chat("x"), "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    ({"model": "default", "messages": _chat("x"), "max_tokens": 100000}, 400, None),  # past the context window
+    ({"model": "default", "messages": _chat("x"), "metaloom": {"strategy": "majority_vote", "params": {"n": 0}}}, 400,
+     "metaloom.params.n"),
+    ({"model": "default", "messages": _chat("x"), "metaloom": {"strategy": "nope"}}, 400, "metaloom.strategy"),
+    ({"model": "gpt-9", "messages": _chat("x")}, 404, "model"),
+])
+def test_bad_requests_get_openai_errors_naming_the_field(served, body, status, param):
+    r = _post(served, body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_an_oversized_body_is_413(served):
+    r = _post(served, {"model": "default", "messages": _chat("x" * (5 << 20))})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
+def test_a_bug_is_a_500_that_tells_the_client_nothing(served, monkeypatch, caplog):
+    def broken(*a, **k):
+        raise RuntimeError("secret internals")
+
+    monkeypatch.setattr(served.app.state.scheduler, "submit", broken)
+    r = _post(served, {"model": "default", "messages": _chat("x")})
+    assert r.status_code == 500 and "secret" not in r.text
+    assert any("secret internals" in str(rec.exc_info) for rec in caplog.records if rec.exc_info)
+
+
+def test_overload_is_429_with_retry_after(smollm):
+    with serving(LocalGenerator(smollm), max_rows=1, max_waiting=1) as s:
+        body = {"model": "default", "messages": _chat("Write a poem."), "max_tokens": 40, "ignore_eos": True,
+                "temperature": 0}
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=120) as client:
+                return await asyncio.gather(*(client.post(s.url + "/v1/chat/completions", json=body) for _ in range(6)))
+
+        statuses = [r.status_code for r in asyncio.run(burst())]
+        refused = [r for r in asyncio.run(burst()) if r.status_code == 429]
+    assert 429 in statuses and 200 in statuses and set(statuses) <= {200, 429}
+    assert refused and all(r.headers["retry-after"] == "1" for r in refused)
+
+
+def test_auth_on_and_off(secured, served):
+    assert _post(secured, {"model": "default", "messages": _chat("x"), "max_tokens": 1}).status_code == 401
+    wrong = _post(secured, {"model": "default", "messages": _chat("x"), "max_tokens": 1}, {"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(secured.url + "/v1/models").status_code == 401
+    ok = secured.client(KEY).chat.completions.create(model="default", messages=_chat("x"), max_tokens=1)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+    assert [m.id for m in served.client().models.list().data] == ["default"]  # no key needed when none is set
+    assert httpx.get(secured.url + "/health").status_code == 200  # health and metrics stay open
+
+
+def test_metrics_count_requests_and_tokens(served):
+    before = httpx.get(served.url + "/metrics").text
+    served.client().chat.completions.create(model="default", messages=_chat("Hi"), max_tokens=5, temperature=0)
+    after = httpx.get(served.url + "/metrics").text
+
+    def value(text, name):
+        lines = [ln for ln in text.splitlines() if ln.startswith(name + " ") or ln.startswith(name + "{")]
+        return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
+
+    assert value(after, "metaloom_completion_tokens_total") - value(before, "metaloom_completion_tokens_total") == 5
+    ttft = "metaloom_time_to_first_token_seconds_count"
+    assert value(after, ttft) > value(before, ttft)
+    for name in ("metaloom_requests_total", "metaloom_queue_depth", "metaloom_running_rows", "metaloom_batch_size_bucket",
+                 "metaloom_request_latency_seconds_bucket"):
+        assert name in after
