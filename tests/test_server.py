@@ -8,14 +8,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
-import threading
 import time
 
 import httpx2 as httpx  # the HTTP client the openai package itself uses (openai >= 3)
 import openai
 import pytest
-import uvicorn
 
 from metaloom.generator import LocalGenerator, Request
 from metaloom.generator.plan import encode
@@ -23,6 +20,7 @@ from metaloom.ledger import Ledger
 from metaloom.prefix import PrefixCache
 from metaloom.sampling import SamplingParams
 from metaloom.server.app import create_app
+from metaloom.testing.served import serve_app
 
 KEY = "test-key"
 
@@ -41,28 +39,9 @@ class Served:
 
 @contextlib.contextmanager
 def serving(generator, **kw):
-    with serve_app(create_app(generator, model_ids=["default"], **kw)) as served:
-        yield served
-
-
-@contextlib.contextmanager
-def serve_app(app):
-    """``app`` on a free loopback port, in a thread, for the duration."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield Served(app, port)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    app = create_app(generator, model_ids=["default"], **kw)
+    with serve_app(app) as url:
+        yield Served(app, int(url.rsplit(":", 1)[1]))
 
 
 @pytest.fixture(scope="module")
@@ -313,15 +292,19 @@ def test_auth_on_and_off(secured, served):
 def test_metrics_count_requests_and_tokens(served):
     before = httpx.get(served.url + "/metrics").text
     served.client().chat.completions.create(model="default", messages=_chat("Hi"), max_tokens=5, temperature=0)
+    list(served.client().chat.completions.create(model="default", messages=_chat("Hi"), max_tokens=5, temperature=0,
+                                                 stream=True))
     after = httpx.get(served.url + "/metrics").text
 
     def value(text, name):
         lines = [ln for ln in text.splitlines() if ln.startswith(name + " ") or ln.startswith(name + "{")]
         return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
 
-    assert value(after, "metaloom_completion_tokens_total") - value(before, "metaloom_completion_tokens_total") == 5
+    assert value(after, "metaloom_completion_tokens_total") - value(before, "metaloom_completion_tokens_total") == 10
     ttft = "metaloom_time_to_first_token_seconds_count"
     assert value(after, ttft) > value(before, ttft)
+    latency = 'metaloom_request_latency_seconds_count{route="/v1/chat/completions"}'
+    assert value(after, latency) - value(before, latency) == 2  # once per request, streamed or not
     for name in ("metaloom_requests_total", "metaloom_queue_depth", "metaloom_running_rows", "metaloom_batch_size_bucket",
                  "metaloom_request_latency_seconds_bucket"):
         assert name in after

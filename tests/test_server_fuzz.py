@@ -13,6 +13,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from metaloom.generator import LocalGenerator  # noqa: E402
 from metaloom.server.app import create_app  # noqa: E402
+from metaloom.testing.served import serve_app  # noqa: E402
 from metaloom.testing.tiny import tiny_llama  # noqa: E402
 
 APP = create_app(LocalGenerator(tiny_llama()), model_ids=["default"], max_rows=16, max_waiting=64)
@@ -22,10 +23,8 @@ OPERATIONS = {op.ok().label: op.ok() for op in SCHEMA.get_all_operations()}
 
 @pytest.fixture(scope="module")
 def url():
-    from tests.test_server import serve_app
-
-    with serve_app(APP) as served:
-        yield served.url
+    with serve_app(APP) as base:
+        yield base
 SEEN: dict[tuple[str, int], int] = {}
 
 

@@ -32,10 +32,11 @@ def run(args: argparse.Namespace) -> int:
     from metaloom.models import load
     from metaloom.server.app import create_app
 
-    for name in ("port", "max_rows", "max_waiting"):
-        value = getattr(args, name)
-        if value < (0 if name == "max_waiting" else 1) or (name == "port" and value > 65535):
-            raise InvalidParameter(name, value, "a port in 1..65535" if name == "port" else "a positive count")
+    if not 1 <= args.port <= 65535:
+        raise InvalidParameter("port", args.port, "a port in 1..65535")
+    if args.max_rows < 1 or args.max_waiting < 0:  # checked before the model load, as the scheduler would
+        raise InvalidParameter("max_rows" if args.max_rows < 1 else "max_waiting",
+                               args.max_rows if args.max_rows < 1 else args.max_waiting, ">= 1 rows, >= 0 waiting")
     if not args.max_body_mb > 0:
         raise InvalidParameter("max_body_mb", args.max_body_mb, "> 0")
     prefix_cache(args.prefix_cache_mb, None)  # validated before the load

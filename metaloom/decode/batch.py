@@ -42,7 +42,7 @@ from metaloom.constrain import Constraint
 from metaloom.decode.forward import charged_forward_both
 from metaloom.decode.rows import RowState, emit
 from metaloom.decode.select import draw, raw_logprobs, verify
-from metaloom.errors import BudgetExceeded
+from metaloom.errors import BudgetExceeded, UnsupportedModel
 from metaloom.ledger import Ledger
 from metaloom.models.cache import PagedKVCache
 from metaloom.models.protocols import KVCache, LanguageModel, Tokenizer
@@ -188,7 +188,7 @@ class DecodeBatch:
         assert self.sampler is not None and self.state is not None and self.pending is not None
         joined = getattr(self.cache, "join", None)
         if joined is None:
-            raise NotImplementedError(f"{type(self.cache).__name__} cannot take rows into a running batch (no join)")
+            raise UnsupportedModel(f"{type(self.cache).__name__} cannot take rows into a running batch (no join)")
         self.cache = joined(cache)
         self.state = self.state.join(state, len(self.rows), len(rows))
         self.sampler = self.sampler.join(sampler)

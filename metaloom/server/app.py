@@ -142,7 +142,7 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
         response: Response = await call_next(request)
         route = request.url.path if request.url.path in _ROUTES else "other"
         metrics.requests.labels(route, str(response.status_code)).inc()
-        if not isinstance(response, StreamingResponse):
+        if not response.headers.get("content-type", "").startswith("text/event-stream"):  # those: in _sse, at the end
             metrics.latency.labels(route).observe(time.perf_counter() - started)
         return response
 
@@ -436,8 +436,8 @@ class _Call:
 
 
 def _finish(result: Any) -> str:
-    if result.stopped_reason is not None:
-        return "budget" if "budget" in str(result.stopped_reason) else str(result.stopped_reason)
+    if result.stopped_reason is not None:  # "budget"
+        return str(result.stopped_reason)
     if result.best_index is not None and result.candidates:
         return result.candidates[result.best_index].finish_reason
     return "stop"

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metaloom.decode.batch import DecodeBatch, Row
-from metaloom.errors import BudgetExceeded, MetaloomError
+from metaloom.errors import BudgetExceeded, InvalidParameter, MetaloomError
 from metaloom.generator.local import LocalGenerator, chunks, completion
 from metaloom.generator.plan import plan
 from metaloom.generator.specs import BeamParams
@@ -100,8 +100,10 @@ class Scheduler:
 
     def __init__(self, generator: LocalGenerator, *, max_rows: int = 64, max_waiting: int = 256,
                  on_step: Callable[[int], None] | None = None) -> None:
-        if max_rows < 1 or max_waiting < 0:
-            raise ValueError("max_rows >= 1 and max_waiting >= 0")
+        if max_rows < 1:
+            raise InvalidParameter("max_rows", max_rows, ">= 1")
+        if max_waiting < 0:
+            raise InvalidParameter("max_waiting", max_waiting, ">= 0")
         self.generator = generator
         self.max_rows, self.max_waiting = max_rows, max_waiting
         self.on_step = on_step  # called with the batch size after each step (metrics)
@@ -192,10 +194,9 @@ class Scheduler:
         while self._waiting:
             ticket = self._waiting[0]
             need = len(ticket.rows_to_admit)
-            if out and need > room:  # the first always goes in: a request wider than max_rows still runs
+            # wait for room, unless nothing else runs: a request wider than max_rows still goes in alone
+            if need > room and (out or any(b.rows for b in self._batches.values())):
                 break
-            if not out and need > room and any(b.rows for b in self._batches.values()):
-                break  # wait for room
             out.append(self._waiting.popleft())
             room -= need
         return out

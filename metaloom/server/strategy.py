@@ -41,8 +41,6 @@ class StrategyCall:
         """The strategy, with the request's own sampling parameters (those it set) applied to it."""
         from metaloom.meta.configure import build_strategy
 
-        if sampling.n != 1:
-            raise InvalidParameter("n", sampling.n, f"1 with a strategy (its samples are {self.name}'s own parameters)")
         strategy = build_strategy(self.name, self.params, self.groups, {"generator": generator})
         changed = {f.name: getattr(sampling, f.name) for f in dataclasses.fields(SamplingParams)
                    if getattr(sampling, f.name) != getattr(_DEFAULT, f.name)}

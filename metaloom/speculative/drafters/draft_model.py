@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from metaloom.decode.forward import Ledgers, charged_forward
+from metaloom.errors import UnsupportedModel
 from metaloom.models.protocols import KVCache, LanguageModel
 from metaloom.sampling.params import SamplingParams
 from metaloom.sampling.pipeline import Sampler, make_sampler
@@ -141,7 +142,7 @@ class DraftModelState:
         assert isinstance(other, DraftModelState)
         joined = getattr(self.cache, "join", None)
         if joined is None:
-            raise NotImplementedError(f"{type(self.cache).__name__} cannot take rows into a running batch")
+            raise UnsupportedModel(f"{type(self.cache).__name__} cannot take rows into a running batch (no join)")
         state = DraftModelState(self.model, joined(other.cache), self.fed + other.fed, self.q_sampler.join(other.q_sampler),
                                 self.vocab, self.generators + other.generators)
         state.checked = self.checked + other.checked
