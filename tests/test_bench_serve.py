@@ -145,16 +145,11 @@ def fake_spec(name: str, mode: str = "ok", timeout: float = 20.0) -> ServerSpec:
 # ---------------------------------------------------------------- pure pieces
 
 
-def test_percentile_matches_numpy_linear_interpolation():
-    import numpy as np
-
-    vectors = [[3.0], [2.0, 1.0], [5.0, 1.0, 4.0, 2.0, 3.0], [0.1, 0.1, 0.7, 9.0, 2.5, 2.5, 0.0, 1e-3],
-               list(np.random.default_rng(0).exponential(size=101))]
-    for values in vectors:
-        for q in (0, 1, 25, 50, 90, 99, 100):
-            assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-12, abs=1e-15)
-    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5  # hand-computed: halfway between ranks 1 and 2
+def test_percentile_interpolates_between_ranks_and_refuses_nonsense():
+    # hand-computed (the function is numpy's; these pin the method, linear between closest ranks)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5  # halfway between ranks 1 and 2
     assert percentile([10.0, 0.0], 99) == pytest.approx(9.9)
+    assert percentile([5.0, 1.0, 4.0, 2.0, 3.0], 25) == 2.0 and percentile([3.0], 99) == 3.0
     with pytest.raises(ValueError):
         percentile([], 50)
     with pytest.raises(ValueError):
