@@ -19,7 +19,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from metaloom.errors import BudgetExceeded, InvalidParameter
 
@@ -101,6 +103,9 @@ class Ledger:
     parent: Ledger | None = None
     usage: Usage = field(default_factory=Usage)
     lock: threading.RLock = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+    # hears each trace event of the runs charged here or below, as it happens (the server streams
+    # them as progress); it must return quickly and not raise
+    listener: Callable[[str, dict[str, Any]], None] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.budget is not None and not isinstance(self.budget, Budget):
@@ -138,6 +143,14 @@ class Ledger:
         except BudgetExceeded:
             return True
         return False
+
+    def notify(self, kind: str, data: dict[str, Any]) -> None:
+        """Tell the listeners of this ledger and its ancestors about a trace event."""
+        ledger: Ledger | None = self
+        while ledger is not None:
+            if ledger.listener is not None:
+                ledger.listener(kind, data)
+            ledger = ledger.parent
 
     def child(self, budget: Budget | None = None) -> Ledger:
         return Ledger(budget=budget, parent=self)

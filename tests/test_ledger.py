@@ -39,3 +39,17 @@ def test_speculative_rates():
     u = Usage(drafted_tokens=10, accepted_tokens=6, verify_steps=3)
     assert (u.acceptance_rate, u.accepted_per_step) == (0.6, 2.0)
     assert Usage().acceptance_rate is None
+
+
+def test_a_listener_hears_the_trace_events_of_runs_charged_below_it_as_they_happen():
+    from metaloom.meta import MajorityVote
+    from metaloom.testing.scripted import ScriptedGenerator
+
+    heard: list[tuple[str, dict]] = []
+    ledger = Ledger(listener=lambda kind, data: heard.append((kind, dict(data))))
+    gen = ScriptedGenerator({"q": ["the answer is 4", "the answer is 5", "the answer is 4"]})
+    result = MajorityVote(n=3).run("q", gen, ledger=ledger)
+    assert [k for k, _ in heard] == [e.kind for e in result.trace] == ["sample", "vote"]
+    assert heard[-1][1]["tally"] == {"4": 2.0, "5": 1.0}
+    quiet = Ledger()  # no listener: nothing to tell, nothing breaks
+    assert MajorityVote(n=3).run("q", ScriptedGenerator({"q": ["4", "5", "4"]}), ledger=quiet).answer == "4"

@@ -6,6 +6,7 @@ errors in OpenAI's shape with the right status, auth, metrics."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import time
@@ -118,6 +119,57 @@ def test_completions_take_a_batch_of_prompts_and_token_ids(served, smollm_genera
     assert by_ids.choices[0].text == r.choices[0].text  # the same prompt, as text and as its token ids
 
 
+def test_top_logprobs_name_the_offline_top_tokens_streamed_or_not(served, smollm_generator):
+    messages = _chat("Say something about the sea.")
+    r = served.client().chat.completions.create(model="default", messages=messages, max_tokens=8, temperature=0,
+                                                logprobs=True, top_logprobs=3)
+    offline = _offline(smollm_generator, messages, temperature=0, max_tokens=8, top_logprobs=3)[0]
+    tok = smollm_generator.tokenizer
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(offline.token_ids)
+    for entry, top in zip(content, offline.top_logprobs, strict=True):
+        assert [a.token for a in entry.top_logprobs] == [tok.decode([t]) for t, _ in top]
+        assert [a.logprob for a in entry.top_logprobs] == pytest.approx([lp for _, lp in top], abs=1e-4)
+    streamed = []
+    for chunk in served.client().chat.completions.create(model="default", messages=messages, max_tokens=8, temperature=0,
+                                                         logprobs=True, top_logprobs=3, stream=True):
+        for ch in chunk.choices:
+            streamed += [[(a.token, a.logprob) for a in e.top_logprobs] for e in (ch.logprobs.content if ch.logprobs else [])]
+    whole = [[(a.token, a.logprob) for a in e.top_logprobs] for e in content]
+    assert [[t for t, _ in top] for top in streamed] == [[t for t, _ in top] for top in whole]
+    # the second call reads the prompt from the prefix cache: the same values up to float rounding
+    assert [lp for top in streamed for _, lp in top] == pytest.approx([lp for top in whole for _, lp in top], abs=1e-4)
+
+
+def test_echo_and_prompt_logprobs_score_the_prompt_as_the_engine_does(served, smollm_generator):
+    tok = smollm_generator.tokenizer
+    prompt = "The capital of France is Paris"
+    ids, positions = smollm_generator.prompt_logprobs(prompt, 2, ledger=Ledger())
+    r = served.client().completions.create(model="default", prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                           logprobs=2)
+    choice = r.choices[0]
+    plain = served.client().completions.create(model="default", prompt=prompt, max_tokens=3, temperature=0)
+    assert choice.text == prompt + plain.choices[0].text
+    lp = choice.logprobs
+    assert lp.tokens[:len(ids)] == [tok.decode([t]) for t in ids] and len(lp.tokens) == len(ids) + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx([p.logprob for p in positions], abs=1e-4)
+    assert all(len(m) <= 2 for m in lp.top_logprobs[1:])
+    assert r.usage.prompt_tokens == len(ids)  # read twice (scored, then prefilled), counted once
+    # OpenAI's scoring call: echo, nothing generated
+    only = served.client().completions.create(model="default", prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    assert only.choices[0].text == prompt and only.usage.completion_tokens == 0 and only.usage.prompt_tokens == len(ids)
+    assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:len(ids)]
+    # vLLM's prompt_logprobs: the prompt token with its rank, then the most likely ones; tokens as exact ids
+    v = _post(served, {"model": "default", "prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2, "logprobs": 1,
+                       "return_tokens_as_token_ids": True}, path="/v1/completions").json()["choices"][0]
+    assert v["prompt_logprobs"][0] is None and len(v["prompt_logprobs"]) == len(ids)
+    for entry, p in zip(v["prompt_logprobs"][1:], positions, strict=True):
+        assert entry[str(p.token)]["rank"] == p.rank and entry[str(p.token)]["logprob"] == pytest.approx(p.logprob, abs=1e-4)
+        assert {int(t) for t in entry} == {p.token} | {t for t, _ in p.top}
+    assert v["text"] == plain.choices[0].text[:len(v["text"])] and v["logprobs"]["tokens"][0].startswith("token_id:")
+
+
 def test_response_format_json_schema_is_enforced(served):
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"], "additionalProperties": False}
@@ -203,10 +255,29 @@ def test_a_streamed_strategy_sends_progress_then_the_answer(served):
     events = list(stream)
     progress = [e.model_extra["metaloom"] for e in events if (e.model_extra or {}).get("metaloom", {}).get("event")]
     assert progress and progress[-1]["samples_finished"] == 3
+    kinds = [p["trace"]["kind"] for p in progress if "trace" in p]
+    assert kinds == ["sample", "score", "select"]  # the strategy's steps, live, in order
     text = "".join(ch.delta.content or "" for e in events for ch in e.choices)
     final = events[-1]
     assert final.usage is not None and text == final.model_extra["metaloom"]["candidates"][
         final.model_extra["metaloom"]["best_index"]]["text"]
+
+
+def test_a_streamed_vote_sends_the_votes_so_far_each_round(served):
+    stream = served.client().chat.completions.create(
+        model="default", messages=_chat("What is 2 + 2? Answer with a number."), max_tokens=12, stream=True,
+        stream_options={"include_usage": True}, extra_body={"metaloom": {"strategy": "adaptive_vote",
+                                 "params": {"batch": 2, "max_samples": 6, "min_samples": 6, "extractor": "last_number"}}})
+    chunks = list(stream)
+    events = [e.model_extra["metaloom"] for e in chunks if (e.model_extra or {}).get("metaloom", {}).get("event")]
+    votes = [e for e in events if e.get("trace", {}).get("kind") == "vote"]
+    assert len(votes) == 3  # one tally per round of 2 samples, sent as the round ends
+    assert [v["samples_finished"] for v in votes] == [2, 4, 6]
+    totals = [sum(v["trace"]["tally"].values()) for v in votes]  # samples with an answer so far
+    assert all(t <= 2 * (i + 1) for i, t in enumerate(totals)) and totals == sorted(totals)
+    report = chunks[-1].model_extra["metaloom"]
+    final = collections.Counter(a for a in report["answers"] if a is not None)
+    assert votes[-1]["trace"]["tally"] == {k: float(v) for k, v in final.items()}
 
 
 def test_a_strategy_budget_stops_and_keeps_the_work(served):
@@ -238,6 +309,8 @@ def _post(served, body, headers=None, path="/v1/chat/completions"):
      "metaloom.params.n"),
     ({"model": "default", "messages": _chat("x"), "metaloom": {"strategy": "nope"}}, 400, "metaloom.strategy"),
     ({"model": "gpt-9", "messages": _chat("x")}, 404, "model"),
+    ({"model": "default", "messages": _chat("x"), "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ({"model": "default", "messages": _chat("x"), "top_logprobs": 2}, 400, "top_logprobs"),
 ])
 def test_bad_requests_get_openai_errors_naming_the_field(served, body, status, param):
     r = _post(served, body)
@@ -246,6 +319,18 @@ def test_bad_requests_get_openai_errors_naming_the_field(served, body, status, p
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     if param is not None:
         assert error["param"] == param
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": "x", "logprobs": 50}, "logprobs"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # nothing to generate is only a scoring call with echo
+    ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt": "x", "echo": True, "metaloom": {"strategy": "majority_vote"}}, "echo"),
+])
+def test_bad_completions_requests_name_the_field(served, body, param):
+    r = _post(served, {"model": "default", **body}, path="/v1/completions")
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
 
 
 def test_an_oversized_body_is_413(served):

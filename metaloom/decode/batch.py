@@ -41,7 +41,7 @@ import torch
 from metaloom.constrain import Constraint
 from metaloom.decode.forward import charged_forward_both
 from metaloom.decode.rows import RowState, emit
-from metaloom.decode.select import draw, raw_logprobs, verify
+from metaloom.decode.select import draw, most_likely, raw_logprobs, verify
 from metaloom.errors import BudgetExceeded, UnsupportedModel
 from metaloom.ledger import Ledger
 from metaloom.models.cache import PagedKVCache
@@ -87,6 +87,23 @@ class Row:
 Prefill = Callable[[Sequence[NewRow], int, list[Ledger]], tuple[KVCache, torch.Tensor, torch.Tensor]]
 
 
+def _tops(rows: Sequence[Row], skip: Sequence[bool], raw: torch.Tensor) -> list[Any] | None:
+    """Every row's most likely tokens after ``raw`` [B, ..., V] (as many as the most any live
+    row asks for; each row keeps its own count), or None when no live row records them."""
+    k = max((row.state.top_k for b, row in enumerate(rows) if not (skip and skip[b])), default=0)
+    return most_likely(raw, min(k, raw.shape[-1])) if k > 0 else None
+
+
+def _top(tops: list[Any] | None, row: Row, *at: int) -> Any:
+    """Row ``row``'s own share of `_tops` at ``at`` (None when it records none)."""
+    if tops is None or row.state.top_k == 0:
+        return None
+    here = tops
+    for i in at:
+        here = here[i]
+    return here[:row.state.top_k]
+
+
 class DecodeBatch:
     """Rows decoded together. ``model`` steps them (a `LockstepPair` for contrastive decoding
     and guidance); ``prefill`` runs admitted prompts into a cache joinable with the batch's;
@@ -130,6 +147,7 @@ class DecodeBatch:
         rows = [Row(spec, RowState.start(self.tokenizer, spec.params.max_tokens, stop=spec.params.stop,
                                          eos_ids=frozenset() if spec.params.ignore_eos else self.tokenizer.eos_token_ids,
                                          include_stop=spec.params.include_stop_str_in_output,
+                                         top_k=spec.params.top_logprobs,
                                          context=spec.prompt[len(spec.prompt) - spec.prefix:] if spec.prefix else ()))
                 for spec in new]
         go = []
@@ -166,7 +184,7 @@ class DecodeBatch:
         rngs = [s.rng for s in specs]
         got = draw(sampler, state, raw, scores, cursors if any(c is not None for c in cursors) else None, rngs)
         state = sampler.advance(state, got.tokens, got.logprobs)
-        self._emit_drawn(rows, got, cursors)
+        self._emit_drawn(rows, got, cursors, raw=raw)
         drafter = None
         if self.speculative is not None:
             contexts = [list(s.prompt) for s in specs]
@@ -217,7 +235,7 @@ class DecodeBatch:
             self.state = self.sampler.advance(self.state, got.tokens, got.logprobs)
             self.pending = got.tokens
             stepped = [row for row, d in zip(self.rows, done, strict=True) if not d]
-            self._emit_drawn(self.rows, got, self.cursors, skip=done)
+            self._emit_drawn(self.rows, got, self.cursors, skip=done, raw=raw[:, -1])
         else:
             stepped = self._speculative_step(done, ledgers, rngs, cursors)
         self._settle()
@@ -249,6 +267,7 @@ class DecodeBatch:
         same = raw is scores and self.sampler.plain and cursors is None and not out.errors
         emitted_lp = (chosen if same else raw_logprobs(raw, acc.tokens.to(raw.device))).tolist()
         chosen_lp = chosen.tolist()
+        tops = _tops(self.rows, done, raw)
         stepped, per_ledger = [], _Tally()
         for b, row in enumerate(self.rows):
             if done[b]:
@@ -260,7 +279,8 @@ class DecodeBatch:
             kept = int(acc.accepted[b])
             emitted = 0
             for j, token in enumerate(acc.emitted(b)):
-                emit(row.state, token, emitted_lp[b][j], chosen_lp[b][j], self.cursors[b])
+                emit(row.state, token, emitted_lp[b][j], chosen_lp[b][j], self.cursors[b],
+                     _top(tops, row, b, j))
                 row.context.append(token)
                 emitted += 1
                 if row.state.done:
@@ -277,16 +297,19 @@ class DecodeBatch:
         return stepped
 
     def _emit_drawn(self, rows: Sequence[Row], got: Any, cursors: Sequence[Constraint | None],
-                    skip: Sequence[bool] = ()) -> None:
+                    skip: Sequence[bool] = (), *, raw: torch.Tensor) -> None:
+        """Emit each row's drawn token; ``raw`` [B, V]: the logits it was drawn after (for the
+        rows that record their most likely tokens)."""
         tally = _Tally()
-        tokens, raw, chosen = got.tokens.tolist(), got.raw.tolist(), got.chosen.tolist()
+        tokens, raw_lp, chosen = got.tokens.tolist(), got.raw.tolist(), got.chosen.tolist()
+        tops = _tops(rows, skip, raw)
         for b, row in enumerate(rows):
             if skip and skip[b]:
                 continue
             if b in got.errors:
                 row.state.finish("error", error=got.errors[b])
                 continue
-            emit(row.state, tokens[b], raw[b], chosen[b], cursors[b])
+            emit(row.state, tokens[b], raw_lp[b], chosen[b], cursors[b], _top(tops, row, b))
             if row.context:
                 row.context.append(tokens[b])
             tally.add(row.spec.ledger, output_tokens=1)

@@ -31,12 +31,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from metaloom.constrain import Constraint, batch_mask
 from metaloom.decode.forward import charged_forward
 from metaloom.decode.rows import RowState, emit
+from metaloom.decode.select import most_likely
 from metaloom.generator.specs import BeamParams
 from metaloom.ledger import Ledger
 from metaloom.models.protocols import KVCache, LanguageModel
@@ -56,6 +58,7 @@ class Hypothesis:
     finish_reason: str
     group: int = 0
     stop_reason: str | int | None = None
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None  # as `Completion.top_logprobs`
 
     @property
     def logprob(self) -> float:
@@ -103,9 +106,10 @@ class _Group:
 
 
 def _select(lp: torch.Tensor, raw: torch.Tensor, beams: list[_Beam], diversity: torch.Tensor | None,
-            params: BeamParams, group: _Group, gid: int) -> list[_Beam]:
+            params: BeamParams, group: _Group, gid: int, tops: list[Any] | None = None) -> list[_Beam]:
     """One group's step: rank ``beams``' continuations, record finished ones, return the new
-    live beams (at most group_size). lp, raw [R, V]: pipeline and raw log-probabilities."""
+    live beams (at most group_size). lp, raw [R, V]: pipeline and raw log-probabilities;
+    ``tops``: each cache row's most likely tokens, for rows that record them."""
     size, vocab = group.size, lp.shape[-1]
     rows = torch.tensor([b.source for b in beams], dtype=torch.long, device=lp.device)
     total = lp[rows] + torch.tensor([b.score for b in beams], dtype=lp.dtype, device=lp.device)[:, None]  # [n, V]
@@ -121,12 +125,13 @@ def _select(lp: torch.Tensor, raw: torch.Tensor, beams: list[_Beam], diversity: 
         row = parent.row.fork()
         score = scores[rank]
         cursor = parent.cursor.fork() if parent.cursor is not None else None
-        emit(row, token, raws[rank], None, cursor)
+        top = tops[parent.source][:row.top_k] if tops is not None and row.top_k else None
+        emit(row, token, raws[rank], None, cursor, top)
         if row.done:
             if rank < size:
                 group.add(Hypothesis(tuple(row.tokens), tuple(row.logprobs), row.text,
                                      _penalised(score, len(row.tokens), params.length_penalty), row.finish_reason or "stop", gid,
-                                     row.stop_reason))
+                                     row.stop_reason, tuple(row.top) if row.top_k else None))
             continue
         out.append(_Beam(row, score, parent.source, cursor))
         if len(out) == size:
@@ -167,6 +172,8 @@ def beam_search(model: LanguageModel, cache: KVCache, logits: torch.Tensor, samp
             mask = batch_mask(by_row, logits.shape[-1], logits.device)
         lp = row_sampler.process(logits, state, mask=mask)
         raw = torch.log_softmax(logits.float(), dim=-1)  # as `select.raw_logprobs`
+        k = max(r.top_k for r in rows)
+        tops = most_likely(logits, k) if k else None
         ledger.charge(output_tokens=len(owner))
         for b in range(b_count):
             diversity = torch.zeros(lp.shape[-1], device=lp.device) if params.num_beam_groups > 1 else None
@@ -174,7 +181,7 @@ def beam_search(model: LanguageModel, cache: KVCache, logits: torch.Tensor, samp
                 if group.done:
                     live[b][g] = []
                     continue
-                chosen = _select(lp, raw, live[b][g], diversity, params, group, g)
+                chosen = _select(lp, raw, live[b][g], diversity, params, group, g, tops)
                 group.settle(max((c.score for c in chosen), default=None), step, params, rows[b].max_tokens)
                 live[b][g] = [] if group.done else chosen
                 if diversity is not None:

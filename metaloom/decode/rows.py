@@ -15,6 +15,7 @@ from metaloom.models.protocols import Tokenizer
 
 if TYPE_CHECKING:
     from metaloom.constrain import Constraint
+    from metaloom.generator.types import TopLogprobs
 
 
 @dataclass
@@ -33,6 +34,8 @@ class RowState:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)  # decoder log-probabilities (`Completion.decoder_logprobs`)
+    top_k: int = 0  # how many most-likely tokens to record per position (`SamplingParams.top_logprobs`)
+    top: list[TopLogprobs] = field(default_factory=list)  # `Completion.top_logprobs`, when top_k > 0
     text: str = ""
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -43,22 +46,26 @@ class RowState:
 
     @classmethod
     def start(cls, tokenizer: Tokenizer, max_tokens: int, *, stop: tuple[str, ...] = (),
-              eos_ids: frozenset[int] = frozenset(), include_stop: bool = False, context: tuple[int, ...] = ()) -> RowState:
+              eos_ids: frozenset[int] = frozenset(), include_stop: bool = False, context: tuple[int, ...] = (),
+              top_k: int = 0) -> RowState:
         """A fresh row; ``context``: the tokens its output continues (a prefix), so the first
         tokens' text is what it would be after them."""
         return cls(max_tokens=max_tokens, detok=IncrementalDetokenizer(tokenizer, context), stop=stop, eos_ids=eos_ids,
-                   include_stop=include_stop)
+                   include_stop=include_stop, top_k=top_k)
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    def append(self, token: int, logprob: float, score: float | None = None) -> None:
-        """Record one generated token and decide whether the row is finished."""
+    def append(self, token: int, logprob: float, score: float | None = None, top: TopLogprobs | None = None) -> None:
+        """Record one generated token (``top``: the position's most likely tokens, when the
+        row records them) and decide whether the row is finished."""
         self.tokens.append(token)
         self.logprobs.append(logprob)
         if score is not None:
             self.scores.append(score)
+        if top is not None:
+            self.top.append(top)
         if token in self.eos_ids:
             self.finish("stop", token)
             return
@@ -91,8 +98,9 @@ class RowState:
         """An independent copy (beam search branches rows)."""
         return RowState(max_tokens=self.max_tokens, detok=self.detok.fork(), stop=self.stop, eos_ids=self.eos_ids,
                         include_stop=self.include_stop, tokens=list(self.tokens), logprobs=list(self.logprobs),
-                        scores=list(self.scores), text=self.text, finish_reason=self.finish_reason,
-                        stop_reason=self.stop_reason, error=self.error, emitted=self.emitted, sent=self.sent)
+                        scores=list(self.scores), top_k=self.top_k, top=list(self.top), text=self.text,
+                        finish_reason=self.finish_reason, stop_reason=self.stop_reason, error=self.error,
+                        emitted=self.emitted, sent=self.sent)
 
     def pending_text(self) -> str:
         """New text that is safe to stream: holds back any suffix that could still grow into a
@@ -109,10 +117,11 @@ class RowState:
         return out
 
 
-def emit(row: RowState, token: int, logprob: float, score: float | None, cursor: Constraint | None) -> None:
+def emit(row: RowState, token: int, logprob: float, score: float | None, cursor: Constraint | None,
+         top: TopLogprobs | None = None) -> None:
     """Append one token to a row and advance its constraint cursor; a cursor that is then
     complete ends the row ("stop", no stop reason: the constraint finished it)."""
-    row.append(token, logprob, score)
+    row.append(token, logprob, score, top)
     if cursor is not None:
         cursor.advance(token)
         if cursor.done() and not row.done:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from metaloom.decode.forward import charged_forward
-from metaloom.decode.prefill import prefill
+from metaloom.decode.prefill import new_cache, prefill
 from metaloom.errors import ContextWindowExceeded, InvalidParameter
 from metaloom.ledger import Ledger
 from metaloom.models.cache import KVPool
@@ -83,6 +83,54 @@ def score_continuations(model: LanguageModel, prompt: Sequence[int], continuatio
     release = getattr(cache, "release", None)
     if release is not None:
         release()
+    return out
+
+
+@dataclass(frozen=True)
+class PromptPosition:
+    """One prompt token as the model saw it: ``logprob`` = log p(token | the tokens before it),
+    ``rank`` its 1-based rank in that distribution, ``top`` the ``k`` most likely tokens there
+    as (id, log-probability) pairs, most likely first."""
+
+    token: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]
+
+
+def prompt_logprobs(model: LanguageModel, prompt: Sequence[int], k: int, ledger: Ledger, *, chunk: int = 256,
+                    pool: KVPool | None = None, count_input: bool = True) -> list[PromptPosition]:
+    """Log-probabilities of every prompt token after the ones before it (the first token has no
+    context, so positions start at token 1): what OpenAI's ``echo`` with ``logprobs`` and vLLM's
+    ``prompt_logprobs`` report. The prompt runs through the cache ``chunk`` tokens at a time, so
+    the full [T, V] logits never exist at once. Charges the forwards, and the prompt as input
+    tokens unless ``count_input`` is False (a generation that reads the same prompt counts it)."""
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise InvalidParameter("k", k, "an integer >= 0")
+    if len(prompt) > model.max_context:
+        raise ContextWindowExceeded(len(prompt), model.max_context, "the prompt")
+    if count_input:
+        ledger.charge(input_tokens=len(prompt))
+    if len(prompt) < 2:
+        return []
+    ids = torch.as_tensor(list(prompt), dtype=torch.long, device=model.device)
+    cache = new_cache(model, 1, len(prompt), pool)
+    out: list[PromptPosition] = []
+    try:
+        for start in range(0, len(prompt) - 1, chunk):  # the last token's logits score nothing
+            piece = ids[start:min(start + chunk, len(prompt) - 1)]
+            lp = torch.log_softmax(charged_forward(model, piece[None], cache, ledger)[0].float(), dim=-1)  # [t, V]
+            nxt = ids[start + 1:start + 1 + len(piece)]
+            chosen = lp.gather(-1, nxt[:, None])[:, 0]
+            ranks = (lp > chosen[:, None]).sum(-1) + 1
+            values, top = lp.topk(min(k, lp.shape[-1]), dim=-1) if k else (lp[:, :0], nxt[:, None][:, :0])
+            for token, value, rank, t_ids, t_values in zip(nxt.tolist(), chosen.tolist(), ranks.tolist(), top.tolist(),
+                                                           values.tolist(), strict=True):
+                out.append(PromptPosition(token, value, rank, tuple(zip(t_ids, t_values, strict=True))))
+    finally:
+        release = getattr(cache, "release", None)
+        if release is not None:
+            release()
     return out
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -67,6 +68,20 @@ def raw_logprobs(raw: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     The same formula as the pipeline's (so a plain pipeline's log-probabilities can stand in
     for it bit for bit, and every decoder reports the same numbers)."""
     return torch.log_softmax(raw.float(), dim=-1).gather(-1, tokens[..., None])[..., 0]
+
+
+def most_likely(raw: torch.Tensor, k: int) -> list[Any]:
+    """The ``k`` most likely tokens of log_softmax(raw) along the last axis, as nested lists of
+    (token id, log-probability) pairs, most likely first: raw [..., V] -> [..., k] pairs (the same
+    raw distribution as `raw_logprobs`, so a chosen token's entry equals its reported value)."""
+    values, ids = torch.log_softmax(raw.float(), dim=-1).topk(k, dim=-1)
+    return _pairs(ids.tolist(), values.tolist())
+
+
+def _pairs(ids: Any, values: Any) -> Any:
+    if ids and isinstance(ids[0], list):
+        return [_pairs(i, v) for i, v in zip(ids, values, strict=True)]
+    return tuple(zip(ids, values, strict=True))
 
 
 @dataclass(frozen=True)

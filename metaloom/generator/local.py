@@ -20,7 +20,7 @@ from metaloom.decode.beam import beam_search
 from metaloom.decode.contrastive import LockstepPair, check_same_vocab, contrastive_scores, guidance_scores
 from metaloom.decode.prefill import prefill, prefill_cached, prefill_pair
 from metaloom.decode.rows import RowState
-from metaloom.decode.score import score_continuations, split_continuation
+from metaloom.decode.score import PromptPosition, prompt_logprobs, score_continuations, split_continuation
 from metaloom.errors import BudgetExceeded, InvalidParameter, Unsupported, UnsupportedModel
 from metaloom.generator.capabilities import FEATURES, Capabilities
 from metaloom.generator.plan import Plan, check_ids, encode, plan
@@ -135,6 +135,20 @@ class LocalGenerator:
         return [Scored(c if isinstance(c, str) else self.tokenizer.decode(list(c.ids)), s.tokens, s.logprobs)
                 for c, s in zip(continuations, scored, strict=True)]
 
+    def prompt_logprobs(self, prompt: Prompt, k: int, *, ledger: Ledger,
+                        count_input: bool = True) -> tuple[list[int], list[PromptPosition]]:
+        """The prompt's ids as the model reads them, and each one's log-probability after those
+        before it with the ``k`` most likely tokens there (`metaloom.decode.score.prompt_logprobs`;
+        the server's ``echo`` and ``prompt_logprobs``)."""
+        check_prompt(prompt)
+        ids = list(prompt.ids) if isinstance(prompt, TokenIds) else encode(self, prompt)
+        check_ids("prompt ids", ids, self.model.vocab_size)
+        started = time.perf_counter()
+        try:
+            return ids, prompt_logprobs(self.model, ids, k, ledger, pool=self.pool, count_input=count_input)
+        finally:
+            _charge_time(ledger, time.perf_counter() - started)
+
     # --- the decode loop, for callers that drive it (the server's scheduler) ----------------------
     def new_batch(self, decoder: type | None = None) -> DecodeBatch:
         """An empty decode loop for requests decoded by ``decoder`` (the type of their
@@ -169,7 +183,8 @@ class LocalGenerator:
     def _stream(self, p: Plan, ledger: Ledger) -> Iterator[StreamChunk]:
         if p.kind is BeamParams:  # beam search knows its hypotheses only at the end
             for i, c in enumerate(self.generate([p.request], ledger=ledger)[0]):
-                yield StreamChunk(c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason, i, c.error)
+                yield StreamChunk(c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason, i, c.error,
+                                  c.top_logprobs or ())
             return
         started = time.perf_counter()
         batch = self.new_batch(p.kind)
@@ -242,14 +257,16 @@ class LocalGenerator:
         rows = [RowState.start(self.tokenizer, p.request.params.max_tokens, stop=p.request.params.stop,
                                eos_ids=frozenset() if p.request.params.ignore_eos else eos,
                                include_stop=p.request.params.include_stop_str_in_output,
-                               context=p.ids[len(p.ids) - p.prefix:] if p.prefix else ()) for p in plans]
+                               context=p.ids[len(p.ids) - p.prefix:] if p.prefix else (),
+                               top_k=p.request.params.top_logprobs) for p in plans]
         cursors = [p.cursor() for p in plans]
         state = sampler.start([list(p.ids[:len(p.ids) - p.prefix]) for p in plans],
                               [list(p.ids[len(p.ids) - p.prefix:]) for p in plans])
         hyps = beam_search(self.model, cache, logits, sampler, rows, spec, ledger, state=state,
                            cursors=cursors if any(c is not None for c in cursors) else None)
         return [[Completion(text=h.text, token_ids=h.tokens, logprobs=h.logprobs, finish_reason=h.finish_reason,
-                            stop_reason=h.stop_reason, score=h.score) for h in found[:p.request.params.n]]
+                            stop_reason=h.stop_reason, score=h.score, top_logprobs=h.top_logprobs)
+                 for h in found[:p.request.params.n]]
                 for p, found in zip(plans, hyps, strict=True)]
 
 
@@ -258,7 +275,8 @@ def completion(state: RowState) -> Completion:
     assert state.finish_reason is not None
     return Completion(text=state.text, token_ids=tuple(state.tokens), logprobs=tuple(state.logprobs),
                       finish_reason=state.finish_reason, stop_reason=state.stop_reason,
-                      decoder_logprobs=tuple(state.scores) if state.scores else None, error=state.error)
+                      decoder_logprobs=tuple(state.scores) if state.scores else None, error=state.error,
+                      top_logprobs=tuple(state.top) if state.top_k else None)
 
 
 def chunks(rows: Sequence[Row]) -> Iterator[StreamChunk]:
@@ -271,7 +289,7 @@ def chunks(rows: Sequence[Row]) -> Iterator[StreamChunk]:
         new = slice(s.sent, len(s.tokens))
         s.sent, s.closed = len(s.tokens), s.done
         yield StreamChunk(s.pending_text(), tuple(s.tokens[new]), tuple(s.logprobs[new]), s.finish_reason,
-                          s.stop_reason, i, s.error)
+                          s.stop_reason, i, s.error, tuple(s.top[new]))
 
 
 def _charge_time(ledger: Ledger, seconds: float) -> None:

@@ -58,6 +58,8 @@ class TokenIds:
 
 Prompt = str | tuple[Message, ...] | TokenIds
 
+TopLogprobs = tuple[tuple[int, float], ...]  # one position's most likely tokens: (token id, log-probability)
+
 
 def check_prompt(prompt: object) -> None:
     """Raise `InvalidParameter` unless ``prompt`` is text, chat messages or `TokenIds`."""
@@ -128,7 +130,9 @@ class Completion:
     constraint completed. A matched stop string is cut from ``text`` unless the request set
     ``include_stop_str_in_output``; the token that completed it is always in ``token_ids``.
     ``error`` explains an "error" finish. ``score``: the decoder's ranking score, if it has one
-    (beam search: the length-penalised sum)."""
+    (beam search: the length-penalised sum). ``top_logprobs[i]``, when the request set
+    ``params.top_logprobs = k``: the k most likely tokens at position i under the same raw
+    distribution as ``logprobs``, as (token id, log-probability) pairs, most likely first."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -138,6 +142,7 @@ class Completion:
     score: float | None = None
     decoder_logprobs: tuple[float, ...] | None = None
     error: str | None = None
+    top_logprobs: tuple[TopLogprobs, ...] | None = None
 
     @property
     def logprob(self) -> float:
@@ -158,6 +163,7 @@ class StreamChunk:
     stop_reason: str | int | None = None
     index: int = 0
     error: str | None = None
+    top_logprobs: tuple[TopLogprobs, ...] = ()  # per token, as `Completion.top_logprobs`
 
 
 @dataclass(frozen=True)

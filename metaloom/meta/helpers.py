@@ -38,6 +38,7 @@ class Run:
 
     def event(self, kind: str, **data: Any) -> None:
         self.events.append(Event(kind, data))
+        self.ledger.notify(kind, data)
 
     def spent_since(self, before: Usage) -> dict[str, Any]:
         after = self.ledger.usage

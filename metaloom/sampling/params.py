@@ -52,6 +52,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # keep generating past end-of-sequence (benchmarks)
     include_stop_str_in_output: bool = False  # keep a matched stop string in the text (vLLM's name)
+    top_logprobs: int = 0  # also report the k most likely tokens at each position (OpenAI's name); 0: none
     # dynamic temperature (llama.cpp dynatemp): temperature in [t - range, t + range] by entropy
     dynatemp_range: float = 0.0  # 0 disables
     dynatemp_exponent: float = 1.0
@@ -104,6 +105,9 @@ class SamplingParams:
             _integer("seed", self.seed)
         if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidParameter("stop", self.stop, "a tuple of non-empty strings")
+        _integer("top_logprobs", self.top_logprobs)
+        if self.top_logprobs < 0:
+            raise InvalidParameter("top_logprobs", self.top_logprobs, ">= 0 (0: the chosen token's log-probability only)")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParameter(name, getattr(self, name), "True or False")
@@ -179,6 +183,8 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Checks that need the model: logit-bias ids must be in the vocabulary."""
+        if self.top_logprobs > vocab_size:
+            raise InvalidParameter("top_logprobs", self.top_logprobs, f"at most the vocab size {vocab_size}")
         for token in self.logit_bias:
             if token >= vocab_size:
                 raise InvalidParameter("logit_bias", token, f"token ids < vocab size {vocab_size}")

@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from metaloom.decode.score import PromptPosition
 from metaloom.errors import InvalidParameter, MetaloomError
 from metaloom.generator.local import LocalGenerator
 from metaloom.generator.plan import encode
@@ -167,22 +168,34 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
     async def chat(body: ChatBody, request: Request) -> Any:  # type: ignore[valid-type]
         b: Any = body
         strategy = resolve_model(b.model, ids, b.metaloom)
-        call = _Call(scheduler, metrics, workers, request, chat=True, model=b.model, logprobs=bool(b.logprobs))
+        call = _Call(scheduler, metrics, workers, request, chat=True, model=b.model, logprobs=bool(b.logprobs),
+                     token_ids=b.return_tokens_as_token_ids)
         if strategy is not None:
             return await call.strategy(strategy, protocol.chat_request(body), b.stream, _usage_wanted(b))
-        return await call.plain(call.fit([protocol.chat_request(body)], b), b.stream, _usage_wanted(b))
+        return await call.plain(call.fit([protocol.chat_request(body)], b), b.stream, _usage_wanted(b), Ledger())
 
     @app.post("/v1/completions", dependencies=[Depends(authorised)], response_model=None)
     async def completions(body: CompletionBody, request: Request) -> Any:  # type: ignore[valid-type]
         b: Any = body
         strategy = resolve_model(b.model, ids, b.metaloom)
-        call = _Call(scheduler, metrics, workers, request, chat=False, model=b.model, logprobs=b.logprobs is not None)
+        call = _Call(scheduler, metrics, workers, request, chat=False, model=b.model, logprobs=b.logprobs is not None,
+                     token_ids=b.return_tokens_as_token_ids)
         requests = protocol.completion_requests(body)
+        k, only = protocol.prompt_logprobs(body), protocol.scores_only(body)
         if strategy is not None:
             if len(requests) != 1:
                 raise ApiError(400, "a strategy takes one prompt", "invalid_request_error", param="prompt")
+            if b.echo or k is not None:
+                raise ApiError(400, "echo and prompt_logprobs are not served with a strategy", "invalid_request_error",
+                               param="echo" if b.echo else "prompt_logprobs")
             return await call.strategy(strategy, requests[0], b.stream, _usage_wanted(b))
-        return await call.plain(call.fit(requests, b), b.stream, _usage_wanted(b))
+        ledger = Ledger()
+        if b.echo or k is not None:
+            call.prompts = await call.read_prompts(requests, k, ledger, count_input=only)
+            call.echo = bool(b.echo)
+        if only:
+            return call.prompts_only(len(requests) * requests[0].params.n, b.stream, _usage_wanted(b), ledger)
+        return await call.plain(call.fit(requests, b), b.stream, _usage_wanted(b), ledger)
 
     return app
 
@@ -198,9 +211,11 @@ class _Call:
     """One HTTP call's run: submit, wait or stream, build the OpenAI response."""
 
     def __init__(self, scheduler: Scheduler, metrics: Metrics, workers: ThreadPoolExecutor, http: Request, *,
-                 chat: bool, model: str, logprobs: bool) -> None:
+                 chat: bool, model: str, logprobs: bool, token_ids: bool = False) -> None:
         self.scheduler, self.metrics, self.workers, self.http = scheduler, metrics, workers, http
-        self.chat, self.model, self.logprobs = chat, model, logprobs
+        self.chat, self.model, self.logprobs, self.token_ids = chat, model, logprobs, token_ids
+        self.prompts: list[_Prompted] | None = None  # per request, when echo or prompt_logprobs asked for them
+        self.echo = False
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.started = time.perf_counter()
@@ -220,10 +235,47 @@ class _Call:
             out.append(dataclasses.replace(r, params=dataclasses.replace(r.params, max_tokens=room)) if room > 0 else r)
         return out
 
-    async def plain(self, requests: list[Any], stream: bool, include_usage: bool) -> Any:
+    async def read_prompts(self, requests: list[Any], k: int | None, ledger: Ledger, *,
+                           count_input: bool) -> list[_Prompted]:
+        """Each request's prompt as text and ids; with ``k``, its log-probabilities too (one forward
+        pass over the prompt, on the loop thread between two steps)."""
+        engine = self.scheduler.generator
+        out = []
+        for r in requests:
+            if k is None:
+                ids = list(r.prompt.ids) if isinstance(r.prompt, TokenIds) else encode(engine, r.prompt)
+                if count_input:
+                    ledger.charge(input_tokens=len(ids))
+                positions = None
+            else:
+                def read(prompt: Any = r.prompt, k: int = k) -> tuple[list[int], list[PromptPosition]]:
+                    return engine.prompt_logprobs(prompt, k, ledger=ledger, count_input=count_input)
+                ids, positions = await asyncio.wrap_future(self.scheduler.call(read))
+            text = r.prompt if isinstance(r.prompt, str) else self.tokenizer.decode(ids)
+            out.append(_Prompted(text, ids, positions))
+        return out
+
+    def prompts_only(self, choices: int, stream: bool, include_usage: bool, ledger: Ledger) -> Any:
+        """``echo`` with ``max_tokens: 0``: each prompt back (with its log-probabilities), nothing generated."""
+        assert self.prompts is not None
+        n = choices // len(self.prompts)
+        empty = Completion(text="", token_ids=(), logprobs=(), finish_reason="length")
+        self._observe(ledger.usage, [])
+        if stream:
+            async def events() -> AsyncIterator[dict[str, Any]]:
+                for i in range(choices):
+                    out = self._chunk(i, {"text": ""}, "length")
+                    self._decorate(out["choices"][0], i // n, empty)
+                    yield out
+                if include_usage:
+                    yield self._usage_chunk(ledger.usage)
+            return self._sse(events())
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": [self._choice(i, empty, i // n) for i in range(choices)], "usage": usage_block(ledger.usage)}
+
+    async def plain(self, requests: list[Any], stream: bool, include_usage: bool, ledger: Ledger) -> Any:
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue[Any] = asyncio.Queue()
-        ledger = Ledger()
         tickets = []
         try:
             for i, r in enumerate(requests):  # all validated (a bad one raises: 400) before any compute
@@ -249,7 +301,7 @@ class _Call:
             for t in tickets:
                 t.cancel()  # a no-op for finished ones; frees the rows of a client gone away
         self._observe(ledger.usage, tickets)
-        choices = [self._choice(i * n + j, c) for i in range(len(requests)) for j, c in enumerate(results[i])]
+        choices = [self._choice(i * n + j, c, i) for i in range(len(requests)) for j, c in enumerate(results[i])]
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage_block(ledger.usage)}
 
@@ -268,6 +320,12 @@ class _Call:
             if self.chat:
                 for j in range(n):
                     yield self._chunk(j, {"role": "assistant", "content": ""})
+            elif self.prompts is not None:  # echo / prompt_logprobs: the prompt first, once per choice
+                empty = Completion(text="", token_ids=(), logprobs=(), finish_reason="length")
+                for i in range(len(tickets) * n):
+                    out = self._chunk(i, {"text": ""})
+                    self._decorate(out["choices"][0], i // n, empty)
+                    yield out
             finished = 0
             while finished < len(tickets):
                 i, event = await inbox.get()
@@ -280,8 +338,7 @@ class _Call:
                 yield self._delta(i * n + event.index, event)
             self._observe(ledger.usage, tickets)
             if include_usage:
-                yield {"id": self.id, "object": self._chunk_object, "created": self.created, "model": self.model,
-                       "choices": [], "usage": usage_block(ledger.usage)}
+                yield self._usage_chunk(ledger.usage)
         finally:
             for t in tickets:
                 t.cancel()
@@ -293,16 +350,19 @@ class _Call:
         prompt, sampling = request.prompt, request.params
         if sampling.n != 1:  # the rest was checked with the call (names, types, values); this needs the body
             raise InvalidParameter("n", sampling.n, "1 with a strategy (its samples are its own parameter, e.g. n)")
-        tally = {"calls": 0, "samples_finished": 0, "output_tokens": 0}
+        tally: dict[str, Any] = {"calls": 0, "samples_finished": 0, "output_tokens": 0}
 
-        def on_done(completions: tuple[Completion, ...]) -> None:
+        def on_done(completions: tuple[Completion, ...]) -> None:  # a generator call finished
             tally["calls"] += 1
             tally["samples_finished"] += len(completions)
             tally["output_tokens"] += sum(len(c.token_ids) for c in completions)
             loop.call_soon_threadsafe(progress.put_nowait, dict(tally))
 
+        def on_event(kind: str, data: dict[str, Any]) -> None:  # a step of the strategy's trace: votes so far, ...
+            loop.call_soon_threadsafe(progress.put_nowait, {**tally, "trace": _jsonable({"kind": kind, **data})})
+
         gen = ScheduledGenerator(self.scheduler, on_done=on_done)
-        ledger = Ledger(budget=call.budget)
+        ledger = Ledger(budget=call.budget, listener=on_event if stream else None)
         # built in the worker: a component may load a model (a reward model), which must not block the event loop
         future = loop.run_in_executor(self.workers, lambda: call.build(sampling, gen).run(prompt, gen, ledger=ledger))
         if stream:
@@ -367,29 +427,65 @@ class _Call:
         return {"id": self.id, "object": self._chunk_object, "created": self.created, "model": self.model,
                 "choices": [choice]}
 
+    def _usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        return {"id": self.id, "object": self._chunk_object, "created": self.created, "model": self.model,
+                "choices": [], "usage": usage_block(usage)}
+
     def _delta(self, index: int, chunk: StreamChunk) -> dict[str, Any]:
         delta = ({"content": chunk.text} if chunk.text else {}) if self.chat else {"text": chunk.text}
         out = self._chunk(index, delta, chunk.finish_reason)
         choice = out["choices"][0]
         if self.logprobs and chunk.token_ids:
-            choice["logprobs"] = self._logprobs(chunk.token_ids, chunk.logprobs)
+            choice["logprobs"] = self._logprobs(chunk.token_ids, chunk.logprobs, chunk.top_logprobs or None)
         if chunk.finish_reason is not None:
             choice["stop_reason"] = chunk.stop_reason
             if chunk.error is not None:
                 choice["error"] = chunk.error
         return out
 
-    def _choice(self, index: int, c: Completion) -> dict[str, Any]:
+    def _choice(self, index: int, c: Completion, request: int = 0) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index, "finish_reason": c.finish_reason,
                                   "stop_reason": c.stop_reason,
-                                  "logprobs": self._logprobs(c.token_ids, c.logprobs) if self.logprobs else None}
+                                  "logprobs": self._logprobs(c.token_ids, c.logprobs, c.top_logprobs) if self.logprobs else None}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": c.text}
         else:
             choice["text"] = c.text
+            if self.prompts is not None:
+                self._decorate(choice, request, c)
         if c.error is not None:
             choice["error"] = c.error
         return choice
+
+    def _decorate(self, choice: dict[str, Any], request: int, c: Completion) -> None:
+        """A completions choice with its prompt: echoed before the text (and its log-probabilities
+        before the text's), and vLLM's ``prompt_logprobs``."""
+        assert self.prompts is not None
+        p = self.prompts[request]
+        if p.positions is not None:
+            choice["prompt_logprobs"] = [None, *({str(t): {"logprob": _finite(lp), "rank": rank, "decoded_token": self._name(t)}
+                                                  for t, lp, rank in self._ranked(pos)} for pos in p.positions)]
+        if not self.echo:
+            return
+        choice["text"] = p.text + choice["text"]
+        if self.logprobs and p.positions is not None:
+            head = self._logprobs(p.ids[1:], [q.logprob for q in p.positions], [q.top for q in p.positions])
+            first = self._name(p.ids[0])
+            tail = choice["logprobs"] or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            shift = len(first) + sum(len(t) for t in head["tokens"])
+            choice["logprobs"] = {
+                "tokens": [first, *head["tokens"], *tail["tokens"]],
+                "token_logprobs": [None, *head["token_logprobs"], *tail["token_logprobs"]],
+                "top_logprobs": [None, *head["top_logprobs"], *tail["top_logprobs"]],
+                "text_offset": [0, *(len(first) + o for o in head["text_offset"]), *(shift + o for o in tail["text_offset"])],
+            }
+
+    @staticmethod
+    def _ranked(pos: Any) -> list[tuple[int, float, int]]:
+        """vLLM's prompt_logprobs entry: the prompt token with its rank, then the k most likely."""
+        out = [(pos.token, pos.logprob, pos.rank)]
+        out += [(t, lp, r) for r, (t, lp) in enumerate(pos.top, start=1) if t != pos.token]
+        return out
 
     def _strategy_choice(self, result: Any) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(result), "logprobs": None}
@@ -399,17 +495,27 @@ class _Call:
             choice["text"] = result.best
         return choice
 
-    def _logprobs(self, ids: Sequence[int], lps: Sequence[float]) -> dict[str, Any]:
-        tokens = [self.tokenizer.decode([t]) for t in ids]
-        values = [lp if lp == lp and lp != float("-inf") else -9999.0 for lp in lps]  # strict JSON has no NaN/-inf
+    def _name(self, token: int) -> str:
+        """A token as logprobs name it: its text, or vLLM's exact ``token_id:N``."""
+        return f"token_id:{token}" if self.token_ids else self.tokenizer.decode([token])
+
+    def _logprobs(self, ids: Sequence[int], lps: Sequence[float], tops: Sequence[Any] | None) -> dict[str, Any]:
+        """OpenAI's logprobs object: chat's ``content`` list, or the completions API's parallel lists.
+        ``tops``: each position's most likely tokens (None: not asked for)."""
+        tokens = [self._name(t) for t in ids]
+        values = [_finite(lp) for lp in lps]
+        alternatives = [[(self._name(t), _finite(lp)) for t, lp in top] for top in tops] if tops else None
         if self.chat:
-            return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
-                                for t, lp in zip(tokens, values, strict=True)]}
+            def entry(t: str, lp: float) -> dict[str, Any]:
+                return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+            return {"content": [{**entry(t, lp), "top_logprobs": [entry(*a) for a in alternatives[i]] if alternatives else []}
+                                for i, (t, lp) in enumerate(zip(tokens, values, strict=True))]}
         offsets, at = [], 0
         for t in tokens:
             offsets.append(at)
             at += len(t)
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
+        top_maps = [dict(a) for a in alternatives] if alternatives else [{} for _ in tokens]
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": top_maps, "text_offset": offsets}
 
     def _sse(self, events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
         async def body() -> AsyncIterator[str]:
@@ -433,6 +539,31 @@ class _Call:
         for t in tickets:
             if t.first_token_at is not None:
                 self.metrics.ttft.observe(t.first_token_at - t.submitted)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prompted:
+    """A completions prompt as echo and prompt_logprobs report it; ``positions``: its tokens'
+    log-probabilities from the second on (None: not asked for)."""
+
+    text: str
+    ids: list[int]
+    positions: list[PromptPosition] | None
+
+
+def _jsonable(value: Any) -> Any:
+    """A trace event's data as strict JSON takes it: non-finite numbers become null."""
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else None
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value if value is None or isinstance(value, (str, int, bool)) else str(value)
+
+
+def _finite(lp: float) -> float:
+    return lp if lp == lp and lp != float("-inf") else -9999.0  # strict JSON has no NaN/-inf
 
 
 def _finish(result: Any) -> str:

@@ -2,7 +2,7 @@
 their translation into metaloom `Request`s.
 
 Every field OpenAI defines is either honoured or refused with a 400 that names it (``tools``,
-``audio``, ``echo``…): never silently dropped. metaloom's own sampling parameters sit beside
+``audio``, ``suffix``…): never silently dropped. metaloom's own sampling parameters sit beside
 OpenAI's under the names vLLM uses (``top_k``, ``min_p``, ``repetition_penalty``,
 ``include_stop_str_in_output``, ``guided_json``, ``guided_regex``, ``guided_choice``,
 ``guided_grammar``), and the rest under their `SamplingParams` names; decoders under
@@ -29,7 +29,7 @@ from metaloom.sampling.params import SamplingParams
 # is refused naming it
 REFUSED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio", "modalities",
            "prediction", "reasoning_effort", "service_tier", "store", "metadata", "web_search_options", "suffix",
-           "echo", "best_of", "verbosity", "prompt_cache_key", "safety_identifier")
+           "best_of", "verbosity", "prompt_cache_key", "safety_identifier")
 
 
 class StreamOptions(BaseModel):
@@ -64,7 +64,7 @@ class StrategyOptions(BaseModel):
 
 # every SamplingParams field OpenAI does not define, under its own name (vLLM's where vLLM has one)
 _OPENAI_SAMPLING = {"temperature", "top_p", "n", "seed", "stop", "presence_penalty", "frequency_penalty", "logit_bias",
-                    "max_tokens"}
+                    "max_tokens", "top_logprobs"}
 _HINTS = typing.get_type_hints(SamplingParams)
 _EXTRA_SAMPLING: dict[str, Any] = {f.name: (_HINTS[f.name] | None, None) for f in dataclasses.fields(SamplingParams)
                    if f.name not in _OPENAI_SAMPLING}
@@ -95,6 +95,7 @@ class _Common(BaseModel):
     guided_grammar: str | None = None
     decoder: str | None = None
     token_healing: bool = False
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:123" (exact, whatever the bytes)
     metaloom: StrategyOptions | None = None
 
 
@@ -102,7 +103,8 @@ _CHAT: dict[str, Any] = {"messages": (list[dict[str, Any]], ...), "max_completio
                          "logprobs": (bool, False), "top_logprobs": (int | None, None),
                          "response_format": (ResponseFormat | None, None)}
 _COMPLETION: dict[str, Any] = {"prompt": (str | list[str] | list[int] | list[list[int]], ...),
-                               "logprobs": (int | None, None)}
+                               "logprobs": (int | None, None), "echo": (bool, False),
+                               "prompt_logprobs": (int | None, None)}
 ChatBody = create_model("ChatBody", __base__=_Common, **_CHAT, **_EXTRA_SAMPLING, **_DECODER_FIELDS, **_REFUSED_FIELDS)
 CompletionBody = create_model("CompletionBody", __base__=_Common, **_COMPLETION, **_EXTRA_SAMPLING, **_DECODER_FIELDS,
                               **_REFUSED_FIELDS)
@@ -118,6 +120,13 @@ def _refuse_unsupported(body: BaseModel) -> None:
 
 
 MAX_N = 128  # samples per request: more is a 400, not a queue of rows that starves everyone else
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit (and vLLM's default max_logprobs)
+
+
+def _top_count(name: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise InvalidParameter(name, value, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+    return value
 
 
 def sampling_params(body: BaseModel, *, chat: bool) -> SamplingParams:
@@ -128,14 +137,34 @@ def sampling_params(body: BaseModel, *, chat: bool) -> SamplingParams:
     if chat:
         if data.get("max_completion_tokens") is not None:
             data["max_tokens"] = data["max_completion_tokens"]
-        if data.get("top_logprobs"):
-            raise InvalidParameter("top_logprobs", data["top_logprobs"],
-                                   "0 or unset: this server reports the chosen token's log-probability only")
-    elif data.get("logprobs"):
-        raise InvalidParameter("logprobs", data["logprobs"],
-                               "0 or unset: this server reports the chosen token's log-probability only")
+        if data.get("top_logprobs") is not None:
+            _top_count("top_logprobs", data["top_logprobs"])
+            if not data.get("logprobs"):
+                raise InvalidParameter("top_logprobs", data["top_logprobs"], "set only with logprobs: true")
+    else:
+        if data.get("logprobs") is not None:  # the completions API's logprobs: how many alternatives per position
+            data["top_logprobs"] = _top_count("logprobs", data["logprobs"])
+        if data.get("max_tokens") == 0 and data.get("echo"):  # OpenAI's way to score a prompt: echo it, generate nothing
+            data.pop("max_tokens")
     data.pop("logprobs", None)
     return SamplingParams.from_openai(data)
+
+
+def scores_only(body: BaseModel) -> bool:
+    """``echo`` with ``max_tokens: 0``: the prompt (and its log-probabilities) back, nothing generated."""
+    b: Any = body
+    return bool(b.echo) and b.max_tokens == 0
+
+
+def prompt_logprobs(body: BaseModel) -> int | None:
+    """How many alternatives to report at each prompt position (None: no prompt log-probabilities):
+    vLLM's ``prompt_logprobs``, or OpenAI's ``echo`` with ``logprobs``."""
+    b: Any = body
+    if b.prompt_logprobs is not None:
+        return _top_count("prompt_logprobs", b.prompt_logprobs)
+    if b.echo and b.logprobs is not None:
+        return _top_count("logprobs", b.logprobs)
+    return None
 
 
 def constraint(body: BaseModel) -> ConstraintSpec | None:

@@ -181,6 +181,8 @@ class Scheduler:
                         future.set_exception(exc)
             for ticket in admit:
                 self._admit(ticket)
+            if admit:  # their first tokens go out now, not after the next step (time to first token)
+                self._deliver()
             self._cancel_requested()
             for kind, batch in list(self._batches.items()):
                 if batch.rows:
@@ -277,7 +279,8 @@ class Scheduler:
             return
         ticket.first_token_at = time.perf_counter()
         for i, c in enumerate(found):
-            ticket.sink(StreamChunk(c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason, i, c.error))
+            ticket.sink(StreamChunk(c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason, i, c.error,
+                                    c.top_logprobs or ()))
         ticket.done = True
         ticket.sink(Finished(tuple(found)))
 

@@ -40,14 +40,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from metaloom.errors import BudgetExceeded, InvalidParameter
-from metaloom.generator.capabilities import Capabilities
+from metaloom.generator.capabilities import SAMPLING_FIELDS, Capabilities
 from metaloom.generator.types import Completion, Message, Request, Scored, StreamChunk, TokenIds
 from metaloom.generator.types import Prompt as AnyPrompt
 from metaloom.ledger import Ledger
 from metaloom.score.prompting import user_text
 from metaloom.score.protocols import Prompt
 
-CAPABILITIES = Capabilities(decoders=frozenset(), constraints=frozenset(),
+CAPABILITIES = Capabilities(sampling=SAMPLING_FIELDS - {"top_logprobs"}, decoders=frozenset(), constraints=frozenset(),
                             features=frozenset({"token_ids", "logprobs", "score", "render", "stream", "token_prompts",
                                                 "prefix"}))
 UNKNOWN_LOGPROB = -10.0  # per token of a continuation no scripted response contains
