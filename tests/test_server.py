@@ -161,13 +161,27 @@ def test_echo_and_prompt_logprobs_score_the_prompt_as_the_engine_does(served, sm
     assert only.choices[0].text == prompt and only.usage.completion_tokens == 0 and only.usage.prompt_tokens == len(ids)
     assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:len(ids)]
     # vLLM's prompt_logprobs: the prompt token with its rank, then the most likely ones; tokens as exact ids
-    v = _post(served, {"model": "default", "prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2, "logprobs": 1,
-                       "return_tokens_as_token_ids": True}, path="/v1/completions").json()["choices"][0]
+    v = _post(served, {"model": "default", "prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2,
+                       "logprobs": 1, "return_tokens_as_token_ids": True}, path="/v1/completions").json()["choices"][0]
     assert v["prompt_logprobs"][0] is None and len(v["prompt_logprobs"]) == len(ids)
     for entry, p in zip(v["prompt_logprobs"][1:], positions, strict=True):
         assert entry[str(p.token)]["rank"] == p.rank and entry[str(p.token)]["logprob"] == pytest.approx(p.logprob, abs=1e-4)
         assert {int(t) for t in entry} == {p.token} | {t for t, _ in p.top}
     assert v["text"] == plain.choices[0].text[:len(v["text"])] and v["logprobs"]["tokens"][0].startswith("token_id:")
+
+
+def test_tokenize_and_detokenize_as_vllm_shapes_them(served, smollm_generator):
+    messages = _chat("Hello there")
+    chat = _post(served, {"model": "default", "messages": messages}, path="/tokenize").json()
+    assert chat["tokens"] == encode(smollm_generator, tuple(messages)) and chat["count"] == len(chat["tokens"])
+    assert chat["max_model_len"] == smollm_generator.model.max_context
+    text = _post(served, {"model": "default", "prompt": "Hello there", "return_token_strs": True}, path="/tokenize").json()
+    assert text["tokens"] == smollm_generator.tokenizer.encode("Hello there") and "".join(text["token_strs"]) == "Hello there"
+    back = _post(served, {"model": "default", "tokens": chat["tokens"]}, path="/detokenize").json()["prompt"]
+    assert back == smollm_generator.render(tuple(messages))
+    assert _post(served, {"model": "default", "tokens": [10**9]}, path="/detokenize").json()["error"]["param"] == "tokens"
+    assert _post(served, {"model": "gpt-9", "prompt": "x"}, path="/tokenize").status_code == 404
+    assert _post(served, {"model": "default"}, path="/tokenize").status_code == 400
 
 
 def test_response_format_json_schema_is_enforced(served):

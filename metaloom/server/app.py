@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from metaloom.decode.score import PromptPosition
 from metaloom.errors import InvalidParameter, MetaloomError
 from metaloom.generator.local import LocalGenerator
-from metaloom.generator.plan import encode
+from metaloom.generator.plan import check_ids, encode
 from metaloom.generator.types import Completion, StreamChunk, TokenIds
 from metaloom.ledger import Ledger, Usage
 from metaloom.server import protocol
@@ -164,6 +164,32 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
         return {"object": "list", "data": [{"id": ids[0], "object": "model", "created": 0, "owned_by": "metaloom",
                                             "root": generator.loaded.name}]}
 
+    @app.post("/tokenize", dependencies=[Depends(authorised)])
+    def tokenize(body: protocol.TokenizeBody) -> dict[str, Any]:
+        """Token ids as the server would read the prompt (vLLM's route and shapes)."""
+        if body.model is not None:
+            resolve_model(body.model, ids, None)  # 404 for a model not served
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidParameter("prompt", body.prompt, "exactly one of prompt and messages")
+        tokenizer = generator.tokenizer
+        if body.messages is not None:
+            text = tokenizer.apply_chat_template(list(protocol.messages(body.messages)),
+                                                 add_generation_prompt=body.add_generation_prompt)
+            tokens = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            tokens = tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        out: dict[str, Any] = {"count": len(tokens), "max_model_len": generator.model.max_context, "tokens": tokens}
+        if body.return_token_strs:
+            out["token_strs"] = [tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
+        return out
+
+    @app.post("/detokenize", dependencies=[Depends(authorised)])
+    def detokenize(body: protocol.DetokenizeBody) -> dict[str, Any]:
+        if body.model is not None:
+            resolve_model(body.model, ids, None)
+        check_ids("tokens", body.tokens, generator.model.vocab_size)
+        return {"prompt": generator.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
     @app.post("/v1/chat/completions", dependencies=[Depends(authorised)], response_model=None)
     async def chat(body: ChatBody, request: Request) -> Any:  # type: ignore[valid-type]
         b: Any = body
@@ -200,7 +226,8 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
     return app
 
 
-_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"})
+_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize",
+                     "/detokenize"})
 
 
 def _usage_wanted(body: Any) -> bool:
