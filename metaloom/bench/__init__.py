@@ -31,6 +31,12 @@ def _fork(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _admit(args: argparse.Namespace) -> int:
+    from metaloom.bench.admit import main
+
+    return main(args)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from metaloom.bench.serve import main
 
@@ -39,7 +45,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], int]] = {"decode": _decode, "constrained": _constrained,
                                                               "speculative": _speculative, "fork": _fork,
-                                                              "serve": _serve}
+                                                              "serve": _serve, "admit": _admit}
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
