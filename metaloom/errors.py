@@ -95,3 +95,26 @@ class Unsupported(MetaloomError):
         self.generator = generator
         self.detail = detail
         super().__init__(f"unsupported {field}: {generator} cannot serve it" + (f" ({detail})" if detail else ""))
+
+
+class RemoteError(MetaloomError):
+    """A remote server refused or failed a request. ``status``: the HTTP status (None when no
+    answer came: a lost connection, an unreadable body, an error event mid-stream);
+    ``message``: the server's own words; ``attempts``: how many times it was sent."""
+
+    def __init__(self, url: str, message: str, status: int | None = None, *, attempts: int = 1,
+                 param: str | None = None, code: str | None = None) -> None:
+        self.url = url
+        self.message = message
+        self.status = status
+        self.attempts = attempts
+        self.param = param
+        self.code = code
+        where = f"{url} answered {status}" if status is not None else f"{url} failed"
+        tries = f" (after {attempts} attempts)" if attempts > 1 else ""
+        super().__init__(f"{where}{tries}: {message}")
+
+
+class RemoteTimeout(RemoteError):
+    """A remote request got no answer within its timeout (not retried: the server may still be
+    working on it)."""

@@ -1,0 +1,156 @@
+"""Token ids, chat-template text and scoring for `RemoteGenerator`: from the server's own
+/tokenize and /detokenize where it has them (what it reads is what it generates from), else
+from a local tokenizer.
+
+Scoring sends prompt + continuation as one token-id prompt and reads the log-probabilities the
+server gives the prompt's tokens (vLLM's ``prompt_logprobs``, else ``echo`` with ``logprobs``)
+from where the continuation starts; all continuations go in one batched request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from metaloom.errors import InvalidParameter, RemoteError
+from metaloom.generator.remote.detect import ServerFeatures
+from metaloom.generator.remote.transport import Json, Malformed, Transport
+from metaloom.generator.remote.wire import choices_of, logprob_entries
+from metaloom.generator.types import Message, Prompt, Scored, TokenIds
+
+
+class Tokens:
+    """Tokenisation as the server does it (``features`` says which routes it has), with
+    ``tokenizer`` (any object with ``encode``, ``decode``, ``apply_chat_template``) for the rest."""
+
+    def __init__(self, transport: Transport, model: str, features: ServerFeatures, tokenizer: Any) -> None:
+        self.t, self.model, self.f, self.tokenizer = transport, model, features, tokenizer
+
+    async def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """A prompt's ids as the server encodes it: text with special tokens, a chat through its
+        template (the generation prompt added), token ids as given."""
+        if isinstance(prompt, TokenIds):
+            return list(prompt.ids)
+        if isinstance(prompt, str):
+            ids = await self.tokenize(prompt, True)
+        elif self.f.tokenize_chat:
+            ids = _ints(await self.t.post("/tokenize", {"model": self.model, "messages": [dict(m) for m in prompt],
+                                                        "add_generation_prompt": True}))
+        else:
+            tok = self._local()
+            ids = tok.encode(tok.apply_chat_template(list(prompt)), add_special_tokens=False)
+        if not ids:
+            raise InvalidParameter("prompt", prompt, "text that encodes to at least one token")
+        return list(ids)
+
+    async def tokenize(self, text: str, special: bool) -> list[int]:
+        if self.f.tokenize:
+            return _ints(await self.t.post("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": special}))
+        return list(self._local().encode(text, add_special_tokens=special))
+
+    async def render(self, messages: Sequence[Message]) -> str:
+        if self.f.tokenize_chat and self.f.detokenize:  # the server's own template is the one it generates from
+            return await self.decode(await self.prompt_ids(tuple(messages)))
+        return str(self._local().apply_chat_template(list(messages)))
+
+    async def decode(self, ids: Sequence[int]) -> str:
+        if self.f.detokenize:
+            data = await self.t.post("/detokenize", {"model": self.model, "tokens": list(ids)}, _text_answer)
+            return str(data["prompt"])
+        return str(self.tokenizer.decode(list(ids))) if self.tokenizer is not None else ""
+
+    def local_encode(self, special: bool) -> Callable[[str], Sequence[int]] | None:
+        tok = self.tokenizer
+        return None if tok is None else (lambda text: tok.encode(text, add_special_tokens=special))
+
+    def _local(self) -> Any:
+        if self.tokenizer is None:  # the capabilities refuse what needs one before this is reached
+            raise RuntimeError("no local tokenizer")
+        return self.tokenizer
+
+    # --- scoring ------------------------------------------------------------------------------------
+    async def score(self, prompt: Prompt, continuations: Sequence[str | TokenIds]) -> tuple[list[Scored], Json]:
+        """The continuations scored, and the server's answer (for its usage)."""
+        context = await self.prompt_ids(prompt)
+        text: str | None = None  # the context as text, where the continuation can be cut from the whole
+        if isinstance(prompt, str):
+            text = prompt
+        elif isinstance(prompt, tuple):
+            text = await self.render(prompt)
+        conts = await asyncio.gather(*(self.continuation(text, context, c, isinstance(prompt, str)) for c in continuations))
+        body: Json = {"model": self.model, "prompt": [context + c for c in conts], "max_tokens": 1, "temperature": 0.0}
+        body.update({"prompt_logprobs": 0} if self.f.prompt_logprobs else {"echo": True, "logprobs": 0})
+        data = await self.t.post("completions", body, expect_choices(len(conts)))
+        out = []
+        for c, ids, choice in zip(continuations, conts, choices_of(data, len(conts)), strict=True):
+            lps = prompt_logprobs(choice, context + ids)[len(context):]
+            if len(lps) != len(ids) or any(math.isnan(v) for v in lps):
+                raise RemoteError(self.t.url("completions"), "prompt log-probabilities missing for the continuation")
+            out.append(Scored(c if isinstance(c, str) else await self.decode(c.ids), tuple(ids), tuple(lps)))
+        return out, data
+
+    async def continuation(self, context_text: str | None, context: list[int], c: str | TokenIds, special: bool) -> list[int]:
+        """The ids ``c`` has after the context: what the whole text has after the context's ids,
+        or its own encoding where a token crosses the boundary (as the local engine cuts it,
+        `metaloom.decode.score.split_continuation`)."""
+        if isinstance(c, TokenIds):
+            return list(c.ids)
+        if context_text is not None:
+            ctx, whole = await asyncio.gather(self.tokenize(context_text, special), self.tokenize(context_text + c, special))
+            if ctx == context and whole[:len(ctx)] == ctx and len(whole) > len(ctx):
+                return whole[len(ctx):]
+        ids = await self.tokenize(c, False)
+        if not ids:
+            raise InvalidParameter("continuation", c, "text that encodes to at least one token")
+        return ids
+
+
+def prompt_logprobs(choice: Json, ids: Sequence[int]) -> list[float]:
+    """log p(ids[k] | ids[:k]) per position (NaN where unknown): vLLM's ``prompt_logprobs``
+    (one {token id: {logprob}} map per position), else the echoed ``logprobs``."""
+    entries = choice.get("prompt_logprobs")
+    if isinstance(entries, list):
+        out = []
+        for k, entry in enumerate(entries[:len(ids)]):
+            found = entry.get(str(ids[k])) if isinstance(entry, dict) else None
+            value = found.get("logprob") if isinstance(found, dict) else found
+            out.append(float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan)
+        return out
+    return logprob_entries(choice.get("logprobs"), False)[1][:len(ids)]
+
+
+def expect_choices(n: int) -> Callable[[Json], None]:
+    """A shape check for a completion answer with ``n`` choices (a wrong one is retried as unreadable)."""
+    def check(data: Json) -> None:
+        try:
+            choices_of(data, n)
+        except ValueError as exc:
+            raise Malformed(str(exc)) from exc
+    return check
+
+
+def _text_answer(data: Json) -> None:
+    if not isinstance(data.get("prompt"), str):
+        raise Malformed("no prompt text in the /detokenize answer")
+
+
+def _ints(data: Json) -> list[int]:
+    tokens = data.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise RemoteError("/tokenize", f"no token ids in the answer: {str(data)[:200]}")
+    return tokens
+
+
+def load_tokenizer(tokenizer: Any) -> Any:
+    """A tokenizer object as given, or one loaded from a tokenizer folder."""
+    if tokenizer is None or not isinstance(tokenizer, (str, os.PathLike)):
+        if tokenizer is not None and not all(hasattr(tokenizer, a) for a in ("encode", "decode", "apply_chat_template")):
+            raise InvalidParameter("tokenizer", tokenizer, "a tokenizer folder or an object with encode, decode and "
+                                   "apply_chat_template")
+        return tokenizer
+    from metaloom.models.tokenizer import HFTokenizer  # only here: it brings torch in with metaloom.models
+
+    return HFTokenizer(os.fspath(tokenizer))
