@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import fields
 from typing import Any
 
@@ -45,11 +46,54 @@ _SCALAR_DESTS = (*(name for name, _, _ in _SAMPLER_FLAGS), "max_tokens", "n", "s
 SAMPLER_DESTS = (*_SCALAR_DESTS, "stop", "logit_bias", "dry_sequence_breakers", "no_dry_sequence_breakers")
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a .gguf file, or a transformers folder")
+def add_model_args(p: argparse.ArgumentParser, *, remote: bool = False) -> None:
+    """The model flags; ``remote``: also ``--backend openai`` (any OpenAI-compatible server)."""
+    p.add_argument("--model", default="default",
+                   help="'default' (SmolLM2-135M-Instruct), a .gguf file, or a transformers folder"
+                        + ("; with --backend openai, the model id the server lists" if remote else ""))
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--device", default="auto", help="auto (CUDA when present) | cpu | cuda | cuda:N")
-    p.add_argument("--backend", default="auto", help="auto | native | transformers")
+    p.add_argument("--backend", default="auto", help="auto | native | transformers" + (" | openai" if remote else ""))
+    if remote:
+        g = p.add_argument_group("a remote server (--backend openai: vLLM, SGLang, llama.cpp, metaloom serve, ...)")
+        g.add_argument("--base-url", default=None, help="the server, e.g. http://127.0.0.1:8000 (or .../v1)")
+        g.add_argument("--api-key", default=None, help="its key (default: $OPENAI_API_KEY, else none)")
+        g.add_argument("--model-params", type=float, default=None,
+                       help="the model's parameter count, for FLOPs estimates (e.g. 1.5e9)")
+        g.add_argument("--tokenizer", default=None,
+                       help="a local tokenizer folder, for what the server has no route for (token ids, chat template)")
+        g.add_argument("--max-concurrency", type=int, default=16, help="requests in flight at once")
+        g.add_argument("--timeout", type=float, default=600.0, help="seconds a request may wait for the server")
+        g.add_argument("--max-retries", type=int, default=3,
+                       help="retries of a request on 429, 5xx and dropped connections (never on other 4xx)")
+
+
+_LOCAL_ONLY = ("dtype", "device")  # flags a remote server decides for itself
+
+
+def remote_generator(args: argparse.Namespace, local_only: dict[str, object] | None = None) -> Any:
+    """The `RemoteGenerator` that ``--backend openai`` asks for, or None for a local backend.
+    ``local_only``: other flags (name -> value as given) that need the local engine; one that is
+    set is an error naming it, never silently dropped."""
+    if args.backend != "openai":
+        for name in ("base_url", "model_params", "tokenizer"):
+            if getattr(args, name, None) is not None:
+                raise InvalidParameter(name.replace("_", "-"), getattr(args, name), "set only with --backend openai")
+        return None
+    if not args.base_url:
+        raise InvalidParameter("base-url", None, "the server's URL with --backend openai (e.g. http://127.0.0.1:8000)")
+    defaults = {"dtype": "float32", "device": "auto"}
+    for name in _LOCAL_ONLY:
+        if getattr(args, name) != defaults[name]:
+            raise InvalidParameter(name, getattr(args, name), "left unset with --backend openai (the server decides it)")
+    for name, value in (local_only or {}).items():
+        if value not in (None, False):
+            raise InvalidParameter(name, value, "unset with --backend openai (it needs the local engine)")
+    from metaloom.generator.remote import RemoteGenerator
+
+    return RemoteGenerator(args.base_url, args.model, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+                           tokenizer=args.tokenizer, model_params=args.model_params,
+                           max_concurrency=args.max_concurrency, timeout=args.timeout, max_retries=args.max_retries)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import sys
 
-from metaloom.commands.common import add_model_args, add_sampling_args, sampling_params
+from metaloom.commands.common import add_model_args, add_sampling_args, remote_generator, sampling_params
 from metaloom.commands.constraint import add_constraint_args, constraint_spec
 from metaloom.commands.decoding import add_decoder_args, amateur_model, decoder_spec
 from metaloom.commands.speculative import add_speculative_args, check_speculative_args, speculative_option, speculative_report
@@ -16,7 +16,7 @@ from metaloom.commands.speculative import add_speculative_args, check_speculativ
 def register(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("prompt")
-    add_model_args(g)
+    add_model_args(g, remote=True)
     add_sampling_args(g)
     add_decoder_args(g)
     add_constraint_args(g)
@@ -36,9 +36,14 @@ def run(args: argparse.Namespace) -> int:
     params, decoder = decoder_spec(args, params)
     constraint = constraint_spec(args)
     check_speculative_args(args)
-    loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend)
-    speculative = speculative_option(args, loaded)
-    generator = LocalGenerator(loaded, amateur=amateur_model(args, loaded), speculative=speculative)
+    remote = remote_generator(args, {"speculative": args.speculative, "amateur-model": args.amateur_model})
+    speculative = None
+    if remote is not None:
+        generator, name = remote, args.model
+    else:
+        loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend)
+        speculative = speculative_option(args, loaded)
+        generator, name = LocalGenerator(loaded, amateur=amateur_model(args, loaded), speculative=speculative), loaded.name
     request = Request(args.prompt, params) if args.raw else Request.chat(args.prompt, params, system=args.system)
     request = dataclasses.replace(request, decoder=decoder)
     request = dataclasses.replace(request, constraint=constraint, token_healing=args.token_healing)
@@ -57,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     completions = generator.generate([request], ledger=ledger)[0]
     if args.json:
         print(json.dumps({
-            "model": loaded.name,
+            "model": name,
             "completions": [{"text": c.text, "tokens": list(c.token_ids), "logprob": c.logprob,
                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                             | ({} if c.score is None else {"score": c.score})

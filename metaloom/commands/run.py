@@ -25,7 +25,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from metaloom.commands.common import SAMPLER_DESTS, add_model_args, add_sampling_args, sampling_kwargs
+from metaloom.commands.common import SAMPLER_DESTS, add_model_args, add_sampling_args, remote_generator, sampling_kwargs
 from metaloom.errors import InvalidParameter
 
 
@@ -85,7 +85,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     # `strategy_config` (after the parameters are checked), not as a usage dump
     r.add_argument("prompt", nargs="?", default=None, help="the prompt (required)")
     r.add_argument("--strategy", required=True, help="strategy name (`metaloom strategies` lists them)")
-    add_model_args(r)
+    add_model_args(r, remote=True)
     add_sampling_args(r)
     for action in r._actions:  # only the flags given override the strategy's own sampling defaults
         if action.dest in SAMPLER_DESTS:
@@ -177,8 +177,12 @@ def run(args: argparse.Namespace) -> int:
     params, groups, sampling = strategy_config(args)  # names, parameters, types, prompt: before the load
     budget = parse_budget(args.budget)
     prefix_cache(args.prefix_cache_mb, None)  # validated before the load
-    loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend)
-    generator: Any = LocalGenerator(loaded, prefix_cache=prefix_cache(args.prefix_cache_mb, loaded))
+    generator: Any = remote_generator(args)
+    if generator is not None:
+        name = args.model
+    else:
+        loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend)
+        generator, name = LocalGenerator(loaded, prefix_cache=prefix_cache(args.prefix_cache_mb, loaded)), loaded.name
     bar = None
     if args.progress or sys.stderr.isatty():
         generator, bar = with_progress(generator)
@@ -198,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     if args.json:
-        print(json.dumps({"model": loaded.name, "strategy": args.strategy, **result.to_dict()}))
+        print(json.dumps({"model": name, "strategy": args.strategy, **result.to_dict()}))
         return 0
     print(result.best)
     print(f"--- {args.strategy}: answer={result.answer!r} stopped_reason={result.stopped_reason}")
