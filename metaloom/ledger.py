@@ -41,6 +41,10 @@ class Usage:
     accepted_tokens: int = 0
     rejected_tokens: int = 0
     verify_steps: int = 0
+    # figures a charge could not count (a remote server reports no forward passes): reported as
+    # None, never as a misleading 0; and figures partly estimated (FLOPs from a parameter count)
+    unknown: frozenset[str] = frozenset()
+    estimated: frozenset[str] = frozenset()
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -54,10 +58,18 @@ class Usage:
         return self.accepted_tokens / self.verify_steps if self.verify_steps else None
 
     def __add__(self, other: Usage) -> Usage:
-        return Usage(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)})
+        return Usage(**{name: getattr(self, name) + getattr(other, name) for name in COUNTED},  # type: ignore[arg-type]
+                     unknown=self.unknown | other.unknown, estimated=self.estimated | other.estimated)
 
-    def to_dict(self) -> dict[str, float | int]:
-        return dataclasses.asdict(self)
+    def to_dict(self) -> dict[str, Any]:
+        """Every figure (None where it is unknown), and ``estimated``: the figures that are estimates."""
+        out: dict[str, Any] = {name: None if name in self.unknown else getattr(self, name) for name in COUNTED}
+        if self.estimated:
+            out["estimated"] = sorted(self.estimated)
+        return out
+
+
+COUNTED = tuple(f.name for f in dataclasses.fields(Usage) if f.name not in ("unknown", "estimated"))
 
 
 @dataclass(frozen=True)
@@ -90,7 +102,12 @@ class Budget:
     def check(self, usage: Usage) -> None:
         for f in dataclasses.fields(self):
             limit = getattr(self, f.name)
-            if limit is not None and getattr(usage, f.name) > limit:
+            if limit is None:
+                continue
+            if f.name in usage.unknown:  # a limit that cannot be enforced is an error, not a silent pass
+                raise InvalidParameter(f"budget.{f.name}", limit, f"a limit on figures this generator counts "
+                                                                  f"({f.name} are unknown here)")
+            if getattr(usage, f.name) > limit:
                 raise BudgetExceeded(f.name, limit, getattr(usage, f.name))
 
 

@@ -4,12 +4,13 @@ import dataclasses
 
 import pytest
 
-from metaloom.errors import BudgetExceeded
-from metaloom.ledger import Budget, Ledger, Usage
+from metaloom.errors import BudgetExceeded, InvalidParameter
+from metaloom.ledger import COUNTED, Budget, Ledger, Usage
 
 
 def test_budget_can_cap_every_usage_field():
-    assert [f.name for f in dataclasses.fields(Budget)] == [f.name for f in dataclasses.fields(Usage)]
+    assert [f.name for f in dataclasses.fields(Budget)] == list(COUNTED)
+    assert set(COUNTED) == {f.name for f in dataclasses.fields(Usage)} - {"unknown", "estimated"}
 
 
 def test_child_charges_reach_the_parent():
@@ -53,3 +54,16 @@ def test_a_listener_hears_the_trace_events_of_runs_charged_below_it_as_they_happ
     assert heard[-1][1]["tally"] == {"4": 2.0, "5": 1.0}
     quiet = Ledger()  # no listener: nothing to tell, nothing breaks
     assert MajorityVote(n=3).run("q", ScriptedGenerator({"q": ["4", "5", "4"]}), ledger=quiet).answer == "4"
+
+
+def test_unknown_figures_are_null_never_zero_and_a_budget_on_them_is_an_error():
+    ledger = Ledger()
+    ledger.charge(output_tokens=3, flops=6.0, unknown=frozenset({"forward_passes"}), estimated=frozenset({"flops"}))
+    ledger.charge(output_tokens=2, forward_passes=1)  # an exact charge does not make the unknown known
+    d = ledger.usage.to_dict()
+    assert d["forward_passes"] is None and d["output_tokens"] == 5 and d["estimated"] == ["flops"]
+    assert "estimated" not in Usage(output_tokens=1).to_dict()
+    capped = Ledger(budget=Budget(forward_passes=10))
+    with pytest.raises(InvalidParameter, match=r"budget\.forward_passes"):
+        capped.charge(output_tokens=1, unknown=frozenset({"forward_passes"}))
+    Ledger(budget=Budget(output_tokens=10)).charge(output_tokens=1, unknown=frozenset({"forward_passes"}))

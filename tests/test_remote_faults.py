@@ -338,3 +338,15 @@ def test_cancel_ends_the_requests_in_flight(fake, base):
     assert [[c.finish_reason for c in row] for row in out[0]] == [["cancelled"], ["cancelled", "cancelled"]]
     fake.latency = 0.0
     assert hi(base)[0].text == "hello"  # later calls run as usual
+
+
+def test_a_server_without_exact_counts_marks_forward_passes_unknown_and_flops_estimated():
+    from metaloom.generator.remote.wire import usage_charge
+
+    usage = {"prompt_tokens": 10, "completion_tokens": 5, "prompt_tokens_details": {"cached_tokens": 4}}
+    estimated = usage_charge(usage, 1e6)
+    assert estimated["flops"] == 2e6 * (10 - 4 + 5) and estimated["unknown"] == {"forward_passes"}
+    assert estimated["estimated"] == {"flops"}
+    assert usage_charge(usage, None)["unknown"] == {"forward_passes", "flops"}
+    exact = usage_charge({**usage, "metaloom": {"forward_passes": 3, "flops": 7.0}}, 1e6)
+    assert "unknown" not in exact and "estimated" not in exact and exact["forward_passes"] == 3

@@ -11,7 +11,7 @@ from typing import Any
 
 from metaloom.errors import BudgetExceeded, InvalidParameter, ScorerFailed
 from metaloom.generator.types import Completion, Generator, Request, TokenIds
-from metaloom.ledger import Ledger, Usage
+from metaloom.ledger import COUNTED, Ledger, Usage
 from metaloom.meta.types import Event, Result, Strategy, usage_dict
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.answers import Extractor
@@ -42,8 +42,8 @@ class Run:
 
     def spent_since(self, before: Usage) -> dict[str, Any]:
         after = self.ledger.usage
-        return usage_dict(Usage(**{f.name: getattr(after, f.name) - getattr(before, f.name)
-                                   for f in dataclasses.fields(Usage)}))
+        return usage_dict(Usage(**{name: getattr(after, name) - getattr(before, name) for name in COUNTED},
+                                unknown=after.unknown, estimated=after.estimated))
 
     def result(self, stopped_reason: str | None = None) -> Result:
         best = self.best_text

@@ -7,7 +7,6 @@ Welleck et al. 2024, "From Decoding to Meta-Generation").
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -84,4 +83,4 @@ class Strategy(Protocol):
 
 def usage_dict(usage: Usage) -> dict[str, Any]:
     """Usage without the zero fields, for compact trace events."""
-    return {f.name: getattr(usage, f.name) for f in dataclasses.fields(usage) if getattr(usage, f.name)}
+    return {k: v for k, v in usage.to_dict().items() if v is None or v}

@@ -9,9 +9,10 @@ was found to do (`detect`) and refused with `Unsupported` before anything is sen
 Accounting: the ledger is charged from each successful response's ``usage`` (prompt, cached,
 completion tokens), once — a failed attempt that is retried charges nothing. Forward passes
 and FLOPs are exact only from metaloom's own server (its ``usage.metaloom`` block); elsewhere
-FLOPs are estimated as 2 · ``model_params`` · tokens computed, and forward passes are unknown
-(charged nothing: `Ledger` has no "unknown"; `RemoteGenerator.accounting` says which figures
-are which). Seconds are the caller's wall time, as for the local engine. A stream closed early
+FLOPs are estimated as 2 · ``model_params`` · tokens computed (marked in `Usage.estimated`), and
+forward passes are marked unknown (`Usage.unknown`: reported as null, and a budget on them is an
+error, never a limit silently not enforced); `RemoteGenerator.accounting` says which is which.
+Seconds are the caller's wall time, as for the local engine. A stream closed early
 has no final usage (unless the server reports usage in every chunk, as vLLM can): it is charged
 the tokens it received and its prompt (counted by /tokenize or a local tokenizer, where there is
 one) — the server may have generated a few more tokens before it noticed.
@@ -378,8 +379,9 @@ class RemoteGenerator:
         with contextlib.suppress(Exception):  # counting is best effort: never fail a cancellation
             if isinstance(call.prompt, TokenIds) or self.features.tokenize or self.tokenizer is not None:
                 prompt = len(await self.tokens.prompt_ids(call.prompt))
-        with contextlib.suppress(BudgetExceeded):
-            ledger.charge(input_tokens=prompt, output_tokens=received)
+        with contextlib.suppress(BudgetExceeded):  # unreported: no exact forward passes or FLOPs
+            marks = usage_charge({"prompt_tokens": prompt, "completion_tokens": received}, self.model_params)
+            ledger.charge(**marks)
 
     # --- helpers ---------------------------------------------------------------------------------------
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:

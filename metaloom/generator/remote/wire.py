@@ -186,17 +186,18 @@ def choices_of(data: Json, count: int | None = None) -> list[Json]:
 
 
 # --- usage ------------------------------------------------------------------------------------------
-def usage_charge(usage: object, model_params: float | None) -> dict[str, float]:
+def usage_charge(usage: object, model_params: float | None) -> dict[str, Any]:
     """Ledger amounts for a response's ``usage``: prompt, cached and completion tokens; forward
     passes and FLOPs exactly where the server reports them (metaloom's ``usage.metaloom``), else
-    FLOPs estimated as 2 · parameters · tokens computed when the parameter count is known."""
+    forward passes marked unknown and FLOPs estimated as 2 · parameters · tokens computed when the
+    parameter count is known (marked as an estimate), unknown when it is not."""
     if not isinstance(usage, dict):
         return {}
     prompt = _count(usage.get("prompt_tokens"))
     output = _count(usage.get("completion_tokens"))
     details = usage.get("prompt_tokens_details")
     cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else 0
-    out: dict[str, float] = {"input_tokens": prompt, "cached_tokens": min(cached, prompt), "output_tokens": output}
+    out: dict[str, Any] = {"input_tokens": prompt, "cached_tokens": min(cached, prompt), "output_tokens": output}
     exact = usage.get("metaloom")
     if isinstance(exact, dict):
         out["forward_passes"] = _count(exact.get("forward_passes"))
@@ -205,6 +206,9 @@ def usage_charge(usage: object, model_params: float | None) -> dict[str, float]:
             out["flops"] = float(flops)
     elif model_params is not None:
         out["flops"] = 2.0 * model_params * (prompt - min(cached, prompt) + output)
+        out["estimated"], out["unknown"] = frozenset({"flops"}), frozenset({"forward_passes"})
+    else:
+        out["unknown"] = frozenset({"forward_passes", "flops"})
     return out
 
 
@@ -212,6 +216,10 @@ def _count(value: object) -> int:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
-def usage_delta(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    """What ``now`` (cumulative) adds to ``before``; never negative."""
-    return {k: max(0.0, v - before.get(k, 0.0)) for k, v in now.items() if v - before.get(k, 0.0) > 0}
+def usage_delta(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """What ``now`` (cumulative) adds to ``before``; never negative. The unknown and estimated
+    marks are carried as they are (marking twice changes nothing)."""
+    out: dict[str, Any] = {k: v for k, v in now.items() if isinstance(v, frozenset)}
+    out.update({k: max(0.0, v - before.get(k, 0.0)) for k, v in now.items()
+                if not isinstance(v, frozenset) and v - before.get(k, 0.0) > 0})
+    return out
