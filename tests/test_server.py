@@ -184,6 +184,24 @@ def test_tokenize_and_detokenize_as_vllm_shapes_them(served, smollm_generator):
     assert _post(served, {"model": "default"}, path="/tokenize").status_code == 400
 
 
+def test_continuous_usage_counts_the_tokens_sent_so_far_in_every_chunk(served):
+    seen = []
+    for chunk in served.client().completions.create(model="default", prompt="Count: one, two,", max_tokens=6,
+                                                    temperature=0, stream=True,
+                                                    stream_options={"include_usage": True, "continuous_usage_stats": True}):
+        if chunk.choices and chunk.usage is not None:
+            seen.append(chunk.usage.completion_tokens)
+    assert seen == sorted(seen) and seen[-1] == 6 and seen[0] >= 1
+
+
+def test_a_failed_upstream_is_502_and_a_silent_one_504():
+    from metaloom.errors import RemoteError, RemoteTimeout
+    from metaloom.server.errors import api_error
+
+    assert api_error(RemoteError("http://judge", "boom", 500)).status == 502
+    assert api_error(RemoteTimeout("http://judge", "no answer")).status == 504
+
+
 def test_response_format_json_schema_is_enforced(served):
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"], "additionalProperties": False}

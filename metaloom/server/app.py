@@ -196,6 +196,7 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
         strategy = resolve_model(b.model, ids, b.metaloom)
         call = _Call(scheduler, metrics, workers, request, chat=True, model=b.model, logprobs=bool(b.logprobs),
                      token_ids=b.return_tokens_as_token_ids)
+        call.continuous_usage = _continuous_usage(b)
         if strategy is not None:
             return await call.strategy(strategy, protocol.chat_request(body), b.stream, _usage_wanted(b))
         return await call.plain(call.fit([protocol.chat_request(body)], b), b.stream, _usage_wanted(b), Ledger())
@@ -206,6 +207,7 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
         strategy = resolve_model(b.model, ids, b.metaloom)
         call = _Call(scheduler, metrics, workers, request, chat=False, model=b.model, logprobs=b.logprobs is not None,
                      token_ids=b.return_tokens_as_token_ids)
+        call.continuous_usage = _continuous_usage(b)
         requests = protocol.completion_requests(body)
         k, only = protocol.prompt_logprobs(body), protocol.scores_only(body)
         if strategy is not None:
@@ -230,6 +232,10 @@ _ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/
                      "/detokenize"})
 
 
+def _continuous_usage(body: Any) -> bool:
+    return bool(body.stream_options is not None and body.stream_options.continuous_usage_stats)
+
+
 def _usage_wanted(body: Any) -> bool:
     return bool(body.stream_options is not None and body.stream_options.include_usage)
 
@@ -243,6 +249,7 @@ class _Call:
         self.chat, self.model, self.logprobs, self.token_ids = chat, model, logprobs, token_ids
         self.prompts: list[_Prompted] | None = None  # per request, when echo or prompt_logprobs asked for them
         self.echo = False
+        self.continuous_usage = False  # stream_options.continuous_usage_stats
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.started = time.perf_counter()
@@ -362,7 +369,10 @@ class _Call:
                     finished += 1
                     continue
                 assert isinstance(event, StreamChunk)
-                yield self._delta(i * n + event.index, event)
+                out = self._delta(i * n + event.index, event)
+                if self.continuous_usage:
+                    out["usage"] = usage_block(ledger.usage)
+                yield out
             self._observe(ledger.usage, tickets)
             if include_usage:
                 yield self._usage_chunk(ledger.usage)

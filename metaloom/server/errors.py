@@ -1,6 +1,7 @@
 """Errors in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the status
 that says who must act: 400 the caller's parameters (naming the field), 401, 404 an unknown model,
-413 an oversized body, 429 overloaded (with Retry-After), 500 only for a bug (logged server-side
+413 an oversized body, 429 overloaded (with Retry-After), 502/504 a server behind this one failed
+or did not answer, 500 only for a bug (logged server-side
 with its traceback; the client gets no internals)."""
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from metaloom.errors import (
     InvalidGrammar,
     InvalidParameter,
     MetaloomError,
+    RemoteError,
+    RemoteTimeout,
     Unsupported,
 )
 from metaloom.server.scheduler import Overloaded
@@ -41,6 +44,10 @@ def api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, Overloaded):
         return ApiError(429, str(exc), "rate_limit_exceeded", code="overloaded",
                         headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, RemoteTimeout):  # a server behind this one (a remote judge, ...) did not answer
+        return ApiError(504, str(exc), "server_error", code="upstream_timeout")
+    if isinstance(exc, RemoteError):
+        return ApiError(502, str(exc), "server_error", code="upstream_error")
     if isinstance(exc, InvalidParameter):
         return ApiError(400, str(exc), "invalid_request_error", param=exc.name)
     if isinstance(exc, Unsupported):

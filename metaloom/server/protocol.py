@@ -35,6 +35,7 @@ REFUSED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk (a client that stops early knows its cost)
 
 
 class JsonSchemaFormat(BaseModel):
