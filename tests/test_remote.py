@@ -18,8 +18,21 @@ from metaloom.generator.remote import RemoteGenerator, RetryPolicy
 from metaloom.generator.remote.detect import VLLM_EXTRAS
 from metaloom.generator.types import Request, TokenIds
 from metaloom.ledger import Ledger, Usage
-from metaloom.meta import MBR, AdaptiveVote, BestOfN, FirstFinish, MajorityVote, PrunedBestOfN
+from metaloom.meta import (
+    MBR,
+    AdaptiveVote,
+    BestOfN,
+    BudgetForcing,
+    Chain,
+    FirstFinish,
+    MajorityVote,
+    PrunedBestOfN,
+    Refine,
+    WeightedVote,
+)
 from metaloom.sampling.params import SamplingParams
+from metaloom.score.feedback import CritiqueFeedback
+from metaloom.score.judge import LLMJudge
 from metaloom.score.logprob import SequenceLogprob
 from metaloom.server.app import create_app
 from metaloom.testing.fake_openai import FakeFeatures, FakeOpenAI, chat_template, logprob
@@ -319,6 +332,40 @@ def test_strategies_through_metaloom_serve_equal_local(metaloom_serve, strategy)
     # of one call into shared steps (each request is its own HTTP call, its own steps, remotely)
     for field in ("input_tokens", "output_tokens", "scorer_calls"):
         assert getattr(theirs.usage, field) == getattr(mine.usage, field), field
+
+
+def bound_strategies():
+    """The other registered strategies (and the scorers that ask the generator), built for one
+    side's generator; every template in letters, all the tiny model's tokenizer knows."""
+    sampled = SamplingParams(temperature=0.8, seed=11, max_tokens=6)
+    return {
+        "weighted_vote": lambda gen: WeightedVote(scorer=SequenceLogprob(), n=4, extractor=FirstLetter(), transform="exp",
+                                                  params=sampled),
+        "best_of_n+judge": lambda gen: BestOfN(n=3, params=sampled, scorer=LLMJudge(
+            generator=gen, template="{prompt}{candidate}q", yes="y", no="n")),
+        "budget_forcing": lambda gen: BudgetForcing(min_thinking_tokens=4, max_thinking_tokens=8, answer_max_tokens=4,
+                                                    think_start="t", think_end="e", wait="w", answer_prefix="f",
+                                                    params=SamplingParams(temperature=0.0, max_tokens=8)),
+        "chain": lambda gen: Chain(steps=("{prompt}a", "{prompt}{step1}b"), max_tokens=(6, 4)),
+        "refine": lambda gen: Refine(rounds=2, params=sampled, revise_template="{feedback}r", feedback=CritiqueFeedback(
+            generator=gen, template="{prompt}{candidate}k", ok_marker="zzz", max_tokens=4)),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(bound_strategies()))
+def test_the_other_strategies_through_metaloom_serve_equal_local(metaloom_serve, name):
+    """With the six above: every registered strategy, and every scorer that asks the generator,
+    runs unchanged remotely (the README's table)."""
+    local, remote, _ = metaloom_serve
+    make = bound_strategies()[name]
+    prompt = ({"role": "user", "content": "hello"},) if name == "refine" else "hello"  # a chat: no newlines
+    mine = make(local).run(prompt, local, ledger=Ledger())
+    theirs = make(remote).run(prompt, remote, ledger=Ledger())
+    assert mine.stopped_reason is None and len(mine.trace) > 1
+    assert (theirs.best, theirs.best_index, theirs.answers) == (mine.best, mine.best_index, mine.answers)
+    assert [c.text for c in theirs.candidates] == [c.text for c in mine.candidates]
+    assert theirs.scores == pytest.approx(mine.scores, abs=1e-4)
+    assert [e.kind for e in theirs.trace] == [e.kind for e in mine.trace]
 
 
 def test_score_render_and_stream_through_metaloom_serve_equal_local(metaloom_serve):
