@@ -117,6 +117,22 @@ def test_sampling_params_map_to_openai_and_vllm_fields(vllm):
     (ConstraintSpec.choices(["yes", "no"]), "guided_choice", ["yes", "no"]),
     (ConstraintSpec.lark('start: "a"'), "guided_grammar", 'start: "a"'),
 ])
+def test_constraints_map_to_vllms_structured_outputs_where_guided_fields_are_gone(spec, field, value):
+    """vLLM >= 0.11 ignores ``guided_*`` (with a warning) and reads ``structured_outputs``."""
+    new = FakeOpenAI(replies=REPLIES, features=FakeFeatures(guided=False, structured_outputs=True))
+    with serve_app(new.app) as url, RemoteGenerator(url, "fake-model", retry=FAST) as gen:
+        assert gen.features.structured_outputs and not gen.features.guided
+        gen.generate([Request("hi", SamplingParams(max_tokens=4), constraint=spec)], ledger=Ledger())
+        key = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}[field]
+        assert last(new)["structured_outputs"] == {key: value} and field not in last(new)
+
+
+@pytest.mark.parametrize(("spec", "field", "value"), [
+    (ConstraintSpec.json_schema({"type": "object"}), "guided_json", {"type": "object"}),
+    (ConstraintSpec.regex("[ab]+"), "guided_regex", "[ab]+"),
+    (ConstraintSpec.choices(["yes", "no"]), "guided_choice", ["yes", "no"]),
+    (ConstraintSpec.lark('start: "a"'), "guided_grammar", 'start: "a"'),
+])
 def test_constraints_map_to_vllm_guided_fields(vllm, spec, field, value):
     fake, g = vllm
     out = g.generate([Request("hi", SamplingParams(max_tokens=12), constraint=spec)], ledger=Ledger())[0][0]
@@ -144,12 +160,51 @@ def test_each_prompt_kind_takes_its_route(vllm):
         g.generate([Request("hi", SamplingParams(presence_penalty=0.5), prefix=(104,))], ledger=Ledger())
 
 
+def test_a_streamed_n_is_charged_the_servers_total_not_per_choice_running_counts(vllm):
+    """vLLM's continuous usage counts each choice's own tokens; only the last, choice-less chunk has
+    the request's total. Charged: exactly that total, whole stream or not."""
+    _, g = vllm
+    request = Request("hi", SamplingParams(temperature=1.0, seed=2, n=3))
+    ledger = Ledger()
+    chunks = list(g.stream(request, ledger=ledger))
+    tokens = sum(len(c.token_ids) for c in chunks)
+    whole = g.generate([request], ledger=Ledger())[0]
+    assert tokens == sum(len(c.token_ids) for c in whole) and ledger.usage.output_tokens == tokens
+    fake, _ = vllm
+    fake.stream_delay = 0.05  # a stream closed after 4 chunks, long before the server's total
+    try:
+        early = Ledger()
+        stream = g.stream(request, ledger=early)
+        got = [next(stream) for _ in range(4)]
+        stream.close()
+    finally:
+        fake.stream_delay = 0.0
+    # what arrived (a chunk or two may be in flight past what was read), never per-choice counts summed
+    assert sum(len(c.token_ids) for c in got) <= early.usage.output_tokens <= 6 < tokens
+    assert early.usage.input_tokens > 0
+
+
+def test_greedy_n_asks_once_and_gives_n_identical_samples(vllm):
+    """vLLM refuses n > 1 with temperature 0; the engine gives n identical samples: one request,
+    its one answer under every index, charged once."""
+    fake, g = vllm
+    ledger = Ledger()
+    before = fake.count()
+    out = g.generate([Request("hi", SamplingParams(temperature=0, n=3))], ledger=ledger)[0]
+    assert fake.count() == before + 1 and last(fake).get("n", 1) == 1
+    assert [c.text for c in out] == ["hello"] * 3 and ledger.usage.output_tokens == len(out[0].token_ids)
+    chunks = list(g.stream(Request("hi", SamplingParams(temperature=0, n=2)), ledger=Ledger()))
+    assert {c.index for c in chunks} == {0, 1}
+    assert "".join(c.text for c in chunks if c.index == 0) == "".join(c.text for c in chunks if c.index == 1) == "hello"
+
+
 def test_answers_carry_ids_logprobs_finish_and_stop_reason(vllm):
     _, g = vllm
     full, stopped, cut = (g.generate([Request("hi", SamplingParams(**kw))], ledger=Ledger())[0][0] for kw in (
         {}, {"stop": ("ll",)}, {"max_tokens": 3}))
     assert full.token_ids == (104, 101, 108, 108, 111, 0) and full.logprobs == tuple(logprob(t) for t in full.token_ids)
-    assert (full.text, full.finish_reason, full.stop_reason) == ("hello", "stop", None)  # vLLM: None at end-of-sequence
+    # vLLM says null at end-of-sequence; the completion names the end token, as the local engine's do
+    assert (full.text, full.finish_reason, full.stop_reason) == ("hello", "stop", 0)
     assert (stopped.text, stopped.finish_reason, stopped.stop_reason, stopped.token_ids) == ("he", "stop", "ll",
                                                                                            (104, 101, 108, 108))
     assert (cut.text, cut.finish_reason, cut.stop_reason) == ("hel", "length", None)

@@ -184,14 +184,18 @@ def test_tokenize_and_detokenize_as_vllm_shapes_them(served, smollm_generator):
     assert _post(served, {"model": "default"}, path="/tokenize").status_code == 400
 
 
-def test_continuous_usage_counts_the_tokens_sent_so_far_in_every_chunk(served):
-    seen = []
+def test_continuous_usage_counts_each_choices_tokens_so_far_as_vllm_does(served):
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    total = None
     for chunk in served.client().completions.create(model="default", prompt="Count: one, two,", max_tokens=6,
-                                                    temperature=0, stream=True,
+                                                    temperature=1.0, seed=3, n=2, stream=True, extra_body={"ignore_eos": True},
                                                     stream_options={"include_usage": True, "continuous_usage_stats": True}):
-        if chunk.choices and chunk.usage is not None:
-            seen.append(chunk.usage.completion_tokens)
-    assert seen == sorted(seen) and seen[-1] == 6 and seen[0] >= 1
+        for ch in chunk.choices:
+            seen[ch.index].append(chunk.usage.completion_tokens)
+        if not chunk.choices:
+            total = chunk.usage
+    assert all(s == list(range(1, 7)) for s in seen.values())  # one token a chunk, per choice
+    assert total is not None and total.completion_tokens == 12  # the request's total, in the last chunk
 
 
 def test_a_failed_upstream_is_502_and_a_silent_one_504():
@@ -200,6 +204,15 @@ def test_a_failed_upstream_is_502_and_a_silent_one_504():
 
     assert api_error(RemoteError("http://judge", "boom", 500)).status == 502
     assert api_error(RemoteTimeout("http://judge", "no answer")).status == 504
+
+
+def test_vllms_structured_outputs_constrain_as_guided_fields_do(served):
+    r = _post(served, {"model": "default", "prompt": "Is the sky blue?", "max_tokens": 5, "temperature": 0,
+                       "structured_outputs": {"choice": ["maybe", "certainly"]}}, path="/v1/completions").json()
+    assert r["choices"][0]["text"] in ("maybe", "certainly")
+    bad = _post(served, {"model": "default", "prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}},
+                path="/v1/completions")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "structured_outputs"
 
 
 def test_response_format_json_schema_is_enforced(served):

@@ -361,6 +361,7 @@ class _Call:
                     self._decorate(out["choices"][0], i // n, empty)
                     yield out
             finished = 0
+            sent: dict[int, int] = {}
             while finished < len(tickets):
                 i, event = await inbox.get()
                 if isinstance(event, Failed):
@@ -369,9 +370,13 @@ class _Call:
                     finished += 1
                     continue
                 assert isinstance(event, StreamChunk)
-                out = self._delta(i * n + event.index, event)
-                if self.continuous_usage:
-                    out["usage"] = usage_block(ledger.usage)
+                index = i * n + event.index
+                out = self._delta(index, event)
+                if self.continuous_usage:  # vLLM's meaning: this choice's tokens so far, beside the request's prompt
+                    sent[index] = sent.get(index, 0) + len(event.token_ids)
+                    prompt = ledger.usage.input_tokens
+                    out["usage"] = {"prompt_tokens": prompt, "completion_tokens": sent[index],
+                                    "total_tokens": prompt + sent[index]}
                 yield out
             self._observe(ledger.usage, tickets)
             if include_usage:

@@ -35,7 +35,8 @@ REFUSED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk (a client that stops early knows its cost)
+    # vLLM's: in every chunk, that choice's tokens so far (a client that stops early knows its cost)
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(BaseModel):
@@ -50,6 +51,16 @@ class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's current constraint object (it replaced the ``guided_*`` fields): one of these."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | bool | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class StrategyOptions(BaseModel):
@@ -94,6 +105,7 @@ class _Common(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
     decoder: str | None = None
     token_healing: bool = False
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:123" (exact, whatever the bytes)
@@ -188,6 +200,17 @@ def constraint(body: BaseModel) -> ConstraintSpec | None:
         found.append(("guided_choice", ConstraintSpec.choices(b.guided_choice)))
     if b.guided_grammar is not None:
         found.append(("guided_grammar", ConstraintSpec.lark(b.guided_grammar)))
+    so = b.structured_outputs
+    if so is not None:
+        given = [(name, value) for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                                   ("grammar", so.grammar)) if value is not None]
+        if len(given) != 1:
+            raise InvalidParameter("structured_outputs", so.model_dump(by_alias=True, exclude_none=True),
+                                   "exactly one of json, regex, choice, grammar")
+        name, value = given[0]
+        build = {"json": ConstraintSpec.json_schema, "regex": ConstraintSpec.regex, "choice": ConstraintSpec.choices,
+                 "grammar": ConstraintSpec.lark}[name]
+        found.append((f"structured_outputs.{name}", build(value)))
     if len(found) > 1:
         raise InvalidParameter(found[1][0], "set", f"one constraint per request (already {found[0][0]})")
     return found[0][1] if found else None

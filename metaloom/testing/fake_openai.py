@@ -72,6 +72,7 @@ class FakeFeatures:
     echo: bool = True
     token_prompts: bool = True
     guided: bool = True
+    structured_outputs: bool = False  # vLLM >= 0.11's form
     response_format: bool = True
     continuous_usage: bool = True
     tokenize: bool = True
@@ -162,10 +163,12 @@ class FakeOpenAI:
         return _Sample(text, ids[:limit], "length", None)
 
     def _reply(self, prompt: str, body: Mapping[str, Any], k: int) -> str:
-        if self.features.guided and body.get("guided_choice"):
-            choices = body["guided_choice"]
+        structured = body.get("structured_outputs") if self.features.structured_outputs else None
+        structured = structured if isinstance(structured, dict) else {}
+        if (self.features.guided and body.get("guided_choice")) or structured.get("choice"):
+            choices = structured.get("choice") or body["guided_choice"]
             return str(choices[k % len(choices)])
-        if (self.features.guided and body.get("guided_json") is not None) or (
+        if structured.get("json") is not None or (self.features.guided and body.get("guided_json") is not None) or (
                 self.features.response_format and isinstance(body.get("response_format"), dict)
                 and body["response_format"].get("type") == "json_schema"):
             return '{"a": 1}'
@@ -236,7 +239,7 @@ class FakeOpenAI:
         off = {"n": not f.n, "seed": not f.seed, "logprobs": not f.logprobs, "echo": not f.echo,
                "return_tokens_as_token_ids": not f.token_ids, "prompt_logprobs": not f.prompt_logprobs,
                "response_format": not f.response_format, **dict.fromkeys(VLLM_EXTRAS, not f.extras),
-               **dict.fromkeys(_GUIDED, not f.guided)}
+               **dict.fromkeys(_GUIDED, not f.guided), "structured_outputs": not f.structured_outputs}
         known = _COMMON | _ROUTE_FIELDS[path] | set(off)
         for name, value in body.items():
             if value is None or value is False:
@@ -315,7 +318,7 @@ class FakeOpenAI:
 
     async def _events(self, body: Mapping[str, Any], prompts: list[tuple[str, list[int]]], chat: bool) -> AsyncIterator[str]:
         """One token per event, the samples interleaved; then usage (in every event too, with
-        ``continuous_usage_stats``)."""
+        ``continuous_usage_stats``: as vLLM, each chunk's usage counts its own choice's tokens)."""
         n = body.get("n", 1) if self.features.n else 1
         options = body.get("stream_options") or {}
         continuous = self.features.continuous_usage and bool(options.get("continuous_usage_stats"))
@@ -333,8 +336,9 @@ class FakeOpenAI:
                     sent += 1
                     event: dict[str, Any] = {"object": "chat.completion.chunk" if chat else "text_completion",
                                              "model": self.model, "choices": [self._piece(body, j, s, step, chat)]}
-                    if continuous:
-                        event["usage"] = {**usage, "completion_tokens": sent, "total_tokens": usage["prompt_tokens"] + sent}
+                    if continuous:  # as vLLM: that choice's own tokens so far, not the request's
+                        mine = step + 1
+                        event["usage"] = {**usage, "completion_tokens": mine, "total_tokens": usage["prompt_tokens"] + mine}
                     yield f"data: {json.dumps(event)}\n\n"
             if options.get("include_usage"):
                 final = {**usage, "completion_tokens": sent, "total_tokens": usage["prompt_tokens"] + sent}

@@ -66,6 +66,7 @@ class ServerFeatures:
     echo: bool = False
     token_prompts: bool = False
     guided: bool = False
+    structured_outputs: bool = False  # vLLM >= 0.11's ``structured_outputs`` object (the ``guided_*`` fields are gone)
     response_format: bool = False
     stream: bool = False
     continuous_usage: bool = False
@@ -80,7 +81,8 @@ def capabilities(f: ServerFeatures, local_tokenizer: bool) -> Capabilities:
     token ids, tokenisation and the chat template where the server has no route for them)."""
     sampling = OPENAI_SAMPLING | ({"seed"} if f.seed else frozenset()) | ({"top_logprobs"} if f.top_logprobs else frozenset()) \
         | f.extras
-    constraints = frozenset(CONSTRAINT_KINDS) if f.guided else frozenset({"json_schema"} if f.response_format else ())
+    constraints = (frozenset(CONSTRAINT_KINDS) if f.guided or f.structured_outputs
+                   else frozenset({"json_schema"} if f.response_format else ()))
     tokenizes = f.tokenize or local_tokenizer
     logprobs = (f.logprobs or not f.completions) and (f.chat_logprobs or not f.chat)
     wanted = {
@@ -260,12 +262,16 @@ async def _route_features(p: Prober, completions: Json | None, chat: Json | None
         jobs["echo"] = p.accepts("completions", {**text_body, "echo": True, "logprobs": 0})
         jobs["guided"] = p.accepts("completions", {**text_body, "temperature": 0.0, "max_tokens": 4,
                                                    "guided_choice": ["yes", "no"]})
+        jobs["structured_outputs"] = p.accepts("completions", {**text_body, "temperature": 0.0, "max_tokens": 4,
+                                                               "structured_outputs": {"choice": ["yes", "no"]}})
     if chat is not None:
         if completions is not None:
             jobs["chat_logprobs"] = p.accepts("chat/completions", {**chat_body, "logprobs": True})
         else:
             jobs["guided"] = p.accepts("chat/completions", {**chat_body, "temperature": 0.0, "max_tokens": 4,
                                                             "guided_choice": ["yes", "no"]})
+            jobs["structured_outputs"] = p.accepts("chat/completions", {
+                **chat_body, "temperature": 0.0, "max_tokens": 4, "structured_outputs": {"choice": ["yes", "no"]}})
         jobs["response_format"] = p.accepts("chat/completions", {**chat_body, "temperature": 0.0, "max_tokens": 8,
                                                                  "response_format": _PROBE_FORMAT})
     answers = dict(zip(jobs, await asyncio.gather(*jobs.values()), strict=True))
@@ -276,9 +282,10 @@ async def _route_features(p: Prober, completions: Json | None, chat: Json | None
         out["echo"] = str(echo.get("text", "")).startswith(PROBE_TEXT) and len(lps) >= 2
     if "chat_logprobs" in answers:
         out["chat_logprobs"] = bool(logprob_entries(_choice(answers["chat_logprobs"]).get("logprobs"), True)[1])
-    guided = _choice(answers.get("guided"))
-    text = guided.get("text") if "text" in guided else (guided.get("message") or {}).get("content")
-    out["guided"] = isinstance(text, str) and text.strip() in ("yes", "no")
+    for name in ("guided", "structured_outputs"):  # honoured only if the answer is one of the choices
+        got = _choice(answers.get(name))
+        text = got.get("text") if "text" in got else (got.get("message") or {}).get("content")
+        out[name] = isinstance(text, str) and text.strip() in ("yes", "no")
     fmt = (_choice(answers.get("response_format")).get("message") or {}).get("content")
     out["response_format"] = isinstance(fmt, str) and fmt.lstrip().startswith("{")
     return out

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import os
 import time
@@ -45,7 +46,6 @@ from metaloom.generator.remote.wire import (
     sampling_body,
     stream_chunk,
     usage_charge,
-    usage_delta,
 )
 from metaloom.generator.types import Completion, Message, Prompt, Request, Scored, StreamChunk, TokenIds, check_prompt
 from metaloom.ledger import Ledger
@@ -68,6 +68,11 @@ class _Call:
     n: int
     prompt: Prompt  # as sent (token ids where a prefix was added), to count a cancelled stream's prompt
     top: int = 0  # alternatives per position asked for
+    copies: int = 1  # greedy n > 1: one sample stands for ``copies`` identical ones (vLLM refuses n > 1 greedy)
+
+    @property
+    def samples(self) -> int:
+        return self.n * self.copies
 
     @property
     def chat(self) -> bool:
@@ -161,7 +166,8 @@ class RemoteGenerator:
         if ledger.over_budget():  # as the engine: nothing more is spent once the budget is gone
             return [[Completion("", (), (), "budget") for _ in range(r.params.n)] for r in requests]
         with self._timed(ledger):
-            return self._run(self._generate(requests, ledger))
+            out = self._run(self._generate(requests, ledger))
+        return [[_eos_reason(r, c) for c in row] for r, row in zip(requests, out, strict=True)]
 
     def stream(self, request: Request, *, ledger: Ledger) -> Iterator[StreamChunk]:
         self._check(request)  # a bad request raises here, at the call, not at the first next()
@@ -201,7 +207,7 @@ class RemoteGenerator:
             raise Unsupported("chat prompts", self.name, "the server has no /v1/chat/completions")
         if not chat and not f.completions:
             raise Unsupported("text and token-id prompts", self.name, "the server has no /v1/completions")
-        if request.constraint is not None and not f.guided and not chat:
+        if request.constraint is not None and not (f.guided or f.structured_outputs) and not chat:
             raise Unsupported(f"constraint {request.constraint.kind} on a text prompt", self.name,
                               "the server constrains chat answers only (response_format)")
         if request.prefix:
@@ -223,7 +229,7 @@ class RemoteGenerator:
         f, p = self.features, request.params
         body: Json = {"model": self.model, **sampling_body(p, f.extras)}
         if request.constraint is not None:
-            body.update(constraint_body(request.constraint, f.guided))
+            body.update(constraint_body(request.constraint, f.guided, f.structured_outputs))
         prompt = request.prompt
         if isinstance(prompt, tuple) and not request.prefix:
             path = "chat/completions"
@@ -241,6 +247,8 @@ class RemoteGenerator:
                 body["top_logprobs"] = p.top_logprobs
             if f.token_ids:
                 body["return_tokens_as_token_ids"] = True
+        if p.greedy and p.n > 1:  # n identical samples: ask once (what the server computes is what is charged)
+            return [_Call(path, _seeded(body, 1, p.seed), 0, 1, prompt, p.top_logprobs, copies=p.n)]
         if f.n or p.n == 1:
             return [_Call(path, _seeded(body, p.n, p.seed), 0, p.n, prompt, p.top_logprobs)]
         return [_Call(path, _seeded(body, 1, None if p.seed is None else p.seed + i), i, 1, prompt, p.top_logprobs)
@@ -282,8 +290,8 @@ class RemoteGenerator:
         """Put an answer's completions in place and charge its usage; True if that passed the budget."""
         i, call = where
         completions = [completion(c, chat=call.chat, encode=self.tokens.local_encode(False), top=call.top)
-                       for c in choices_of(data, call.n)]
-        out[i][call.first:call.first + call.n] = completions
+                       for c in choices_of(data, call.n)] * call.copies
+        out[i][call.first:call.first + call.samples] = completions
         try:
             self._charge(ledger, data, completions)
         except BudgetExceeded:
@@ -308,7 +316,7 @@ class RemoteGenerator:
                 chunk = self._run(_next(chunks))
                 if chunk is None:
                     return
-                yield chunk
+                yield _eos_reason(request, chunk)
         finally:  # closing the iterator closes the streams: the server stops those samples
             with contextlib.suppress(RuntimeError):
                 self._run(chunks.aclose())
@@ -342,24 +350,41 @@ class RemoteGenerator:
             options["continuous_usage_stats"] = True
         body = {**call.body, "stream": True, "stream_options": options}
         encode = self.tokens.local_encode(False)
-        charged: dict[str, float] = {}
-        received = [0] * call.n  # tokens per sample, for a stream that ends without usage
-        finished = [False] * call.n
+        # Output tokens are charged as they arrive (a budget stops a stream mid-way, as the engine's
+        # rows stop); the request's total usage, in the last chunk (the one without choices), then
+        # settles the rest. Usage inside chunks with choices is vLLM's per-choice running count
+        # (continuous_usage_stats): it says nothing of the request's total, only its prompt.
+        received = [0] * call.n  # tokens per sample so far (charged)
+        finished = [False] * call.samples
+        settled = False
+        prompt: int | None = None
         try:
             async with contextlib.aclosing(self.transport.events(call.path, body)) as events:
                 async for event in events:
+                    fresh = 0
                     for choice in event.get("choices") or []:
                         chunk = stream_chunk(choice, chat=call.chat, first_index=call.first, encode=encode, top=call.top)
                         if chunk is None or not 0 <= chunk.index - call.first < call.n:
                             continue
-                        received[chunk.index - call.first] += len(chunk.logprobs) or len(chunk.token_ids) or int(bool(chunk.text))
-                        finished[chunk.index - call.first] |= chunk.finish_reason is not None
-                        queue.put_nowait(chunk)
-                    if isinstance(event.get("usage"), dict):  # cumulative: charge what it adds
-                        now = usage_charge(event["usage"], self.model_params)
-                        delta, charged = usage_delta(now, charged), now
-                        if delta:
-                            ledger.charge(**delta)
+                        k = len(chunk.logprobs) or len(chunk.token_ids) or int(bool(chunk.text))
+                        received[chunk.index - call.first] += k
+                        fresh += k
+                        for j in range(call.copies):  # greedy n > 1: the one sample, under each index
+                            copy = chunk if j == 0 else dataclasses.replace(chunk, index=call.first + j)
+                            finished[copy.index - call.first] |= chunk.finish_reason is not None
+                            queue.put_nowait(copy)
+                    usage = event.get("usage")
+                    if isinstance(usage, dict) and event.get("choices"):
+                        if isinstance(usage.get("prompt_tokens"), int):
+                            prompt = usage["prompt_tokens"]
+                    elif isinstance(usage, dict):  # the request's total: settle against what was charged
+                        total = usage_charge(usage, self.model_params)
+                        total["output_tokens"] = max(0, total.get("output_tokens", 0) - (sum(received) - fresh))
+                        settled = True
+                        ledger.charge(**total)
+                        continue
+                    if fresh:
+                        ledger.charge(output_tokens=fresh)
         except BudgetExceeded:  # recorded; the samples still going end here, as the engine's do
             _end(queue, call, finished, "budget")
         except asyncio.CancelledError:
@@ -368,19 +393,23 @@ class RemoteGenerator:
         except Exception as exc:
             queue.put_nowait(exc)
         finally:
-            if not charged and any(received):  # no usage came (closed early): the prompt and what arrived
-                await self._charge_unreported(call, ledger, sum(received))
+            if not settled and any(received):  # no total came (closed early): the prompt, and the marks
+                await self._charge_unreported(call, ledger, sum(received), prompt)
             queue.put_nowait(_DONE)
 
-    async def _charge_unreported(self, call: _Call, ledger: Ledger, received: int) -> None:
-        """Charge a stream that ended without usage: its prompt (counted as the server counts it,
-        where it can be) and the ``received`` tokens. Runs while the stream's task is cancelled."""
-        prompt = 0
-        with contextlib.suppress(Exception):  # counting is best effort: never fail a cancellation
-            if isinstance(call.prompt, TokenIds) or self.features.tokenize or self.tokenizer is not None:
-                prompt = len(await self.tokens.prompt_ids(call.prompt))
+    async def _charge_unreported(self, call: _Call, ledger: Ledger, received: int, prompt: int | None) -> None:
+        """Charge a stream that ended without its total usage: its prompt (as the server reported it
+        in a chunk, else counted as the server counts it, where it can be), and the FLOPs estimate
+        and marks for the ``received`` tokens (already charged as output tokens). Runs while the
+        stream's task is cancelled."""
+        if prompt is None:
+            prompt = 0
+            with contextlib.suppress(Exception):  # counting is best effort: never fail a cancellation
+                if isinstance(call.prompt, TokenIds) or self.features.tokenize or self.tokenizer is not None:
+                    prompt = len(await self.tokens.prompt_ids(call.prompt))
         with contextlib.suppress(BudgetExceeded):  # unreported: no exact forward passes or FLOPs
             marks = usage_charge({"prompt_tokens": prompt, "completion_tokens": received}, self.model_params)
+            marks["output_tokens"] = 0
             ledger.charge(**marks)
 
     # --- helpers ---------------------------------------------------------------------------------------
@@ -403,6 +432,16 @@ def _seeded(body: Json, n: int, seed: int | None) -> Json:
     if seed is not None:
         out["seed"] = seed
     return out
+
+
+def _eos_reason(request: Request, done: Any) -> Any:
+    """A "stop" with no stop reason from the server (vLLM says null at end-of-sequence) gets the
+    end-of-sequence token id, as `Completion.stop_reason` promises: with no stop string matched
+    (the server would name it) and no constraint (a completed one leaves it None), the last token
+    the server returned is what stopped it. Servers that return no token ids leave it None."""
+    if (done.finish_reason == "stop" and done.stop_reason is None and request.constraint is None and done.token_ids):
+        return dataclasses.replace(done, stop_reason=done.token_ids[-1])
+    return done
 
 
 def _end(queue: asyncio.Queue[Any], call: _Call, finished: list[bool], reason: str) -> None:

@@ -53,9 +53,14 @@ def sampling_body(p: SamplingParams, extras: frozenset[str]) -> Json:
     return body
 
 
-def constraint_body(spec: ConstraintSpec, guided: bool) -> Json:
-    """vLLM's guided decoding fields, or OpenAI's ``response_format`` (JSON Schema only)."""
+def constraint_body(spec: ConstraintSpec, guided: bool, structured: bool = False) -> Json:
+    """vLLM's ``structured_outputs`` object (``structured``: vLLM >= 0.11), its older ``guided_*``
+    fields (``guided``), or OpenAI's ``response_format`` (JSON Schema only)."""
     source = spec.source
+    if structured:
+        key = {"json_schema": "json", "regex": "regex", "choices": "choice", "lark": "grammar"}[spec.kind]
+        value: Any = json.loads(source) if spec.kind == "json_schema" and isinstance(source, str) else source
+        return {"structured_outputs": {key: list(value) if spec.kind == "choices" else value}}
     if not guided:
         assert spec.kind == "json_schema" and isinstance(source, str)
         return {"response_format": {"type": "json_schema",
@@ -214,12 +219,3 @@ def usage_charge(usage: object, model_params: float | None) -> dict[str, Any]:
 
 def _count(value: object) -> int:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
-
-
-def usage_delta(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
-    """What ``now`` (cumulative) adds to ``before``; never negative. The unknown and estimated
-    marks are carried as they are (marking twice changes nothing)."""
-    out: dict[str, Any] = {k: v for k, v in now.items() if isinstance(v, frozenset)}
-    out.update({k: max(0.0, v - before.get(k, 0.0)) for k, v in now.items()
-                if not isinstance(v, frozenset) and v - before.get(k, 0.0) > 0})
-    return out
