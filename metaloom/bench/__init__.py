@@ -37,6 +37,12 @@ def _admit(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _remote(args: argparse.Namespace) -> int:
+    from metaloom.bench.remote import main
+
+    return main(args)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from metaloom.bench.serve import main
 
@@ -45,7 +51,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], int]] = {"decode": _decode, "constrained": _constrained,
                                                               "speculative": _speculative, "fork": _fork,
-                                                              "serve": _serve, "admit": _admit}
+                                                              "serve": _serve, "admit": _admit,
+                                                              "remote": _remote}
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -76,3 +83,6 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm", default=None, metavar="VENV", help="serve: a vLLM venv to run beside metaloom (default: none)")
     p.add_argument("--port-base", type=int, default=18230, help="serve: metaloom's port; vLLM's is the next one")
     p.add_argument("--serve-startup-timeout", type=float, default=300.0, help="serve: seconds to wait for /health")
+    from metaloom.bench.remote import add_remote_args  # remote: strategies locally, on vLLM, in optillm
+
+    add_remote_args(p)

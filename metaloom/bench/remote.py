@@ -477,14 +477,15 @@ def run_all(systems: Mapping[str, Any], problems: Sequence[Problem], correct: Ca
 
 def _warm_up(systems: dict[str, Any], problem: Problem, correct: Callable[[str | None, Problem], bool],
              opts: Options, dropped: dict[str, str], log: Callable[[str], None]) -> None:
-    """Each system runs each strategy once, small (n=2, 8 tokens), unrecorded."""
+    """Each system runs each strategy once, short (n samples of 8 tokens: the batched paths
+    warm), unrecorded."""
     from metaloom.sampling.params import SamplingParams
 
     params = SamplingParams(temperature=opts.temperature, top_p=1.0, max_tokens=8, seed=opts.seed)
     for name in list(systems):
         for strategy in opts.strategies:
             try:
-                o = systems[name].run(strategy, problem, 2, params, correct)
+                o = systems[name].run(strategy, problem, opts.n, params, correct)
             except Exception as exc:
                 o = Outcome(name, strategy, -1, None, False, 0.0, error=f"{type(exc).__name__}: {exc}")
             if o.error is not None and not o.error.startswith("stopped"):
@@ -496,6 +497,7 @@ def _warm_up(systems: dict[str, Any], problem: Problem, correct: Callable[[str |
 
 def main(args: argparse.Namespace) -> int:
     from metaloom.bench.serve import ServerSpec, StartFailed, serving, vllm_argv, vllm_env
+    from metaloom.errors import MetaloomError
     from metaloom.generator import LocalGenerator
     from metaloom.generator.remote import RemoteGenerator
     from metaloom.models.load import load, resolve
@@ -528,10 +530,14 @@ def main(args: argparse.Namespace) -> int:
             else:
                 notes["vllm_startup_s"] = served.startup_s
                 log(f"[vllm] up in {served.startup_s:.1f} s at {served.base_url}")
-                remote = RemoteGenerator(served.base_url, served.model, max_concurrency=16, timeout=900.0)
-                systems["metaloom-remote"] = Metaloom("metaloom-remote", remote, served.base_url)
-                stack.callback(systems["metaloom-remote"].close)
-                notes["remote_accounting"] = remote.accounting
+                try:
+                    remote = RemoteGenerator(served.base_url, served.model, max_concurrency=16, timeout=900.0)
+                except MetaloomError as exc:  # the server is up: optillm can still run
+                    dropped["metaloom-remote"] = f"RemoteGenerator did not start: {type(exc).__name__}: {exc}"
+                else:
+                    systems["metaloom-remote"] = Metaloom("metaloom-remote", remote, served.base_url)
+                    stack.callback(systems["metaloom-remote"].close)
+                    notes["remote_accounting"] = remote.accounting
                 if optillm_venv:
                     log_path = stack.enter_context(tempfile.TemporaryDirectory(prefix="metaloom-bench-optillm-"))
                     try:
