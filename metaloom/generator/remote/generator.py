@@ -280,10 +280,7 @@ class RemoteGenerator:
                 if failed is not None:
                     raise failed
         finally:
-            for t in pending:
-                t.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            self._inflight.difference_update(tasks)
+            await self._drop(list(tasks))
         return [[c if c is not None else Completion("", (), (), ended) for c in row] for row in out]
 
     def _collect(self, data: Json, where: tuple[int, _Call], out: list[list[Completion | None]], ledger: Ledger) -> bool:
@@ -338,10 +335,15 @@ class RemoteGenerator:
                 else:
                     yield item
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            self._inflight.difference_update(tasks)
+            await self._drop(tasks)
+
+    async def _drop(self, tasks: Sequence[asyncio.Task[Any]]) -> None:
+        """Cancel what is still running of ``tasks`` (a no-op for the finished), wait for it to end,
+        and take them all off the in-flight set."""
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._inflight.difference_update(tasks)
 
     async def _pump(self, call: _Call, ledger: Ledger, queue: asyncio.Queue[Any]) -> None:
         """One streamed request into ``queue``: its chunks, then `_DONE` (or the error)."""
