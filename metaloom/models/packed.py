@@ -15,8 +15,8 @@ Packing the weight once into each library's own blocked layout fixes both; measu
 MKL's packed GEMM is packed for one fixed row count (we use 1); oneDNN's blocked layout serves
 any row count, one row included: in bfloat16 (AVX512-BF16 here) one row through oneDNN beat `mv`
 2.5x on the [49152, 576] head and on 30 [3072, 576] weights, and greedy decoding at batch 1 ran
-2.2-2.7x faster (the two kernels alternated in one process, 3 rounds, on a loaded machine;
-tokens agree to bfloat16 rounding, which is all two summation orders can promise).
+2.0x faster on a quiet machine (31 -> 62 tok/s, the two kernels alternated in one process, 3
+rounds; tokens agree to bfloat16 rounding, which is all two summation orders can promise).
 
 The packed copies sit next to the plain weight, which stays the source of
 truth (quantised self-draft, speculator heads and `num_parameters` read it), so packing costs
