@@ -123,7 +123,7 @@ def prompt_logprobs(model: LanguageModel, prompt: Sequence[int], k: int, ledger:
             nxt = ids[start + 1:start + 1 + len(piece)]
             chosen = lp.gather(-1, nxt[:, None])[:, 0]
             ranks = (lp > chosen[:, None]).sum(-1) + 1
-            values, top = lp.topk(min(k, lp.shape[-1]), dim=-1) if k else (lp[:, :0], nxt[:, None][:, :0])
+            values, top = lp.topk(min(k, lp.shape[-1]), dim=-1)  # k = 0: empty, as asked
             for token, value, rank, t_ids, t_values in zip(nxt.tolist(), chosen.tolist(), ranks.tolist(), top.tolist(),
                                                            values.tolist(), strict=True):
                 out.append(PromptPosition(token, value, rank, tuple(zip(t_ids, t_values, strict=True))))
