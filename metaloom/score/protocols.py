@@ -33,8 +33,15 @@ class StepScorer(Protocol):
     @property
     def name(self) -> str: ...
 
-    def score_steps(self, prompt: Prompt, partial_steps: Sequence[Sequence[str]], *, ledger: Ledger) -> list[list[float]]:
-        """For each partial solution (a list of steps so far), one score per step."""
+    def score_steps(self, prompt: Prompt, partial_steps: Sequence[Sequence[str]], *, ledger: Ledger,
+                    last_only: bool = False) -> list[list[float]]:
+        """For each partial solution (its steps so far, each step's text with its delimiter),
+        one score per step, higher is better (PRMs, checkers and judges give [0, 1]).
+
+        ``last_only``: the caller (a tree search) already holds the scores of the earlier
+        steps, so a scorer whose cost grows with the steps scored (a judge, rollouts) may
+        score only the last one and return a one-element list; a scorer that scores all
+        steps in one pass (a PRM) may ignore the flag. Callers read the last element."""
         ...
 
 

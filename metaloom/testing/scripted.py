@@ -258,3 +258,29 @@ class FailingScorer:
     def score(self, prompt: Prompt, candidates: Sequence[Completion], *, ledger: Ledger) -> list[float]:
         ledger.charge(scorer_calls=1)
         raise RuntimeError(self.message)
+
+
+@dataclass
+class ScriptedStepScorer:
+    """A `StepScorer` from a table: the score of a step is ``table[step.strip()]`` (``default``
+    for a step it does not know, or `KeyError` when ``default`` is None). ``calls`` records the
+    partial solutions of every call. With ``last_only`` it scores only the last step."""
+
+    table: Mapping[str, float]
+    default: float | None = None
+    name: str = "scripted_steps"
+
+    def __post_init__(self) -> None:
+        self.calls: list[list[list[str]]] = []
+
+    def score_steps(self, prompt: Prompt, partial_steps: Sequence[Sequence[str]], *, ledger: Ledger,
+                    last_only: bool = False) -> list[list[float]]:
+        ledger.charge(scorer_calls=1)
+        self.calls.append([list(p) for p in partial_steps])
+
+        def one(step: str) -> float:
+            if step.strip() in self.table or self.default is None:
+                return float(self.table[step.strip()])
+            return self.default
+
+        return [[one(p[-1])] if last_only else [one(s) for s in p] for p in partial_steps]

@@ -1,0 +1,1 @@
+"""Tree search over reasoning steps."""

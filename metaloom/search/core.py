@@ -1,0 +1,299 @@
+"""What every tree search shares: the common configuration (`SearchConfig`), one batched
+expansion round (`Search.expand`: the whole frontier in one generator call, the new steps in
+one step-scorer call), the choice of the final answer, and the tree in the trace.
+
+A step is the text up to and including the next delimiter (default a blank line, Snell et
+al. 2024 and search-and-learn): expanding a node asks the generator to continue its partial
+solution exactly (`Request.prefix`, the path's token ids) with the delimiters as stop
+strings kept in the output. Where the generator cannot continue token ids, the rendered
+prompt plus the path's text is sent instead (the seam may tokenise differently).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from metaloom.errors import BudgetExceeded, InvalidParameter, ScorerFailed
+from metaloom.generator.types import Completion, Generator, Request
+from metaloom.ledger import Ledger, Usage
+from metaloom.meta.helpers import Run, component, ensure, guarded, positive, render, reseed, select_top
+from metaloom.meta.types import Result
+from metaloom.meta.voting import decide
+from metaloom.sampling.params import SamplingParams
+from metaloom.score.answers import Extractor
+from metaloom.score.protocols import Prompt, StepScorer
+from metaloom.search.aggregate import aggregate, check_aggregation
+from metaloom.search.tree import Node, Tree
+
+SELECTIONS = ("score", "vote", "weighted_vote")
+
+
+def search_sampling() -> SamplingParams:
+    """Diverse steps (search-and-learn samples steps at temperature 0.8); ``max_tokens`` is the
+    whole solution's token limit, across its steps."""
+    return SamplingParams(temperature=0.8, max_tokens=512)
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """Fields every tree search takes.
+
+    ``step_scorer`` scores each new step (`metaloom.score`: a PRM, an LLM judge, rollouts, an
+    exact checker); ``aggregation`` turns a path's step scores into its score ("last", "min",
+    "product", "mean"). ``delimiter``: the stop strings that end a step (a custom split is
+    a different stop string, e.g. ``("\\nStep ",)``). ``step_tokens`` caps one step,
+    ``params.max_tokens`` the whole solution, ``max_depth`` the number of steps. ``select``
+    picks the answer among finished solutions: the best "score", a majority "vote" over
+    extracted answers, or a "weighted_vote" (each solution votes with its score; needs an
+    ``extractor``, as do both votes)."""
+
+    step_scorer: StepScorer
+    params: SamplingParams = field(default_factory=search_sampling)
+    delimiter: tuple[str, ...] = ("\n\n",)
+    step_tokens: int = 128
+    max_depth: int = 24
+    aggregation: str = "last"
+    select: str = "score"
+    extractor: Extractor | None = None
+
+    def __post_init__(self) -> None:
+        component("step_scorer", self.step_scorer, StepScorer,
+                  "a StepScorer instance (registered: prm, judge, rollout, countdown, game24)")
+        ensure(isinstance(self.params, SamplingParams), "params", self.params, "a SamplingParams")
+        ensure(isinstance(self.delimiter, tuple) and len(self.delimiter) > 0
+               and all(isinstance(d, str) and d for d in self.delimiter), "delimiter", self.delimiter,
+               "one or more non-empty stop strings")
+        positive("step_tokens", self.step_tokens)
+        positive("max_depth", self.max_depth)
+        check_aggregation(self.aggregation)
+        ensure(self.select in SELECTIONS, "select", self.select, f"one of {SELECTIONS}")
+        component("extractor", self.extractor, Extractor, "None or an Extractor instance", optional=True)
+        if self.select != "score" and self.extractor is None:
+            raise InvalidParameter("select", self.select, "'score', or a vote together with an extractor")
+
+
+def check_width(name: str, value: int) -> None:
+    """A width, beam count or particle count: an integer >= 1 (a beam width of 0 would search nothing)."""
+    positive(name, value)
+
+
+class Search:
+    """One search in progress: the tree, the round counter and the run record."""
+
+    def __init__(self, config: SearchConfig, name: str, run: Run, generator: Generator, prompt: Prompt) -> None:
+        self.config = config
+        self.name = name
+        self.run = run
+        self.generator = generator
+        self.prompt = prompt
+        self.tree = Tree()
+        self.round = 0
+        self.stop: str | None = None
+        self.info: dict[str, Any] = {}  # extra fields for the tree event
+        self.exact = "prefix" in generator.capabilities.features
+        self.base = None if self.exact else render(generator, prompt)
+        self._round_start: Usage | None = None
+        self._round_parents: list[int] = []
+        self._round_children: list[int] = []
+
+    # --- one round: generate, then score -------------------------------------------------
+
+    def step(self, parents: Sequence[Node], widths: Sequence[int], *, temperature: float | None = None) -> list[Node]:
+        """Expand ``parents[i]`` into ``widths[i]`` children (one generator call for all of
+        them), score every new step that is not cut by a budget (one scorer call), and record
+        the round. Returns the children, in request order."""
+        self.begin_round(parents)
+        children = self.expand(parents, widths, temperature=temperature)
+        self.score([c for c in children if c.finish != "budget"])
+        self.end_round()
+        return children
+
+    def begin_round(self, parents: Sequence[Node]) -> None:
+        self._round_start = self.run.ledger.usage
+        self._round_parents = [p.id for p in parents]
+        self._round_children = []
+
+    def end_round(self) -> None:
+        if self._round_start is None:
+            return
+        entry = {"round": self.round, "expanded": self._round_parents, "children": len(self._round_children),
+                 "usage": self.run.spent_since(self._round_start)}
+        self.tree.rounds.append(entry)
+        self.run.event("expand", round=self.round, parents=self._round_parents,
+                       children=[{"id": n.id, "parent": n.parent.id if n.parent else None, "score": n.score,
+                                  "finish": n.finish} for n in (self.tree.nodes[i] for i in self._round_children)],
+                       usage=entry["usage"])
+        self.round += 1
+        self._round_start = None
+
+    def params_for(self, node: Node, n: int, offset: int, temperature: float | None) -> SamplingParams:
+        used = len(self.tree.tokens(node))
+        p = dataclasses.replace(reseed(self.config.params, offset), n=n,
+                                max_tokens=max(1, min(self.config.step_tokens, self.config.params.max_tokens - used)),
+                                stop=tuple(dict.fromkeys((*self.config.params.stop, *self.config.delimiter))),
+                                include_stop_str_in_output=True)
+        return p if temperature is None else dataclasses.replace(p, temperature=temperature)
+
+    def request(self, node: Node, params: SamplingParams, tail: Sequence[Completion] = ()) -> Request:
+        """Continue the path to ``node`` (and the steps ``tail`` beyond it, not in the tree)."""
+        if self.exact:
+            return Request(self.prompt, params, prefix=self.tree.tokens(node) + tuple(t for c in tail for t in c.token_ids))
+        return Request(f"{self.base}{''.join(self.tree.texts(node))}{''.join(c.text for c in tail)}", params)
+
+    def rollout_step(self, nodes: Sequence[Node], tails: Sequence[list[Completion]], temperature: float) -> list[Completion]:
+        """One more step after each (node, tail) in one generator call, outside the tree (the
+        lookahead of `metaloom.search.lookahead`). Each tail grows by its new step."""
+        requests = []
+        for i, (node, tail) in enumerate(zip(nodes, tails, strict=True)):
+            used = sum(len(c.token_ids) for c in tail)
+            p = self.params_for(node, 1, self.round * 10_000 + 5_000 + i, temperature)
+            p = dataclasses.replace(p, max_tokens=max(1, min(p.max_tokens, self.config.params.max_tokens
+                                                              - len(self.tree.tokens(node)) - used)))
+            requests.append(self.request(node, p, tail))
+        outs = self.generator.generate(requests, ledger=self.run.ledger)
+        new = [o[0] for o in outs]
+        for tail, c in zip(tails, new, strict=True):
+            tail.append(c)
+        if any(c.finish_reason == "budget" for c in new):
+            self.run.ledger.check()
+        return new
+
+    def expand(self, parents: Sequence[Node], widths: Sequence[int], *, temperature: float | None = None) -> list[Node]:
+        """The generator call of a round. Children cut by a budget are recorded (finish
+        "budget") before the budget stop is raised."""
+        if len(parents) != len(widths):
+            raise InvalidParameter("widths", widths, f"one width per parent ({len(parents)})")
+        asked = [(p, w) for p, w in zip(parents, widths, strict=True) if w > 0]
+        if not asked:
+            return []
+        base = self.round * 10_000
+        requests = [self.request(p, self.params_for(p, w, base + 100 * i, temperature)) for i, (p, w) in enumerate(asked)]
+        outs = self.generator.generate(requests, ledger=self.run.ledger)
+        children: list[Node] = []
+        for (parent, _), samples in zip(asked, outs, strict=True):
+            for c in samples:
+                child = self.tree.add(parent, c, self.classify(parent, c), self.round)
+                children.append(child)
+                self._round_children.append(child.id)
+        if any(c.finish == "budget" for c in children):
+            self.run.ledger.check()  # names the limit
+        return children
+
+    def classify(self, parent: Node, c: Completion) -> str:
+        """Why the new step ended, as a `Node.finish`."""
+        if c.finish_reason == "stop":
+            if isinstance(c.stop_reason, str) and c.stop_reason in self.config.delimiter:
+                finish = "step"
+            else:
+                return "eos"  # end of sequence, a user stop string, or a completed constraint
+        elif c.finish_reason == "length":
+            finish = "step_length"
+        else:
+            return c.finish_reason  # budget, error, cancelled
+        used = len(self.tree.tokens(parent)) + len(c.token_ids)
+        if used >= self.config.params.max_tokens:
+            return "length"
+        if parent.depth + 1 >= self.config.max_depth:
+            return "max_depth"
+        return finish
+
+    def score(self, nodes: Sequence[Node]) -> None:
+        """Score the new step of each node in one step-scorer call; set its step score and its
+        path's aggregate."""
+        if not nodes:
+            return
+        for node, s in zip(nodes, self.last_scores([self.tree.texts(n) for n in nodes]), strict=True):
+            node.step_score = s
+            node.score = aggregate(self.config.aggregation, self.tree.step_scores(node))
+
+    def last_scores(self, partials: Sequence[Sequence[str]]) -> list[float]:
+        """The step scorer's score of the last step of each partial solution, in one call. A
+        scorer that raises, or answers in the wrong shape, is `ScorerFailed` naming it."""
+        scorer = self.config.step_scorer
+        try:
+            out = scorer.score_steps(self.prompt, partials, ledger=self.run.ledger, last_only=True)
+            lasts = [float(s[-1]) for s in out]
+        except (BudgetExceeded, ScorerFailed):
+            raise
+        except Exception as exc:
+            raise ScorerFailed(getattr(scorer, "name", type(scorer).__name__), exc) from exc
+        if len(lasts) != len(partials) or not all(math.isfinite(s) for s in lasts):
+            raise ScorerFailed(scorer.name, ValueError(f"returned {len(lasts)} step scores for {len(partials)} "
+                                                       f"partial solutions, or a non-finite one: {lasts}"))
+        return lasts
+
+    def rescore(self, nodes: Sequence[Node]) -> None:
+        """Recompute the aggregate of nodes whose step score was set by hand (lookahead)."""
+        for n in nodes:
+            n.score = aggregate(self.config.aggregation, self.tree.step_scores(n))
+
+    # --- the end -------------------------------------------------------------------------
+
+    def open_nodes(self, nodes: Sequence[Node]) -> list[Node]:
+        return [n for n in nodes if n.state == "open" and not n.finished]
+
+    def finished(self) -> list[Node]:
+        return [n for n in self.tree.nodes if n.finished and n.finish != "budget"]
+
+    def finalize(self) -> None:
+        """Record the finished solutions as candidates, choose the answer, put the tree in
+        the trace. With no finished solution, the best scored partial one stands in (finish
+        "length" or "budget"), so a budget stop still reports the most promising path."""
+        self.end_round()  # a round a budget interrupted is still charged to the tree
+        run, cfg = self.run, self.config
+        done = sorted(self.finished(), key=lambda n: n.id)
+        if not done:
+            scored = [n for n in self.tree.nodes if n.score is not None]
+            if scored:
+                done = [max(scored, key=lambda n: (n.score, n.depth, -n.id))]
+        partial = bool(done) and not done[0].finished
+        for n in done:
+            c = self.tree.completion(n)
+            run.candidates.append(dataclasses.replace(c, finish_reason="budget") if partial and self.stop == "budget" else c)
+        run.scores.extend(n.score if n.score is not None else 0.0 for n in done)
+        if cfg.extractor is not None:
+            run.answers.extend(cfg.extractor.extract(c.text) for c in run.candidates)
+        best: Node | None = None
+        if done:
+            if cfg.select == "score" or cfg.extractor is None:
+                run.best_index = select_top(run.scores)[0]
+            else:
+                weights = run.scores if cfg.select == "weighted_vote" else [1.0] * len(done)
+                decide(run, run.answers, weights, cfg.extractor)
+            if run.best_index is not None:
+                best = done[run.best_index]
+                run.event("select", index=run.best_index, node=best.id, score=run.scores[run.best_index])
+        seen = any(n.finish == "step" for n in self.tree.nodes)
+        if not seen and len(self.tree.nodes) > 1:
+            run.event("no_delimiter", delimiter=list(cfg.delimiter),
+                      detail="no step ended with the delimiter: each step ran to the step token limit "
+                             "and the search ended at the solution's token limit")
+        run.event("tree", **self.tree.to_dict(strategy=self.name, aggregation=cfg.aggregation,
+                                              delimiter=list(cfg.delimiter), best=None if best is None else best.id,
+                                              stop=self.stop or "finished", delimiter_seen=seen, **self.info))
+
+
+def run_search(config: SearchConfig, name: str, prompt: Prompt, generator: Generator, ledger: Ledger,
+               body: Callable[[Search], None]) -> Result:
+    """Run ``body`` as a search: a budget stop or a failing scorer still reports the tree and
+    the best finished solution so far (`metaloom.meta.helpers.guarded`)."""
+
+    def outer(run: Run) -> None:
+        search = Search(config, name, run, generator, prompt)
+        try:
+            body(search)
+        except BudgetExceeded:
+            search.stop = "budget"
+            search.finalize()
+            raise
+        except ScorerFailed:
+            search.stop = "scorer_failed"
+            search.finalize()
+            raise
+        search.finalize()
+
+    return guarded(ledger, outer)

@@ -1,0 +1,80 @@
+"""Lookahead search (Snell et al. 2024, "Scaling LLM Test-Time Compute Optimally", §5.1):
+step-level beam search whose candidate steps are judged by looking ahead. From each new
+step, ``k`` more steps are rolled out at temperature 0 (stopping early where the solution
+ends) and the step scorer's score at the end of the rollout becomes the step's score. The
+rollouts are not kept in the tree (each node records its lookahead text and tokens); their
+cost is the round's. ``k = 0`` is plain step-level beam search.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from metaloom.generator.types import Completion, Generator
+from metaloom.ledger import Ledger
+from metaloom.meta.types import Result
+from metaloom.score.protocols import Prompt
+from metaloom.search.beam import best_open
+from metaloom.search.core import Search, SearchConfig, check_width, run_search
+from metaloom.search.tree import Node
+
+
+@dataclass(frozen=True)
+class Lookahead(SearchConfig):
+    """Step-level beam search (``n`` beams, ``beam_width`` children per kept beam) scoring each
+    step by a ``k``-step greedy rollout."""
+
+    n: int = 8
+    beam_width: int = 4
+    k: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_width("n", self.n)
+        check_width("beam_width", self.beam_width)
+        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 0:
+            from metaloom.errors import InvalidParameter
+
+            raise InvalidParameter("k", self.k, "an integer >= 0 (steps to look ahead)")
+
+    def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
+        return run_search(self, "lookahead", prompt, generator, ledger, self.search)
+
+    def expand(self, s: Search, parents: list[Node], widths: list[int]) -> list[Node]:
+        s.begin_round(parents)
+        children = s.expand(parents, widths)
+        tails: dict[int, list[Completion]] = {c.id: [] for c in children}
+        rolling = [c for c in children if c.state == "open"]
+        for _ in range(self.k):
+            if not rolling:
+                break
+            new = s.rollout_step(rolling, [tails[c.id] for c in rolling], temperature=0.0)
+            # a rollout ends where its solution would: not at a delimiter
+            rolling = [c for c, step in zip(rolling, new, strict=True)
+                       if step.finish_reason == "stop" and step.stop_reason in self.delimiter]
+        scored = [c for c in children if c.finish != "budget"]
+        if scored:
+            partials = [s.tree.texts(c) + [t.text for t in tails[c.id]] for c in scored]
+            values = s.last_scores(partials)
+            for c, v in zip(scored, values, strict=True):
+                c.step_score = v
+                if tails[c.id]:
+                    c.extra["lookahead"] = "".join(t.text for t in tails[c.id])
+                    c.extra["lookahead_tokens"] = sum(len(t.token_ids) for t in tails[c.id])
+            s.rescore(scored)
+        s.end_round()
+        return children
+
+    def search(self, s: Search) -> None:
+        keep = max(1, self.n // self.beam_width)
+        children = self.expand(s, [s.tree.root], [self.n])
+        while True:
+            if len(s.finished()) >= self.n:
+                s.stop = "finished"
+                return
+            beams = best_open(s, children, keep)
+            if not beams:
+                s.stop = "finished"
+                return
+            children = self.expand(s, beams, [self.beam_width] * len(beams))
+
