@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     out: list[str] = []
     out += describe("strategies (metaloom run --strategy NAME)", r.STRATEGIES, r.resolve, "strategy")
     out += describe("scorers (--strategy.scorer NAME)", r.SCORERS, r.resolve, "scorer")
+    out += describe("step scorers, for tree search (--strategy.step_scorer NAME)", r.STEP_SCORERS, r.resolve, "step_scorer")
     out += describe("answer extractors (--strategy.extractor NAME)", r.EXTRACTORS, r.resolve, "extractor")
     out += describe("MBR utilities (--strategy.utility NAME)", r.utilities(), r.resolve, "utility")
     out += describe("refinement feedback (--strategy.feedback NAME)", r.FEEDBACK, r.resolve, "feedback")

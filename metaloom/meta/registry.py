@@ -28,7 +28,14 @@ from metaloom.meta.vote import MajorityVote, WeightedVote
 from metaloom.score.answers import ChoiceLetter, ExactString, Extractor, LastNumber, MathAnswer
 from metaloom.score.feedback import CritiqueFeedback, Feedback, FunctionFeedback, ScorerFeedback
 from metaloom.score.logprob import SequenceLogprob
-from metaloom.score.protocols import Scorer, Utility
+from metaloom.score.protocols import Scorer, StepScorer, Utility
+from metaloom.search.a_star import AStar
+from metaloom.search.beam import DVTS, StepBeamSearch
+from metaloom.search.best_first import BestFirst
+from metaloom.search.lookahead import Lookahead
+from metaloom.search.mcts import MCTS
+from metaloom.search.particle import ParticleFiltering
+from metaloom.search.rebase import Rebase
 
 Entry = Callable[..., Any] | str
 
@@ -43,6 +50,15 @@ STRATEGIES: dict[str, Entry] = {
     "adaptive_vote": AdaptiveVote,
     "first_finish": FirstFinish,
     "pruned_best_of_n": PrunedBestOfN,
+    # tree search over reasoning steps (`metaloom.search`)
+    "step_beam_search": StepBeamSearch,
+    "dvts": DVTS,
+    "lookahead": Lookahead,
+    "rebase": Rebase,
+    "mcts": MCTS,
+    "a_star": AStar,
+    "particle_filtering": ParticleFiltering,
+    "best_first": BestFirst,
 }
 
 SCORERS: dict[str, Entry] = {
@@ -51,6 +67,18 @@ SCORERS: dict[str, Entry] = {
     "judge": "metaloom.score.judge:LLMJudge",
     "verifier": "metaloom.score.verifier:FunctionVerifier",
     "execution": "metaloom.score.execution:ExecutionScorer",
+    # exact final-answer checkers of reasoning-gym's puzzles
+    "countdown": "metaloom.score.puzzles:CountdownAnswer",
+    "game24": "metaloom.score.puzzles:Game24Answer",
+}
+
+# scorers of partial solutions, for tree search (``--strategy.step_scorer NAME``)
+STEP_SCORERS: dict[str, Entry] = {
+    "prm": "metaloom.score.prm:ProcessRewardModel.load",
+    "judge": "metaloom.score.step_judge:StepJudge",
+    "rollout": "metaloom.score.rollout:RolloutValue",
+    "countdown": "metaloom.score.puzzles:CountdownSteps",
+    "game24": "metaloom.score.puzzles:Game24Steps",
 }
 
 EXTRACTORS: dict[str, Entry] = {
@@ -108,6 +136,7 @@ def make_utility(name: str, **kwargs: Any) -> Utility:
 KINDS: dict[Any, tuple[str, Callable[[], Mapping[str, Entry]]]] = {
     Strategy: ("strategy", lambda: STRATEGIES),
     Scorer: ("scorer", lambda: SCORERS),
+    StepScorer: ("step_scorer", lambda: STEP_SCORERS),
     Extractor: ("extractor", lambda: EXTRACTORS),
     Utility: ("utility", utilities),
     Feedback: ("feedback", lambda: FEEDBACK),
