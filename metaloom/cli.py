@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from metaloom.commands import bench, generate, run, score, serve, strategies, train_speculator
+from metaloom.commands import bench, generate, run, score, serve, strategies, train_speculator, tree
 from metaloom.errors import MetaloomError
 
 EXIT_USAGE = 2
@@ -20,6 +20,7 @@ COMMANDS += [run.register, strategies.register]  # meta-generation
 COMMANDS += [score.register]  # log-probabilities of continuations
 COMMANDS += [serve.register]  # the OpenAI-compatible server
 COMMANDS += [train_speculator.register]  # speculator heads (metaloom.speculative.heads)
+COMMANDS += [tree.register]  # render a search tree from a --json result
 
 
 def build_parser() -> argparse.ArgumentParser:

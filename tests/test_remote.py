@@ -448,3 +448,46 @@ def test_first_finish_streaming_through_metaloom_serve_frees_the_servers_rows(me
     # no final usage for a closed stream: charged the prompt and the tokens that had arrived
     assert theirs.usage.input_tokens == mine.usage.input_tokens == 5
     assert theirs.usage.output_tokens >= sum(len(c.token_ids) for c in theirs.candidates)
+
+
+def tree_searches():
+    """Tree search, step scorer and all, through a server: each round's frontier goes as token-id
+    prefixes (exact continuation), the judge's questions as scored prompts."""
+    from metaloom.score.step_judge import StepJudge
+    from metaloom.search.beam import StepBeamSearch
+    from metaloom.search.mcts import MCTS
+    from metaloom.search.particle import ParticleFiltering
+    from metaloom.search.rebase import Rebase
+
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=12)
+    common = {"delimiter": ("a",), "step_tokens": 4, "params": params}
+
+    def judge(gen):
+        return StepJudge(gen, template="{prompt}{step}q", yes="y", no="n")
+
+    return {
+        "step_beam_search": lambda gen: StepBeamSearch(step_scorer=judge(gen), n=4, beam_width=2, **common),
+        "rebase": lambda gen: Rebase(step_scorer=judge(gen), n=3, **common),
+        "mcts": lambda gen: MCTS(step_scorer=judge(gen), iterations=3, k=2, **common),
+        "particle_filtering": lambda gen: ParticleFiltering(step_scorer=judge(gen), n=3, **common),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(tree_searches()))
+def test_tree_search_through_metaloom_serve_equals_local(metaloom_serve, name):
+    local, remote, _ = metaloom_serve
+    make = tree_searches()[name]
+    mine = make(local).run("hello", local, ledger=Ledger())
+    theirs = make(remote).run("hello", remote, ledger=Ledger())
+    tree = lambda r: next(e.data for e in r.trace if e.kind == "tree")  # noqa: E731
+    assert len(tree(mine)["nodes"]) > 3
+    assert [(n["text"], n["parent"], n["state"]) for n in tree(theirs)["nodes"]] == \
+        [(n["text"], n["parent"], n["state"]) for n in tree(mine)["nodes"]]
+    assert (theirs.best, theirs.best_index) == (mine.best, mine.best_index)
+    assert theirs.scores == pytest.approx(mine.scores, abs=1e-4)
+    assert theirs.usage.scorer_calls == mine.usage.scorer_calls
+    # the expansions cost the same tokens; scoring a judge's question remotely costs more (a
+    # scoring request generates one token; see README "Remote servers")
+    expanded = lambda r: [(c["id"], c["finish"]) for e in r.trace if e.kind == "expand" for c in e.data["children"]]  # noqa: E731
+    assert expanded(theirs) == expanded(mine)
+    assert theirs.usage.input_tokens >= mine.usage.input_tokens

@@ -43,6 +43,12 @@ def _remote(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _search(args: argparse.Namespace) -> int:
+    from metaloom.bench.search import main
+
+    return main(args)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from metaloom.bench.serve import main
 
@@ -52,7 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], int]] = {"decode": _decode, "constrained": _constrained,
                                                               "speculative": _speculative, "fork": _fork,
                                                               "serve": _serve, "admit": _admit,
-                                                              "remote": _remote}
+                                                              "remote": _remote, "search": _search}
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -86,3 +92,6 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     from metaloom.bench.remote import add_remote_args  # remote: strategies locally, on vLLM, in optillm
 
     add_remote_args(p)
+    from metaloom.bench.search import add_search_args  # search: tree search vs sampling at equal FLOPs
+
+    add_search_args(p)

@@ -26,7 +26,8 @@ from metaloom.score.protocols import Prompt, Scorer
 
 @dataclass(frozen=True)
 class RolloutValue:
-    """``k`` rollouts per partial at ``temperature``, each up to ``max_tokens``."""
+    """Monte-Carlo rollout value (Math-Shepherd): ``k`` rollouts per partial at ``temperature``,
+    each up to ``max_tokens``; the fraction verified (or agreeing with the majority)."""
 
     generator: Generator
     k: int = 4

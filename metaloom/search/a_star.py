@@ -34,7 +34,7 @@ def a_star_cost(s: Search, node: Node, cost_weight: float) -> float:
 
 @dataclass(frozen=True)
 class AStar(SearchConfig):
-    """A* over steps: ``k`` children per expansion, ``parallel`` states per round."""
+    """A*-decoding (Chatziveroglou 2025): ``k`` children per expansion, ``parallel`` states per round."""
 
     k: int = 4
     parallel: int = 1

@@ -34,7 +34,8 @@ def best_open(search: Search, nodes: list[Node], k: int) -> list[Node]:
 
 @dataclass(frozen=True)
 class StepBeamSearch(SearchConfig):
-    """``n`` beams in all, ``beam_width`` children per kept beam (``n // beam_width`` kept)."""
+    """Step-level beam search (Snell et al. 2024): ``n`` beams in all, ``beam_width`` children per
+    kept beam (``n // beam_width`` kept)."""
 
     n: int = 8
     beam_width: int = 4
@@ -63,8 +64,8 @@ class StepBeamSearch(SearchConfig):
 
 @dataclass(frozen=True)
 class DVTS(SearchConfig):
-    """``n // beam_width`` subtrees, each expanding ``beam_width`` candidates of its current
-    step and keeping the best."""
+    """Diverse verifier tree search (Beeching et al. 2024): ``n // beam_width`` subtrees, each
+    expanding ``beam_width`` candidates of its current step and keeping the best."""
 
     n: int = 8
     beam_width: int = 4

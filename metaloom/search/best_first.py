@@ -66,7 +66,8 @@ def priority_search(s: Search, cost: Callable[[Search, Node], float], *, k: int,
 
 @dataclass(frozen=True)
 class BestFirst(SearchConfig):
-    """Expand the best-scoring open step first: ``k`` children each, ``parallel`` per round."""
+    """Best-first search: expand the best-scoring open step first, ``k`` children each,
+    ``parallel`` per round."""
 
     k: int = 4
     parallel: int = 1

@@ -21,8 +21,8 @@ from metaloom.search.tree import Node
 
 @dataclass(frozen=True)
 class Lookahead(SearchConfig):
-    """Step-level beam search (``n`` beams, ``beam_width`` children per kept beam) scoring each
-    step by a ``k``-step greedy rollout."""
+    """Lookahead search (Snell et al. 2024): step-level beam search (``n`` beams, ``beam_width``
+    children per kept beam) scoring each step by a ``k``-step greedy rollout."""
 
     n: int = 8
     beam_width: int = 4

@@ -49,8 +49,8 @@ def backup(node: Node, value: float) -> None:
 
 @dataclass(frozen=True)
 class MCTS(SearchConfig):
-    """``iterations`` rounds, ``parallel`` leaves per round, ``k`` children per expansion,
-    exploration constant ``c``."""
+    """Monte Carlo tree search with UCT: ``iterations`` rounds, ``parallel`` leaves per round,
+    ``k`` children per expansion, exploration constant ``c``."""
 
     iterations: int = 8
     k: int = 3

@@ -59,7 +59,8 @@ def resample(w: Sequence[float], rng: random.Random) -> list[int]:
 
 @dataclass(frozen=True)
 class ParticleFiltering(SearchConfig):
-    """``n`` particles, weight temperature ``temperature``, resampling below ``ess_threshold · n``."""
+    """Particle filtering (Puri et al. 2025): ``n`` particles, weight temperature ``temperature``,
+    resampling below ``ess_threshold · n`` effective samples."""
 
     n: int = 8
     temperature: float = 1.0

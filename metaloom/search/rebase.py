@@ -45,7 +45,8 @@ def rebase_widths(rewards: list[float], budget: int, temperature: float) -> list
 
 @dataclass(frozen=True)
 class Rebase(SearchConfig):
-    """``n`` samples of budget, balance temperature ``temperature`` on the rewards."""
+    """REBASE, reward-balanced search (Wu et al. 2024): ``n`` samples of budget, balance
+    temperature ``temperature`` on the rewards."""
 
     n: int = 8
     temperature: float = 0.1

@@ -1,0 +1,262 @@
+"""`metaloom bench search`: tree search against sampling baselines on held-out reasoning-gym
+problems, at equal FLOPs per problem.
+
+For each problem: greedy, then best-of-N (``--search-n`` samples, ranked by the task's
+final-answer checker — an exact checker for countdown and the 24 game, the LLM judge for GSM),
+whose FLOPs become that problem's budget; then majority vote and every tree search under a
+`Budget` of those FLOPs (each stops cleanly with its best finished solution when it runs out).
+The searches score steps with the exact step checker (countdown, 24) or, on GSM, with the
+LLM-as-judge step verifier and Monte-Carlo rollouts. Accuracy is reasoning-gym's own
+``score_answer`` of the chosen output's final answer.
+
+Each run has its own radix prefix cache (its prompt and paths are reused across its own
+calls, no run inherits another's prefill), so FLOPs compare. Records go to ``--search-out``
+(JSON Lines, one per problem and strategy, written as each finishes); a re-run with the same
+file skips what is done. The summary table is printed at the end (``--json``: one JSON object).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from metaloom.errors import InvalidParameter
+
+# tasks: reasoning-gym dataset and configuration. Countdown with 3-4 numbers and targets under
+# 100, so a 0.5B model solves some by sampling.
+TASKS: dict[str, tuple[str, dict[str, Any]]] = {
+    "countdown": ("countdown", {"min_numbers": 3, "max_numbers": 4, "min_value": 1, "max_value": 25,
+                                "min_target": 10, "max_target": 100}),
+    "game24": ("puzzle24", {}),
+    "gsm": ("gsm_symbolic", {}),
+}
+SEED = 4242  # the tests draw their puzzles with seeds 11-15
+GSM_STEPS = ("{question}\n\nSolve it step by step, with a blank line between steps. End with a last step "
+             "`The answer is N.`")
+SEARCHES = ("step_beam_search", "dvts", "lookahead", "rebase", "mcts", "a_star", "particle_filtering", "best_first")
+
+
+def add_search_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--search-tasks", default="countdown,game24,gsm", help="search: tasks, comma-separated")
+    p.add_argument("--search-problems", type=int, default=40, help="search: problems per task")
+    p.add_argument("--search-seed", type=int, default=SEED)
+    p.add_argument("--search-n", type=int, default=8, help="search: best-of-N's N, and the searches' beams/particles")
+    p.add_argument("--search-tokens", type=int, default=192, help="search: tokens per solution")
+    p.add_argument("--search-strategies", default="", help="search: only these (comma-separated; default all)")
+    p.add_argument("--search-out", default="search-bench.jsonl", help="search: JSON Lines records (resumed)")
+    p.add_argument("--search-dtype", default="float32")
+
+
+@dataclass(frozen=True)
+class Problem:
+    task: str
+    index: int
+    question: str
+    entry: dict[str, Any]
+
+
+def problems(task: str, size: int, seed: int) -> tuple[list[Problem], Any]:
+    import reasoning_gym
+
+    name, config = TASKS[task]
+    data = reasoning_gym.create_dataset(name, size=size, seed=seed, **config)
+    return [Problem(task, i, str(x["question"]), x) for i, x in enumerate(data)], data
+
+
+SYSTEM = ("You solve arithmetic puzzles step by step, one operation per paragraph. Each step combines two of the "
+          "numbers you still have, written `a op b = c` with op one of + - * /; the result c replaces a and b. Use "
+          "every number exactly once. When only the target is left, write `Answer: ` and the whole expression with "
+          "the original numbers.")
+# one worked example as a previous turn: a 0.5B model asked with the example inside the question
+# copies the example's answer
+EXAMPLES = {"countdown": ("Find a way to make 41 using all of these numbers: 3, 5, 7, 9.",
+                          "7 * 5 = 35\n\n35 + 9 = 44\n\n44 - 3 = 41\n\nAnswer: 7 * 5 + 9 - 3"),
+            "game24": ("Make 24 using 2, 3, 4, 1. You can only use each number once.",
+                       "2 * 3 = 6\n\n6 * 4 = 24\n\n24 * 1 = 24\n\nAnswer: 2 * 3 * 4 * 1")}
+
+
+def prompt_of(p: Problem) -> tuple[dict[str, str], ...]:
+    """The chat a problem is asked as: for the puzzles, the step format, one worked example and
+    the puzzle's first line (reasoning-gym's answer-format lines ask for a bare expression)."""
+    if p.task == "gsm":
+        return ({"role": "user", "content": GSM_STEPS.format(question=p.question)},)
+    question, answer = EXAMPLES[p.task]
+    return ({"role": "system", "content": SYSTEM}, {"role": "user", "content": question},
+            {"role": "assistant", "content": answer}, {"role": "user", "content": p.question.splitlines()[0]})
+
+
+def final_answer(task: str, text: str) -> str | None:
+    from metaloom.score.answers import LastNumber
+    from metaloom.score.puzzles import final_expression
+
+    return LastNumber().extract(text) if task == "gsm" else final_expression(text)
+
+
+def strategies(task: str, generator: Any, n: int, tokens: int) -> dict[str, Callable[[], Any]]:
+    """name -> a factory of the strategy object for ``task``."""
+    from metaloom.meta.best_of_n import BestOfN
+    from metaloom.meta.vote import MajorityVote
+    from metaloom.sampling.params import SamplingParams
+    from metaloom.score.answers import LastNumber
+    from metaloom.score.judge import LLMJudge
+    from metaloom.score.puzzles import CountdownAnswer, CountdownSteps, Game24Answer, Game24Steps
+    from metaloom.score.rollout import RolloutValue
+    from metaloom.score.step_judge import StepJudge
+    from metaloom.search.a_star import AStar
+    from metaloom.search.beam import DVTS, StepBeamSearch
+    from metaloom.search.best_first import BestFirst
+    from metaloom.search.lookahead import Lookahead
+    from metaloom.search.mcts import MCTS
+    from metaloom.search.particle import ParticleFiltering
+    from metaloom.search.rebase import Rebase
+
+    params = SamplingParams(temperature=0.8, max_tokens=tokens, seed=0)
+    final: Any = {"countdown": CountdownAnswer(), "game24": Game24Answer()}.get(task) or LLMJudge(generator)
+    extractor = _Extractor(task)
+    out: dict[str, Callable[[], Any]] = {
+        "best_of_n": lambda: BestOfN(n=n, scorer=final, params=params),
+        "majority_vote": lambda: MajorityVote(n=n, extractor=extractor, params=params),
+    }
+    step_scorers: dict[str, Any]
+    if task == "gsm":
+        step_scorers = {"judge": StepJudge(generator),
+                        "rollout": RolloutValue(generator, k=2, extractor=LastNumber(), max_tokens=tokens, seed=0)}
+    else:
+        step_scorers = {"": CountdownSteps() if task == "countdown" else Game24Steps()}
+    common: dict[str, Any] = {"params": params, "step_tokens": 48}
+    goal = 0.0 if task == "gsm" else 1.0  # with an exact checker, only a right answer ends A* / best-first
+    searches: dict[str, Callable[[Any], Any]] = {
+        "step_beam_search": lambda s: StepBeamSearch(step_scorer=s, n=n, beam_width=max(1, n // 2), **common),
+        "dvts": lambda s: DVTS(step_scorer=s, n=n, beam_width=max(1, n // 2), **common),
+        "lookahead": lambda s: Lookahead(step_scorer=s, n=n, beam_width=max(1, n // 2), k=1, **common),
+        "rebase": lambda s: Rebase(step_scorer=s, n=n, **common),
+        "mcts": lambda s: MCTS(step_scorer=s, iterations=64, k=max(2, n // 4), parallel=2, **common),
+        "a_star": lambda s: AStar(step_scorer=s, k=max(2, n // 4), parallel=2, max_rounds=64, goal_score=goal, **common),
+        "particle_filtering": lambda s: ParticleFiltering(step_scorer=s, n=n, **common),
+        "best_first": lambda s: BestFirst(step_scorer=s, k=max(2, n // 4), parallel=2, max_rounds=64, goal_score=goal,
+                                          **common),
+    }
+    for label, scorer in step_scorers.items():
+        for name, make in searches.items():
+            out[f"{name}+{label}" if label else name] = (lambda m, sc: lambda: m(sc))(make, scorer)
+    return out
+
+
+class _Extractor:
+    """The task's final answer, for voting."""
+
+    def __init__(self, task: str) -> None:
+        self.task = task
+        self.name = f"{task}_answer"
+
+    def extract(self, text: str) -> str | None:
+        return final_answer(self.task, text)
+
+    def same(self, a: str, b: str) -> bool:
+        return a.replace(" ", "") == b.replace(" ", "")
+
+
+def main(args: argparse.Namespace) -> int:
+    from metaloom.generator.local import LocalGenerator
+    from metaloom.generator.types import Request
+    from metaloom.ledger import Budget, Ledger
+    from metaloom.models.load import load
+    from metaloom.prefix.pool import PrefixCache
+    from metaloom.sampling.params import SamplingParams
+
+    tasks = [t for t in args.search_tasks.split(",") if t]
+    for t in tasks:
+        if t not in TASKS:
+            raise InvalidParameter("search-tasks", t, f"one of {sorted(TASKS)}")
+    only = {s for s in args.search_strategies.split(",") if s}
+    done: set[tuple[str, int, str]] = set()
+    records: list[dict[str, Any]] = []
+    if os.path.exists(args.search_out):
+        with open(args.search_out) as f:
+            for line in f:
+                r = json.loads(line)
+                records.append(r)
+                done.add((r["task"], r["problem"], r["strategy"]))
+    loaded = load(args.model, dtype=args.search_dtype)
+    print(f"model {args.model} ({args.search_dtype}), load average {os.getloadavg()[0]:.1f}", flush=True)
+    with open(args.search_out, "a") as out:
+        for task in tasks:
+            items, data = problems(task, args.search_problems, args.search_seed)
+            names = ["greedy", *strategies(task, None, args.search_n, args.search_tokens)]
+            for p in items:
+                budget: float | None = next((r["flops"] for r in records if (r["task"], r["problem"], r["strategy"])
+                                             == (task, p.index, "best_of_n")), None)
+                for name in names:
+                    if only and name not in only and name.split("+")[0] not in only and name != "best_of_n":
+                        continue
+                    if (task, p.index, name) in done:
+                        continue
+                    ledger = Ledger(budget=Budget(flops=budget) if budget and name not in ("greedy", "best_of_n")
+                                    else None)
+                    # each run its own radix cache: it reuses its prompt and paths across its own calls
+                    # (as a user's would), and no run inherits another's prefill, so FLOPs compare
+                    generator = LocalGenerator(loaded, prefix_cache=PrefixCache(512 << 20))
+                    table = strategies(task, generator, args.search_n, args.search_tokens)
+                    start = time.perf_counter()
+                    if name == "greedy":
+                        c = generator.generate([Request(prompt_of(p), SamplingParams(temperature=0.0,
+                                                max_tokens=args.search_tokens))], ledger=ledger)[0][0]
+                        text, stopped = c.text, None
+                    else:
+                        result = table[name]().run(prompt_of(p), generator, ledger=ledger)
+                        text, stopped = result.best, result.stopped_reason
+                    seconds = time.perf_counter() - start
+                    answer = final_answer(task, text)
+                    correct = float(data.score_answer(answer, p.entry)) if answer is not None else 0.0
+                    u = ledger.usage
+                    rec = {"task": task, "problem": p.index, "strategy": name, "correct": correct >= 1.0,
+                           "answer": answer, "output_tokens": u.output_tokens, "input_tokens": u.input_tokens,
+                           "cached_tokens": u.cached_tokens, "flops": u.flops, "seconds": round(seconds, 3),
+                           "scorer_calls": u.scorer_calls, "stopped": stopped, "budget_flops": budget}
+                    if name == "best_of_n":
+                        budget = u.flops
+                    records.append(rec)
+                    done.add((task, p.index, name))
+                    out.write(json.dumps(rec) + "\n")
+                    out.flush()
+                    print(f"{task} #{p.index} {name}: {'ok ' if rec['correct'] else 'no '} {u.output_tokens} tok "
+                          f"{u.flops / 1e12:.2f} TFLOP {seconds:.1f}s {stopped or ''}", flush=True)
+    summary = summarize(records)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(table_text(summary))
+    return 0
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault((r["task"], r["strategy"]), []).append(r)
+    for (task, name), rs in groups.items():
+        out.setdefault(task, {})[name] = {
+            "problems": len(rs), "accuracy": sum(r["correct"] for r in rs) / len(rs),
+            "output_tokens": statistics.mean(r["output_tokens"] for r in rs),
+            "input_tokens": statistics.mean(r["input_tokens"] for r in rs),
+            "tflops": statistics.mean(r["flops"] for r in rs) / 1e12,
+            "seconds": statistics.mean(r["seconds"] for r in rs),
+            "budget_stops": sum(r["stopped"] == "budget" for r in rs)}
+    return out
+
+
+def table_text(summary: dict[str, dict[str, dict[str, float]]]) -> str:
+    lines = []
+    for task, rows in summary.items():
+        lines += [f"\n{task}", "| strategy | problems | accuracy | output tok | input tok | TFLOP | s | budget stops |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for name, s in sorted(rows.items(), key=lambda kv: -kv[1]["accuracy"]):
+            lines.append(f"| {name} | {s['problems']:.0f} | {s['accuracy']:.2f} | {s['output_tokens']:.0f} | "
+                         f"{s['input_tokens']:.0f} | {s['tflops']:.2f} | {s['seconds']:.1f} | {s['budget_stops']:.0f} |")
+    return "\n".join(lines)
