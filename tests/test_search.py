@@ -400,3 +400,23 @@ def test_registered_names_build_from_text() -> None:
         build_strategy("dvts", {"step_scorer": "oracle"}, {})
     beam = build_strategy("step_beam_search", {"step_scorer": "countdown", "n": "6", "aggregation": "min"}, {})
     assert beam.n == 6 and beam.aggregation == "min"
+
+
+@pytest.mark.parametrize("make", [
+    lambda s: StepBeamSearch(step_scorer=s, n=4, beam_width=2, params=P),
+    lambda s: DVTS(step_scorer=s, n=4, beam_width=2, params=P),
+    lambda s: Rebase(step_scorer=s, n=4, params=P),
+    lambda s: MCTS(step_scorer=s, iterations=4, k=2, parallel=2, params=P),
+    lambda s: AStar(step_scorer=s, k=2, parallel=2, solutions=2, params=P),
+    lambda s: BestFirst(step_scorer=s, k=2, parallel=2, solutions=2, params=P),
+    lambda s: ParticleFiltering(step_scorer=s, n=4, params=P),
+], ids=["step_beam_search", "dvts", "rebase", "mcts", "a_star", "best_first", "particle_filtering"])
+def test_one_generator_call_and_one_scorer_call_per_round(make: Any) -> None:
+    gen, scorer = Counting(BEAM_TABLE), ScriptedStepScorer(BEAM_SCORES, default=0.0)  # a, c end at once
+    result = make(scorer).run("Q", gen, ledger=Ledger())
+    tree = tree_of(result)
+    assert len(tree["rounds"]) >= 2
+    assert len(gen.calls) == len(scorer.calls) == len(tree["rounds"])
+    # every request of a round continues one expanded node: as many requests as parents
+    assert gen.calls == [len(r["expanded"]) for r in tree["rounds"]]
+    assert result.usage.output_tokens == sum(r["usage"]["output_tokens"] for r in tree["rounds"])

@@ -308,6 +308,22 @@ def test_a_streamed_strategy_sends_progress_then_the_answer(served):
         final.model_extra["metaloom"]["best_index"]]["text"]
 
 
+def test_a_streamed_tree_search_sends_each_round_then_the_tree(served):
+    stream = served.client().chat.completions.create(
+        model="default", messages=_chat("Make 24 using 8, 5, 10, 6."), max_tokens=24, stream=True, seed=2,
+        stream_options={"include_usage": True},
+        extra_body={"metaloom": {"strategy": "step_beam_search", "trace": True,
+                                 "params": {"step_scorer": "game24", "n": 2, "beam_width": 1, "step_tokens": 8}}})
+    chunks = list(stream)
+    events = [e.model_extra["metaloom"] for e in chunks if (e.model_extra or {}).get("metaloom", {}).get("event")]
+    rounds = [e["trace"] for e in events if e.get("trace", {}).get("kind") == "expand"]
+    assert rounds and [r["round"] for r in rounds] == list(range(len(rounds)))  # each round, live, in order
+    report = chunks[-1].model_extra["metaloom"]
+    tree = next(e for e in report["trace"] if e["kind"] == "tree")
+    assert len(tree["rounds"]) == len(rounds) and tree["strategy"] == "step_beam_search"
+    assert [c["id"] for r in rounds for c in r["children"]] == [n["id"] for n in tree["nodes"][1:]]
+
+
 def test_a_streamed_vote_sends_the_votes_so_far_each_round(served):
     stream = served.client().chat.completions.create(
         model="default", messages=_chat("What is 2 + 2? Answer with a number."), max_tokens=12, stream=True,
