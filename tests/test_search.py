@@ -420,3 +420,19 @@ def test_one_generator_call_and_one_scorer_call_per_round(make: Any) -> None:
     # every request of a round continues one expanded node: as many requests as parents
     assert gen.calls == [len(r["expanded"]) for r in tree["rounds"]]
     assert result.usage.output_tokens == sum(r["usage"]["output_tokens"] for r in tree["rounds"])
+
+
+def test_a_final_scorer_judges_finished_solutions() -> None:
+    from metaloom.testing.scripted import ScriptedScorer
+
+    outcome = ScriptedScorer(fn=lambda text: 1.0 if text.endswith("b2y") else 0.0)
+    scorer = ScriptedStepScorer(BEAM_SCORES)
+    result = StepBeamSearch(step_scorer=scorer, n=4, beam_width=2, final_scorer=outcome, params=P).run(
+        "Q", Counting(BEAM_TABLE), ledger=Ledger())
+    tree = tree_of(result)
+    nodes = by_text(tree)
+    # the step scores would pick d1 (0.95); the outcome verifier finds b2y the one right answer
+    assert result.best == "b\n\nb2\n\nb2y" and nodes["b2y"]["final_score"] == 1.0 and nodes["d1"]["score"] == 0.0
+    assert nodes["d2"]["score"] == 0.5  # open nodes keep their step scores
+    # one step-scorer call per round, one outcome call in each round where solutions finished
+    assert len(scorer.calls) == 3 and result.usage.scorer_calls == 3 + 2

@@ -129,7 +129,10 @@ def strategies(task: str, generator: Any, n: int, tokens: int) -> dict[str, Call
                         "rollout": RolloutValue(generator, k=2, extractor=LastNumber(), max_tokens=tokens, seed=0)}
     else:
         step_scorers = {"": CountdownSteps() if task == "countdown" else Game24Steps()}
-    common: dict[str, Any] = {"params": params, "step_tokens": 48}
+    # the exact answer checkers also judge each finished solution (a step checker scores steps,
+    # not whether a solution that stopped gave the answer)
+    outcome = None if task == "gsm" else final
+    common: dict[str, Any] = {"params": params, "step_tokens": 48, "final_scorer": outcome}
     goal = 0.0 if task == "gsm" else 1.0  # with an exact checker, only a right answer ends A* / best-first
     searches: dict[str, Callable[[Any], Any]] = {
         "step_beam_search": lambda s: StepBeamSearch(step_scorer=s, n=n, beam_width=max(1, n // 2), **common),

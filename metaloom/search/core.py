@@ -21,11 +21,12 @@ from metaloom.errors import BudgetExceeded, InvalidParameter, ScorerFailed
 from metaloom.generator.types import Completion, Generator, Request
 from metaloom.ledger import Ledger, Usage
 from metaloom.meta.helpers import Run, component, ensure, guarded, positive, render, reseed, select_top
+from metaloom.meta.helpers import score as helpers_score
 from metaloom.meta.types import Result
 from metaloom.meta.voting import decide
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.answers import Extractor
-from metaloom.score.protocols import Prompt, StepScorer
+from metaloom.score.protocols import Prompt, Scorer, StepScorer
 from metaloom.search.aggregate import aggregate, check_aggregation
 from metaloom.search.tree import Node, Tree
 
@@ -49,7 +50,10 @@ class SearchConfig:
     ``params.max_tokens`` the whole solution, ``max_depth`` the number of steps. ``select``
     picks the answer among finished solutions: the best "score", a majority "vote" over
     extracted answers, or a "weighted_vote" (each solution votes with its score; needs an
-    ``extractor``, as do both votes)."""
+    ``extractor``, as do both votes). ``final_scorer``: an outcome verifier (a `Scorer`, e.g.
+    the countdown answer checker) that scores each solution as it finishes; its score becomes
+    the finished node's score (a step scorer judges steps, not whether a solution that stopped
+    answered the question). It costs one more scorer call in the rounds where solutions finish."""
 
     step_scorer: StepScorer
     params: SamplingParams = field(default_factory=search_sampling)
@@ -59,6 +63,7 @@ class SearchConfig:
     aggregation: str = "last"
     select: str = "score"
     extractor: Extractor | None = None
+    final_scorer: Scorer | None = None
 
     def __post_init__(self) -> None:
         component("step_scorer", self.step_scorer, StepScorer,
@@ -72,6 +77,7 @@ class SearchConfig:
         check_aggregation(self.aggregation)
         ensure(self.select in SELECTIONS, "select", self.select, f"one of {SELECTIONS}")
         component("extractor", self.extractor, Extractor, "None or an Extractor instance", optional=True)
+        component("final_scorer", self.final_scorer, Scorer, "None or a Scorer instance", optional=True)
         if self.select != "score" and self.extractor is None:
             raise InvalidParameter("select", self.select, "'score', or a vote together with an extractor")
 
@@ -109,6 +115,7 @@ class Search:
         self.begin_round(parents)
         children = self.expand(parents, widths, temperature=temperature)
         self.score([c for c in children if c.finish != "budget"])
+        self.score_finished(children)
         self.end_round()
         return children
 
@@ -225,6 +232,18 @@ class Search:
             raise ScorerFailed(scorer.name, ValueError(f"returned {len(lasts)} step scores for {len(partials)} "
                                                        f"partial solutions, or a non-finite one: {lasts}"))
         return lasts
+
+    def score_finished(self, nodes: Sequence[Node]) -> None:
+        """With a ``final_scorer``: score the solutions among ``nodes`` that finished (one
+        scorer call); the outcome score replaces their path score."""
+        scorer = self.config.final_scorer
+        done = [n for n in nodes if n.finished and n.finish != "budget"]
+        if scorer is None or not done:
+            return
+        scores = helpers_score(self.run, scorer, self.prompt, [self.tree.completion(n) for n in done])
+        for n, v in zip(done, scores, strict=True):
+            n.extra["final_score"] = v
+            n.score = v
 
     def rescore(self, nodes: Sequence[Node]) -> None:
         """Recompute the aggregate of nodes whose step score was set by hand (lookahead)."""

@@ -62,6 +62,7 @@ class Lookahead(SearchConfig):
                     c.extra["lookahead"] = "".join(t.text for t in tails[c.id])
                     c.extra["lookahead_tokens"] = sum(len(t.token_ids) for t in tails[c.id])
             s.rescore(scored)
+        s.score_finished(children)
         s.end_round()
         return children
 
