@@ -22,6 +22,7 @@ from metaloom.meta.helpers import render
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.answers import Extractor
 from metaloom.score.protocols import Prompt, Scorer
+from metaloom.score.steps import asked_steps, regroup
 
 
 @dataclass(frozen=True)
@@ -51,12 +52,8 @@ class RolloutValue:
     def score_steps(self, prompt: Prompt, partial_steps: Sequence[Sequence[str]], *, ledger: Ledger,
                     last_only: bool = False) -> list[list[float]]:
         ledger.charge(scorer_calls=1)
-        prefixes: list[str] = []
-        shape: list[int] = []
-        for steps in partial_steps:
-            which = range(len(steps) - 1, len(steps)) if last_only else range(len(steps))
-            shape.append(len(which))
-            prefixes.extend("".join(steps[:j + 1]) for j in which)
+        asked = asked_steps(partial_steps, last_only)
+        prefixes = ["".join(partial_steps[i][:j + 1]) for i, j in asked]
         if not prefixes:
             return [[] for _ in partial_steps]
         base = render(self.generator, prompt)
@@ -66,13 +63,7 @@ class RolloutValue:
             ledger.check()
         full = [[Completion(p + c.text, c.token_ids, c.logprobs, c.finish_reason) for c in o]
                 for p, o in zip(prefixes, outs, strict=True)]
-        values = self.values(prompt, full, ledger)
-        out: list[list[float]] = []
-        at = 0
-        for size in shape:
-            out.append(values[at:at + size])
-            at += size
-        return out
+        return regroup(self.values(prompt, full, ledger), asked, len(partial_steps))
 
     def values(self, prompt: Prompt, rollouts: list[list[Completion]], ledger: Ledger) -> list[float]:
         flat = [c for group in rollouts for c in group]

@@ -14,6 +14,7 @@ from metaloom.ledger import Ledger
 from metaloom.score.judge import yes_probability
 from metaloom.score.prompting import fill, user_text
 from metaloom.score.protocols import Prompt
+from metaloom.score.steps import asked_steps, regroup
 
 STEP_TEMPLATE = ("Problem:\n{prompt}\n\nSolution so far:\n{previous}\n\nNext step:\n{step}\n\n"
                  "Is the next step correct? Answer Yes or No.")
@@ -37,18 +38,8 @@ class StepJudge:
                     last_only: bool = False) -> list[list[float]]:
         ledger.charge(scorer_calls=1)
         question = user_text(prompt)
-        asked: list[str] = []
-        shape: list[int] = []
-        for steps in partial_steps:
-            which = range(len(steps) - 1, len(steps)) if last_only else range(len(steps))
-            shape.append(len(which))
-            for j in which:
-                previous = "".join(steps[:j]).strip() or "(none)"
-                asked.append(fill(self.template, "template", prompt=question, previous=previous, step=steps[j].strip()))
-        probs = yes_probability(self.generator, asked, ledger=ledger, method=self.method, yes=self.yes, no=self.no)
-        out: list[list[float]] = []
-        at = 0
-        for size in shape:
-            out.append(probs[at:at + size])
-            at += size
-        return out
+        asked = asked_steps(partial_steps, last_only)
+        texts = [fill(self.template, "template", prompt=question, previous="".join(partial_steps[i][:j]).strip() or "(none)",
+                      step=partial_steps[i][j].strip()) for i, j in asked]
+        probs = yes_probability(self.generator, texts, ledger=ledger, method=self.method, yes=self.yes, no=self.no)
+        return regroup(probs, asked, len(partial_steps))

@@ -20,8 +20,8 @@ from metaloom.generator.types import Generator
 from metaloom.ledger import Ledger
 from metaloom.meta.types import Result
 from metaloom.score.protocols import Prompt
-from metaloom.search.best_first import priority_search
-from metaloom.search.core import Search, SearchConfig, check_width, run_search
+from metaloom.search.best_first import PriorityConfig
+from metaloom.search.core import Search, run_search
 from metaloom.search.tree import Node
 
 
@@ -33,27 +33,16 @@ def a_star_cost(s: Search, node: Node, cost_weight: float) -> float:
 
 
 @dataclass(frozen=True)
-class AStar(SearchConfig):
+class AStar(PriorityConfig):
     """A*-decoding (Chatziveroglou 2025): ``k`` children per expansion, ``parallel`` states per round."""
 
-    k: int = 4
-    parallel: int = 1
-    solutions: int = 1
-    max_rounds: int = 32
     cost_weight: float = 0.1
-    goal_score: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("k", "parallel", "solutions", "max_rounds"):
-            check_width(name, getattr(self, name))
         if not isinstance(self.cost_weight, (int, float)) or self.cost_weight < 0:
             raise InvalidParameter("cost_weight", self.cost_weight, "a number >= 0")
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
-        return run_search(self, "a_star", prompt, generator, ledger, self.search)
-
-    def search(self, s: Search) -> None:
-        priority_search(s, lambda search, n: a_star_cost(search, n, self.cost_weight), k=self.k,
-                        parallel=self.parallel, solutions=self.solutions, max_rounds=self.max_rounds,
-                        goal_score=self.goal_score)
+        return run_search(self, "a_star", prompt, generator, ledger,
+                          lambda s: self.search_by(s, lambda search, n: a_star_cost(search, n, self.cost_weight)))

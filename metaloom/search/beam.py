@@ -12,6 +12,7 @@ of ``beam_width`` candidate steps, so the subtrees cannot collapse onto one pref
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from metaloom.generator.types import Generator
@@ -32,48 +33,48 @@ def best_open(search: Search, nodes: list[Node], k: int) -> list[Node]:
     return keep
 
 
+def beam_loop(s: Search, n: int, beam_width: int, expand: Callable[[list[Node], list[int]], list[Node]]) -> None:
+    """Step-level beam search with ``expand`` as the round (plain, or with lookahead)."""
+    keep = max(1, n // beam_width)
+    children = expand([s.tree.root], [n])
+    while True:
+        if len(s.finished()) >= n:
+            s.stop = "finished"
+            return
+        beams = best_open(s, children, keep)
+        if not beams:
+            s.stop = "finished"
+            return
+        children = expand(beams, [beam_width] * len(beams))
+
+
 @dataclass(frozen=True)
-class StepBeamSearch(SearchConfig):
+class Beams(SearchConfig):
+    """The fields of the beam searches: ``n`` samples per round, ``beam_width`` per kept node."""
+
+    n: int = 8
+    beam_width: int = 4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_width("n", self.n)
+        check_width("beam_width", self.beam_width)
+
+
+@dataclass(frozen=True)
+class StepBeamSearch(Beams):
     """Step-level beam search (Snell et al. 2024): ``n`` beams in all, ``beam_width`` children per
     kept beam (``n // beam_width`` kept)."""
 
-    n: int = 8
-    beam_width: int = 4
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_width("n", self.n)
-        check_width("beam_width", self.beam_width)
-
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
-        return run_search(self, "step_beam_search", prompt, generator, ledger, self.search)
-
-    def search(self, s: Search) -> None:
-        keep = max(1, self.n // self.beam_width)
-        children = s.step([s.tree.root], [self.n])
-        while True:
-            if len(s.finished()) >= self.n:
-                s.stop = "finished"
-                return
-            beams = best_open(s, children, keep)
-            if not beams:
-                s.stop = "finished"
-                return
-            children = s.step(beams, [self.beam_width] * len(beams))
+        return run_search(self, "step_beam_search", prompt, generator, ledger,
+                          lambda s: beam_loop(s, self.n, self.beam_width, s.step))
 
 
 @dataclass(frozen=True)
-class DVTS(SearchConfig):
+class DVTS(Beams):
     """Diverse verifier tree search (Beeching et al. 2024): ``n // beam_width`` subtrees, each
     expanding ``beam_width`` candidates of its current step and keeping the best."""
-
-    n: int = 8
-    beam_width: int = 4
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_width("n", self.n)
-        check_width("beam_width", self.beam_width)
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
         return run_search(self, "dvts", prompt, generator, ledger, self.search)

@@ -65,9 +65,8 @@ def priority_search(s: Search, cost: Callable[[Search, Node], float], *, k: int,
 
 
 @dataclass(frozen=True)
-class BestFirst(SearchConfig):
-    """Best-first search: expand the best-scoring open step first, ``k`` children each,
-    ``parallel`` per round."""
+class PriorityConfig(SearchConfig):
+    """The fields of the priority-queue searches (best-first, A*)."""
 
     k: int = 4
     parallel: int = 1
@@ -80,9 +79,16 @@ class BestFirst(SearchConfig):
         for name in ("k", "parallel", "solutions", "max_rounds"):
             check_width(name, getattr(self, name))
 
-    def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
-        return run_search(self, "best_first", prompt, generator, ledger, self.search)
+    def search_by(self, s: Search, cost: Callable[[Search, Node], float]) -> None:
+        priority_search(s, cost, k=self.k, parallel=self.parallel, solutions=self.solutions,
+                        max_rounds=self.max_rounds, goal_score=self.goal_score)
 
-    def search(self, s: Search) -> None:
-        priority_search(s, lambda _, n: -(n.score or 0.0), k=self.k, parallel=self.parallel,
-                        solutions=self.solutions, max_rounds=self.max_rounds, goal_score=self.goal_score)
+
+@dataclass(frozen=True)
+class BestFirst(PriorityConfig):
+    """Best-first search: expand the best-scoring open step first, ``k`` children each,
+    ``parallel`` per round."""
+
+    def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
+        return run_search(self, "best_first", prompt, generator, ledger,
+                          lambda s: self.search_by(s, lambda _, n: -(n.score or 0.0)))

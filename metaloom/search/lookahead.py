@@ -14,24 +14,20 @@ from metaloom.generator.types import Completion, Generator
 from metaloom.ledger import Ledger
 from metaloom.meta.types import Result
 from metaloom.score.protocols import Prompt
-from metaloom.search.beam import best_open
-from metaloom.search.core import Search, SearchConfig, check_width, run_search
+from metaloom.search.beam import Beams, beam_loop
+from metaloom.search.core import Search, run_search
 from metaloom.search.tree import Node
 
 
 @dataclass(frozen=True)
-class Lookahead(SearchConfig):
+class Lookahead(Beams):
     """Lookahead search (Snell et al. 2024): step-level beam search (``n`` beams, ``beam_width``
     children per kept beam) scoring each step by a ``k``-step greedy rollout."""
 
-    n: int = 8
-    beam_width: int = 4
     k: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_width("n", self.n)
-        check_width("beam_width", self.beam_width)
         if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 0:
             from metaloom.errors import InvalidParameter
 
@@ -67,15 +63,4 @@ class Lookahead(SearchConfig):
         return children
 
     def search(self, s: Search) -> None:
-        keep = max(1, self.n // self.beam_width)
-        children = self.expand(s, [s.tree.root], [self.n])
-        while True:
-            if len(s.finished()) >= self.n:
-                s.stop = "finished"
-                return
-            beams = best_open(s, children, keep)
-            if not beams:
-                s.stop = "finished"
-                return
-            children = self.expand(s, beams, [self.beam_width] * len(beams))
-
+        beam_loop(s, self.n, self.beam_width, lambda parents, widths: self.expand(s, parents, widths))
