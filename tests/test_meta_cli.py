@@ -40,12 +40,13 @@ def test_a_judge_gets_the_model_being_run():
 
 
 @pytest.mark.parametrize(("name", "params", "groups", "match"), [
-    ("nope", {}, {}, r"invalid strategy='nope': allowed one of \['adaptive_vote', 'best_of_n'"),
+    ("nope", {}, {}, r"invalid strategy='nope': allowed one of \['a_star', 'adaptive_vote', 'best_first', 'best_of_n'"),
     ("best_of_n", {"bogus": "1"}, {}, r"invalid strategy.bogus='1': allowed one of \['n', 'scorer', 'extractor', 'inner'\]$"),
     ("best_of_n", {"scorer": "judge"}, {"scorer": {"bogus": "1"}},
      r"scorer.bogus='1': allowed one of \['method', 'template', 'yes', 'no'\]$"),
     ("best_of_n", {"scorer": "judge"}, {"scorer": {"generator": "x"}}, r"scorer.generator='x'.*the model being run"),
-    ("best_of_n", {"scorer": "oracle"}, {}, r"invalid scorer='oracle': allowed one of \['execution', 'judge', 'logprob'"),
+    ("best_of_n", {"scorer": "oracle"}, {},
+     r"invalid scorer='oracle': allowed one of \['countdown', 'execution', 'game24', 'judge', 'logprob'"),
     ("best_of_n", {"n": "many"}, {}, r"invalid strategy.n='many': allowed a value of type int"),
     ("best_of_n", {"n": "0"}, {}, r"invalid n=0"),
     ("best_of_n", {"scorer": "logprob"}, {"scorer": {"normalise": "1"}}, r"scorer.normalise.*one of \['normalize'\]"),
@@ -152,7 +153,8 @@ def no_model(*args, **kwargs):
      "invalid strategy.bogus='Q': allowed one of ['n', 'extractor', 'inner'] "
      "('Q' was taken as the value of --strategy.bogus, so the prompt is missing)"),
     (["--strategy", "best_of_n", "--strategy.scorer", "What is 2 + 2?"],
-     "invalid scorer='What is 2 + 2?': allowed one of ['execution', 'judge', 'logprob', 'reward_model', 'verifier'] "
+     "invalid scorer='What is 2 + 2?': allowed one of ['countdown', 'execution', 'game24', 'judge', 'logprob', 'reward_model', "
+     "'verifier'] "
      "('What is 2 + 2?' was taken as the value of --strategy.scorer, so the prompt is missing)"),
     # valid parameters, no prompt left
     (["--strategy", "majority_vote", "--strategy.n", "5"],

@@ -32,7 +32,18 @@ from metaloom.score.logprob import SequenceLogprob
 from metaloom.testing.scripted import ScriptedGenerator
 
 NAN, INF = float("nan"), float("inf")
-REQUIRED = {WeightedVote: {"scorer": SequenceLogprob()}}  # fields without a default
+from metaloom.search.a_star import AStar  # noqa: E402
+from metaloom.search.beam import DVTS, StepBeamSearch  # noqa: E402
+from metaloom.search.best_first import BestFirst  # noqa: E402
+from metaloom.search.lookahead import Lookahead  # noqa: E402
+from metaloom.search.mcts import MCTS  # noqa: E402
+from metaloom.search.particle import ParticleFiltering  # noqa: E402
+from metaloom.search.rebase import Rebase  # noqa: E402
+from metaloom.testing.scripted import ScriptedStepScorer  # noqa: E402
+
+SEARCHES = (StepBeamSearch, DVTS, Lookahead, Rebase, MCTS, AStar, ParticleFiltering, BestFirst)
+REQUIRED = {WeightedVote: {"scorer": SequenceLogprob()},  # fields without a default
+            **{cls: {"step_scorer": ScriptedStepScorer({})} for cls in SEARCHES}}
 
 
 def make(cls, **kwargs):
@@ -130,6 +141,35 @@ case(AdaptiveVote, "rule", "majority", "Beta", "", None)
 case(AdaptiveVote, "threshold", 0, 0.0, -0.1, 1.01, NAN, INF, True, "0.9", None)
 case(AdaptiveVote, "extractor", None, *NOT_EXTRACTORS)
 case(AdaptiveVote, "params", *NOT_PARAMS)
+
+# tree searches: the common fields, then each one's own
+for _cls in SEARCHES:
+    case(_cls, "step_scorer", "countdown", None, ScriptedStepScorer, 3)
+    case(_cls, "params", *NOT_PARAMS)
+    case(_cls, "delimiter", (), ("",), "\n\n", (3,), None)
+    case(_cls, "step_tokens", *COUNTS)
+    case(_cls, "max_depth", *COUNTS)
+    case(_cls, "aggregation", "median", "", None, "LAST")
+    case(_cls, "select", "best", "", None)
+    case(_cls, "select", "vote")  # a vote without an extractor
+    case(_cls, "extractor", *NOT_EXTRACTORS)
+    case(_cls, "final_scorer", "countdown", 3)
+for _cls in (StepBeamSearch, DVTS, Lookahead):
+    case(_cls, "n", *COUNTS)
+    case(_cls, "beam_width", *COUNTS)
+case(Lookahead, "k", -1, 1.5, True, "1", None)
+case(Rebase, "n", *COUNTS)
+case(Rebase, "temperature", 0, 0.0, -1.0, "0.1", None)
+case(ParticleFiltering, "n", *COUNTS)
+case(ParticleFiltering, "temperature", 0, -1.0, "1", None)
+case(ParticleFiltering, "ess_threshold", -0.1, 1.5, "0.5", None)
+for _field in ("iterations", "k", "parallel"):
+    case(MCTS, _field, *COUNTS)
+case(MCTS, "c", -1.0, "1", None)
+for _cls in (AStar, BestFirst):
+    for _field in ("k", "parallel", "solutions", "max_rounds"):
+        case(_cls, _field, *COUNTS)
+case(AStar, "cost_weight", -0.5, "0.1", None)
 
 
 def _id(c):

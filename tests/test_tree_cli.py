@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import sys
-import time
 
 import pytest
 
@@ -325,7 +324,9 @@ def test_terminal_gets_colour_and_its_width(tmp_path, capsys, monkeypatch):
             assert max(len(line) for line in lines) <= 60
 
 
-def test_a_large_tree_renders_fast():
+def test_a_large_tree_renders_whole():
+    """3,000 nodes, every one drawn (the renderer draws guides itself, without recursion, so a
+    deep tree cannot hit Python's recursion limit; its speed is not a unit test's business)."""
     nodes = [{"id": 0, "parent": None, "state": "root", "text": "", "tokens": 0}]
     for i in range(1, 3000):  # a beam-like tree, depth 60
         nodes.append({"id": i, "parent": max(0, i - 1 - (i - 1) % 50), "state": "pruned" if i % 3 else "expanded",
@@ -333,8 +334,5 @@ def test_a_large_tree_renders_fast():
                       "round": i // 50, "finish": "step"})
     tree = {"kind": "tree", "strategy": "s", "best": 2999, "stop": "budget", "nodes": nodes,
             "rounds": [{"round": r, "expanded": [r], "children": 50, "usage": {"output_tokens": 1500}} for r in range(60)]}
-    started = time.perf_counter()
     text = render_text(tree)
-    elapsed = time.perf_counter() - started
     assert len(text.splitlines()) == 2 + 3000 + 60 + 4
-    assert elapsed < 1.0, elapsed
