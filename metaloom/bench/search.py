@@ -76,8 +76,8 @@ SYSTEM = ("You solve arithmetic puzzles step by step, one operation per paragrap
           "the original numbers.")
 # one worked example as a previous turn: a 0.5B model asked with the example inside the question
 # copies the example's answer
-EXAMPLES = {"countdown": ("Find a way to make 41 using all of these numbers: 3, 5, 7, 9.",
-                          "7 * 5 = 35\n\n35 + 9 = 44\n\n44 - 3 = 41\n\nAnswer: 7 * 5 + 9 - 3"),
+EXAMPLES = {"countdown": ("Find a way to make 41 using all of these numbers: 5, 7, 6.",
+                          "7 * 5 = 35\n\n35 + 6 = 41\n\nAnswer: 7 * 5 + 6"),
             "game24": ("Make 24 using 2, 3, 4, 1. You can only use each number once.",
                        "2 * 3 = 6\n\n6 * 4 = 24\n\n24 * 1 = 24\n\nAnswer: 2 * 3 * 4 * 1")}
 
