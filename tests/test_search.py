@@ -436,3 +436,28 @@ def test_a_final_scorer_judges_finished_solutions() -> None:
     assert nodes["d2"]["score"] == 0.5  # open nodes keep their step scores
     # one step-scorer call per round, one outcome call in each round where solutions finished
     assert len(scorer.calls) == 3 and result.usage.scorer_calls == 3 + 2
+
+
+def test_rollout_value_exact() -> None:
+    """k rollouts from each partial: the fraction a verifier accepts, or the fraction whose answer
+    is equivalent to the majority's (5 and 5.0 are one answer to the math extractor)."""
+    from metaloom.score.answers import MathAnswer
+    from metaloom.score.rollout import RolloutValue
+    from metaloom.score.verifier import FunctionVerifier
+
+    table = {"Q": ["a\n\n"], "Qa\n\n": ["so 5", "so 5.0", "so 7", "so 8"], "Qa\n\nb\n\n": ["so 7", "so 7", "so 7", "so 5"]}
+    partials = [["a\n\n"], ["a\n\n", "b\n\n"]]
+    ledger = Ledger()
+    majority = RolloutValue(ScriptedGenerator(table), k=4, extractor=MathAnswer(), max_tokens=8)
+    # pooled over the call: 5 (twice, as 5 and 5.0) and 7 (four times) -> 7 is the majority
+    assert majority.score_steps("Q", partials, ledger=ledger, last_only=True) == [[0.25], [0.75]]
+    assert ledger.usage.scorer_calls == 1 and ledger.usage.output_tokens > 0
+    verified = RolloutValue(ScriptedGenerator(table), k=4, verifier=FunctionVerifier(lambda q, t: t.endswith("5")),
+                            max_tokens=8)
+    # every step when not last_only: the first partial's "a" again, and its own two steps
+    assert verified.score_steps("Q", [partials[1]], ledger=Ledger()) == [[0.25, 0.25]]
+    table_58 = {"Q": ["a\n\n"], "Qa\n\n": ["so 5", "so 5.0", "so 8", "so 9"]}
+    equivalent = RolloutValue(ScriptedGenerator(table_58), k=4, extractor=MathAnswer(), max_tokens=8)
+    assert equivalent.score_steps("Q", [["a\n\n"]], ledger=Ledger(), last_only=True) == [[0.5]]  # 5 = 5.0
+    with pytest.raises(InvalidParameter, match="verifier"):
+        RolloutValue(ScriptedGenerator(table), k=2)

@@ -106,7 +106,7 @@ def strategies(task: str, generator: Any, n: int, tokens: int) -> dict[str, Call
     from metaloom.sampling.params import SamplingParams
     from metaloom.score.answers import LastNumber
     from metaloom.score.judge import LLMJudge
-    from metaloom.score.puzzles import CountdownAnswer, CountdownSteps, Game24Answer, Game24Steps
+    from metaloom.score.puzzles import CountdownAnswer, CountdownSteps, Game24Answer, Game24Steps, PuzzleExpression
     from metaloom.score.rollout import RolloutValue
     from metaloom.score.step_judge import StepJudge
     from metaloom.search.a_star import AStar
@@ -119,7 +119,7 @@ def strategies(task: str, generator: Any, n: int, tokens: int) -> dict[str, Call
 
     params = SamplingParams(temperature=0.8, max_tokens=tokens, seed=0)
     final: Any = {"countdown": CountdownAnswer(), "game24": Game24Answer()}.get(task) or LLMJudge(generator)
-    extractor = _Extractor(task)
+    extractor = LastNumber() if task == "gsm" else PuzzleExpression()
     out: dict[str, Callable[[], Any]] = {
         "best_of_n": lambda: BestOfN(n=n, scorer=final, params=params),
         "majority_vote": lambda: MajorityVote(n=n, extractor=extractor, params=params),
@@ -150,20 +150,6 @@ def strategies(task: str, generator: Any, n: int, tokens: int) -> dict[str, Call
         for name, make in searches.items():
             out[f"{name}+{label}" if label else name] = (lambda m, sc: lambda: m(sc))(make, scorer)
     return out
-
-
-class _Extractor:
-    """The task's final answer, for voting."""
-
-    def __init__(self, task: str) -> None:
-        self.task = task
-        self.name = f"{task}_answer"
-
-    def extract(self, text: str) -> str | None:
-        return final_answer(self.task, text)
-
-    def same(self, a: str, b: str) -> bool:
-        return a.replace(" ", "") == b.replace(" ", "")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ from metaloom.generator.types import Completion, Generator, Request
 from metaloom.ledger import Ledger
 from metaloom.meta.helpers import render
 from metaloom.sampling.params import SamplingParams
-from metaloom.score.answers import Extractor
+from metaloom.score.answers import Extractor, classes
 from metaloom.score.protocols import Prompt, Scorer
 from metaloom.score.steps import asked_steps, regroup
 
@@ -72,10 +72,10 @@ class RolloutValue:
             ok = [s >= self.threshold for s in scores]
         else:
             assert self.extractor is not None
-            answers = [self.extractor.extract(c.text) for c in flat]
-            votes = Counter(a for a in answers if a is not None)
+            ids = classes([self.extractor.extract(c.text) for c in flat], self.extractor)  # equal answers vote together
+            votes = Counter(i for i in ids if i is not None)
             top = votes.most_common(1)[0][0] if votes else None
-            ok = [a is not None and a == top for a in answers]
+            ok = [i is not None and i == top for i in ids]
         out = []
         at = 0
         for group in rollouts:

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 from metaloom.generator.types import Generator
 from metaloom.ledger import Ledger
-from metaloom.meta.helpers import select_top
+from metaloom.meta.helpers import positive, select_top
 from metaloom.meta.types import Result
 from metaloom.score.protocols import Prompt
-from metaloom.search.core import Search, SearchConfig, check_width, run_search
+from metaloom.search.core import Search, SearchConfig, run_search
 from metaloom.search.tree import Node
 
 
@@ -57,8 +57,8 @@ class Beams(SearchConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_width("n", self.n)
-        check_width("beam_width", self.beam_width)
+        positive("n", self.n)
+        positive("beam_width", self.beam_width)
 
 
 @dataclass(frozen=True)

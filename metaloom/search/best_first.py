@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 from metaloom.generator.types import Generator
 from metaloom.ledger import Ledger
+from metaloom.meta.helpers import positive
 from metaloom.meta.types import Result
 from metaloom.score.protocols import Prompt
-from metaloom.search.core import Search, SearchConfig, check_width, run_search
+from metaloom.search.core import Search, SearchConfig, run_search
 from metaloom.search.tree import Node
 
 
@@ -77,7 +78,7 @@ class PriorityConfig(SearchConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("k", "parallel", "solutions", "max_rounds"):
-            check_width(name, getattr(self, name))
+            positive(name, getattr(self, name))
 
     def search_by(self, s: Search, cost: Callable[[Search, Node], float]) -> None:
         priority_search(s, cost, k=self.k, parallel=self.parallel, solutions=self.solutions,

@@ -15,7 +15,6 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from metaloom.errors import BudgetExceeded, InvalidParameter, ScorerFailed
 from metaloom.generator.types import Completion, Generator, Request
@@ -82,11 +81,6 @@ class SearchConfig:
             raise InvalidParameter("select", self.select, "'score', or a vote together with an extractor")
 
 
-def check_width(name: str, value: int) -> None:
-    """A width, beam count or particle count: an integer >= 1 (a beam width of 0 would search nothing)."""
-    positive(name, value)
-
-
 class Search:
     """One search in progress: the tree, the round counter and the run record."""
 
@@ -99,7 +93,6 @@ class Search:
         self.tree = Tree()
         self.round = 0
         self.stop: str | None = None
-        self.info: dict[str, Any] = {}  # extra fields for the tree event
         self.exact = "prefix" in generator.capabilities.features
         self.base = None if self.exact else render(generator, prompt)
         self._round_start: Usage | None = None
@@ -182,16 +175,17 @@ class Search:
         outs = self.generator.generate(requests, ledger=self.run.ledger)
         children: list[Node] = []
         for (parent, _), samples in zip(asked, outs, strict=True):
+            used = len(self.tree.tokens(parent))
             for c in samples:
-                child = self.tree.add(parent, c, self.classify(parent, c), self.round)
+                child = self.tree.add(parent, c, self.classify(parent, used, c), self.round)
                 children.append(child)
                 self._round_children.append(child.id)
         if any(c.finish == "budget" for c in children):
             self.run.ledger.check()  # names the limit
         return children
 
-    def classify(self, parent: Node, c: Completion) -> str:
-        """Why the new step ended, as a `Node.finish`."""
+    def classify(self, parent: Node, used: int, c: Completion) -> str:
+        """Why the new step ended, as a `Node.finish` (``used``: the tokens of the parent's path)."""
         if c.finish_reason == "stop":
             if isinstance(c.stop_reason, str) and c.stop_reason in self.config.delimiter:
                 finish = "step"
@@ -201,8 +195,7 @@ class Search:
             finish = "step_length"
         else:
             return c.finish_reason  # budget, error, cancelled
-        used = len(self.tree.tokens(parent)) + len(c.token_ids)
-        if used >= self.config.params.max_tokens:
+        if used + len(c.token_ids) >= self.config.params.max_tokens:
             return "length"
         if parent.depth + 1 >= self.config.max_depth:
             return "max_depth"
@@ -293,7 +286,7 @@ class Search:
                              "and the search ended at the solution's token limit")
         run.event("tree", **self.tree.to_dict(strategy=self.name, aggregation=cfg.aggregation,
                                               delimiter=list(cfg.delimiter), best=None if best is None else best.id,
-                                              stop=self.stop or "finished", delimiter_seen=seen, **self.info))
+                                              stop=self.stop or "finished", delimiter_seen=seen))
 
 
 def run_search(config: SearchConfig, name: str, prompt: Prompt, generator: Generator, ledger: Ledger,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from metaloom.errors import InvalidParameter
 from metaloom.generator.types import Completion, Generator
 from metaloom.ledger import Ledger
 from metaloom.meta.types import Result
@@ -29,8 +30,6 @@ class Lookahead(Beams):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 0:
-            from metaloom.errors import InvalidParameter
-
             raise InvalidParameter("k", self.k, "an integer >= 0 (steps to look ahead)")
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from metaloom.errors import InvalidParameter
 from metaloom.generator.types import Generator
 from metaloom.ledger import Ledger
+from metaloom.meta.helpers import positive
 from metaloom.meta.types import Result
 from metaloom.score.protocols import Prompt
-from metaloom.search.core import Search, SearchConfig, check_width, run_search
+from metaloom.search.core import Search, SearchConfig, run_search
 from metaloom.search.tree import Node
 
 
@@ -59,9 +60,9 @@ class MCTS(SearchConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_width("iterations", self.iterations)
-        check_width("k", self.k)
-        check_width("parallel", self.parallel)
+        positive("iterations", self.iterations)
+        positive("k", self.k)
+        positive("parallel", self.parallel)
         if not isinstance(self.c, (int, float)) or self.c < 0:
             raise InvalidParameter("c", self.c, "a number >= 0 (the exploration constant)")
 

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from metaloom.errors import InvalidParameter
 from metaloom.generator.types import Generator
 from metaloom.ledger import Ledger
-from metaloom.meta.helpers import fraction
+from metaloom.meta.helpers import fraction, positive
 from metaloom.meta.types import Result
 from metaloom.score.protocols import Prompt
-from metaloom.search.core import Search, SearchConfig, check_width, run_search
+from metaloom.search.core import Search, SearchConfig, run_search
 from metaloom.search.tree import Node
 
 EPS = 1e-6  # scores are clamped into [EPS, 1 - EPS] before the logit
@@ -68,7 +68,7 @@ class ParticleFiltering(SearchConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_width("n", self.n)
+        positive("n", self.n)
         if not isinstance(self.temperature, (int, float)) or not self.temperature > 0:
             raise InvalidParameter("temperature", self.temperature, "a number > 0")
         fraction("ess_threshold", self.ess_threshold, closed_low=True)
@@ -81,8 +81,6 @@ class ParticleFiltering(SearchConfig):
         particles: list[Node] = s.step([s.tree.root], [self.n])
         step = 0
         while True:
-            if any(p.finish == "budget" for p in particles):  # pragma: no cover - the step raised already
-                return
             w = weights([p.score or 0.0 for p in particles], self.temperature)
             size = ess(w)
             for p, v in zip(particles, w, strict=True):

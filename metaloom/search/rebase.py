@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from metaloom.errors import InvalidParameter
 from metaloom.generator.types import Generator
 from metaloom.ledger import Ledger
+from metaloom.meta.helpers import positive
 from metaloom.meta.types import Result
 from metaloom.score.protocols import Prompt
-from metaloom.search.core import Search, SearchConfig, check_width, run_search
+from metaloom.search.core import Search, SearchConfig, run_search
 
 
 def rebase_widths(rewards: list[float], budget: int, temperature: float) -> list[int]:
@@ -53,7 +54,7 @@ class Rebase(SearchConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_width("n", self.n)
+        positive("n", self.n)
         if not isinstance(self.temperature, (int, float)) or not self.temperature > 0:
             raise InvalidParameter("temperature", self.temperature, "a number > 0 (REBASE's balance temperature)")
 
