@@ -22,28 +22,22 @@ rounding (tests/test_fused.py).
 
 The C file is compiled on first use with the machine's C compiler (``$CC``, else ``cc``,
 ``gcc`` or ``clang``) into ``~/.cache/metaloom/kernels/<hash>/`` (about a second), keyed by the
-source, the compiler and the CPU, so later processes just load it. Without a compiler the
-model runs the PyTorch ops and `kernels()` says why.
+source, the compiler and the CPU, so later processes just load it (`metaloom.models.cbuild`).
+Without a compiler the model runs the PyTorch ops and `kernels()` says why.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from metaloom.errors import UnsupportedModel
+from metaloom.models.cbuild import build_library
 from metaloom.models.config import LlamaConfig
-from metaloom.models.load import user_cache_dir
 
 SOURCE = Path(__file__).with_name("fused.c")
 ABI_VERSION = 3  # must match fused.c
@@ -51,7 +45,6 @@ ABI_VERSION = 3  # must match fused.c
 # threads (OpenMP); below it, one thread (a parallel region costs microseconds per layer).
 PARALLEL_MIN_KEYS = 2048
 MAX_HEAD_DIM = 256  # fused.c keeps a query and its output in 16 vectors of 16
-_FLAGS = ("-O3", "-fno-math-errno", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -118,49 +111,7 @@ def unsupported_reason(config: LlamaConfig, dtype: torch.dtype, device: torch.de
     return None
 
 
-def _compiler() -> str | None:
-    cc = os.environ.get("CC")
-    if cc:
-        return shutil.which(cc)
-    return next((p for p in map(shutil.which, ("cc", "gcc", "clang")) if p), None)
-
-
-def _cpu_signature() -> str:
-    """What -march=native depends on: the CPU model and its feature flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features", "CPU part"))]
-    return "\n".join(sorted(set(lines)))
-
-
-def _compile(cc: str, out: Path) -> str | None:
-    """Compile fused.c into ``out`` (atomically); returns the compiler's complaint, or None."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    error = ""
-    try:
-        # -march=native first (AVX-512 here); a compiler that does not know it gets the baseline;
-        # OpenMP (attention split over threads) where the compiler has it, else single-threaded
-        for arch in (("-march=native", "-fopenmp"), ("-fopenmp",), ("-march=native",), ()):
-            run = subprocess.run([cc, *arch, *_FLAGS, str(SOURCE), "-o", tmp, "-lm"],
-                                 capture_output=True, text=True, timeout=300)
-            if run.returncode == 0:
-                os.replace(tmp, out)
-                return None
-            error = " | ".join((run.stderr or run.stdout).strip().splitlines()[-3:])
-        return error or f"{cc} exited with {run.returncode}"
-    except (OSError, subprocess.SubprocessError) as exc:
-        return str(exc)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _bind(path: Path) -> FusedKernels:
-    lib = ctypes.CDLL(str(path))
+def _bind(lib: ctypes.CDLL, path: Path) -> FusedKernels:
     lib.metaloom_fused_abi.restype = ctypes.c_int
     if lib.metaloom_fused_abi() != ABI_VERSION:
         raise OSError(f"{path} has ABI {lib.metaloom_fused_abi()}, expected {ABI_VERSION}")
@@ -176,21 +127,8 @@ def _bind(path: Path) -> FusedKernels:
 
 def build(cache_dir: Path | None = None, compiler: str | None = None) -> Availability:
     """Compile (or reuse) and load the kernels. Never raises: a failure is a reason."""
-    cc = compiler or _compiler()
-    if cc is None:
-        return Availability(None, "no C compiler found (set CC, or install gcc or clang)")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(_FLAGS).encode(),
-                                     platform.machine().encode(), _cpu_signature().encode()])).hexdigest()[:16]
-    path = (cache_dir or Path(user_cache_dir("kernels"))) / key / "fused.so"
-    if not path.exists():
-        error = _compile(cc, path)
-        if error is not None:
-            return Availability(None, f"compiling {SOURCE.name} with {cc} failed: {error}")
-    try:
-        return Availability(_bind(path), str(path))
-    except (OSError, AttributeError) as exc:
-        return Availability(None, f"loading {path} failed: {exc}")
+    built = build_library(SOURCE, _bind, cache_dir=cache_dir, cc=compiler)
+    return Availability(built.value, built.reason)
 
 
 @functools.cache

@@ -1,0 +1,699 @@
+/* Matmuls over GGUF block-quantised weights, as stored in the file (metaloom/models/quant.py).
+ *
+ * A weight [out, in] is `out` rows of bytes, each row that output's blocks along `in` (GGUF's
+ * own layout). A batch-1 decode step reads every weight once, so it is memory-bound: reading
+ * 4.5 bits per weight instead of 32 (or 16) is the whole speed-up, provided decoding keeps up
+ * with memory. Each block is decoded in registers into the exact float32 values that
+ * gguf.quants.dequantize gives (see `decode`: every product of a scale and a quant is exact in
+ * float32, and Q4_1 / Q4_K's offset is added with one rounding, as the reference does), and
+ * multiplied into float32 accumulators. So a result differs from the float64 product of the
+ * dequantised weight only by float32 summation rounding; the activations are never quantised
+ * (llama.cpp quantises them to 8 bits; we must match a float32 reference).
+ *
+ * Work: rows of x in chunks of up to MAX_CHUNK = 8, each chunk one pass over the weight; a pass
+ * walks tiles of NO outputs (8 for one row of x, 4 or 2 for more: NO outputs share each load of
+ * x, NO x rows accumulators fill half the vector registers), decoding each block once per tile.
+ * Threads (OpenMP) take contiguous ranges of outputs.
+ *
+ * Summation order, per (x row, output): one 16-lane accumulator over the blocks in order, two
+ * fused multiply-adds per 32 elements, then a fixed horizontal sum. It does not depend on how
+ * many rows are in the call, which chunk or tile a row lands in, or the thread count: a row's
+ * result is the same alone or in a batch (speculative verification can compare with plain
+ * steps exactly).
+ *
+ * Types (ggml ids): F16=1, Q4_0=2, Q4_1=3, Q5_0=6, Q8_0=8, Q4_K=12, Q6_K=14, BF16=30. F16 and
+ * BF16 are raw values; here they are walked in "blocks" of 32 (64 bytes), so `in` must be a
+ * multiple of 32 for every type (256 for the K types). quant.py checks before calling.
+ *
+ * Vectors are GCC/Clang vector extensions, so this compiles on any target those compilers know;
+ * `#ifdef __AVX512F__` fast paths (same results, bit for bit: tests/test_quant_kernels.py builds
+ * both) replace some decoders on x86. A 4-bit quant's 16 possible values are computed once per
+ * block and looked up per lane (vpermps), where converting and scaling each lane costs more: on
+ * Zen 4 the decode, not memory, bounds a 4-bit matvec on one core.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#define ABI_VERSION 1
+#define INLINE static inline __attribute__((always_inline))
+#define UNROLL _Pragma("GCC unroll 16")
+#define MAX_CHUNK 8 /* rows of x per pass over the weight */
+#define MAX_ACC 16  /* accumulators of a tile (NO x RMAX), of 32 vector registers */
+
+enum { F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14, BF16 = 30 };
+
+/* 16 lanes per vector: one AVX-512 register, two AVX2 or four NEON ones */
+#define W 16
+typedef float vec __attribute__((vector_size(4 * W)));
+typedef int32_t veci __attribute__((vector_size(4 * W)));
+typedef uint32_t vecu __attribute__((vector_size(4 * W)));
+typedef uint16_t vecu16 __attribute__((vector_size(2 * W)));
+typedef uint8_t bytes16 __attribute__((vector_size(16)));
+
+/* x in every lane (a broadcast: `(vec){0} + x` is an add, and turns -0 into +0) */
+INLINE vec splat(float x) { return (vec){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+/* a fixed order of 16 lanes' sum (lanes, not a memcpy: a memcpy out of an accumulator array
+ * keeps GCC from holding the array in registers) */
+INLINE float hsum(vec v) {
+    float a0 = v[0] + v[8], a1 = v[1] + v[9], a2 = v[2] + v[10], a3 = v[3] + v[11];
+    float a4 = v[4] + v[12], a5 = v[5] + v[13], a6 = v[6] + v[14], a7 = v[7] + v[15];
+    return ((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7));
+}
+INLINE uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+INLINE float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+INLINE uint16_t ld_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+INLINE uint32_t ld_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+INLINE bytes16 ld_b16(const uint8_t *p) { bytes16 v; memcpy(&v, p, 16); return v; }
+INLINE vec u8_to_vec(bytes16 b) { return __builtin_convertvector(__builtin_convertvector(b, veci), vec); }
+INLINE vec i32_to_vec(veci v) { return __builtin_convertvector(v, vec); }
+/* 16 int8 at p as int32 lanes (sign-extended through a zero extension: GCC 12 turns a
+ * signed-char vector conversion into scalar code) */
+INLINE veci ld_s8x16(const uint8_t *p) {
+#ifdef __AVX512F__
+    return (veci)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+#else
+    return (__builtin_convertvector(ld_b16(p), veci) ^ 0x80) - 0x80;
+#endif
+}
+/* 16 bytes at p as int32 lanes */
+INLINE veci ld_u8x16(const uint8_t *p) {
+#ifdef __AVX512F__
+    return (veci)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#else
+    return __builtin_convertvector(ld_b16(p), veci);
+#endif
+}
+#ifdef __AVX512F__
+/* tab[idx & 15] per lane (one vpermps): a 4-bit quant's 16 possible values, computed once per
+ * block, replace a convert and a multiply per lane */
+INLINE vec lookup(veci idx, vec tab) { return (vec)_mm512_permutexvar_ps((__m512i)idx, (__m512)tab); }
+/* lanes whose bit in `high` is set from tab_hi, the others from tab_lo */
+INLINE vec lookup2(veci idx, vec tab_lo, vec tab_hi, uint32_t high) {
+    return (vec)_mm512_mask_permutexvar_ps(_mm512_permutexvar_ps((__m512i)idx, (__m512)tab_lo), (__mmask16)high,
+                                           (__m512i)idx, (__m512)tab_hi);
+}
+#endif
+static const vec NIBBLE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+/* IEEE half -> float, exact (subnormals, infinities, NaN); M. Dukhan's FP16 library method */
+INLINE float f16_to_f32(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t w = (uint32_t)h << 16, sign = w & 0x80000000u, two_w = w + w;
+    float normal = bits_f32((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    float denormal = bits_f32((two_w >> 17) | (126u << 23)) - 0.5f;
+    return bits_f32(sign | (two_w < (1u << 27) ? f32_bits(denormal) : f32_bits(normal)));
+#endif
+}
+
+/* float -> IEEE half, round to nearest even (as numpy's astype(float16) and ggml) */
+INLINE uint16_t f32_to_f16(float f) {
+#ifdef __F16C__
+    return (uint16_t)_cvtss_sh(f, 0); /* imm 0: round to nearest even */
+#else
+    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+    uint32_t w = f32_bits(f), shl1_w = w + w, sign = w & 0x80000000u, bias = shl1_w & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    base = bits_f32((bias >> 1) + 0x07800000u) + base;
+    uint32_t bits = f32_bits(base), nonsign = ((bits >> 13) & 0x7C00u) + (bits & 0x0FFFu);
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+#endif
+}
+
+/* 16 halves -> 16 floats, exact */
+INLINE vec f16x16_to_vec(const uint8_t *p) {
+#ifdef __AVX512F__
+    return (vec)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#else
+    vecu16 h;
+    memcpy(&h, p, sizeof h);
+    vecu w = __builtin_convertvector(h, vecu) << 16, sign = w & 0x80000000u, two_w = w + w;
+    vec normal = (vec)((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    vec denormal = (vec)((two_w >> 17) | (126u << 23)) - 0.5f;
+    veci small = (veci)(two_w < (1u << 27));
+    return (vec)(sign | (vecu)((small & (veci)denormal) | (~small & (veci)normal)));
+#endif
+}
+
+/* the half at p, in every lane */
+INLINE vec bcast_f16(const uint8_t *p) {
+#if defined(__AVX512F__) /* a conversion of one half and a broadcast: fewer 512-bit shuffles */
+    return (vec)_mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(ld_u16(p))));
+#else
+    return splat(f16_to_f32(ld_u16(p)));
+#endif
+}
+
+/* float -> bfloat16, round to nearest even, NaN stays a (quiet) NaN (as fused.c's `st`) */
+INLINE uint16_t f32_to_bf16(float f) {
+    uint32_t u = f32_bits(f);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* store W floats at p[i..]: float32, or bfloat16 rounded to nearest even */
+INLINE void st(void *p, int64_t i, vec v, const int bf) {
+    if (!bf) {
+        memcpy((float *)p + i, &v, sizeof v);
+        return;
+    }
+    vecu bits = (vecu)v;
+    vecu up = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    veci nan = v != v;
+    up = (vecu)(((veci)up & ~nan) | (nan & 0x7FC0));
+    vecu16 h = __builtin_convertvector(up, vecu16);
+    memcpy((uint16_t *)p + i, &h, sizeof h);
+}
+
+/* ---- block formats ------------------------------------------------------------------------ */
+
+/* elements and bytes of one block as the kernels walk them (F16 / BF16: 32 values) */
+INLINE int block_elems(const int t) { return t == Q4_K || t == Q6_K ? 256 : 32; }
+INLINE int block_bytes(const int t) {
+    switch (t) {
+    case Q4_0: return 18;  /* f16 d; 16 bytes: element j low nibble of byte j, 16 + j high nibble */
+    case Q4_1: return 20;  /* f16 d, f16 m; nibbles as Q4_0; x = d q + m */
+    case Q5_0: return 22;  /* f16 d; uint32 qh: bit j the 5th bit of element j; nibbles; x = d (q - 16) */
+    case Q8_0: return 34;  /* f16 d; 32 int8 */
+    case Q4_K: return 144; /* f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles */
+    case Q6_K: return 210; /* ql[128], qh[64], int8 scales[16], f16 d */
+    case F16: case BF16: return 64;
+    default: return 0;
+    }
+}
+
+/* A K super-block's scales, decoded once per block and row into memory (a sub-block then reads
+ * its scale with a broadcast load): Q4_K s[j] = d sc_j and s[8 + j] = dmin m_j for sub-block j
+ * (elements 32j..32j+31); Q6_K s[j] = d scale_j (elements 16j..16j+15). Each product is exact. */
+typedef struct {
+    float s[16];
+} kscales;
+
+INLINE void prep(const int t, const uint8_t *b, kscales *k) {
+    if (t == Q4_K) { /* 12 bytes: sc_j, m_j = low 6 bits of bytes j, j + 4 for j < 4; for j >= 4 the
+                        nibbles of byte j + 4 with the top 2 bits of bytes j - 4, j on top */
+        static const veci shift = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4};
+        static const veci low = {63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15};
+        static const veci high = {0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48};
+        static const veci first = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+        const uint8_t *q = b + 4;
+        /* (lanes by element: __builtin_shufflevector needs GCC 12) */
+        veci lo = {q[0], q[1], q[2], q[3], q[8], q[9], q[10], q[11], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11]};
+        veci hi = {0, 0, 0, 0, q[0], q[1], q[2], q[3], 0, 0, 0, 0, q[4], q[5], q[6], q[7]};
+        veci v = ((lo >> shift) & low) | (((hi >> 6) << 4) & high);
+        veci d = (veci)splat(f16_to_f32(ld_u16(b))), dmin = (veci)splat(f16_to_f32(ld_u16(b + 2)));
+        vec r = i32_to_vec(v) * (vec)((first & d) | (~first & dmin)); /* d for scales, dmin for mins */
+        memcpy(k->s, &r, sizeof r);
+    } else if (t == Q6_K) {
+        vec r = i32_to_vec(ld_s8x16(b + 192)) * f16_to_f32(ld_u16(b + 208));
+        memcpy(k->s, &r, sizeof r);
+    }
+}
+
+/* Sub-block `s` (elements 32s..32s+31 of the block at b) as exact float32 values: w0 holds
+ * elements 0..15, w1 16..31. */
+INLINE void decode(const int t, const uint8_t *b, const kscales *k, const int s, vec *w0, vec *w1) {
+    switch (t) {
+    case Q4_0: {
+        vec d = bcast_f16(b);
+#ifdef __AVX512F__
+        veci q = ld_u8x16(b + 2);
+        vec tab = (NIBBLE - 8.0f) * d; /* exact: 11-bit d times a 4-bit integer */
+        *w0 = lookup(q, tab);
+        *w1 = lookup(q >> 4, tab);
+#else
+        bytes16 q = ld_b16(b + 2);
+        *w0 = i32_to_vec(__builtin_convertvector(q & 15, veci) - 8) * d;
+        *w1 = i32_to_vec(__builtin_convertvector(q >> 4, veci) - 8) * d;
+#endif
+        break;
+    }
+    case Q4_1: {
+#ifdef __AVX512F__
+        /* both halves in one conversion, then two broadcasts */
+        __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)ld_u32(b)));
+        vec d = (vec)_mm512_broadcastss_ps(dm), m = (vec)_mm512_broadcastss_ps(_mm_movehdup_ps(dm));
+        veci q = ld_u8x16(b + 4);
+        vec tab = NIBBLE * d + m; /* d q is exact: one rounding, with or without an fma, as the reference */
+        *w0 = lookup(q, tab);
+        *w1 = lookup(q >> 4, tab);
+#else
+        vec d = bcast_f16(b), m = bcast_f16(b + 2);
+        bytes16 q = ld_b16(b + 4);
+        *w0 = u8_to_vec(q & 15) * d + m;
+        *w1 = u8_to_vec(q >> 4) * d + m;
+#endif
+        break;
+    }
+    case Q5_0: {
+        vec d = bcast_f16(b);
+        uint32_t qh = ld_u32(b + 2);
+#ifdef __AVX512F__
+        veci q = ld_u8x16(b + 6);
+        vec lo = (NIBBLE - 16.0f) * d, hi = NIBBLE * d; /* 5th bit clear, set (two tables keep -0 exact) */
+        *w0 = lookup2(q, lo, hi, qh & 0xFFFF);
+        *w1 = lookup2(q >> 4, lo, hi, qh >> 16);
+#else
+        static const vecu lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        bytes16 q = ld_b16(b + 6);
+        veci h0 = (veci)((((vecu){0} + qh) >> lane) & 1u) << 4;
+        veci h1 = (veci)((((vecu){0} + (qh >> 16)) >> lane) & 1u) << 4;
+        *w0 = i32_to_vec((__builtin_convertvector(q & 15, veci) | h0) - 16) * d;
+        *w1 = i32_to_vec((__builtin_convertvector(q >> 4, veci) | h1) - 16) * d;
+#endif
+        break;
+    }
+    case Q8_0: {
+        vec d = bcast_f16(b);
+        *w0 = i32_to_vec(ld_s8x16(b + 2)) * d;
+        *w1 = i32_to_vec(ld_s8x16(b + 18)) * d;
+        break;
+    }
+    case Q4_K: { /* sub-block s: nibbles of bytes 32 (s / 2) .. + 31, low for even s, high for odd */
+        const uint8_t *q = b + 16 + 32 * (s >> 1);
+        vec sc = splat(k->s[s]), mn = splat(k->s[8 + s]);
+#ifdef __AVX512F__
+        veci lo = ld_u8x16(q), hi = ld_u8x16(q + 16);
+        vec tab = NIBBLE * sc - mn; /* sc q is exact: one rounding, as the reference's */
+        *w0 = lookup(s & 1 ? lo >> 4 : lo, tab);
+        *w1 = lookup(s & 1 ? hi >> 4 : hi, tab);
+#else
+        bytes16 lo = ld_b16(q), hi = ld_b16(q + 16);
+        if (s & 1) {
+            lo >>= 4;
+            hi >>= 4;
+        } else {
+            lo &= 15;
+            hi &= 15;
+        }
+        *w0 = u8_to_vec(lo) * sc - mn;
+        *w1 = u8_to_vec(hi) * sc - mn;
+#endif
+        break;
+    }
+    case Q6_K: { /* half n = s / 4 of 128 elements; quarter c = s % 4 of it */
+        const int n = s >> 2, c = s & 3;
+        const uint8_t *ql = b + 64 * n + 32 * (c & 1), *qh = b + 128 + 32 * n;
+        vec s0 = splat(k->s[8 * n + 2 * c]), s1 = splat(k->s[8 * n + 2 * c + 1]);
+#ifdef __AVX512F__ /* the 32 quants as bytes in one 256-bit register, minus 32 there: fewer 512-bit ops */
+        __m256i lo = _mm256_loadu_si256((const __m256i *)ql), hi = _mm256_loadu_si256((const __m256i *)qh);
+        lo = _mm256_and_si256(_mm256_srli_epi16(lo, 4 * (c >> 1)), _mm256_set1_epi8(15));
+        hi = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hi, 2 * c), 4), _mm256_set1_epi8(48));
+        __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32)); /* -32..31 */
+        *w0 = i32_to_vec((veci)_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))) * s0;
+        *w1 = i32_to_vec((veci)_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))) * s1;
+#else
+        bytes16 l0 = ld_b16(ql), l1 = ld_b16(ql + 16), h0 = ld_b16(qh), h1 = ld_b16(qh + 16);
+        l0 = (l0 >> (4 * (c >> 1))) & 15;
+        l1 = (l1 >> (4 * (c >> 1))) & 15;
+        l0 |= ((h0 >> (2 * c)) & 3) << 4;
+        l1 |= ((h1 >> (2 * c)) & 3) << 4;
+        *w0 = i32_to_vec(__builtin_convertvector(l0, veci) - 32) * s0;
+        *w1 = i32_to_vec(__builtin_convertvector(l1, veci) - 32) * s1;
+#endif
+        break;
+    }
+    case F16:
+        *w0 = f16x16_to_vec(b);
+        *w1 = f16x16_to_vec(b + 32);
+        break;
+    case BF16: {
+        vecu16 lo, hi;
+        memcpy(&lo, b, sizeof lo);
+        memcpy(&hi, b + 32, sizeof hi);
+        *w0 = (vec)(__builtin_convertvector(lo, vecu) << 16);
+        *w1 = (vec)(__builtin_convertvector(hi, vecu) << 16);
+        break;
+    }
+    }
+}
+
+INLINE vec ldf(const float *p) {
+    vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* ---- matmul -------------------------------------------------------------------------------- */
+
+/* sub-block s of block b of NO outputs from `row`, into acc[o * RMAX + r] for rows r < R of x:
+ * the rows' 32 inputs of this sub-block are at xs + 32 r (see `pack`) */
+INLINE void sub_block(const int t, const uint8_t *row, int64_t rb, int64_t b, const kscales *k, int s, const float *xs,
+                      vec *acc, const int NO, const int RMAX, int R) {
+    UNROLL for (int o = 0; o < NO; o++) {
+        vec w0, w1;
+        decode(t, row + o * rb + b * block_bytes(t), &k[o], s, &w0, &w1);
+        UNROLL for (int r = 0; r < RMAX; r++) {
+            if (r < R) {
+                acc[o * RMAX + r] += w0 * ldf(xs + 32 * r);
+                acc[o * RMAX + r] += w1 * ldf(xs + 32 * r + 16);
+            }
+        }
+    }
+}
+
+/* NO outputs o0.. of R <= RMAX rows of x: y[r, o0 + o] = sum_i W[o0 + o, i] x[r, i]. x is packed
+ * (`pack`): sub-block j's 32 inputs of row r at x + j * xsub + 32 r. Each block of each output is
+ * decoded once for the R rows. NO and RMAX are compile-time, so the NO * RMAX accumulators live in
+ * registers; rows past R are skipped by branches that predict perfectly (one instantiation serves
+ * every R, where one per R made the file slow to compile). NO outputs at a time give NO * R
+ * independent chains of fmas, to hide their latency. */
+INLINE void tile(const int t, const uint8_t *w, int64_t rb, int64_t nb, const float *x, int64_t xsub, int64_t o0,
+                 void *y, int64_t out, int ybf, const int NO, const int RMAX, int R) {
+    const int BB = block_bytes(t), SUBS = block_elems(t) / 32;
+    vec acc[MAX_ACC]; /* NO * RMAX of them (TILE checks) */
+    UNROLL for (int i = 0; i < NO * RMAX; i++) acc[i] = splat(0.0f);
+    const uint8_t *row = w + o0 * rb;
+    for (int64_t b = 0; b < nb; b++) {
+        kscales k[8];
+        const float *xb = x + b * SUBS * xsub;
+        /* the next tile's rows, one tile ahead, into L2: with short rows (576 inputs: 10 to 20
+         * cache lines) the hardware prefetcher sees NO short streams and falls behind (a 30 MB
+         * Q8_0 head went from 7 to 17 GB/s on one Zen 4 core) */
+        UNROLL for (int o = 0; o < NO; o++) __builtin_prefetch(row + (o + NO) * rb + b * BB, 0, 2);
+        UNROLL for (int o = 0; o < NO; o++) prep(t, row + o * rb + b * BB, &k[o]);
+        /* Q6_K's sub-blocks unrolled (constant shifts: twice as fast); Q4_K's a loop (as fast, and
+         * half the code) */
+        if (t == Q6_K) {
+            UNROLL for (int s = 0; s < SUBS; s++) sub_block(t, row, rb, b, k, s, xb + s * xsub, acc, NO, RMAX, R);
+        } else {
+            _Pragma("GCC unroll 1") for (int s = 0; s < SUBS; s++)
+                sub_block(t, row, rb, b, k, s, xb + s * xsub, acc, NO, RMAX, R);
+        }
+    }
+    UNROLL for (int o = 0; o < NO; o++) UNROLL for (int r = 0; r < RMAX; r++) {
+        if (r < R) {
+            float v = hsum(acc[o * RMAX + r]);
+            if (ybf) ((uint16_t *)y)[r * out + o0 + o] = f32_to_bf16(v);
+            else ((float *)y)[r * out + o0 + o] = v;
+        }
+    }
+}
+
+/* Each (type, NO, RMAX) tile is a function of its own: in one big function per type, GCC's
+ * register allocation and data-flow passes took most of a ~10 s compile. */
+typedef void (*tile_fn)(const uint8_t *w, int64_t rb, int64_t nb, const float *x, int64_t xsub, int64_t o0,
+                        void *y, int64_t out, int ybf, int R);
+typedef struct {
+    tile_fn eight, one, quad, pair, any; /* NO x RMAX: 8 x 1, 1 x 1, 4 x 4, 2 x 8, 1 x 8 */
+} tile_set;
+
+#define TILE_ARGS                                                                                  \
+    const uint8_t *w, int64_t rb, int64_t nb, const float *x, int64_t xsub, int64_t o0, void *y, int64_t out,     \
+        int ybf, int R
+#define TILE(T, NO, RMAX)                                                                          \
+    _Static_assert((NO) * (RMAX) <= MAX_ACC, "a tile's accumulators");                             \
+    static __attribute__((noinline)) void T##_##NO##x##RMAX(TILE_ARGS) {                            \
+        tile(T, w, rb, nb, x, xsub, o0, y, out, ybf, NO, RMAX, R);                                 \
+    }
+#define TILE_SET(T)                                                                                \
+    TILE(T, 8, 1)                                                                                  \
+    TILE(T, 1, 1)                                                                                  \
+    TILE(T, 4, 4)                                                                                  \
+    TILE(T, 2, 8)                                                                                  \
+    TILE(T, 1, 8)                                                                                  \
+    static const tile_set T##_tiles = {T##_8x1, T##_1x1, T##_4x4, T##_2x8, T##_1x8};
+
+TILE_SET(Q4_0)
+TILE_SET(Q4_1)
+TILE_SET(Q5_0)
+TILE_SET(Q8_0)
+TILE_SET(Q4_K)
+TILE_SET(Q6_K)
+TILE_SET(F16)
+TILE_SET(BF16)
+
+static const tile_set *tiles_of(int t) {
+    switch (t) {
+    case Q4_0: return &Q4_0_tiles;
+    case Q4_1: return &Q4_1_tiles;
+    case Q5_0: return &Q5_0_tiles;
+    case Q8_0: return &Q8_0_tiles;
+    case Q4_K: return &Q4_K_tiles;
+    case Q6_K: return &Q6_K_tiles;
+    case F16: return &F16_tiles;
+    case BF16: return &BF16_tiles;
+    default: return NULL;
+    }
+}
+
+/* outputs lo..hi of R <= MAX_CHUNK rows of x (packed with sub-block stride xsub) */
+static void chunk(const tile_set *ts, const uint8_t *w, int64_t rb, int64_t nb, const float *x, int64_t xsub, void *y,
+                  int64_t out, int ybf, int64_t lo, int64_t hi, int R) {
+    int64_t o = lo;
+    if (R == 1) { /* batch 1: 8 outputs at a time for 8 chains */
+        for (; o + 8 <= hi; o += 8) ts->eight(w, rb, nb, x, xsub, o, y, out, ybf, 1);
+        for (; o < hi; o++) ts->one(w, rb, nb, x, xsub, o, y, out, ybf, 1);
+        return;
+    }
+    /* NO outputs share each load of x: the rows of x come from L2 for long inputs, and that
+     * traffic, not the fmas, was the limit with one output and 16 rows */
+    if (R <= 4)
+        for (; o + 4 <= hi; o += 4) ts->quad(w, rb, nb, x, xsub, o, y, out, ybf, R);
+    for (; o + 2 <= hi; o += 2) ts->pair(w, rb, nb, x, xsub, o, y, out, ybf, R);
+    for (; o < hi; o++) ts->any(w, rb, nb, x, xsub, o, y, out, ybf, R);
+}
+
+/* rows of x in chunks of MAX_CHUNK: chunk c holds rows MAX_CHUNK c.. */
+INLINE int chunk_size(int64_t rows, int64_t c) {
+    return rows - c * MAX_CHUNK < MAX_CHUNK ? (int)(rows - c * MAX_CHUNK) : MAX_CHUNK;
+}
+
+/* one thread's share: outputs lo..hi of every row of x. One row: x as given (float32 [in]);
+ * more: packed, chunk c at xp + c * in * MAX_CHUNK (see `pack`). */
+static void matmul_part(int t, const uint8_t *w, int64_t in, const float *xp, int64_t rows, void *y, int64_t out,
+                        int ybf, int64_t lo, int64_t hi) {
+    const tile_set *ts = tiles_of(t);
+    int64_t nb = in / block_elems(t), rb = nb * block_bytes(t), elem = ybf ? 2 : 4;
+    if (rows == 1) {
+        chunk(ts, w, rb, nb, xp, 32, y, out, ybf, lo, hi, 1);
+        return;
+    }
+    for (int64_t c = 0; c * MAX_CHUNK < rows; c++)
+        chunk(ts, w, rb, nb, xp + c * in * MAX_CHUNK, 32 * MAX_CHUNK, (char *)y + c * MAX_CHUNK * out * elem, out, ybf,
+              lo, hi, chunk_size(rows, c));
+}
+
+/* x [rows, in] (float32, or bfloat16: converted exactly) -> xp: per chunk of MAX_CHUNK rows, per
+ * sub-block of 32 inputs, the chunk's rows one after the other ([chunks][in / 32][MAX_CHUNK][32]),
+ * so a tile finds every row of a sub-block at a constant offset from one pointer (one address
+ * register instead of one per row). One row: [in] float32. */
+static void pack(const void *x, int xbf, int64_t rows, int64_t in, float *xp) {
+    if (rows == 1) { /* one row is its own layout (bfloat16 here: converted) */
+        for (int64_t i = 0; i < in; i++) xp[i] = bits_f32((uint32_t)((const uint16_t *)x)[i] << 16);
+        return;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float *dst = xp + (r / MAX_CHUNK) * in * MAX_CHUNK + (r % MAX_CHUNK) * 32;
+        for (int64_t j = 0; j < in; j += 32, dst += 32 * MAX_CHUNK) {
+            if (xbf)
+                for (int i = 0; i < 32; i++) dst[i] = bits_f32((uint32_t)((const uint16_t *)x)[r * in + j + i] << 16);
+            else
+                memcpy(dst, (const float *)x + r * in + j, 32 * sizeof(float));
+        }
+    }
+}
+
+int metaloom_quant_abi(void) { return ABI_VERSION; }
+
+/* 1 when compiled with OpenMP (threads > 1 then splits outputs over threads), else 0 */
+int metaloom_quant_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* y [rows, out] = x [rows, in] W^T for W [out, in] of type t stored as blocks [out, row bytes].
+ * x and y float32, or bfloat16 (xbf, ybf; bfloat16 y is rounded to nearest even once, from the
+ * float32 sum). Outputs are split over `threads` OpenMP threads (1: this thread, no parallel
+ * region). Returns 0; -1 unknown type or `in` not a multiple of its block; -2 out of memory. */
+int quant_matmul(int t, const uint8_t *w, int64_t out, int64_t in, const void *x, int xbf, void *y, int ybf,
+                 int64_t rows, int64_t threads) {
+    if (!tiles_of(t) || in % block_elems(t)) return -1;
+    const float *xf = x;
+    void *tmp = NULL;
+    if (xbf || rows > 1) { /* one format (float32, exact) and the packed layout of `pack` */
+        size_t size = sizeof(float) * (size_t)(((rows + MAX_CHUNK - 1) / MAX_CHUNK) * MAX_CHUNK * in);
+        tmp = malloc(size + 64);
+        if (!tmp) return -2;
+        /* 64-byte aligned: a 64-byte load that straddles two cache lines costs two */
+        float *xp = (float *)(((uintptr_t)tmp + 63) & ~(uintptr_t)63);
+        pack(x, xbf, rows, in, xp);
+        xf = xp;
+    }
+    if (threads <= 1) {
+        matmul_part(t, w, in, xf, rows, y, out, ybf, 0, out);
+    } else {
+#pragma omp parallel num_threads(threads)
+        {
+            int64_t id = 0, nt = 1;
+#ifdef _OPENMP
+            id = omp_get_thread_num();
+            nt = omp_get_num_threads();
+#endif
+            int64_t share = (out + nt - 1) / nt;
+            share = (share + 7) / 8 * 8; /* whole tiles */
+            int64_t lo = id * share, hi = lo + share < out ? lo + share : out;
+            if (lo < hi) matmul_part(t, w, in, xf, rows, y, out, ybf, lo, hi);
+        }
+    }
+    free(tmp);
+    return 0;
+}
+
+/* ---- dequantize ------------------------------------------------------------------------------ */
+
+INLINE void dequantize_row(const int t, const uint8_t *row, int64_t nb, void *y, int ybf) {
+    const int QB = block_elems(t), BB = block_bytes(t);
+    for (int64_t b = 0; b < nb; b++) {
+        kscales k;
+        prep(t, row + b * BB, &k);
+        UNROLL for (int s = 0; s < QB / 32; s++) {
+            vec w0, w1;
+            decode(t, row + b * BB, &k, s, &w0, &w1);
+            st(y, b * QB + 32 * s, w0, ybf);
+            st(y, b * QB + 32 * s + 16, w1, ybf);
+        }
+    }
+}
+
+INLINE void dequantize_part(const int t, const uint8_t *w, int64_t in, const int64_t *ids, int64_t i0, int64_t i1,
+                            void *y, int ybf) {
+    int64_t nb = in / block_elems(t), rb = nb * block_bytes(t), elem = ybf ? 2 : 4;
+    for (int64_t i = i0; i < i1; i++) dequantize_row(t, w + (ids ? ids[i] : i) * rb, nb, (char *)y + i * in * elem, ybf);
+}
+
+static void dequantize_any(int t, const uint8_t *w, int64_t in, const int64_t *ids, int64_t i0, int64_t i1, void *y,
+                           int ybf) {
+    switch (t) {
+    case Q4_0: dequantize_part(Q4_0, w, in, ids, i0, i1, y, ybf); break;
+    case Q4_1: dequantize_part(Q4_1, w, in, ids, i0, i1, y, ybf); break;
+    case Q5_0: dequantize_part(Q5_0, w, in, ids, i0, i1, y, ybf); break;
+    case Q8_0: dequantize_part(Q8_0, w, in, ids, i0, i1, y, ybf); break;
+    case Q4_K: dequantize_part(Q4_K, w, in, ids, i0, i1, y, ybf); break;
+    case Q6_K: dequantize_part(Q6_K, w, in, ids, i0, i1, y, ybf); break;
+    case F16: dequantize_part(F16, w, in, ids, i0, i1, y, ybf); break;
+    case BF16: dequantize_part(BF16, w, in, ids, i0, i1, y, ybf); break;
+    }
+}
+
+/* y [n, in] = rows ids[0..n) of W (all rows 0..n-1 when ids is NULL), float32 or bfloat16 (ybf,
+ * rounded to nearest even). The values are gguf.quants.dequantize's, bit for bit, in float32.
+ * Returns 0; -1 unknown type or `in` not a multiple of its block; -3 an id outside 0..out-1. */
+int quant_dequantize(int t, const uint8_t *w, int64_t out, int64_t in, const int64_t *ids, int64_t n, void *y,
+                     int ybf, int64_t threads) {
+    if (block_bytes(t) == 0 || in % block_elems(t)) return -1;
+    if (ids)
+        for (int64_t i = 0; i < n; i++)
+            if (ids[i] < 0 || ids[i] >= out) return -3;
+    if (threads <= 1 || n < 2) {
+        dequantize_any(t, w, in, ids, 0, n, y, ybf);
+    } else {
+#pragma omp parallel num_threads(threads)
+        {
+            int64_t id = 0, nt = 1;
+#ifdef _OPENMP
+            id = omp_get_thread_num();
+            nt = omp_get_num_threads();
+#endif
+            int64_t share = (n + nt - 1) / nt, lo = id * share, hi = lo + share < n ? lo + share : n;
+            if (lo < hi) dequantize_any(t, w, in, ids, lo, hi, y, ybf);
+        }
+    }
+    return 0;
+}
+
+/* ---- quantize (ggml's reference rounding, as gguf.quants.quantize) ---------------------------- *
+ * Bit-exactness needs each float operation rounded where the reference rounds it: GCC would
+ * otherwise fuse x * id + 8.5 into one fma (-ffp-contract=fast is its default for GNU C);
+ * Clang fuses only within one expression, so the products below are separate statements. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define NO_FMA __attribute__((optimize("fp-contract=off")))
+#else
+#define NO_FMA
+#endif
+
+NO_FMA static void quantize_q8_0(const float *x, uint8_t *out) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
+    float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    uint16_t h = f32_to_f16(d);
+    memcpy(out, &h, 2);
+    for (int j = 0; j < 32; j++) {
+        float v = x[j] * id;
+        out[2 + j] = (uint8_t)(int8_t)roundf(v); /* half away from zero, as np_roundf */
+    }
+}
+
+NO_FMA static void quantize_q4_0(const float *x, uint8_t *out) {
+    float amax = fabsf(x[0]), mx = x[0]; /* the first element of largest magnitude, sign kept */
+    for (int j = 1; j < 32; j++)
+        if (fabsf(x[j]) > amax) {
+            amax = fabsf(x[j]);
+            mx = x[j];
+        }
+    float d = mx / -8.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    uint16_t h = f32_to_f16(d);
+    memcpy(out, &h, 2);
+    uint8_t q[32];
+    for (int j = 0; j < 32; j++) {
+        float v = x[j] * id;
+        v = truncf(v + 8.5f);
+        q[j] = v >= 15.0f ? 15 : (uint8_t)v;
+    }
+    for (int j = 0; j < 16; j++) out[2 + j] = (uint8_t)(q[j] | (q[j + 16] << 4));
+}
+
+NO_FMA static void quantize_q4_1(const float *x, uint8_t *out) {
+    float mn = x[0], mx = x[0];
+    for (int j = 1; j < 32; j++) {
+        mn = x[j] < mn ? x[j] : mn;
+        mx = x[j] > mx ? x[j] : mx;
+    }
+    float d = (mx - mn) / 15.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    uint16_t hd = f32_to_f16(d), hm = f32_to_f16(mn);
+    memcpy(out, &hd, 2);
+    memcpy(out + 2, &hm, 2);
+    uint8_t q[32];
+    for (int j = 0; j < 32; j++) {
+        float v = x[j] - mn;
+        v = v * id;
+        v = truncf(v + 0.5f);
+        q[j] = v >= 15.0f ? 15 : (uint8_t)v;
+    }
+    for (int j = 0; j < 16; j++) out[4 + j] = (uint8_t)(q[j] | (q[j + 16] << 4));
+}
+
+/* blocks [rows, in / 32 * block bytes] = x [rows, in] (float32, or bfloat16 when xbf) quantised
+ * to Q8_0, Q4_0 or Q4_1 exactly as gguf.quants.quantize does (finite inputs). Rows are split
+ * over `threads`. Returns 0; -1 another type or `in` not a multiple of 32. */
+int quant_quantize(int t, const void *x, int xbf, int64_t rows, int64_t in, uint8_t *out, int64_t threads) {
+    (void)threads; /* without OpenMP */
+    if ((t != Q8_0 && t != Q4_0 && t != Q4_1) || in % 32) return -1;
+    int64_t nb = in / 32, bb = block_bytes(t);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows > 1)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            float blk[32];
+            if (xbf)
+                for (int j = 0; j < 32; j++) blk[j] = bits_f32((uint32_t)((const uint16_t *)x)[r * in + b * 32 + j] << 16);
+            else
+                memcpy(blk, (const float *)x + r * in + b * 32, sizeof blk);
+            uint8_t *o = out + (r * nb + b) * bb;
+            if (t == Q8_0) quantize_q8_0(blk, o);
+            else if (t == Q4_0) quantize_q4_0(blk, o);
+            else quantize_q4_1(blk, o);
+        }
+    return 0;
+}

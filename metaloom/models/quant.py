@@ -1,0 +1,416 @@
+"""GGUF block-quantised weights kept as they are in the file, and matmuls over them (`quant.c`).
+
+Why: a batch-1 decode step reads every weight once, so its time is the bytes it reads. A GGUF
+file's Q4_1 weight is 5 bits per value where a float32 copy is 32: reading the blocks directly,
+decoding them in registers, is the speed-up (and the memory saving) of running a quantised
+model at all. PyTorch has no kernel for these formats; dequantising to float first would read
+and write the full-size weight every step.
+
+A `QuantWeight` is a weight [out, in] as ``blocks`` uint8 [out, row_bytes]: each row is that
+output's blocks along the input dimension, GGUF's own layout (ggml type ids: F16=1, Q4_0=2,
+Q4_1=3, Q5_0=6, Q8_0=8, Q4_K=12, Q6_K=14, BF16=30). Calling it on x [..., in] (float32 or
+bfloat16) gives x W^T [..., out] in x's dtype:
+
+- up to `CROSSOVER_ROWS` rows: the C kernel, which decodes each block (once per 8 rows of x) in
+  registers into the exact float32 values gguf.quants.dequantize gives and accumulates in
+  float32 (activations are never quantised, unlike llama.cpp), so results match a float64
+  reference to float32 rounding, and a row's result does not depend on the other rows in the
+  call or on the thread count;
+- more rows: the weight dequantised to x's dtype (by the C kernel) and `F.linear`, where a
+  dense GEMM's arithmetic rate pays for dequantising (bfloat16 x: the weight rounds to bfloat16);
+- without a C compiler: the same values from PyTorch bit operations, then `F.linear` (slow, but
+  the same results).
+
+The C file is compiled on first use like `metaloom.models.fused` (`metaloom.models.cbuild`),
+into ``~/.cache/metaloom/kernels/<hash>/quant.so``; `kernels()` says why not where it cannot be.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from metaloom.errors import InvalidParameter, UnsupportedModel
+from metaloom.models.cbuild import build_library
+
+SOURCE = Path(__file__).with_name("quant.c")
+ABI_VERSION = 1  # must match quant.c
+# Up to this many rows per call, the kernel; above, dequantise + F.linear. Measured with
+# scripts/quant_kernel_speed.py (2 threads, Zen 4): F.linear first wins between 96 and 256 rows
+# on weights of 1 to 5 MB of blocks (SmolLM2-135M's gate_up, Qwen2.5-0.5B's ffn_down; within 10%
+# either way at 128 but for Q5_0), and past 256 on Qwen's gate_up (dequantising 35 MB costs more).
+CROSSOVER_ROWS = 128
+# Below this many bytes of blocks, one thread: an OpenMP parallel region costs a microsecond or
+# two, and two threads first won at ~22 KB of Q4_1 (4.4 us on one)
+PARALLEL_MIN_BYTES = 32 * 1024
+_P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+@dataclass(frozen=True)
+class QType:
+    """A ggml tensor type: ``block`` elements stored in ``bytes`` bytes (GGUF's sizes);
+    ``kernel_block``: what the input dimension must be a multiple of for the C kernels (raw
+    F16/BF16 values are walked 32 at a time)."""
+
+    name: str
+    block: int
+    bytes: int
+    kernel_block: int
+
+    def row_bytes(self, in_features: int) -> int:
+        return in_features // self.block * self.bytes
+
+
+QTYPES: dict[int, QType] = {
+    1: QType("F16", 1, 2, 32),
+    2: QType("Q4_0", 32, 18, 32),
+    3: QType("Q4_1", 32, 20, 32),
+    6: QType("Q5_0", 32, 22, 32),
+    8: QType("Q8_0", 32, 34, 32),
+    12: QType("Q4_K", 256, 144, 256),
+    14: QType("Q6_K", 256, 210, 256),
+    30: QType("BF16", 1, 2, 32),
+}
+BY_NAME: dict[str, int] = {q.name: k for k, q in QTYPES.items()}
+QUANTIZERS = ("Q4_0", "Q4_1", "Q8_0")  # quant.c's; Q5_0, F16 and BF16 by gguf / PyTorch
+_FLOATS = (torch.float32, torch.bfloat16)
+
+
+def qtype_id(qtype: int | str) -> int:
+    """A type id from an id or a name ("Q4_0"); an unknown one is an `UnsupportedModel`."""
+    key = BY_NAME.get(qtype) if isinstance(qtype, str) else qtype
+    if not isinstance(key, int) or key not in QTYPES:
+        names = ", ".join(f"{q.name}={k}" for k, q in QTYPES.items())
+        raise UnsupportedModel(f"GGML tensor type {qtype!r} is not one the quantised matmul reads ({names})")
+    return key
+
+
+# ---- the C library ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QuantKernels:
+    """The loaded library. Arguments are checked by `QuantWeight`, not here: every tensor must be
+    a contiguous CPU tensor of the documented shape and dtype."""
+
+    lib: ctypes.CDLL
+    path: str
+    openmp: bool = False  # compiled with OpenMP: threads > 1 splits outputs
+
+    def matmul(self, qtype: int, blocks: torch.Tensor, in_features: int, x: torch.Tensor, y: torch.Tensor,
+               rows: int, threads: int = 1) -> None:
+        """y [rows, out] = x [rows, in] W^T (any leading shapes of those sizes); x and y float32 or
+        bfloat16 (each its own)."""
+        rc = self.lib.quant_matmul(qtype, blocks.data_ptr(), blocks.shape[0], in_features, x.data_ptr(),
+                                   x.dtype == torch.bfloat16, y.data_ptr(), y.dtype == torch.bfloat16, rows, threads)
+        if rc:
+            _check(rc, "quant_matmul")
+
+    def dequantize(self, qtype: int, blocks: torch.Tensor, in_features: int, ids: torch.Tensor | None,
+                   y: torch.Tensor, threads: int = 1) -> None:
+        """y [n, in] = rows ``ids`` [n] int64 of W (all rows when None), float32 or bfloat16."""
+        rc = self.lib.quant_dequantize(qtype, blocks.data_ptr(), blocks.shape[0], in_features,
+                                       None if ids is None else ids.data_ptr(), y.shape[0], y.data_ptr(),
+                                       y.dtype == torch.bfloat16, threads)
+        _check(rc, "quant_dequantize")
+
+    def quantize(self, qtype: int, x: torch.Tensor, out: torch.Tensor, threads: int = 1) -> None:
+        """out [rows, row_bytes] uint8 = x [rows, in] (float32 or bfloat16) as Q4_0, Q4_1 or Q8_0."""
+        rc = self.lib.quant_quantize(qtype, x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], x.shape[1],
+                                     out.data_ptr(), threads)
+        _check(rc, "quant_quantize")
+
+
+def _check(rc: int, what: str) -> None:
+    if rc == -2:
+        raise MemoryError(f"{what} could not allocate its scratch buffer")
+    if rc != 0:  # QuantWeight validates first: this is a bug, not bad input
+        raise RuntimeError(f"{what} refused its arguments (code {rc})")
+
+
+@dataclass(frozen=True)
+class Availability:
+    kernels: QuantKernels | None
+    reason: str  # why not, or where the library is
+
+
+def _bind(lib: ctypes.CDLL, path: Path) -> QuantKernels:
+    lib.metaloom_quant_abi.restype = ctypes.c_int
+    if lib.metaloom_quant_abi() != ABI_VERSION:
+        raise OSError(f"{path} has ABI {lib.metaloom_quant_abi()}, expected {ABI_VERSION}")
+    lib.quant_matmul.argtypes = [_C, _P, _I, _I, _P, _C, _P, _C, _I, _I]
+    lib.quant_matmul.restype = ctypes.c_int
+    lib.quant_dequantize.argtypes = [_C, _P, _I, _I, _P, _I, _P, _C, _I]
+    lib.quant_dequantize.restype = ctypes.c_int
+    lib.quant_quantize.argtypes = [_C, _P, _C, _I, _I, _P, _I]
+    lib.quant_quantize.restype = ctypes.c_int
+    lib.metaloom_quant_openmp.restype = ctypes.c_int
+    return QuantKernels(lib, str(path), bool(lib.metaloom_quant_openmp()))
+
+
+def build(cache_dir: Path | None = None, compiler: str | None = None) -> Availability:
+    """Compile (or reuse) and load the kernels. Never raises: a failure is a reason."""
+    built = build_library(SOURCE, _bind, cache_dir=cache_dir, cc=compiler)
+    return Availability(built.value, built.reason)
+
+
+@functools.cache
+def kernels() -> Availability:
+    """This process's kernels (built once per process, compiled once per machine)."""
+    return build()
+
+
+def _threads(nbytes: int) -> int:
+    return torch.get_num_threads() if nbytes >= PARALLEL_MIN_BYTES else 1
+
+
+# ---- the PyTorch fallback: the same values by bit operations -------------------------------------
+
+
+def _halves(b: torch.Tensor, at: int) -> torch.Tensor:
+    """The f16 at byte ``at`` of each block b [..., nb, bytes], as float32 [..., nb, 1]."""
+    return b[..., at:at + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """16 bytes of nibbles [..., 16] -> [..., 32]: low nibbles are elements 0..15, high 16..31."""
+    return torch.cat([qs & 15, qs >> 4], dim=-1)
+
+
+def _k_scales(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's 12 bytes of packed 6-bit scales and mins [..., 12] -> two [..., 8] (ggml's
+    get_scale_min_k4)."""
+    d, m, md = sc[..., 0:4], sc[..., 4:8], sc[..., 8:12]
+    scale = torch.cat([d & 63, (md & 15) | ((d >> 6) << 4)], dim=-1)
+    mins = torch.cat([m & 63, (md >> 4) | ((m >> 6) << 4)], dim=-1)
+    return scale, mins
+
+
+# Each: blocks b [rows, nb, bytes] uint8 -> float32 [rows, nb, block elements], with the same
+# operations and float32 roundings as gguf's numpy dequantisers.
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    return _halves(b, 0) * (_nibbles(b[..., 2:18]).float() - 8)
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    return _halves(b, 0) * _nibbles(b[..., 4:20]).float() + _halves(b, 2)
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    qh = b[..., 2:6].contiguous().view(torch.int32)
+    high = (qh >> torch.arange(32, dtype=torch.int32)) & 1
+    return _halves(b, 0) * ((_nibbles(b[..., 6:22]).int() | (high << 4)).float() - 16)
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    return _halves(b, 0) * b[..., 2:34].contiguous().view(torch.int8).float()
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    """8 sub-blocks of 32; sub-block 2k / 2k+1: the low / high nibbles of bytes 32k..32k+31."""
+    scale, mins = _k_scales(b[..., 4:16])
+    d = (_halves(b, 0) * scale.float()).unsqueeze(-1)
+    m = (_halves(b, 2) * mins.float()).unsqueeze(-1)
+    qs = b[..., 16:144].unflatten(-1, (4, 1, 32))
+    q = torch.cat([qs & 15, qs >> 4], dim=-2).flatten(-3, -2).float()  # [..., 8, 32]
+    return (d * q - m).flatten(-2)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    """Two halves of 128; quarter c of a half: nibbles of ql | 2 bits of qh << 4, minus 32."""
+    ql = b[..., 0:128].unflatten(-1, (2, 1, 64))
+    low = torch.cat([ql & 15, ql >> 4], dim=-2).unflatten(-1, (2, 32)).flatten(-3, -2)  # [..., 2, 4, 32]
+    qh = b[..., 128:192].unflatten(-1, (2, 1, 32))
+    high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3  # [..., 2, 4, 32]
+    q = ((low | (high << 4)).to(torch.int8) - 32).flatten(-3).unflatten(-1, (16, 16)).float()
+    scale = b[..., 192:208].contiguous().view(torch.int8).float()
+    return ((_halves(b, 208) * scale).unsqueeze(-1) * q).flatten(-2)
+
+
+def _raw(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda b: b.contiguous().view(dtype).float()
+
+
+_DECODERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
+    1: _raw(torch.float16), 2: _q4_0, 3: _q4_1, 6: _q5_0, 8: _q8_0, 12: _q4_k, 14: _q6_k, 30: _raw(torch.bfloat16),
+}
+
+
+def dequantize_torch(qtype: int, blocks: torch.Tensor, in_features: int) -> torch.Tensor:
+    """blocks [rows, row_bytes] -> float32 [rows, in] by PyTorch bit operations (the fallback
+    when the C kernels cannot be built; the same values)."""
+    q = QTYPES[qtype]
+    return _DECODERS[qtype](blocks.view(blocks.shape[0], in_features // q.block, q.bytes)).reshape(-1, in_features)
+
+
+# ---- the weight -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class QuantWeight:
+    """A weight [out, in] as GGUF blocks: ``blocks`` uint8 [out, row_bytes] (contiguous, CPU),
+    each row one output's blocks along the input; ``qtype`` a ggml type id (see `QTYPES`)."""
+
+    qtype: int
+    blocks: torch.Tensor
+    in_features: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.qtype, int):
+            raise InvalidParameter("qtype", self.qtype, "a ggml type id (an int; qtype_id converts a name)")
+        q = QTYPES[qtype_id(self.qtype)]  # an unknown id is an UnsupportedModel naming the known ones
+        b = self.blocks
+        if not isinstance(b, torch.Tensor) or b.dtype != torch.uint8:
+            raise InvalidParameter("blocks", getattr(b, "dtype", type(b).__name__), "a torch.uint8 tensor of GGUF blocks")
+        if b.device.type != "cpu" or not b.is_contiguous():
+            raise InvalidParameter("blocks", f"{b.device} contiguous={b.is_contiguous()}", "a contiguous CPU tensor")
+        if self.in_features <= 0 or self.in_features % q.block:
+            raise InvalidParameter("in_features", self.in_features, f"a positive multiple of {q.block} for {q.name}")
+        if b.dim() != 2 or b.shape[0] < 1 or b.shape[1] != q.row_bytes(self.in_features):
+            raise InvalidParameter("blocks", tuple(b.shape),
+                                   f"[out >= 1, {q.row_bytes(self.in_features)}]: {self.in_features} inputs of {q.name} "
+                                   f"are {self.in_features // q.block} blocks of {q.bytes} bytes per row")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out, in): the dense weight's shape."""
+        return self.blocks.shape[0], self.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.blocks.shape[0]
+
+    @property
+    def info(self) -> QType:
+        return QTYPES[self.qtype]
+
+    def numel(self) -> int:
+        return self.blocks.shape[0] * self.in_features
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def __repr__(self) -> str:
+        return f"QuantWeight({self.info.name}, shape={self.shape})"
+
+    def _kernels(self) -> QuantKernels | None:
+        """The C kernels, when built and this weight's shape suits them (looked up per call, so a
+        test can take them away)."""
+        k = kernels().kernels
+        return k if k is not None and self.in_features % QTYPES[self.qtype].kernel_block == 0 else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] float32 or bfloat16 -> x W^T [..., out], same dtype (float32 accumulation)."""
+        # Per call this is a few microseconds of Python: no reshapes (the kernel takes x's rows
+        # through its pointer), one allocation, already in the output's shape.
+        if x.dtype not in _FLOATS:
+            raise InvalidParameter("x.dtype", x.dtype, "torch.float32 or torch.bfloat16")
+        shape = x.shape
+        if not shape or shape[-1] != self.in_features or not x.is_cpu:
+            raise InvalidParameter("x", f"{tuple(shape)} on {x.device}", f"a CPU tensor [..., {self.in_features}]")
+        rows = x.numel() // self.in_features
+        if rows == 0:
+            return x.new_empty((*shape[:-1], self.blocks.shape[0]))
+        if rows > CROSSOVER_ROWS:
+            return F.linear(x, self.dequantize(x.dtype))
+        k = self._kernels()
+        if k is None:  # float32 products and sums, one rounding to x's dtype: the kernel's arithmetic
+            return F.linear(x.float(), dequantize_torch(self.qtype, self.blocks, self.in_features)).to(x.dtype)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        y = torch.empty((*shape[:-1], self.blocks.shape[0]), dtype=x.dtype)
+        k.matmul(self.qtype, self.blocks, self.in_features, x, y, rows,
+                 torch.get_num_threads() if self.blocks.numel() >= PARALLEL_MIN_BYTES else 1)
+        return y
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense weight [out, in]: gguf.quants.dequantize's values (exact in float32; bfloat16
+        rounds them to nearest even; other dtypes convert from float32)."""
+        k = self._kernels()
+        if k is None:
+            return dequantize_torch(self.qtype, self.blocks, self.in_features).to(dtype)
+        y = torch.empty(self.shape, dtype=dtype if dtype in _FLOATS else torch.float32)
+        k.dequantize(self.qtype, self.blocks, self.in_features, None, y, _threads(self.nbytes))
+        return y.to(dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows ``ids`` (integers of any shape, each in [0, out)) of the dense weight -> [..., in]:
+        an embedding lookup that decodes only the rows asked for."""
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
+            raise InvalidParameter("ids.dtype", ids.dtype, "an integer tensor")
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.out_features):
+            bad = flat[(flat < 0) | (flat >= self.out_features)][0].item()
+            raise InvalidParameter("ids", bad, f"row indices in [0, {self.out_features})")
+        k = self._kernels()
+        if k is None:
+            y = dequantize_torch(self.qtype, self.blocks[flat], self.in_features).to(dtype)
+        else:
+            y = torch.empty(flat.numel(), self.in_features, dtype=dtype if dtype in _FLOATS else torch.float32)
+            k.dequantize(self.qtype, self.blocks, self.in_features, flat, y, 1)
+            y = y.to(dtype)
+        return y.reshape(*ids.shape, self.in_features)
+
+    @classmethod
+    def cat(cls, weights: Sequence[QuantWeight]) -> QuantWeight:
+        """One weight of all outputs in order (a fused q,k,v or gate,up projection): same type and
+        in_features required."""
+        if not weights:
+            raise InvalidParameter("weights", [], "at least one QuantWeight")
+        first = weights[0]
+        for w in weights[1:]:
+            if (w.qtype, w.in_features) != (first.qtype, first.in_features):
+                raise InvalidParameter("weights", f"{w!r} after {first!r}",
+                                       "weights of one type and one in_features")
+        return cls(first.qtype, torch.cat([w.blocks for w in weights]), first.in_features)
+
+
+def quantize(w: torch.Tensor, qtype: int | str) -> QuantWeight:
+    """w [out, in] (float32, bfloat16 or float16; in a multiple of 32) -> a `QuantWeight` with
+    ggml's reference rounding: bit for bit what gguf.quants.quantize gives (Q4_0, Q4_1, Q8_0 by
+    quant.c when it builds; Q5_0 by gguf; F16 and BF16 round to nearest even). The K types have
+    no reference quantiser here (an `InvalidParameter`)."""
+    t = qtype_id(qtype)
+    q = QTYPES[t]
+    if w.dim() != 2 or not w.dtype.is_floating_point:
+        raise InvalidParameter("w", f"{tuple(w.shape)} {w.dtype}", "a floating-point [out, in] tensor")
+    if w.shape[0] < 1 or w.shape[1] % q.kernel_block:
+        raise InvalidParameter("w.shape", tuple(w.shape), f"[out >= 1, a multiple of 32] for {q.name}")
+    if q.name in ("Q4_K", "Q6_K"):
+        raise InvalidParameter("qtype", q.name, "Q4_0, Q4_1, Q5_0, Q8_0, F16 or BF16 (no K-type quantiser)")
+    w = w.detach().cpu()
+    if q.name in ("F16", "BF16"):
+        dense = w.to(torch.float16 if q.name == "F16" else torch.bfloat16).contiguous()
+        return QuantWeight(t, dense.view(torch.uint8), w.shape[1])
+    k = kernels().kernels
+    if k is not None and q.name in QUANTIZERS:
+        x = (w if w.dtype in _FLOATS else w.float()).contiguous()
+        blocks = torch.empty(w.shape[0], q.row_bytes(w.shape[1]), dtype=torch.uint8)
+        k.quantize(t, x, blocks, _threads(x.numel()))
+        return QuantWeight(t, blocks, w.shape[1])
+    import gguf  # the reference, in numpy
+
+    data = gguf.quants.quantize(w.float().numpy(), gguf.GGMLQuantizationType(t))
+    return QuantWeight(t, torch.from_numpy(np.ascontiguousarray(data)), w.shape[1])
+
+
+def from_gguf(tensor: Any) -> QuantWeight:
+    """A 2-D tensor of a `gguf.GGUFReader` (``reader.tensors[i]``) as a `QuantWeight` (its bytes
+    copied out of the memory-mapped file)."""
+    t = qtype_id(int(tensor.tensor_type))
+    shape = [int(n) for n in tensor.shape]  # ggml order: inputs first
+    if len(shape) != 2:
+        raise InvalidParameter("tensor", f"{tensor.name} of shape {shape}", "a 2-D weight")
+    data = np.asarray(tensor.data).view(np.uint8).reshape(shape[1], -1)
+    return QuantWeight(t, torch.from_numpy(data.copy()), shape[0])
