@@ -12,10 +12,12 @@ import torch
 
 @pytest.fixture(scope="session")
 def smollm():
-    """The real default model (SmolLM2-135M-Instruct), float32, native backend."""
+    """The real default model (SmolLM2-135M-Instruct), float32, native backend, its GGUF
+    dequantised (``weights="dense"``: the weights transformers loads in the equivalence tests;
+    native quantised weights are tested against it in test_native_weights.py)."""
     from metaloom.models import load
 
-    return load("default", dtype="float32")
+    return load("default", dtype="float32", weights="dense")
 
 
 @pytest.fixture(scope="session")

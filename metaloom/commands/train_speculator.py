@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         print(message, file=sys.stderr, flush=True)
 
     started = time.perf_counter()
-    loaded = load(args.model, dtype=args.dtype, device=args.device, backend="native")
+    # dense: the heads learn from (and are matched by) the dequantised weights
+    loaded = load(args.model, dtype=args.dtype, device=args.device, backend="native", weights="dense")
     phase1 = args.phase1_steps if args.phase1_steps is not None else round(0.4 * args.steps)
     phase2 = args.phase2_steps if args.phase2_steps is not None else args.steps - phase1
     config = TrainConfig(stages=args.stages, inner_size=args.inner_size, draft_vocab=args.draft_vocab,

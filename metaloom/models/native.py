@@ -1,0 +1,169 @@
+"""Native weights: a GGUF's quantised blocks kept as they are, multiplied by the kernels of
+`metaloom.models.quant` (dequantising in registers), instead of dequantised to ``--dtype``.
+
+Why: a batch-1 decode step reads every weight once, so its speed is bytes per token. SmolLM2's
+Q4_1 file holds 0.625 bytes per weight; dequantised to float32 it is 4 bytes, to bfloat16 2.
+
+- **Storage.** The first native load of a GGUF writes its blocks next to the dense conversion
+  (`metaloom.models.load.converted_folder`), in ``<folder>/native/model.safetensors``: each
+  kept weight a uint8 tensor [out, row bytes] exactly as the file stores it (rows un-permuted
+  for llama's Q/K, like the dense weights), the rest float32, and each kept weight's ggml type
+  and input size in the file's metadata. Later loads memory-map it.
+- **What is kept.** Every 2-D weight whose type the kernels run (`metaloom.models.quant.QTYPES`:
+  Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K, F16, BF16). A weight of another type (Q5_1, Q2_K, the
+  IQ types…) is dequantised to float32 and runs dense: exact, only larger. Norms and biases are
+  always dense. The embedding stays quantised and is looked up row by row.
+- **Activations** are ``--dtype`` (float32 or bfloat16); the kernels accumulate in float32.
+- **The default** (``weights=None`` / ``auto``): whichever of native and dense decodes faster at
+  batch 1 on this machine, measured once per (GGUF file, dtype, CPU, thread count) when first
+  needed and recorded in ``choices/`` under the metaloom cache (`choose`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from metaloom.errors import NotAModel
+from metaloom.models.load import user_cache_dir
+
+BLOCKS_DIR = "native"
+BLOCKS_FILE = "model.safetensors"
+_META_KEY = "metaloom.ggml_types"  # {name: [ggml type id, in_features]}
+
+
+def kept_types() -> frozenset[int]:
+    from metaloom.models.quant import QTYPES
+
+    return frozenset(QTYPES)
+
+
+def blocks_path(gguf_path: str, folder: str) -> str:
+    """``folder``'s native blocks file for ``gguf_path``, written on first use (atomically)."""
+    from safetensors.torch import save_file
+
+    from metaloom.models.gguf_file import read_gguf_blocks
+
+    target = os.path.join(folder, BLOCKS_DIR)
+    path = os.path.join(target, BLOCKS_FILE)
+    if os.path.exists(path):
+        return path
+    tmp = tempfile.mkdtemp(prefix=".native-", dir=folder)
+    try:
+        _, sd, types = read_gguf_blocks(gguf_path, kept_types())
+        meta = {name: [qtype, _in_features(sd[name], qtype)] for name, qtype in types.items()}
+        save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(tmp, BLOCKS_FILE),
+                  metadata={_META_KEY: json.dumps(meta)})
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _in_features(blocks: torch.Tensor, qtype: int) -> int:
+    from metaloom.models.quant import QTYPES
+
+    t = QTYPES[qtype]
+    return blocks.shape[1] // t.bytes * t.block
+
+
+def read_blocks(path: str) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+    """(dense tensors, kept weights as `metaloom.models.quant.QuantWeight`) from a blocks file."""
+    from safetensors import safe_open
+
+    from metaloom.models.quant import QuantWeight
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get(_META_KEY, "{}"))
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118  # safe_open has no iterator
+    except Exception as exc:  # safetensors raises its own error types on corrupt files
+        raise NotAModel(f"{path} is not a readable native-weights file: {exc}") from exc
+    kept: dict[str, object] = {}
+    for name, (qtype, in_features) in meta.items():
+        kept[name] = QuantWeight(int(qtype), tensors.pop(name), int(in_features))
+    return tensors, kept
+
+
+# --- the default: measured once per machine ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Which weights decode faster here, and the measurement behind it."""
+
+    weights: str  # "native" or "dense"
+    native_tok_s: float
+    dense_tok_s: float
+    dtype: str
+    threads: int
+    tokens: int  # greedy tokens per timing
+    repeats: int
+
+
+def choice_path(fingerprint: str, dtype: str) -> str:
+    from metaloom.models.cbuild import cpu_signature
+
+    machine = hashlib.sha256(f"{cpu_signature()}\n{torch.get_num_threads()}\n{torch.__version__}".encode())
+    return os.path.join(user_cache_dir("choices"), f"{fingerprint}-{dtype}-{machine.hexdigest()[:12]}.json")
+
+
+def recorded_choice(path: str) -> Choice | None:
+    try:
+        with open(path) as f:
+            c = Choice(**json.load(f))
+    except (OSError, ValueError, TypeError):
+        return None
+    return c if c.weights in ("native", "dense") else None
+
+
+def choose(path: str, dtype: str, models: Callable[[], tuple[object, object]], tokens: int = 24,
+           repeats: int = 3) -> Choice:
+    """The recorded choice at ``path``, else measure (``models()`` -> (native, dense) models),
+    record and return it."""
+    found = recorded_choice(path)
+    if found is not None:
+        return found
+    native, dense = models()
+    times: dict[str, list[float]] = {"native": [], "dense": []}
+    for model in (native, dense):
+        greedy_seconds(model, tokens)  # warm-up: first-call allocations, kernel loading
+    for _ in range(repeats):  # alternate, so drifting load hits both alike
+        for name, model in (("native", native), ("dense", dense)):
+            times[name].append(greedy_seconds(model, tokens))
+    native_s, dense_s = statistics.median(times["native"]), statistics.median(times["dense"])
+    choice = Choice("native" if native_s <= dense_s else "dense", tokens / native_s, tokens / dense_s, dtype,
+                    torch.get_num_threads(), tokens, repeats)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(asdict(choice), f, indent=1)
+    os.replace(tmp, path)
+    return choice
+
+
+@torch.inference_mode()
+def greedy_seconds(model: object, tokens: int, prompt: int = 16) -> float:
+    """Seconds for ``tokens`` batch-1 greedy steps after a ``prompt``-token prefill (the
+    prefill is not timed): the decode speed the choice is about."""
+    m = model  # a LanguageModel; typed loosely to keep this module free of the model classes
+    cache = m.new_cache(1, prompt + tokens + 1)  # type: ignore[attr-defined]
+    ids = torch.arange(1, prompt + 1, device=m.device)[None]  # type: ignore[attr-defined]
+    token = m.forward(ids, cache, last_only=True)[:, -1].argmax(-1, keepdim=True)  # type: ignore[attr-defined]
+    start = time.perf_counter()
+    for _ in range(tokens):
+        token = m.forward(token, cache)[:, -1].argmax(-1, keepdim=True)  # type: ignore[attr-defined]
+    return time.perf_counter() - start
