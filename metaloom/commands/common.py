@@ -54,6 +54,9 @@ def add_model_args(p: argparse.ArgumentParser, *, remote: bool = False) -> None:
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--device", default="auto", help="auto (CUDA when present) | cpu | cuda | cuda:N")
     p.add_argument("--backend", default="auto", help="auto | native | transformers" + (" | openai" if remote else ""))
+    p.add_argument("--weights", default="auto", choices=("auto", "native", "dense"),
+                   help="a GGUF's weights: native = its quantised blocks as they are (quantised CPU kernels), "
+                        "dense = dequantised to --dtype, auto = whichever decodes faster here (measured once)")
     if remote:
         g = p.add_argument_group("a remote server (--backend openai: vLLM, SGLang, llama.cpp, metaloom serve, ...)")
         g.add_argument("--base-url", default=None, help="the server, e.g. http://127.0.0.1:8000 (or .../v1)")
@@ -68,7 +71,7 @@ def add_model_args(p: argparse.ArgumentParser, *, remote: bool = False) -> None:
                        help="retries of a request on 429, 5xx and dropped connections (never on other 4xx)")
 
 
-_LOCAL_ONLY = ("dtype", "device")  # flags a remote server decides for itself
+_LOCAL_ONLY = ("dtype", "device", "weights")  # flags a remote server decides for itself
 
 
 def remote_generator(args: argparse.Namespace, local_only: dict[str, object] | None = None) -> Any:
@@ -82,7 +85,7 @@ def remote_generator(args: argparse.Namespace, local_only: dict[str, object] | N
         return None
     if not args.base_url:
         raise InvalidParameter("base-url", None, "the server's URL with --backend openai (e.g. http://127.0.0.1:8000)")
-    defaults = {"dtype": "float32", "device": "auto"}
+    defaults = {"dtype": "float32", "device": "auto", "weights": "auto"}
     for name in _LOCAL_ONLY:
         if getattr(args, name) != defaults[name]:
             raise InvalidParameter(name, getattr(args, name), "left unset with --backend openai (the server decides it)")

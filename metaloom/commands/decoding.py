@@ -71,4 +71,4 @@ def amateur_model(args: argparse.Namespace, loaded: LoadedModel) -> LanguageMode
         return truncated_llama(loaded.model, layers)
     from metaloom.models import load
 
-    return load(spec, dtype=args.dtype, device=args.device, backend=args.backend).model
+    return load(spec, dtype=args.dtype, device=args.device, backend=args.backend, weights=args.weights).model

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     if remote is not None:
         generator, name = remote, args.model
     else:
-        loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend)
+        loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend, weights=args.weights)
         speculative = speculative_option(args, loaded)
         generator, name = LocalGenerator(loaded, amateur=amateur_model(args, loaded), speculative=speculative), loaded.name
     request = Request(args.prompt, params) if args.raw else Request.chat(args.prompt, params, system=args.system)

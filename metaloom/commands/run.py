@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     if generator is not None:
         name = args.model
     else:
-        loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend)
+        loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend, weights=args.weights)
         generator, name = LocalGenerator(loaded, prefix_cache=prefix_cache(args.prefix_cache_mb, loaded)), loaded.name
     bar = None
     if args.progress or sys.stderr.isatty():

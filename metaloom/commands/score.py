@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidParameter("batch_size", args.batch_size, "an integer >= 1")
     if any(not c for c in args.continuation):
         raise InvalidParameter("continuation", "", "non-empty text")
-    loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend)
+    loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend, weights=args.weights)
     tok = loaded.tokenizer
     if args.raw:
         context, special = args.prompt, True

@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.max_body_mb > 0:
         raise InvalidParameter("max_body_mb", args.max_body_mb, "> 0")
     prefix_cache(args.prefix_cache_mb, None)  # validated before the load
-    loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend)
+    loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend, weights=args.weights)
     generator = LocalGenerator(loaded, prefix_cache=prefix_cache(args.prefix_cache_mb, loaded))
     app = create_app(generator, model_ids=[args.served_model_name or args.model], api_key=args.api_key,
                      max_rows=args.max_rows, max_waiting=args.max_waiting, max_body_bytes=int(args.max_body_mb * (1 << 20)))

@@ -15,7 +15,8 @@ from metaloom.speculative.registry import DRAFTERS, DrafterOptions, build_drafte
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", default=None, choices=sorted(DRAFTERS),
                    help="draft-and-verify decoding (same output greedy, same distribution sampling): "
-                        "ngram = prompt lookup, draft = --draft-model, quantized = the model with int8 weights, "
+                        "ngram = prompt lookup, draft = --draft-model, "
+                        "quantized = the model requantised to Q8_0 (Q4_1 with --quant-bits 4), "
                         "heads = speculator heads, jacobi = Jacobi iteration")
     p.add_argument("--draft-model", default=None, help="draft model for --speculative draft (same tokenizer)")
     p.add_argument("--num-draft", type=int, default=None,

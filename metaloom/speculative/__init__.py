@@ -9,7 +9,7 @@ The step itself (draft, verify in one forward, accept, roll the cache back) is t
 step of the one decode loop, `metaloom.decode.batch`; the acceptance maths is `core`.
 
 Drafters (`registry.DRAFTERS`): ``ngram`` (prompt lookup), ``draft`` (a smaller model with
-the same tokenizer), ``quantized`` (the target with int8/int4 weights), ``jacobi``
+the same tokenizer), ``quantized`` (the target requantised to Q8_0 or Q4_1 blocks), ``jacobi``
 (fixed-point iteration), ``heads`` (speculator heads). New ones implement `Drafter`.
 
 Exactness is exact arithmetic's: the acceptance rule never changes the target's choice. The
