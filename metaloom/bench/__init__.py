@@ -61,6 +61,16 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], int]] = {"decode": _decode,
                                                               "remote": _remote, "search": _search}
 
 
+class _Given(argparse.Action):
+    """Store the value and set ``<dest>_given``: a flag shared by benchmarks whose defaults differ
+    (--peers) tells each one whether the user chose it."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_given", True)
+
+
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default")
     p.add_argument("--device", default="auto", help="auto (CUDA when present) | cpu | cuda | cuda:N")
@@ -70,12 +80,19 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--sample-tokens", type=int, default=64, help="tokens per sample in the n-samples case")
     p.add_argument("--json", action="store_true")
+    # decode: metaloom's weight modes and the llama.cpp peer's venv (vLLM's: --vllm)
+    p.add_argument("--weights", default="dense",
+                   help="decode: metaloom weight modes, comma-separated: native (the GGUF's quantised blocks, in the "
+                        "first of --dtypes), dense (dequantised, once per --dtypes entry)")
+    p.add_argument("--llama-cpp", default=None, metavar="VENV",
+                   help="decode: llama-cpp-python's venv for --peers llama.cpp (default: this interpreter's)")
     # speculative: drafters to compare (DEFAULT_DRAFTERS), the draft model, K, the prefix-cache case
     p.add_argument("--drafters", default="ngram,quantized,quantized-int4,jacobi,jacobi-lookup,heads,draft")
     p.add_argument("--draft-model", default=None, help="draft model (same tokenizer) for the draft-model drafter")
     p.add_argument("--num-draft", type=int, default=None, help="draft tokens per step (default: each drafter's own)")
-    p.add_argument("--peers", default="transformers,llama.cpp",
-                   help="speculative: peers to run beside metaloom, comma-separated ('' for none)")
+    p.add_argument("--peers", default="transformers,llama.cpp", action=_Given,
+                   help="peers to run beside metaloom, comma-separated ('' for none); speculative: transformers, "
+                        "llama.cpp (default both); decode: transformers, llama.cpp, vllm (default transformers)")
     p.add_argument("--prefix-tokens", type=int, default=1000, help="shared prefix for the prefix-cache case (0: skip)")
     # serve: an OpenAI-compatible server measured from the client side, metaloom's beside vLLM's
     p.add_argument("--clients", default="1,8,32", help="serve: concurrency levels, comma-separated")
@@ -86,7 +103,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="serve: send the bare prompts again and again (they then hit prefix caches); "
                         "by default each request is tagged so that none repeats")
     p.add_argument("--serve-dtype", default="bfloat16", help="serve: --dtype of both servers")
-    p.add_argument("--vllm", default=None, metavar="VENV", help="serve: a vLLM venv to run beside metaloom (default: none)")
+    p.add_argument("--vllm", default=None, metavar="VENV",
+                   help="serve, decode: a vLLM venv to run beside metaloom (default: none)")
     p.add_argument("--port-base", type=int, default=18230, help="serve: metaloom's port; vLLM's is the next one")
     p.add_argument("--serve-startup-timeout", type=float, default=300.0, help="serve: seconds to wait for /health")
     from metaloom.bench.remote import add_remote_args  # remote: strategies locally, on vLLM, in optillm
@@ -95,3 +113,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     from metaloom.bench.search import add_search_args  # search: tree search vs sampling at equal FLOPs
 
     add_search_args(p)
+
+
+def single_weights(args: argparse.Namespace) -> str:
+    """``--weights`` for the benchmarks that load one model (all but decode, which compares the
+    modes it is given): exactly one of auto, native, dense."""
+    from metaloom.errors import InvalidParameter
+
+    value = str(getattr(args, "weights", "dense") or "dense")
+    if value not in ("auto", "native", "dense"):
+        raise InvalidParameter("weights", value, "one of auto, native, dense for this benchmark (decode takes a list)")
+    return value

@@ -15,6 +15,7 @@ import statistics
 import time
 from typing import Any
 
+from metaloom.bench import single_weights
 from metaloom.bench.serve import PROMPTS, tagged
 from metaloom.decode.batch import DecodeBatch
 from metaloom.generator import LocalGenerator, Request
@@ -56,7 +57,7 @@ def measure(gen: LocalGenerator, *, prompts: int = 32, tokens: int = 16, repeats
 
 def main(args: argparse.Namespace) -> int:
     dtype = args.dtypes.split(",")[0]
-    loaded = load(args.model, dtype=dtype, device=args.device)
+    loaded = load(args.model, dtype=dtype, device=args.device, weights=single_weights(args))
     result = measure(LocalGenerator(loaded), tokens=args.serve_tokens, repeats=args.repeats)
     result["model"], result["dtype"] = loaded.name, dtype
     if args.json:

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 import torch
 
+from metaloom.bench import single_weights
 from metaloom.constrain import ConstraintSpec, GrammarCursor, batch_mask, compile_constraint
 from metaloom.constrain.grammar import grammar_masks
 from metaloom.generator import LocalGenerator, Request
@@ -133,7 +134,7 @@ def _compile_ms(gen: LocalGenerator, spec: ConstraintSpec, repeats: int) -> floa
 def run(args: argparse.Namespace) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     dtype = args.dtypes.split(",")[0]
-    gen = LocalGenerator(load(args.model, dtype=dtype))
+    gen = LocalGenerator(load(args.model, dtype=dtype, weights=single_weights(args)))
     start = time.perf_counter()
     gen.vocabulary  # noqa: B018 - built once, timed here
     vocab_s = time.perf_counter() - start

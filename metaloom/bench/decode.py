@@ -1,12 +1,21 @@
-"""`metaloom bench decode`: metaloom against transformers `generate` on the same weights and
-dtype, in one run.
+"""`metaloom bench decode`: metaloom's decoding against transformers, llama.cpp and vLLM on the
+same model, each system in its own process (`metaloom.bench.peers`).
 
-Cases: (1) batch-1 greedy, ``--new-tokens`` tokens, end-of-sequence ignored so both sides
-generate exactly as many; (2) ``--samples`` samples from one ~300-token prompt (transformers:
-``num_return_sequences``; metaloom: prefill once, fork the cache). The two sides alternate
-within each repeat (`paired_median_seconds`) so drifting load on a shared machine hits both
-alike. Reports tokens/s, the ratio, and for case 1 the bandwidth achieved reading the weights
-once per token against the machine's copy bandwidth measured here.
+Systems (rows): metaloom with ``--weights native`` (the GGUF's quantised blocks, in the first
+of ``--dtypes``) and/or ``dense`` (dequantised, once per dtype); transformers ``generate`` once
+per dtype; llama.cpp (llama-cpp-python from ``--llama-cpp VENV``, on the GGUF file itself) and
+vLLM (``--vllm VENV``, bfloat16, on the converted transformers folder) when ``--peers`` names
+them (default: transformers only). All get the same thread count and the same prompt token ids.
+
+Cases: (1) batch-1 greedy, ``--new-tokens`` tokens from the chat-templated GREEDY_PROMPT;
+(2) ``--samples`` samples x ``--sample-tokens`` tokens from one ~300-token prompt at
+temperature 1, plain sampling (no top-k/top-p), the prompt prefilled once and shared by the
+samples (llama.cpp: its low-level batch API, every prompt token in all sequences). End of
+sequence is ignored so every system generates exactly as many tokens; a different count is an
+error in the report. Medians (with min-max) of ``--repeats`` alternating rounds after one
+warm-up; tokens/s and ratios against llama.cpp and metaloom dense float32; for batch-1 greedy of
+each metaloom configuration, the bandwidth achieved reading its weights once per token against
+the copy bandwidth measured in the same run.
 """
 
 from __future__ import annotations
@@ -14,17 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import asdict, dataclass
+import statistics
+import sys
+from typing import Any
 
-import torch
-
-from metaloom.bench.timing import copy_bandwidth_gbs, paired_median_seconds
-from metaloom.generator import LocalGenerator, Request
-from metaloom.ledger import Ledger
-from metaloom.models import load
-from metaloom.models.fused import step_path
-from metaloom.models.load import pick_device
-from metaloom.sampling import SamplingParams
+from metaloom.bench.peers import SystemRun, SystemSpec, measure
+from metaloom.errors import InvalidParameter
 
 GREEDY_PROMPT = "Explain in detail how a bicycle works, part by part."
 LONG_PROMPT = (
@@ -32,116 +36,264 @@ LONG_PROMPT = (
     + "\n".join(f"Note {i}: the lighthouse keeper counted {i * 7} ships passing the northern rocks before dawn, "
                 "and each one carried a different flag." for i in range(1, 13))
 )
+PEERS = ("transformers", "llama.cpp", "vllm")
+WEIGHTS = ("native", "dense")
+DEFAULT_PEERS = "transformers"  # --peers is shared with bench speculative, whose default differs
+LINEAR = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+          "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+REFERENCES = {"llama.cpp": "llama.cpp", "metaloom_float32": "metaloom dense float32"}  # row names, or their first words
 
 
-@dataclass(frozen=True)
-class CaseResult:
-    dtype: str
-    case: str
-    new_tokens: int
-    metaloom_s: float
-    transformers_s: float
-
-    @property
-    def metaloom_tok_s(self) -> float:
-        return self.new_tokens / self.metaloom_s
-
-    @property
-    def transformers_tok_s(self) -> float:
-        return self.new_tokens / self.transformers_s
-
-    @property
-    def speedup(self) -> float:
-        return self.transformers_s / self.metaloom_s
+def _names(param: str, value: str, allowed: tuple[str, ...]) -> list[str]:
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if unknown := [n for n in names if n not in allowed]:
+        raise InvalidParameter(param, unknown, f"a comma-separated subset of {list(allowed)}")
+    return list(dict.fromkeys(names))
 
 
-def _hf_model(folder: str, dtype: torch.dtype, device: torch.device):
-    from transformers import AutoModelForCausalLM
+def options(args: argparse.Namespace) -> tuple[list[str], list[str], list[str]]:
+    """(dtypes, weight modes, peers) from the arguments; a bad name raises before anything loads."""
+    from metaloom.models.load import DTYPES
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    return model.to(device).eval()  # type: ignore[arg-type]  # transformers' stubs type .to() narrowly
-
-
-def _one_dtype(args: argparse.Namespace, dtype: str) -> tuple[list[CaseResult], float, str]:
-    """Both cases for one dtype; returns the results, the achieved weight bandwidth (GB/s) and
-    how metaloom's model took its one-token steps (`metaloom.models.fused.step_path`)."""
-    loaded = load(args.model, dtype=dtype, device=args.device)
-    device = loaded.model.device
-    gen = LocalGenerator(loaded)
-    hf = _hf_model(loaded.folder, loaded.dtype, device)
-    tok = loaded.tokenizer
-    results = []
-
-    # case 1: batch-1 greedy
-    messages = ({"role": "user", "content": GREEDY_PROMPT},)
-    n = args.new_tokens
-    greedy = Request(messages, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-    ids = torch.tensor([tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)], device=device)
-
-    def theirs_greedy() -> object:
-        with torch.inference_mode():
-            return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                               do_sample=False, pad_token_id=0)
-
-    ours, theirs = paired_median_seconds([lambda: gen.generate([greedy], ledger=Ledger()), theirs_greedy],
-                                         args.repeats, device=device)
-    results.append(CaseResult(dtype, "batch-1 greedy", n, ours, theirs))
-    weight_bytes = loaded.model.num_parameters() * loaded.dtype.itemsize  # type: ignore[attr-defined]
-
-    # case 2: k samples from one long prompt
-    k, m = args.samples, args.sample_tokens
-    sample = Request(LONG_PROMPT, SamplingParams(temperature=1.0, n=k, max_tokens=m, ignore_eos=True, seed=0))
-    long_ids = torch.tensor([tok.encode(LONG_PROMPT)], device=device)
-
-    def theirs_samples() -> object:
-        with torch.inference_mode():
-            return hf.generate(long_ids, attention_mask=torch.ones_like(long_ids), max_new_tokens=m, min_new_tokens=m,
-                               do_sample=True, top_k=0, top_p=1.0, temperature=1.0, num_return_sequences=k,
-                               pad_token_id=0)
-
-    ours_k, theirs_k = paired_median_seconds([lambda: gen.generate([sample], ledger=Ledger()), theirs_samples],
-                                             args.repeats, device=device)
-    results.append(CaseResult(dtype, f"{k} samples, {long_ids.shape[1]}-token prompt", k * m, ours_k, theirs_k))
-    return results, weight_bytes * n / ours / 1e9, step_path(loaded.model)
+    dtypes = _names("dtypes", args.dtypes, tuple(DTYPES)) or ["float32"]
+    weights = _names("weights", getattr(args, "weights", "dense"), WEIGHTS)
+    peers = _names("peers", args.peers if getattr(args, "peers_given", False) else DEFAULT_PEERS, PEERS)
+    return dtypes, weights, peers
 
 
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+def gguf_file(spec: str) -> str | None:
+    """The GGUF behind a model spec (the default model's, or the file named), else None."""
+    if spec in ("", "default"):
+        from metaloom.models.load import default_model_path
+
+        return default_model_path()
+    if os.path.isfile(spec):
+        with open(spec, "rb") as f:
+            return spec if f.read(4) == b"GGUF" else None
+    return None
 
 
-def run(args: argparse.Namespace) -> dict:
+def gguf_weight_bytes(path: str, kept: frozenset[int] | None = None) -> tuple[int, str]:
+    """(bytes of weights one batch-1 decode step reads with native weights: every linear layer
+    plus the output head, which is the embedding when tied, at the file's quantised size, or
+    at float32's when its ggml type is not in ``kept`` (native dequantises those); the file's
+    quantisation, e.g. ``Q4_1``)."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+
+    def size(t: Any) -> int:
+        return int(t.n_bytes) if kept is None or int(t.tensor_type) in kept else 4 * int(t.n_elements)
+
+    linear = sum(size(t) for name, t in tensors.items() if name.startswith("blk.") and name.split(".", 2)[2] in LINEAR)
+    head = tensors.get("output.weight") or tensors["token_embd.weight"]
+    field = reader.fields.get("general.file_type")
+    try:
+        quant = gguf.LlamaFileType(int(field.contents())).name.removeprefix("MOSTLY_") if field else "GGUF"
+    except ValueError:
+        quant = "GGUF"
+    return linear + size(head), quant
+
+
+def _kept_types() -> frozenset[int] | None:
+    """The ggml types native weights keep quantised (None: not known in this build)."""
+    try:
+        from metaloom.models.native import kept_types
+
+        return kept_types()
+    except ImportError:
+        return None
+
+
+def cases(args: argparse.Namespace, folder: str) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """The workers' case specs (same prompt token ids for every system) and their labels."""
+    from metaloom.models.tokenizer import HFTokenizer
+
+    tok = HFTokenizer(folder)
+    greedy_ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": GREEDY_PROMPT}]), add_special_tokens=False)
+    long_ids = tok.encode(LONG_PROMPT)
+    specs = {"greedy": {"prompt_ids": list(greedy_ids), "n": 1, "max_tokens": args.new_tokens, "temperature": 0.0, "seed": 0},
+             "samples": {"prompt_ids": list(long_ids), "n": args.samples, "max_tokens": args.sample_tokens,
+                         "temperature": 1.0, "seed": 0}}
+    labels = {"greedy": f"batch-1 greedy, {args.new_tokens} tokens, {len(greedy_ids)}-token chat prompt",
+              "samples": f"{args.samples} samples x {args.sample_tokens} tokens, {len(long_ids)}-token prompt, temperature 1"}
+    return specs, labels
+
+
+def _venv_python(venv: str) -> str:
+    return os.path.join(venv, "bin", "python")
+
+
+def systems(args: argparse.Namespace, folder: str, gguf: str | None, quant: str, threads: int,
+            ) -> tuple[list[SystemSpec], dict[str, str]]:
+    """The configurations to run, and {name: reason} for those that cannot be set up."""
+    import importlib.util
+
+    import metaloom
+
+    dtypes, weights, peers = options(args)
+    skipped: dict[str, str] = {}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(metaloom.__file__)))
+    ours = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    common = {"model": args.model, "device": None if args.device == "auto" else args.device}
+    out: list[SystemSpec] = []
+    if "native" in weights:
+        out.append(SystemSpec(f"metaloom native {dtypes[0]}", "metaloom", sys.executable,
+                              common | {"dtype": dtypes[0], "weights": "native"}, ours))
+    if "dense" in weights:
+        out += [SystemSpec(f"metaloom dense {d}", "metaloom", sys.executable, common | {"dtype": d, "weights": "dense"}, ours)
+                for d in dtypes]
+    if "transformers" in peers:
+        out += [SystemSpec(f"transformers {d}", "transformers", sys.executable,
+                           {"folder": folder, "dtype": d, "device": common["device"]}, ours) for d in dtypes]
+    if "llama.cpp" in peers:
+        python = _venv_python(args.llama_cpp) if getattr(args, "llama_cpp", None) else sys.executable
+        if gguf is None:
+            skipped["llama.cpp"] = f"{args.model!r} is not a GGUF file (llama.cpp runs the GGUF itself)"
+        elif python == sys.executable and importlib.util.find_spec("llama_cpp") is None:
+            skipped["llama.cpp"] = "no --llama-cpp VENV given and this interpreter has no llama_cpp"
+        else:
+            env = dict(os.environ)
+            config = {"gguf": gguf, "extra_buffers": True}
+            plain = SystemSpec(f"llama.cpp {quant}", "llama.cpp", python, config | {"extra_buffers": False}, env)
+            out.append(SystemSpec(f"llama.cpp {quant}", "llama.cpp", python, config, env, fallback=plain,
+                                  fallback_note="its extra buffer types (AMX, repacked weights) crashed here; run without"))
+    if "vllm" in peers:
+        if not getattr(args, "vllm", None):
+            skipped["vllm"] = "no --vllm VENV given"
+        else:
+            out.append(SystemSpec("vllm bfloat16", "vllm", _venv_python(args.vllm), {"folder": folder, "dtype": "bfloat16"},
+                                  _vllm_env(args.vllm, threads)))
+    return out, skipped
+
+
+def _vllm_env(venv: str, threads: int) -> dict[str, str]:
+    """vLLM's CPU environment as `metaloom bench serve` starts it, bound to ``threads`` CPUs."""
+    import glob
+
+    from metaloom.bench.serve import _TCMALLOC, vllm_env
+
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    tcmalloc = [*_TCMALLOC, *sorted(glob.glob("/usr/lib/*/libtcmalloc_minimal.so.4"))]
+    return vllm_env(venv, {**os.environ, "HF_HUB_OFFLINE": "1"}, cpus[:threads], tcmalloc=tcmalloc)
+
+
+def summarise(runs: list[SystemRun], specs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per system and case: median, min and max seconds, tok/s, ratios against the references
+    (this system's tok/s over theirs), or the error."""
+    rows: list[dict[str, Any]] = []
+    for run in runs:
+        results: dict[str, Any] = {}
+        for case, out in run.outcomes.items():
+            r: dict[str, Any] = {"error": out.error, "tokens": out.tokens, "seconds": out.seconds}
+            if out.error is None and out.seconds and out.tokens:
+                med = statistics.median(out.seconds)
+                r |= {"median_s": med, "min_s": min(out.seconds), "max_s": max(out.seconds), "tok_s": out.tokens / med,
+                      "tok_s_min": out.tokens / max(out.seconds), "tok_s_max": out.tokens / min(out.seconds)}
+            results[case] = r
+        rows.append({"name": run.spec.name, "system": run.spec.system, "config": dict(run.spec.config), "info": run.info,
+                     "note": run.note, "results": results})
+    for case in specs:
+        speed = {key: next((row["results"][case].get("tok_s") for row in rows
+                            if row["name"] == ref or row["name"].startswith(ref + " ")), None)
+                 for key, ref in REFERENCES.items()}
+        for row in rows:
+            r = row["results"][case]
+            r["ratios"] = {key: (r["tok_s"] / speed[key] if r.get("tok_s") and speed[key] else None) for key in REFERENCES}
+    return rows
+
+
+def bandwidth(rows: list[dict[str, Any]], native_bytes: int | None, copy_gbs: float) -> dict[str, dict[str, Any]]:
+    """Weights read per second by batch-1 greedy of each metaloom configuration (those with a
+    weights mode): native reads the GGUF's quantised bytes per token, dense params x itemsize."""
+    out = {}
+    for row in rows:
+        if (mode := row["config"].get("weights")) is None:
+            continue
+        per_token = native_bytes if mode == "native" else row["info"].get("dense_weight_bytes")
+        g = row["results"]["greedy"]
+        gbs = per_token * g["tokens"] / g["median_s"] / 1e9 if per_token and g.get("median_s") else None
+        out[row["name"]] = {"weight_bytes_per_token": per_token, "gb_s": gbs,
+                            "fraction_of_copy_bandwidth": gbs / copy_gbs if gbs else None,
+                            "step_path": row["info"].get("step_path")}
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    from metaloom.bench.timing import copy_bandwidth_gbs
+    from metaloom.models.load import pick_device, resolve
+
+    options(args)  # bad names fail before anything loads
+    name, folder = resolve(args.model)
+    gguf = gguf_file(args.model)
+    native_bytes, quant = gguf_weight_bytes(gguf, _kept_types()) if gguf else (None, "")
     device = pick_device(args.device)
-    bandwidth = copy_bandwidth_gbs(device=device)
-    results: list[CaseResult] = []
-    achieved: dict[str, float] = {}
-    steps: dict[str, str] = {}
-    for dtype in args.dtypes.split(","):
-        cases, achieved[dtype], steps[dtype] = _one_dtype(args, dtype)
-        results.extend(cases)
+    threads = torch.get_num_threads()
+    load_before = os.getloadavg()
+    copy_gbs = copy_bandwidth_gbs(device=device)
+    specs, labels = cases(args, folder)
+    configs, skipped = systems(args, folder, gguf, quant, threads)
+    runs, failed = measure(configs, specs, repeats=args.repeats, threads=threads,
+                           log=lambda s: print(s, file=sys.stderr, flush=True))
+    rows = summarise(runs, specs)
     return {
-        "machine": {"device": _device_name(device), "threads": torch.get_num_threads(), "copy_bandwidth_gb_s": bandwidth},
-        "cases": [asdict(r) | {"metaloom_tok_s": r.metaloom_tok_s, "transformers_tok_s": r.transformers_tok_s,
-                               "speedup": r.speedup} for r in results],
-        "achieved_weight_bandwidth_gb_s": achieved,
-        "decode_steps": steps,
-        "repeats": args.repeats,
+        "model": name, "gguf": gguf, "gguf_quantisation": quant or None,
+        "machine": {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "threads": threads,
+                    "copy_bandwidth_gb_s": copy_gbs, "load_average_before": load_before,
+                    "load_average_after": os.getloadavg()},
+        "repeats": args.repeats, "warmup": 1,
+        "cases": {c: {"label": labels[c], "prompt_tokens": len(s["prompt_ids"]), "sequences": s["n"],
+                      "tokens_per_sequence": s["max_tokens"], "expected_tokens": s["n"] * s["max_tokens"],
+                      "temperature": s["temperature"]} for c, s in specs.items()},
+        "systems": rows, "skipped": skipped | failed,
+        "achieved_weight_bandwidth": bandwidth(rows, native_bytes, copy_gbs),
     }
+
+
+def _f(x: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if x is None else format(x, spec) + suffix
+
+
+def format_report(report: dict[str, Any]) -> str:
+    m = report["machine"]
+    lines = [f"{report['model']} ({report['gguf_quantisation'] or 'transformers folder'}) on {m['device']}: "
+             f"{m['threads']} threads; copy bandwidth {m['copy_bandwidth_gb_s']:.1f} GB/s; load average "
+             f"{m['load_average_before'][0]:.2f} before, {m['load_average_after'][0]:.2f} after; "
+             f"median (min-max) of {report['repeats']} alternating rounds after 1 warm-up"]
+    for case, c in report["cases"].items():
+        lines += ["", c["label"],
+                  f"{'system':<28} {'tok/s':>8} {'(min-max)':>15} {'median s':>9} {'vs llama.cpp':>13} {'vs ml f32':>10}"]
+        for row in report["systems"]:
+            r = row["results"][case]
+            if r.get("error"):
+                lines.append(f"{row['name']:<28} error: {r['error']}")
+                continue
+            span = f"({_f(r.get('tok_s_min'), '.1f')}-{_f(r.get('tok_s_max'), '.1f')})"
+            ratios = r["ratios"]
+            lines.append(f"{row['name']:<28} {_f(r.get('tok_s'), '8.1f')} {span:>15} {_f(r.get('median_s'), '9.3f')} "
+                         f"{_f(ratios['llama.cpp'], '12.2f', 'x'):>13} {_f(ratios['metaloom_float32'], '9.2f', 'x'):>10}")
+    if report["achieved_weight_bandwidth"]:
+        lines.append("")
+    for name, b in report["achieved_weight_bandwidth"].items():
+        if b["gb_s"] is None:
+            continue
+        lines.append(f"{name}: batch-1 greedy reads {b['weight_bytes_per_token'] / 1e6:.1f} MB of weights per token at "
+                     f"{b['gb_s']:.1f} GB/s = {100 * b['fraction_of_copy_bandwidth']:.0f}% of copy bandwidth; "
+                     f"one-token steps: {b['step_path']}")
+    for row in report["systems"]:
+        if row["system"] != "metaloom" and row["info"]:
+            lines.append(f"{row['name']}: " + ", ".join(f"{k} {v}" for k, v in row["info"].items()))
+        if row["note"]:
+            lines.append(f"{row['name']}: {row['note']}")
+    lines += [f"skipped {name}: {why}" for name, why in report["skipped"].items()]
+    return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> int:
     report = run(args)
-    if args.json:
-        print(json.dumps(report, indent=1))
-        return 0
-    bw = report["machine"]["copy_bandwidth_gb_s"]
-    print(f"{report['machine']['device']}: measured copy bandwidth {bw:.1f} GB/s; {report['machine']['threads']} CPU threads; "
-          f"median of {report['repeats']} after 1 warm-up")
-    print(f"{'dtype':<9} {'case':<34} {'metaloom tok/s':>15} {'transformers tok/s':>19} {'ratio':>7}")
-    for c in report["cases"]:
-        print(f"{c['dtype']:<9} {c['case']:<34} {c['metaloom_tok_s']:>15.1f} "
-              f"{c['transformers_tok_s']:>19.1f} {c['speedup']:>6.2f}x")
-    for dtype, gbs in report["achieved_weight_bandwidth_gb_s"].items():
-        print(f"{dtype}: batch-1 greedy reads the weights at {gbs:.1f} GB/s "
-              f"= {100 * gbs / bw:.0f}% of measured copy bandwidth; one-token steps: {report['decode_steps'][dtype]}")
+    print(json.dumps(report, indent=1) if args.json else format_report(report))
     return 0

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from metaloom.bench import single_weights
 from metaloom.errors import InvalidParameter
 from metaloom.models import load
 from metaloom.models.cache import PagedKVCache
@@ -101,7 +102,7 @@ def measure(model: Any, prefix_tokens: int = 2000, branches: int = 64, tokens: i
 
 
 def main(args: argparse.Namespace) -> int:
-    loaded = load(args.model, dtype=args.dtypes.split(",")[0], device=args.device)
+    loaded = load(args.model, dtype=args.dtypes.split(",")[0], device=args.device, weights=single_weights(args))
     result = measure(loaded.model, repeats=args.repeats)
     result["model"], result["dtype"] = loaded.name, args.dtypes.split(",")[0]
     if args.json:

@@ -45,6 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from metaloom.bench import single_weights
 from metaloom.errors import InvalidParameter
 
 # name -> (reasoning-gym task, its configuration). "addition" is the configuration of the
@@ -542,7 +543,7 @@ def main(args: argparse.Namespace) -> int:
                     dropped["optillm"] = "not asked for (--optillm VENV)"
         else:
             dropped["metaloom-remote"] = dropped["optillm"] = "no vLLM venv given (--vllm VENV)"
-        loaded = load(args.model, dtype=dtype)
+        loaded = load(args.model, dtype=dtype, weights=single_weights(args))
         systems = {"metaloom": Metaloom("metaloom", LocalGenerator(loaded)), **systems}
         _warm_up(systems, problems[0], correct, opts, dropped, log)
         wall = time.perf_counter()

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from metaloom.bench import single_weights
 from metaloom.errors import InvalidParameter
 
 # tasks: reasoning-gym dataset and configuration. Countdown with 3 numbers up to 20 and targets
@@ -173,7 +174,7 @@ def main(args: argparse.Namespace) -> int:
                 r = json.loads(line)
                 records.append(r)
                 done.add((r["task"], r["problem"], r["strategy"]))
-    loaded = load(args.model, dtype=args.search_dtype)
+    loaded = load(args.model, dtype=args.search_dtype, weights=single_weights(args))
     print(f"model {args.model} ({args.search_dtype}), load average {os.getloadavg()[0]:.1f}", flush=True)
     with open(args.search_out, "a") as out:
         for task in tasks:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from metaloom.bench import single_weights
 from metaloom.errors import InvalidParameter, MetaloomError
 from metaloom.generator import LocalGenerator, Request
 from metaloom.ledger import Ledger
@@ -281,12 +282,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"threads": torch.get_num_threads(), "new_tokens": args.new_tokens, "prompts": len(PROMPTS),
                            "repeats": args.repeats, "runs": reports}
     if args.prefix_tokens > 0:
-        out["prefix_cache"] = prefix_cache_case(load(args.model, dtype=reports[0]["dtype"]), args.prefix_tokens, args.repeats)
+        loaded = load(args.model, dtype=reports[0]["dtype"], weights=single_weights(args))
+        out["prefix_cache"] = prefix_cache_case(loaded, args.prefix_tokens, args.repeats)
     return out
 
 
 def _one_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
-    loaded = load(args.model, dtype=dtype)
+    loaded = load(args.model, dtype=dtype, weights=single_weights(args))
     n = args.new_tokens
     skipped: dict[str, str] = {}
     methods = [_metaloom(loaded, "metaloom greedy", None, n)]
