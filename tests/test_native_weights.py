@@ -214,3 +214,21 @@ def test_cli_generate_with_native_weights():
                           "--backend", "openai", "--base-url", "http://127.0.0.1:9"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == 2 and "weights" in bad.stderr
+
+
+def test_blocks_are_written_whole_or_not_at_all(tmp_path):
+    from metaloom.models.load import default_model_path, write_folder
+
+    path = blocks_path(default_model_path(), str(tmp_path))
+    assert os.listdir(tmp_path) == ["native"]  # no temporary folder left behind
+    _, kept = read_blocks(path)
+    assert kept["model.layers.0.mlp.down_proj.weight"].qtype == Q4_1  # type: ignore[attr-defined]
+
+    def fails(tmp: str) -> None:
+        with open(os.path.join(tmp, "half-written"), "w") as f:
+            f.write("x")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_folder(str(tmp_path / "other"), ".x-", fails)
+    assert os.listdir(tmp_path) == ["native"]

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -78,6 +79,22 @@ def _fingerprint(path: str) -> str:
     return h.hexdigest()[:16]
 
 
+def write_folder(target: str, prefix: str, write: Callable[[str], None]) -> None:
+    """``write(tmp)`` into a fresh sibling folder of ``target``, then rename it to ``target``:
+    readers see the whole folder or none, a failure leaves nothing, and when another process
+    finishes first its folder stays."""
+    tmp = tempfile.mkdtemp(prefix=prefix, dir=os.path.dirname(target))
+    try:
+        write(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def converted_folder(gguf_path: str) -> str:
     """The transformers folder for ``gguf_path``, converting it on first use."""
     from safetensors.torch import save_file
@@ -89,8 +106,8 @@ def converted_folder(gguf_path: str) -> str:
     if os.path.exists(os.path.join(target, "config.json")):
         return target
     os.makedirs(cache_root(), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".converting-", dir=cache_root())
-    try:
+
+    def write(tmp: str) -> None:
         cfg, sd = read_gguf(gguf_path)
         config = LlamaConfig.from_hf(cfg)
         save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(tmp, "model.safetensors"))
@@ -98,13 +115,8 @@ def converted_folder(gguf_path: str) -> str:
         # config.json last: its presence marks a complete conversion
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config.to_hf() | {"torch_dtype": "float32"}, f, indent=1)
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process finished first
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    write_folder(target, ".converting-", write)
     return target
 
 

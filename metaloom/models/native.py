@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import statistics
 import tempfile
 import time
@@ -34,7 +33,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from metaloom.errors import NotAModel
-from metaloom.models.load import user_cache_dir
+from metaloom.models.load import user_cache_dir, write_folder
 
 BLOCKS_DIR = "native"
 BLOCKS_FILE = "model.safetensors"
@@ -57,19 +56,14 @@ def blocks_path(gguf_path: str, folder: str) -> str:
     path = os.path.join(target, BLOCKS_FILE)
     if os.path.exists(path):
         return path
-    tmp = tempfile.mkdtemp(prefix=".native-", dir=folder)
-    try:
+
+    def write(tmp: str) -> None:
         _, sd, types = read_gguf_blocks(gguf_path, kept_types())
         meta = {name: [qtype, _in_features(sd[name], qtype)] for name, qtype in types.items()}
         save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(tmp, BLOCKS_FILE),
                   metadata={_META_KEY: json.dumps(meta)})
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process finished first
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    write_folder(target, ".native-", write)
     return path
 
 
