@@ -232,3 +232,36 @@ def test_blocks_are_written_whole_or_not_at_all(tmp_path):
     with pytest.raises(OSError, match="disk full"):
         write_folder(str(tmp_path / "other"), ".x-", fails)
     assert os.listdir(tmp_path) == ["native"]
+
+
+def test_speculator_heads_draft_from_quantised_embedding_and_head(native):
+    """The heads read the target's embedding and head rows, decoded from the blocks; greedy
+    output stays the target's own."""
+    from metaloom.generator import LocalGenerator, Request
+    from metaloom.ledger import Ledger
+    from metaloom.sampling import SamplingParams
+    from metaloom.speculative import Speculative
+    from metaloom.speculative.drafters.heads import HeadsDrafter
+
+    req = Request(({"role": "user", "content": PROMPTS[0]},), SamplingParams(temperature=0, max_tokens=24,
+                                                                            ignore_eos=True))
+    plain = LocalGenerator(native).generate([req], ledger=Ledger())[0][0]
+    ledger = Ledger()
+    drafted = LocalGenerator(native, speculative=Speculative(HeadsDrafter(), 4)).generate([req], ledger=ledger)[0][0]
+    assert drafted.token_ids == plain.token_ids
+    assert ledger.usage.accepted_tokens > 0  # the heads' drafts are used, not all rejected
+
+
+def test_first_auto_load_measures_records_and_returns_the_measured_model(tmp_path, monkeypatch, smollm):
+    import importlib
+
+    load_mod = importlib.import_module("metaloom.models.load")
+    monkeypatch.setenv("METALOOM_CACHE", str(tmp_path))  # no choice recorded yet
+    monkeypatch.setattr(load_mod, "cache_root", lambda: os.path.dirname(smollm.folder))
+    loaded = load("default")
+    records = os.listdir(tmp_path / "choices")
+    assert len(records) == 1
+    with open(tmp_path / "choices" / records[0]) as f:
+        choice = json.load(f)
+    assert loaded.weights == choice["weights"] and choice["native_tok_s"] > 0 and choice["dense_tok_s"] > 0
+    assert isinstance(loaded.model.layers[0].down, QuantWeight) == (loaded.weights == "native")

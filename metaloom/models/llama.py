@@ -97,22 +97,11 @@ def plain_weight(w: Weight) -> Weight:
 
 
 def dense_weight(w: Weight) -> torch.Tensor:
-    """The plain [out, in] tensor of a plain or packed weight; a quantised one dequantised to
-    float32 (a copy); any other `MatMul` has none (`UnsupportedModel`)."""
+    """The plain [out, in] tensor of a plain or packed weight (a quantised one has none)."""
     w = plain_weight(w)
-    if isinstance(w, torch.Tensor):
-        return w
-    dequantize = getattr(w, "dequantize", None)
-    if dequantize is None:
+    if not isinstance(w, torch.Tensor):
         raise UnsupportedModel(f"a {type(w).__name__} weight has no plain tensor")
-    return dequantize(torch.float32)
-
-
-def dense_embedding(table: Embedding) -> torch.Tensor:
-    """The [V, d] embedding as a tensor (a quantised table dequantised to float32, a copy)."""
-    if isinstance(table, torch.Tensor):
-        return table
-    return dense_weight(table)  # type: ignore[arg-type]  # a RowTable of blocks dequantises like a weight
+    return w
 
 
 @dataclass(frozen=True, eq=False)

@@ -213,12 +213,13 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
     mode = "dense"
     if use_native:
         config = LlamaConfig.from_hf(hf_cfg)
+        measured: LanguageModel | None = None
         if why_dense is None and weights in (None, "auto"):
-            mode = _auto_weights(gguf, folder, config, dtype, dev, pack, fused)  # type: ignore[arg-type]
+            mode, measured = _auto_weights(gguf, folder, config, dtype, dev, pack, fused)  # type: ignore[arg-type]
         elif why_dense is None and weights == "native":
             mode = "native"
         blocks = gguf if mode == "native" else None
-        model: LanguageModel = _native(config, folder, DTYPES[dtype], dev, pack, fused, blocks)
+        model: LanguageModel = measured or _native(config, folder, DTYPES[dtype], dev, pack, fused, blocks)
         eos = config.eos_token_id
     else:
         from metaloom.models.hf_adapter import HFModel
@@ -244,15 +245,20 @@ def _why_not_native(gguf: str | None, native_backend: bool, dtype: str, device: 
 
 
 def _auto_weights(gguf: str, folder: str, config: LlamaConfig, dtype: str, device: torch.device,
-                  pack: bool | None, fused: bool | None) -> str:
-    """native or dense, whichever decodes faster here (`metaloom.models.native.choose`)."""
+                  pack: bool | None, fused: bool | None) -> tuple[str, LanguageModel | None]:
+    """native or dense, whichever decodes faster here (`metaloom.models.native.choose`), and
+    the chosen model when it was just loaded to measure it (None: the choice was recorded)."""
     from metaloom.models.native import choice_path, choose
 
-    def both() -> tuple[object, object]:
-        return (_native(config, folder, DTYPES[dtype], device, pack, fused, gguf),
-                _native(config, folder, DTYPES[dtype], device, pack, fused, None))
+    built: dict[str, LanguageModel] = {}
 
-    return choose(choice_path(_fingerprint(gguf), dtype), dtype, both).weights
+    def both() -> tuple[LanguageModel, LanguageModel]:
+        built["native"] = _native(config, folder, DTYPES[dtype], device, pack, fused, gguf)
+        built["dense"] = _native(config, folder, DTYPES[dtype], device, pack, fused, None)
+        return built["native"], built["dense"]
+
+    mode = choose(choice_path(_fingerprint(gguf), dtype), dtype, both).weights
+    return mode, built.get(mode)
 
 
 def _native(config: LlamaConfig, folder: str, dtype: torch.dtype, device: torch.device,

@@ -34,6 +34,7 @@ import torch
 
 from metaloom.errors import NotAModel
 from metaloom.models.load import user_cache_dir, write_folder
+from metaloom.models.protocols import LanguageModel
 
 BLOCKS_DIR = "native"
 BLOCKS_FILE = "model.safetensors"
@@ -124,7 +125,7 @@ def recorded_choice(path: str) -> Choice | None:
     return c if c.weights in ("native", "dense") else None
 
 
-def choose(path: str, dtype: str, models: Callable[[], tuple[object, object]], tokens: int = 24,
+def choose(path: str, dtype: str, models: Callable[[], tuple[LanguageModel, LanguageModel]], tokens: int = 24,
            repeats: int = 3) -> Choice:
     """The recorded choice at ``path``, else measure (``models()`` -> (native, dense) models),
     record and return it."""
@@ -150,14 +151,13 @@ def choose(path: str, dtype: str, models: Callable[[], tuple[object, object]], t
 
 
 @torch.inference_mode()
-def greedy_seconds(model: object, tokens: int, prompt: int = 16) -> float:
+def greedy_seconds(model: LanguageModel, tokens: int, prompt: int = 16) -> float:
     """Seconds for ``tokens`` batch-1 greedy steps after a ``prompt``-token prefill (the
     prefill is not timed): the decode speed the choice is about."""
-    m = model  # a LanguageModel; typed loosely to keep this module free of the model classes
-    cache = m.new_cache(1, prompt + tokens + 1)  # type: ignore[attr-defined]
-    ids = torch.arange(1, prompt + 1, device=m.device)[None]  # type: ignore[attr-defined]
-    token = m.forward(ids, cache, last_only=True)[:, -1].argmax(-1, keepdim=True)  # type: ignore[attr-defined]
+    cache = model.new_cache(1, prompt + tokens + 1)
+    ids = torch.arange(1, prompt + 1, device=model.device)[None]
+    token = model.forward(ids, cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
     start = time.perf_counter()
     for _ in range(tokens):
-        token = m.forward(token, cache)[:, -1].argmax(-1, keepdim=True)  # type: ignore[attr-defined]
+        token = model.forward(token, cache)[:, -1].argmax(-1, keepdim=True)
     return time.perf_counter() - start

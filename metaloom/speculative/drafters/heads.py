@@ -27,7 +27,7 @@ import torch
 
 from metaloom.decode.forward import Ledgers, charge_rows
 from metaloom.errors import InvalidParameter, UnsupportedModel
-from metaloom.models.llama import dense_embedding, dense_weight
+from metaloom.models.llama import Embedding, embed_tokens, plain_weight
 from metaloom.models.protocols import LanguageModel
 from metaloom.sampling.pipeline import Sampler
 from metaloom.speculative.drafter import Draft, DraftState, Verified
@@ -82,15 +82,16 @@ class HeadsDrafter:
         heads = self.heads if self.heads is not None else heads_for(target, self.path)
         device = target.device
         heads = heads.to(device)
-        embed = dense_embedding(target.embed)  # type: ignore[attr-defined]  # native weights: dequantised once
-        head = dense_weight(target.lm_head)[heads.vocab_ids].float()  # type: ignore[attr-defined]  # [V_d, d]
+        embed = target.embed  # type: ignore[attr-defined]  # a tensor, or quantised blocks (native weights)
+        # [V_d, d]: only the draft vocabulary's rows (decoded from blocks with native weights)
+        head = embed_tokens(plain_weight(target.lm_head), heads.vocab_ids, torch.float32).float()  # type: ignore[attr-defined,arg-type]  # a head: a tensor or blocks with rows()
         return HeadsState(heads, embed, head, None, self.min_prob)
 
 
 class HeadsState:
     needs_hidden = True  # the decode loop fills `Verified.hidden`
 
-    def __init__(self, heads: SpeculatorHeads, embed: torch.Tensor, head: torch.Tensor,
+    def __init__(self, heads: SpeculatorHeads, embed: Embedding, head: torch.Tensor,
                  hidden: torch.Tensor | None, min_prob: float = 0.0, known: torch.Tensor | None = None) -> None:
         self.known = known  # [B] bool: rows whose hidden state is real (None: all of them)
         self.min_prob = min_prob
@@ -101,7 +102,7 @@ class HeadsState:
 
     def propose(self, contexts: Sequence[Sequence[int]], limits: Sequence[int], ledger: Ledgers) -> Draft:
         k = min(max(limits, default=0), self.heads.config.stages)
-        device = self.embed.device
+        device = self.head.device
         if k == 0 or self.hidden is None:
             return Draft.from_lists([[] for _ in contexts], device)
         first = torch.as_tensor([c[-1] for c in contexts], dtype=torch.long, device=device)

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from metaloom.errors import NotAModel
+from metaloom.models.llama import Embedding, embed_tokens
 
 FORMAT = "metaloom-heads"
 FORMAT_VERSION = 1
@@ -81,8 +82,6 @@ def model_signature(model: object) -> dict[str, object]:
 
 def model_probe(model: object) -> tuple[float, ...]:
     """A few embedding values: a cheap fingerprint of the weights that survives a cast to bf16."""
-    from metaloom.models.llama import embed_tokens
-
     embed = model.embed  # type: ignore[attr-defined]  # a tensor, or quantised blocks (native weights)
     rows = torch.as_tensor([r % embed.shape[0] for r in PROBE_ROWS], device=model.device)  # type: ignore[attr-defined]
     return tuple(float(x) for x in embed_tokens(embed, rows, torch.float32)[:, :4].float().reshape(-1).tolist())
@@ -129,13 +128,13 @@ class SpeculatorHeads(nn.Module):
         return out
 
     @torch.no_grad()
-    def draft(self, z: torch.Tensor, first: torch.Tensor, k: int, embed: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    def draft(self, z: torch.Tensor, first: torch.Tensor, k: int, embed: Embedding, head: torch.Tensor) -> torch.Tensor:
         """Hierarchical drafting: z [B, d] the target's hidden state at the last token it saw,
         first [B] the token it emitted after it; returns [B, k] target token ids (k <= stages)."""
         return self.draft_confident(z, first, k, embed, head)[0]
 
     @torch.no_grad()
-    def draft_confident(self, z: torch.Tensor, first: torch.Tensor, k: int, embed: torch.Tensor, head: torch.Tensor,
+    def draft_confident(self, z: torch.Tensor, first: torch.Tensor, k: int, embed: Embedding, head: torch.Tensor,
                         min_prob: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         """`draft`, plus [B] the number of leading stages whose guess has probability >=
         ``min_prob`` under the stage's own softmax: a draft cut there spends no verify width on
@@ -147,7 +146,7 @@ class SpeculatorHeads(nn.Module):
         confident = torch.zeros(b, dtype=torch.long, device=z.device)
         alive = torch.ones(b, dtype=torch.bool, device=z.device)
         for i in range(k):
-            state = self.stage(i, state, F.embedding(token, embed).to(state.dtype))
+            state = self.stage(i, state, embed_tokens(embed, token, state.dtype).to(state.dtype))
             logits = self.out[i](state) @ head.T
             best, index = logits.max(dim=-1)
             token = self.vocab_ids[index]
