@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from metaloom.commands import bench, generate, run, score, serve, strategies, train_speculator, tree
+from metaloom.commands import bench, evaluate, generate, report, run, score, serve, strategies, train_speculator, tree
 from metaloom.errors import MetaloomError
 
 EXIT_USAGE = 2
@@ -21,6 +21,7 @@ COMMANDS += [score.register]  # log-probabilities of continuations
 COMMANDS += [serve.register]  # the OpenAI-compatible server
 COMMANDS += [train_speculator.register]  # speculator heads (metaloom.speculative.heads)
 COMMANDS += [tree.register]  # render a search tree from a --json result
+COMMANDS += [evaluate.register, report.register]  # accuracy-vs-compute sweeps and their report
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,19 +28,14 @@ from typing import Any
 
 from metaloom.bench import single_weights
 from metaloom.errors import InvalidParameter
+from metaloom.eval.tasks.gym import TASKS as GYM_TASKS
+from metaloom.eval.tasks.gym import chat_prompt, final_answer
 
-# tasks: reasoning-gym dataset and configuration. Countdown with 3 numbers up to 20 and targets
-# under 100: with 4 numbers up to 25, Qwen2.5-Coder-0.5B's steps were almost never valid
-# arithmetic, and every strategy scored 0 on the first problems
-TASKS: dict[str, tuple[str, dict[str, Any]]] = {
-    "countdown": ("countdown", {"min_numbers": 3, "max_numbers": 3, "min_value": 1, "max_value": 20,
-                                "min_target": 10, "max_target": 99}),
-    "game24": ("puzzle24", {}),
-    "gsm": ("gsm_symbolic", {}),
-}
+# the tasks searched: reasoning-gym dataset and configuration (the prompts, configurations and
+# answer reading are the evaluation tasks' own, `metaloom.eval.tasks.gym`)
+TASKS: dict[str, tuple[str, dict[str, Any]]] = {t: GYM_TASKS[t] for t in ("countdown", "game24", "gsm")}
+
 SEED = 4242  # the tests draw their puzzles with seeds 11-15
-GSM_STEPS = ("{question}\n\nSolve it step by step, with a blank line between steps. End with a last step "
-             "`The answer is N.`")
 SEARCHES = ("step_beam_search", "dvts", "lookahead", "rebase", "mcts", "a_star", "particle_filtering", "best_first")
 
 
@@ -71,33 +66,10 @@ def problems(task: str, size: int, seed: int) -> tuple[list[Problem], Any]:
     return [Problem(task, i, str(x["question"]), x) for i, x in enumerate(data)], data
 
 
-SYSTEM = ("You solve arithmetic puzzles step by step, one operation per paragraph. Each step combines two of the "
-          "numbers you still have, written `a op b = c` with op one of + - * /; the result c replaces a and b. Use "
-          "every number exactly once. When only the target is left, write `Answer: ` and the whole expression with "
-          "the original numbers.")
-# one worked example as a previous turn: a 0.5B model asked with the example inside the question
-# copies the example's answer
-EXAMPLES = {"countdown": ("Find a way to make 41 using all of these numbers: 5, 7, 6.",
-                          "7 * 5 = 35\n\n35 + 6 = 41\n\nAnswer: 7 * 5 + 6"),
-            "game24": ("Make 24 using 2, 3, 4, 1. You can only use each number once.",
-                       "2 * 3 = 6\n\n6 * 4 = 24\n\n24 * 1 = 24\n\nAnswer: 2 * 3 * 4 * 1")}
-
-
 def prompt_of(p: Problem) -> tuple[dict[str, str], ...]:
-    """The chat a problem is asked as: for the puzzles, the step format, one worked example and
-    the puzzle's first line (reasoning-gym's answer-format lines ask for a bare expression)."""
-    if p.task == "gsm":
-        return ({"role": "user", "content": GSM_STEPS.format(question=p.question)},)
-    question, answer = EXAMPLES[p.task]
-    return ({"role": "system", "content": SYSTEM}, {"role": "user", "content": question},
-            {"role": "assistant", "content": answer}, {"role": "user", "content": p.question.splitlines()[0]})
-
-
-def final_answer(task: str, text: str) -> str | None:
-    from metaloom.score.answers import LastNumber
-    from metaloom.score.puzzles import final_expression
-
-    return LastNumber().extract(text) if task == "gsm" else final_expression(text)
+    """The chat a problem is asked as (`metaloom.eval.tasks.gym.chat_prompt`: the step format,
+    for the puzzles with one worked example)."""
+    return chat_prompt(p.task, p.question)
 
 
 def strategies(task: str, generator: Any, n: int, tokens: int) -> dict[str, Callable[[], Any]]:

@@ -137,15 +137,23 @@ def strategy_config(args: argparse.Namespace) -> tuple[dict[str, str], dict[str,
     model loads: the dotted values against the strategy's (and its components') fields and
     types, the sampling flags, then that a prompt was given."""
     from metaloom.meta.configure import build_strategy
+    from metaloom.meta.spec import parse_spec
     from metaloom.sampling import SamplingParams
 
     dotted: list[Dotted] = getattr(args, "dotted", [])
-    params: dict[str, str] = {}
-    groups: dict[str, dict[str, str]] = {}
+    # --strategy takes a spec too (NAME@param=v,...: what `metaloom eval --select` prints);
+    # a parameter given both ways is an error, not a silent override
+    spec = parse_spec(args.strategy, "strategy")
+    args.strategy = spec.name
+    params: dict[str, str] = dict(spec.params)
+    groups: dict[str, dict[str, str]] = {g: dict(p) for g, p in spec.groups.items()}
     for group, key, value, _ in dotted:
         if value is None:
             raise InvalidParameter(f"{group}.{key}", None, f"a value: --{group}.{key} VALUE")
-        (params if group == "strategy" else groups.setdefault(group, {}))[key] = value
+        target = params if group == "strategy" else groups.setdefault(group, {})
+        if key in target:
+            raise InvalidParameter(f"{group}.{key}", value, f"one value (the spec already sets it to {target[key]!r})")
+        target[key] = value
     sampling = sampling_kwargs(args)
     if "n" in sampling:
         raise InvalidParameter("n", sampling["n"], "not a sampling flag here: the strategy's --strategy.n (or batch)")

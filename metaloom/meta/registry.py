@@ -23,6 +23,7 @@ from metaloom.meta.first_finish import FirstFinish
 from metaloom.meta.mbr import MBR
 from metaloom.meta.pruned import PrunedBestOfN
 from metaloom.meta.refine import Refine
+from metaloom.meta.single import Single
 from metaloom.meta.types import Strategy
 from metaloom.meta.vote import MajorityVote, WeightedVote
 from metaloom.score.answers import ChoiceLetter, ExactString, Extractor, LastNumber, MathAnswer
@@ -40,6 +41,7 @@ from metaloom.search.rebase import Rebase
 Entry = Callable[..., Any] | str
 
 STRATEGIES: dict[str, Entry] = {
+    "greedy": Single,  # one output (greedy by default): the baseline of every curve
     "chain": Chain,
     "best_of_n": BestOfN,
     "majority_vote": MajorityVote,

@@ -75,13 +75,11 @@ def resolve_model(model: str, served: tuple[str, ...], options: StrategyOptions 
                        "invalid_request_error", param="model", code="model_not_found")
     if options is not None:
         raise InvalidParameter("metaloom", "set", f"unset when the model alias {model!r} names the strategy")
-    strategy, _, spec = name.partition("@")
-    params: dict[str, str] = {}
-    for item in filter(None, spec.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise InvalidParameter("model", model, "STRATEGY@param=value,param=value:MODEL")
-        params[key.strip()] = value.strip()
+    from metaloom.meta.spec import parse_spec
+
+    spec = parse_spec(name, "model")
+    params: dict[str, str] = {**spec.params, **{f"{g}.{k}": v for g, ps in spec.groups.items() for k, v in ps.items()}}
+    strategy = spec.name
     return _from_options(StrategyOptions(strategy=strategy, params=params))
 
 

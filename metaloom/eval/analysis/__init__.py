@@ -1,0 +1,102 @@
+"""The analysis behind `metaloom eval`'s report and ``--select``: pure functions of the sweep's
+records (numpy, no model).
+
+- `subsample`: re-picking within any subset of a pooled record's candidates, exactly as the
+  strategy would have (tie rules included), what that subset cost, and pass@k.
+- `curves`: accuracy and coverage against output tokens, FLOPs and seconds — N = 1, 2, 4, ...
+  read off the largest pool — with bootstrap 95% intervals and the Pareto frontier.
+- `select`: compute-optimal selection per budget and difficulty bin (Snell et al. 2024), on a
+  selection half, reported on a held-out half against best-of-N and majority vote.
+
+`analyze` puts them together as the JSON the HTML report reads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from metaloom.errors import InvalidParameter
+from metaloom.eval.analysis.curves import curves, first_seen, frontier, latest, points
+from metaloom.eval.analysis.select import VOTES, choice_for_budget, select
+from metaloom.eval.analysis.subsample import COSTS, pass_at_k, pick, pick_many, subset_cost
+from metaloom.eval.records import Record
+
+__all__ = ["analyze", "choice_for_budget", "pass_at_k", "pick", "pick_many", "subset_cost", "votes"]
+
+
+def votes(records: Sequence[Record]) -> dict[str, dict[str, dict[str, int]]]:
+    """``{problem: {spec: {answer: count}}}`` of the vote records (majority and weighted vote)
+    at their full N: samples per answer class, named by the class's first answer; samples
+    without an answer cast no vote."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for r in latest(records).values():
+        sel = r.selection
+        if sel is None or sel.kind not in VOTES or not r.candidates:
+            continue
+        groups = sel.groups if len(sel.groups) == len(r.candidates) else tuple(c.answer for c in r.candidates)
+        names: dict[Any, str] = {}
+        hist: dict[str, int] = {}
+        for g, c in zip(groups, r.candidates, strict=True):
+            if g is None or c.answer is None:
+                continue
+            name = names.setdefault(g, c.answer)
+            hist[name] = hist.get(name, 0) + 1
+        out.setdefault(r.problem, {})[r.strategy] = hist
+    return out
+
+
+def clean(value: Any) -> Any:
+    """JSON-able: NaN and infinities become None, numpy numbers Python numbers."""
+    if isinstance(value, dict):
+        return {k: clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [clean(v) for v in value]
+    if hasattr(value, "item") and not isinstance(value, str):  # numpy scalar
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidParameter(name, value, "an integer >= 1")
+
+
+def analyze(records: Sequence[Record], *, seed: int = 0, draws: int = 200, bootstrap: int = 1000,
+            probe_k: int = 4, bins: int = 3, grid: int = 12, metric: str = "flops") -> dict[str, Any]:
+    """Everything the report shows, as JSON-able data (NaN as None):
+
+    ``problems`` and ``strategies`` (first-seen order); ``curves`` (per family, its points with
+    accuracy, coverage, bootstrap intervals, mean costs and problem counts); ``frontier`` (the
+    Pareto-optimal labels per cost, cheapest first); ``selection`` (the compute-optimal analysis
+    of `metaloom.eval.analysis.select`, or None with ``selection_reason`` when fewer than 2
+    problems are shared by every strategy); ``votes`` (answer histograms of the vote records).
+
+    ``seed``: subsample draws, bootstrap and split; ``draws``: random subsets per (problem, N);
+    ``bootstrap``: resamples per interval; ``probe_k``, ``bins``, ``grid``, ``metric``: the
+    selection's difficulty probe size, bin count, number of budgets and budget metric.
+    Records with ``error`` count as incorrect; a problem missing for a spec (an interrupted
+    sweep) leaves that spec's points over the problems it has (``problems`` says how many)."""
+    for name, value in (("draws", draws), ("bootstrap", bootstrap), ("probe_k", probe_k), ("bins", bins), ("grid", grid)):
+        _positive(name, value)
+    problems = first_seen([r.problem for r in records])
+    strategies = first_seen([r.strategy for r in records])
+    pts = points(records, seed=seed, draws=draws)
+    front = {m: frontier([(p.label, p.mean_cost(m), p.accuracy()) for p in pts]) for m in COSTS}
+    table = latest(records)
+    common = [p for p in problems if all((p, s) in table for s in strategies)]
+    out: dict[str, Any] = {"problems": problems, "strategies": strategies,
+                           "curves": curves(pts, seed=seed, bootstrap=bootstrap), "frontier": front}
+    if len(common) < 2:
+        out["selection"] = None
+        out["selection_reason"] = (f"{len(common)} problem(s) shared by every strategy: compute-optimal selection "
+                                   "needs at least 2 (a selection half and a held-out half)")
+    else:
+        out["selection"] = select(pts, records, common, seed=seed, probe_k=probe_k, bins=bins, grid=grid, metric=metric)
+        if not out["selection"]["rows"]:
+            out["selection_reason"] = f"no point has a known cost on {out['selection']['budget_metric']}"
+    out["votes"] = votes(records)
+    return clean(out)

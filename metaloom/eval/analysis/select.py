@@ -1,0 +1,296 @@
+"""Compute-optimal strategy selection (Snell et al. 2024, "Scaling LLM Test-Time Compute
+Optimally can be More Effective than Scaling Model Parameters"): the best test-time strategy
+depends on the budget and on how hard the question is for the model, so choose per budget
+and per difficulty bin, on one half of the problems, and report on the other half.
+
+Protocol (every choice is made without the held-out half's ground truth):
+
+1. **Split**: the problems every strategy spec has are shuffled with ``seed`` and split into
+   a selection half (the larger when odd) and a held-out half.
+2. **Difficulty probe** (`agreement_probe`): Snell et al. bin questions by difficulty estimated
+   from the model's own samples (their "model-predicted difficulty": a verifier's mean score
+   over samples, no ground truth). Ours is cheaper and needs no verifier: the first ``k``
+   samples (draw order) of one pooled record of the problem — majority vote with the largest
+   pool if there is one, else another pooled strategy whose candidates have answers — and the
+   difficulty 1 − (size of their largest answer class)/k; samples without an answer agree with
+   nobody. Unanimous samples: 0 (easy); all different: 1 − 1/k. What those k samples cost
+   (their own cost plus the record's shared prefill) is **charged to compute-optimal**, within
+   its budget and in its held-out compute: a deployment runs the probe first (no credit is
+   taken for reusing its samples). No pooled record with answers: one bin ("all"), no probe.
+3. **Bins**: edges at the 1/b, 2/b, ... quantiles (lower) of the selection half's
+   difficulties, an edge at the maximum moved down to the next distinct value, duplicates
+   dropped, so every bin holds selection problems (difficulties are discrete: k+1 levels);
+   held-out problems fall in the bin of their difficulty. Names: ``all``; ``easy``/``hard``;
+   ``easy``/``medium``/``hard``; ``level1``.. for more.
+4. **Budgets** (`budget_grid`): a budget bounds the mean cost per problem on the budget
+   metric (FLOPs; output tokens where some point's FLOPs are unknown or all are 0). ``grid``
+   budgets log-spaced from the least budget at which compute-optimal has a choice in every bin
+   to the largest cost of any point (in any bin, probe included), so every row has a
+   compute-optimal accuracy; the baselines may have no point within the smallest budgets (None).
+5. **Choice**: for each budget and bin, among the points whose mean cost *plus the probe's*
+   over the selection half's problems of that bin is within budget, the best selection-half
+   accuracy in that bin (ties: cheaper, then earlier) — compute-optimal pays for its probe
+   within the same budget as the baselines. ``best_single`` chooses the same way over the whole
+   selection half without bins and without a probe; ``majority_vote``/``best_of_n`` likewise
+   among those strategies' points only (every variant, every N). All report held-out accuracy.
+6. **Efficiency**: compute-optimal's held-out compute C is the held-out mean cost of each
+   problem's chosen point plus the probe's cost. The baseline's held-out curve is each of its
+   points' (held-out mean cost, held-out accuracy); the compute it needs is the least cost of a
+   baseline point whose held-out accuracy reaches compute-optimal's held-out accuracy (no
+   interpolation). ``efficiency = needed / C`` (> 1: compute-optimal needs that many times less
+   compute); None when no baseline point reaches it or C is 0. Looking up the baseline on the
+   held-out half itself favours the baseline: the ratio is conservative.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from metaloom.errors import InvalidParameter
+from metaloom.eval.analysis.curves import Point, latest
+from metaloom.eval.analysis.subsample import COSTS, subset_cost
+from metaloom.eval.records import POOLED, Record
+from metaloom.meta.spec import parse_spec
+
+BASELINES = ("majority_vote", "best_of_n")
+VOTES = ("majority_vote", "weighted_vote")
+
+
+def split(problems: Sequence[str], seed: int) -> tuple[list[str], list[str]]:
+    """(selection, held-out): a seeded shuffle cut in two, the selection half the larger when
+    odd; each half keeps the input order."""
+    if len(problems) < 2:
+        raise InvalidParameter("problems", len(problems), "at least 2 problems every strategy has, to split in two")
+    order = np.random.default_rng(seed).permutation(len(problems))
+    chosen = set(order[: len(problems) - len(problems) // 2].tolist())
+    return ([p for i, p in enumerate(problems) if i in chosen], [p for i, p in enumerate(problems) if i not in chosen])
+
+
+@dataclass(frozen=True)
+class Probe:
+    """The difficulty probe: its ``description``, the ``spec`` read and ``k`` samples used; per
+    problem its ``difficulty`` (0..1) and ``cost`` per `COSTS`."""
+
+    description: str
+    spec: str | None
+    k: int
+    difficulty: Mapping[str, float]
+    cost: Mapping[str, Mapping[str, float]]
+
+
+def _answer_groups(record: Record, first: int) -> list[Any]:
+    sel = record.selection
+    if sel is not None and sel.kind in VOTES and len(sel.groups) == len(record.candidates):
+        return list(sel.groups[:first])  # the vote's own answer classes (equivalent answers merged)
+    return [c.answer for c in record.candidates[:first]]
+
+
+def disagreement(groups: Sequence[Any], k: int) -> float:
+    """1 − (largest class among ``groups``)/k; None entries (no answer) agree with nobody."""
+    counts: dict[Any, int] = {}
+    for g in groups:
+        if g is not None:
+            counts[g] = counts.get(g, 0) + 1
+    return 1.0 - max(counts.values(), default=0) / k
+
+
+def _probe_spec(records: Sequence[Record], problems: Sequence[str]) -> str | None:
+    """A pooled spec every problem has, whose candidates carry answers: majority vote first,
+    then other votes, then the rest; the largest pool first."""
+    table = latest(records)
+    want = set(problems)
+    ranked = []
+    for i, spec in enumerate(dict.fromkeys(r.strategy for r in records)):
+        name = parse_spec(spec).name
+        recs = [table[(p, spec)] for p in problems if (p, spec) in table]
+        if name not in POOLED or len(recs) < len(want) or not any(c.answer is not None for r in recs for c in r.candidates):
+            continue
+        rank = 0 if name == "majority_vote" else 1 if name in VOTES else 2
+        ranked.append((rank, -max(len(r.candidates) for r in recs), i, spec))
+    return min(ranked)[3] if ranked else None
+
+
+def agreement_probe(records: Sequence[Record], problems: Sequence[str], k: int = 4) -> Probe:
+    """Difficulty from answer agreement among the first ``k`` samples of a pooled record (see
+    the module docstring); no ground truth is read. A problem whose record has no candidates
+    is hardest (1.0)."""
+    if k < 1:
+        raise InvalidParameter("probe_k", k, "an integer >= 1")
+    spec = _probe_spec(records, problems)
+    if spec is None:
+        zero = dict.fromkeys(COSTS, 0.0)
+        return Probe("none: no pooled record with answers; one bin", None, 0,
+                     dict.fromkeys(problems, 0.0), {p: zero for p in problems})
+    table = latest(records)
+    difficulty, cost = {}, {}
+    for p in problems:
+        r = table[(p, spec)]
+        first = min(k, len(r.candidates))
+        difficulty[p] = disagreement(_answer_groups(r, first), first) if first else 1.0
+        cost[p] = subset_cost(r, range(first))
+    return Probe(f"answer disagreement among the first {k} samples of {spec} "
+                 "(1 - largest answer class / k; no ground truth); their cost is charged to compute-optimal",
+                 spec, k, difficulty, cost)
+
+
+@dataclass(frozen=True)
+class Bin:
+    """A difficulty bin: problems with difficulty <= ``upper`` (and above the previous bin's)."""
+
+    name: str
+    upper: float
+
+
+def bin_names(count: int) -> list[str]:
+    return {1: ["all"], 2: ["easy", "hard"], 3: ["easy", "medium", "hard"]}.get(
+        count, [f"level{i + 1}" for i in range(count)])
+
+
+def difficulty_bins(selection: Mapping[str, float], bins: int = 3) -> list[Bin]:
+    """Up to ``bins`` bins from the quantiles of the selection half's difficulties (see the
+    module docstring); each holds at least one selection problem."""
+    if bins < 1:
+        raise InvalidParameter("bins", bins, "an integer >= 1")
+    values = np.array(sorted(selection.values()), dtype=np.float64)
+    if not values.size:
+        return [Bin("all", math.inf)]
+    qs = np.quantile(values, [i / bins for i in range(1, bins)], method="lower") if bins > 1 else np.array([])
+    distinct = sorted({float(v) for v in values})
+    # an edge at the maximum would leave the last bin empty: it moves down to the next value
+    edges = sorted({float(q) if q < distinct[-1] else distinct[-2] for q in qs} if len(distinct) > 1 else set())
+    names = bin_names(len(edges) + 1)
+    return [Bin(n, e) for n, e in zip(names, [*edges, math.inf], strict=True)]
+
+
+def bin_of(bins: Sequence[Bin], difficulty: float) -> str:
+    return next(b.name for b in bins if difficulty <= b.upper)
+
+
+def budget_metric(pts: Sequence[Point], problems: Sequence[str], preferred: str = "flops") -> str:
+    """``preferred`` where every point's cost on it is known and some is non-zero, else output tokens."""
+    if preferred not in COSTS:
+        raise InvalidParameter("metric", preferred, f"one of {COSTS}")
+    costs = [p.mean_cost(preferred, problems) for p in pts]
+    if costs and all(math.isfinite(c) for c in costs) and any(c > 0 for c in costs):
+        return preferred
+    return "output_tokens"
+
+
+def budget_grid(lo: float, hi: float, count: int = 12) -> list[float]:
+    """``count`` budgets from ``lo`` to ``hi`` (both exact), log-spaced: compute scales by
+    orders of magnitude; linear where ``lo`` is 0 (a free point). One budget where hi <= lo."""
+    if count < 1:
+        raise InvalidParameter("grid", count, "an integer >= 1")
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return []
+    if hi <= lo or count == 1:
+        return [max(lo, hi)]
+    grid = (np.geomspace(lo, hi, count) if lo > 0 else np.linspace(lo, hi, count)).tolist()
+    grid[0], grid[-1] = lo, hi  # exact ends: a point at either end is within
+    return [float(b) for b in grid]
+
+
+def _best(candidates: Sequence[tuple[float, float, int]], budget: float) -> int | None:
+    """Among (accuracy, cost, index), the most accurate within budget; ties: cheaper, earlier."""
+    within = [(-a, c, i) for a, c, i in candidates if math.isfinite(c) and c <= budget * (1 + 1e-12) and not math.isnan(a)]
+    return min(within)[2] if within else None
+
+
+def efficiency(target: float, compute: float, curve: Sequence[tuple[float, float]]) -> float | None:
+    """Compute a baseline needs to reach ``target`` accuracy (the least cost among its
+    (cost, accuracy) points with accuracy >= target) divided by ``compute``; None when none
+    reaches it or ``compute`` is not positive."""
+    needed = [c for c, a in curve if a >= target - 1e-12 and math.isfinite(c)]
+    if not needed or not compute > 0:
+        return None
+    return min(needed) / compute
+
+
+def select(pts: Sequence[Point], records: Sequence[Record], problems: Sequence[str], *, seed: int = 0,
+           probe_k: int = 4, bins: int = 3, grid: int = 12, metric: str = "flops") -> dict[str, Any]:
+    """The compute-optimal analysis over ``problems`` (those every point has): see the module
+    docstring. JSON-able except NaN (the caller cleans). Each row: ``budget`` (on
+    ``budget_metric``) and ``budget_flops`` (the same, None where the metric is not FLOPs);
+    ``choices`` per bin; held-out ``accuracy`` and ``compute`` (probe included, and
+    ``probe_compute`` alone); ``best_single``, ``majority_vote``, ``best_of_n`` (held-out accuracy
+    of each one's choice, with ``*_choice`` its label; None where nothing fits the budget); and
+    ``efficiency_vs_majority``, ``efficiency_vs_best_of_n`` (`efficiency`)."""
+    sel_problems, held = split(problems, seed)
+    probe = agreement_probe(records, problems, probe_k)
+    bin_list = difficulty_bins({p: probe.difficulty[p] for p in sel_problems}, bins if probe.spec else 1)
+    where = {p: bin_of(bin_list, probe.difficulty[p]) for p in problems}
+    metric = budget_metric(pts, sel_problems, metric)
+    sel_in = {b.name: [p for p in sel_problems if where[p] == b.name] for b in bin_list}
+    held_in = {b.name: [p for p in held if where[p] == b.name] for b in bin_list}
+
+    sel_acc = {b: [p.accuracy(ps) for p in pts] for b, ps in sel_in.items()}
+    # compute-optimal pays for its probe: a bin's cost of a point is the point's plus the probe's
+    sel_probe = {b: float(np.mean([probe.cost[p][metric] for p in ps])) for b, ps in sel_in.items()}
+    sel_cost = {b: [p.mean_cost(metric, ps) + sel_probe[b] for p in pts] for b, ps in sel_in.items()}
+    whole = [(p.accuracy(sel_problems), p.mean_cost(metric, sel_problems), i) for i, p in enumerate(pts)]
+    held_acc = [p.accuracy(held) for p in pts]
+    held_cost = [p.mean_cost(metric, held) for p in pts]
+    probe_cost = float(np.mean([probe.cost[p][metric] for p in held])) if held else 0.0
+    by_name = {name: [i for i, p in enumerate(pts) if p.strategy == name] for name in BASELINES}
+
+    known = [[c for c in costs if math.isfinite(c)] for costs in sel_cost.values()]
+    lo = max(min(cs) for cs in known) if all(known) else math.nan  # least budget where every bin has a choice
+    hi = max([c for cs in known for c in cs] + [c for _, c, _ in whole if math.isfinite(c)], default=math.nan)
+    rows = []
+    for budget in budget_grid(lo, hi, grid):
+        choices = {b: _best([(sel_acc[b][i], sel_cost[b][i], i) for i in range(len(pts))], budget) for b in sel_in}
+        row: dict[str, Any] = {"budget_flops": budget if metric == "flops" else None, "budget": budget,
+                               "choices": {b: None if i is None else pts[i].label for b, i in choices.items()}}
+        if all(i is not None for i in choices.values()) and held:
+            picked = {b: pts[i] for b, i in choices.items() if i is not None}
+            accuracy = float(np.mean([picked[where[p]].correct_at(p) for p in held]))
+            compute = float(np.mean([picked[where[p]].cost_at(metric, p) for p in held])) + probe_cost
+        else:
+            accuracy, compute = math.nan, math.nan
+        row.update(accuracy=accuracy, compute=compute, probe_compute=probe_cost)
+        single = _best(whole, budget)
+        row["best_single"] = None if single is None else held_acc[single]
+        row["best_single_choice"] = None if single is None else pts[single].label
+        for name, key in (("majority_vote", "efficiency_vs_majority"), ("best_of_n", "efficiency_vs_best_of_n")):
+            chosen = _best([whole[i] for i in by_name[name]], budget)
+            row[name] = None if chosen is None else held_acc[chosen]
+            row[f"{name}_choice"] = None if chosen is None else pts[chosen].label
+            curve = [(held_cost[i], held_acc[i]) for i in by_name[name]]
+            row[key] = None if math.isnan(accuracy) else efficiency(accuracy, compute, curve)
+        rows.append(row)
+
+    return {"seed": seed, "budget_metric": metric, "selection_problems": sel_problems, "heldout_problems": held,
+            "bins": [{"name": b.name, "max_difficulty": b.upper,
+                      "problems": [p for p in problems if where[p] == b.name],
+                      "selection_problems": sel_in[b.name], "heldout_problems": held_in[b.name]} for b in bin_list],
+            "probe": probe.description, "probe_spec": probe.spec, "probe_k": probe.k,
+            "difficulty": dict(probe.difficulty), "rows": rows}
+
+
+def choice_for_budget(analysis: Mapping[str, Any], budget: float, bin: str | None = None) -> str:
+    """The spec to run at ``budget`` (on the analysis's budget metric): the row with the largest
+    budget not above it; its per-bin choice for ``bin``, else the best single strategy (one spec
+    needs no difficulty probe; `metaloom run` and `metaloom serve` take it as it is).
+    ``analysis``: `analyze`'s result or its ``selection``."""
+    sel = analysis.get("selection", analysis) if "rows" not in analysis else analysis
+    if not sel or not sel.get("rows"):
+        raise InvalidParameter("analysis", "no selection", "an analysis with compute-optimal rows (2 problems or more)")
+    rows = [r for r in sel["rows"] if r["budget"] <= budget * (1 + 1e-12)]
+    if not rows:
+        least = min(r["budget"] for r in sel["rows"])
+        raise InvalidParameter("budget", budget, f">= {least} ({sel.get('budget_metric', 'flops')}), the least budget analysed")
+    row = max(rows, key=lambda r: r["budget"])
+    if bin is not None:
+        if bin not in row["choices"]:
+            raise InvalidParameter("bin", bin, f"one of {sorted(row['choices'])}")
+        choice = row["choices"][bin]
+    else:
+        choice = row["best_single_choice"]
+    if choice is None:
+        raise InvalidParameter("budget", budget, "a budget some strategy fits within")
+    return str(choice)

@@ -1,0 +1,95 @@
+"""What each sample of a sampling strategy cost, so smaller N can be read off the largest N.
+
+A pooled strategy (majority vote, weighted vote, best-of-N, MBR) draws its N samples in one
+request: the prompt is prefilled once and forked N ways, then every row decodes its own
+tokens. A run with fewer samples would have paid the same prefill and only its own rows'
+decoding, so a subset's cost is ``shared + Σ candidate costs`` where a candidate's FLOPs are
+its own decode forwards, from the model's FLOP formula (`LanguageModel.flops`; linear, so a
+batched step splits exactly by row): a row of ``L`` tokens after a ``P``-token prompt feeds
+tokens at positions P .. P+L-1, attending P+1 .. P+L keys, with one logit row each.
+``shared`` is the rest of the run (prefill, scorer calls over the whole set): at the full N
+the parts add up to the run's charged usage exactly. Without a formula (a remote server) the
+sampling call's FLOPs are split by tokens. Seconds are split in proportion to FLOPs: an
+attribution, not a measurement — a batch of 32 rows does not take 32 times one row's time.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from metaloom.eval.records import POOLED, Candidate, Selection
+from metaloom.eval.tasks.base import Grade
+from metaloom.meta.types import Result
+from metaloom.score.answers import Extractor, classes
+
+# (prompt tokens, generated tokens) -> FLOPs of that row's own decode forwards
+RowFlops = Callable[[int, int], float]
+
+
+def model_row_flops(model: Any) -> RowFlops:
+    """`RowFlops` of a `LanguageModel` (its ``flops(new_tokens, attended, logit_rows)``)."""
+    from metaloom.models.flops import attended_keys
+
+    def row(prompt: int, tokens: int) -> float:
+        return float(model.flops(new_tokens=tokens, attended=attended_keys([prompt], [tokens]), logit_rows=tokens))
+
+    return row
+
+
+def _sample_usage(result: Result) -> Mapping[str, Any]:
+    """The usage of the run's sampling call(s), summed from its "sample" trace events."""
+    total: dict[str, float] = {}
+    for e in result.trace:
+        if e.kind == "sample":
+            for k, v in (e.data.get("usage") or {}).items():
+                if isinstance(v, int | float):
+                    total[k] = total.get(k, 0) + v
+    return total
+
+
+def attribute(result: Result, row_flops: RowFlops | None) -> tuple[list[tuple[float, float]], dict[str, float]]:
+    """((flops, seconds) of each candidate, shared usage {flops, seconds, input_tokens,
+    cached_tokens, scorer_calls}); see the module docstring."""
+    usage = result.usage
+    sampled = _sample_usage(result)
+    prompt = int(sampled.get("input_tokens", 0) + sampled.get("cached_tokens", 0))
+    tokens = [len(c.token_ids) for c in result.candidates]
+    flops_total = float(usage.flops)
+    if row_flops is not None:
+        own = [row_flops(prompt, t) for t in tokens]
+    else:  # no formula: split the sampling call's FLOPs by tokens
+        sample_flops = float(sampled.get("flops", 0.0))
+        own = [sample_flops * t / sum(tokens) if sum(tokens) else 0.0 for t in tokens]
+    if sum(own) > flops_total > 0:  # never attribute more than was charged
+        own = [f * flops_total / sum(own) for f in own]
+    seconds_total = float(usage.seconds)
+    secs = [seconds_total * f / flops_total if flops_total else 0.0 for f in own]
+    shared = {"flops": flops_total - sum(own), "seconds": max(0.0, seconds_total - sum(secs)),
+              "input_tokens": float(usage.input_tokens), "cached_tokens": float(usage.cached_tokens),
+              "scorer_calls": float(usage.scorer_calls)}
+    return list(zip(own, secs, strict=True)), shared
+
+
+def selection_of(kind: str, result: Result, extractor: Extractor | None, transform: str | None = None) -> Selection:
+    """How ``kind`` picked in ``result``, enough to re-pick within any subset."""
+    if kind not in POOLED:
+        raise ValueError(f"not a pooled strategy: {kind}")
+    if kind in ("majority_vote", "weighted_vote"):
+        assert extractor is not None
+        return Selection(kind, tuple(classes(list(result.answers), extractor)), transform)
+    if kind == "mbr":
+        texts = [a or "" for a in result.answers] if extractor is not None else [c.text for c in result.candidates]
+        distinct = list(Counter(texts))
+        event = next((e for e in result.trace if e.kind == "mbr"), None)
+        matrix = tuple(tuple(float(x) for x in row) for row in (event.data.get("matrix") or ())) if event else ()
+        return Selection(kind, tuple(distinct.index(t) for t in texts), None, matrix)
+    return Selection(kind)
+
+
+def candidates_of(result: Result, grades: Sequence[Grade], costs: Sequence[tuple[float, float]]) -> tuple[Candidate, ...]:
+    scores = list(result.scores) if len(result.scores) == len(result.candidates) else [None] * len(result.candidates)
+    return tuple(Candidate(text=c.text, tokens=len(c.token_ids), flops=f, seconds=s, answer=g.answer, correct=g.correct,
+                           score=None if sc is None else float(sc))
+                 for c, g, (f, s), sc in zip(result.candidates, grades, costs, scores, strict=True))

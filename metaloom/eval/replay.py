@@ -1,0 +1,61 @@
+"""One pool of samples per problem, shared by every sampling strategy of a sweep.
+
+Majority vote, weighted vote, best-of-N and MBR at the same N, temperature and seed ask the
+generator the same request, and seeded sampling gives the same samples; drawing them once per
+problem and replaying them to the other strategies changes no result. Each strategy is still
+charged what the draw cost (the recorded usage, seconds included), because that is what it
+would have cost on its own: the saving is the sweep's, not the strategy's.
+
+Only a run's first call is replayed, when it is a single seeded request (the sampling call of
+a pooled strategy): later calls of a run depend on what its own prefix cache holds, so the
+same request could cost another run a different amount; an unseeded request must draw fresh
+samples. The cache holds one problem's
+draws: the runner clears it when the problem changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from metaloom.generator.types import Completion, Request
+from metaloom.ledger import COUNTED, Ledger
+
+Draws = dict[str, tuple[list[Completion], dict[str, float]]]
+
+
+def _key(request: Request) -> str | None:
+    if request.params.seed is None:
+        return None
+    return repr((request.prompt, request.prefix, request.params))
+
+
+class ReplayGenerator:
+    """A `Generator` wrapper that replays seeded single requests it has already served."""
+
+    def __init__(self, inner: Any, draws: Draws | None = None) -> None:
+        self.inner = inner
+        self.draws: Draws = {} if draws is None else draws  # shared by the runs of one problem
+        self.replayed = 0  # calls served from the cache
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:  # render, score, stream, capabilities, tokenizer, model ...
+        return getattr(self.inner, name)
+
+    def generate(self, requests: Sequence[Request], *, ledger: Ledger) -> list[list[Completion]]:
+        first, self.calls = self.calls == 0, self.calls + 1
+        key = _key(requests[0]) if len(requests) == 1 and first else None
+        if key is not None and key in self.draws:
+            completions, cost = self.draws[key]
+            self.replayed += 1
+            ledger.charge(**cost)
+            return [list(completions)]
+        child = ledger.child()
+        try:
+            out = self.inner.generate(requests, ledger=child)
+        finally:
+            # what the draw cost, charged where the caller expects it (the child's parent)
+            spent = {name: getattr(child.usage, name) for name in COUNTED if getattr(child.usage, name)}
+        if key is not None and not child.usage.unknown:
+            self.draws[key] = (list(out[0]), spent)
+        return out

@@ -1,0 +1,397 @@
+"""Run a sweep: every (problem, strategy spec) pair once, each record appended to
+``DIR/records.jsonl`` as it finishes (`metaloom.eval.records`).
+
+The driver (`run_sweep`) owns the directory: it checks the configuration against what ``DIR``
+already holds, skips the pairs already recorded, writes each trace file before the record
+that names it (a crash leaves no record pointing at nothing), and drops a last line a crash
+cut short. The work itself is `execute(setup, job)`: plain data in, plain data out, so an
+executor can run it here or in a Ray worker (`metaloom.eval.ray_executor`); each process
+builds its engine and task once (`worker`).
+
+Each run has its own ledger and its own radix prefix cache: it reuses its prompt and paths
+across its own calls, as a user's run would, and inherits no other run's prefill, so the
+FLOPs of two strategies compare. Samples are seeded per problem (``seed`` and the problem's
+position), so a rerun draws the same samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import importlib
+import json
+import os
+import shutil
+import time
+import traceback
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from metaloom.errors import InvalidParameter, MetaloomError
+from metaloom.eval.pool import attribute, candidates_of, model_row_flops, selection_of
+from metaloom.eval.records import CONFIG, POOLED, RECORDS, TRACES, Record, read_records
+from metaloom.eval.tasks.base import Problem, Task
+from metaloom.meta.spec import Spec, check_spec
+
+EXECUTORS = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything a worker needs to build its task and engine (picklable, for Ray).
+
+    ``max_tokens`` / ``temperature``: when set, they replace every strategy's own (temperature
+    not for ``greedy``). ``factory``: ``"module:function"`` returning a `Generator` instead of
+    loading ``model`` (tests run scripted generators through the same path). ``threads``:
+    torch threads per worker (None: torch's default)."""
+
+    task: str
+    limit: int | None = None
+    seed: int = 0
+    model: str = "default"
+    dtype: str = "float32"
+    device: str = "auto"
+    backend: str = "auto"
+    weights: str = "auto"
+    base_url: str | None = None
+    api_key: str | None = None
+    model_params: float | None = None
+    tokenizer: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    prefix_cache_mb: int = 512
+    threads: int | None = None
+    factory: str | None = None
+
+    def identity(self) -> dict[str, Any]:
+        """What makes two sweeps comparable (recorded in config.json): not the key, the
+        thread count or where the work runs."""
+        d = dataclasses.asdict(self)
+        for k in ("api_key", "threads", "prefix_cache_mb"):
+            d.pop(k)
+        return d
+
+
+@dataclass(frozen=True)
+class Job:
+    """One run: the problem's position in the task and the strategy spec (canonical text)."""
+
+    problem: int
+    spec: str
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a job returns: its record and, for a tree search, its trace events (the driver
+    writes them to ``traces/`` before the record)."""
+
+    record: Record
+    trace: tuple[Mapping[str, Any], ...] | None = None
+
+
+# ----------------------------------------------------------------------------------- worker
+
+
+class Worker:
+    """A process's task, problems and generator, built once and reused for every job."""
+
+    def __init__(self, setup: Setup) -> None:
+        from metaloom.eval.tasks import make_task
+
+        self.setup = setup
+        if setup.threads is not None:
+            import torch
+
+            torch.set_num_threads(setup.threads)
+        self.task: Task = make_task(setup.task, limit=setup.limit, seed=setup.seed)
+        self.problems: Sequence[Problem] = self.task.problems()
+        self.draws: dict[str, Any] = {}  # the current problem's sample pools (`metaloom.eval.replay`)
+        self.draws_of: int | None = None
+        self.loaded: Any = None
+        self.generator: Any = None
+        self.row_flops: Any = None
+        if setup.factory is not None:
+            module, _, name = setup.factory.partition(":")
+            self.generator = getattr(importlib.import_module(module), name)()
+            model = getattr(self.generator, "model", None)
+            self.row_flops = model_row_flops(model) if hasattr(model, "flops") else None
+        elif setup.backend == "openai":
+            from metaloom.commands.common import remote_generator
+
+            ns = argparse.Namespace(backend="openai", base_url=setup.base_url, model=setup.model, api_key=setup.api_key,
+                                    tokenizer=setup.tokenizer, model_params=setup.model_params, max_concurrency=16,
+                                    timeout=600.0, max_retries=3, dtype="float32", device="auto", weights="auto")
+            self.generator = remote_generator(ns)
+        else:
+            from metaloom.models.load import load
+
+            self.loaded = load(setup.model, dtype=setup.dtype, device=setup.device, backend=setup.backend,
+                               weights=setup.weights)
+            self.row_flops = model_row_flops(self.loaded.model)
+
+    def generator_for_run(self, problem: int) -> Any:
+        """The local engine with a fresh prefix cache (see the module docstring), else the
+        generator; either replaying the problem's sample pools drawn by earlier runs."""
+        from metaloom.eval.replay import ReplayGenerator
+
+        if self.draws_of != problem:
+            self.draws, self.draws_of = {}, problem
+        if self.loaded is None:
+            return ReplayGenerator(self.generator, self.draws)
+        from metaloom.commands.run import prefix_cache
+        from metaloom.generator.local import LocalGenerator
+
+        engine = LocalGenerator(self.loaded, prefix_cache=prefix_cache(self.setup.prefix_cache_mb, self.loaded))
+        return ReplayGenerator(engine, self.draws)
+
+    def strategy(self, spec: Spec, generator: Any, problem: int) -> Any:
+        """The spec's strategy with the task's extractor (where it needs one and the spec named
+        none) and the sweep's sampling settings, seeded for this problem."""
+        strategy = spec.build({"generator": generator})
+        # votes need the task's answers; a strategy whose extractor is optional (best-of-N, MBR:
+        # None compares whole texts) keeps its own unless the spec names one
+        extractor = next((f for f in dataclasses.fields(strategy) if f.name == "extractor"), None)
+        if extractor is not None and extractor.default is not None and "extractor" not in spec.params:
+            strategy = dataclasses.replace(strategy, extractor=self.task.extractor())
+        from metaloom.sampling.params import SamplingParams
+
+        params = getattr(strategy, "params", None)
+        if isinstance(params, SamplingParams):
+            changes: dict[str, Any] = {"seed": self.setup.seed * 1_000_003 + problem}
+            if self.setup.max_tokens is not None:
+                changes["max_tokens"] = self.setup.max_tokens
+            if self.setup.temperature is not None and spec.name != "greedy":
+                changes["temperature"] = self.setup.temperature
+            strategy = dataclasses.replace(strategy, params=dataclasses.replace(params, **changes))
+        return strategy
+
+    def run(self, job: Job) -> Outcome:
+        from metaloom.ledger import Ledger
+        from metaloom.meta.spec import parse_spec
+
+        problem = self.problems[job.problem]
+        spec = parse_spec(job.spec)
+        generator = self.generator_for_run(job.problem)
+        ledger = Ledger()
+        start = time.perf_counter()
+        try:
+            strategy = self.strategy(spec, generator, job.problem)
+            result = strategy.run(problem.prompt, generator, ledger=ledger)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as exc:  # the sweep goes on; the record says what failed and what it cost
+            seconds = time.perf_counter() - start
+            error = f"{type(exc).__name__}: {exc}" if isinstance(exc, MetaloomError) else traceback.format_exc(limit=3)
+            return Outcome(Record(problem.id, job.spec, None, False, 0.0, "", ledger.usage.to_dict(), round(seconds, 4),
+                                  error=error))
+        seconds = time.perf_counter() - start
+        grade = self.task.grade(problem, result.best)
+        trace = tuple(e.to_dict() for e in result.trace)
+        tree = trace if any(e.get("kind") == "tree" for e in trace) else None
+        record = Record(problem.id, job.spec, grade.answer, grade.correct, grade.score, result.best,
+                        result.usage.to_dict(), round(seconds, 4), result.stopped_reason)
+        if spec.name in POOLED and result.candidates:
+            grades = [self.task.grade(problem, c.text) for c in result.candidates]
+            costs, shared = attribute(result, self.row_flops)
+            extractor = getattr(strategy, "extractor", None)
+            selection = selection_of(spec.name, result, extractor, getattr(strategy, "transform", None))
+            record = dataclasses.replace(record, candidates=candidates_of(result, grades, costs), shared=shared,
+                                         selection=selection)
+        return Outcome(record, tree)
+
+
+_WORKERS: dict[Setup, Worker] = {}
+
+
+def worker(setup: Setup) -> Worker:
+    """This process's `Worker` for ``setup`` (built on first use)."""
+    if setup not in _WORKERS:
+        _WORKERS.clear()  # one engine per process
+        _WORKERS[setup] = Worker(setup)
+    return _WORKERS[setup]
+
+
+def execute(setup: Setup, job: Job) -> Outcome:
+    """Run one job in this process (what an executor calls)."""
+    return worker(setup).run(job)
+
+
+# ----------------------------------------------------------------------------------- driver
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """A checked sweep: its setup, canonical specs, problems and output directory."""
+
+    setup: Setup
+    specs: tuple[str, ...]
+    problems: tuple[Problem, ...]
+    task_config: Mapping[str, Any]
+    out: str
+
+    def config(self) -> dict[str, Any]:
+        return {"task": dict(self.task_config), "setup": self.setup.identity(), "strategies": list(self.specs),
+                "problems": [p.id for p in self.problems]}
+
+
+def plan_sweep(setup: Setup, specs: Sequence[str], out: str) -> Sweep:
+    """Check everything that can be checked before a model loads: the task (and its file),
+    the limit, each spec's names, parameters and types."""
+    from metaloom.eval.tasks import make_task
+
+    if not specs:
+        raise InvalidParameter("strategies", specs, "at least one strategy spec (NAME or NAME@param=v,...)")
+    canonical: list[str] = []
+    for s in specs:
+        text = check_spec(s, "strategies").text()
+        if text in canonical:
+            raise InvalidParameter("strategies", s, "each spec once")
+        canonical.append(text)
+    if setup.max_tokens is not None and setup.max_tokens < 1:
+        raise InvalidParameter("max_tokens", setup.max_tokens, ">= 1")
+    if setup.temperature is not None and not setup.temperature >= 0:
+        raise InvalidParameter("temperature", setup.temperature, ">= 0")
+    task = make_task(setup.task, limit=setup.limit, seed=setup.seed)
+    problems = tuple(task.problems())
+    ids = [p.id for p in problems]
+    if len(set(ids)) != len(ids):
+        raise InvalidParameter("task", setup.task, "problems with distinct ids")
+    return Sweep(setup, tuple(canonical), problems, task.config(), out)
+
+
+def _differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    out = []
+    for key in ("task", "setup", "problems"):
+        if old.get(key) != new.get(key):
+            a, b = old.get(key), new.get(key)
+            if isinstance(a, Mapping) and isinstance(b, Mapping):
+                out += [f"{key}.{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted({*a, *b}) if a.get(k) != b.get(k)]
+            else:
+                out.append(f"{key} differ")
+    return out
+
+
+def prepare_out(sweep: Sweep, *, force: bool = False) -> dict[tuple[str, str], Record]:
+    """Create or reopen ``sweep.out``: the records already there, by key. A directory from a
+    different task, model or sampling setup is refused (``force``: start it afresh); new
+    strategies may be added to a sweep (its config lists the union)."""
+    out = sweep.out
+    config_path, records_path = os.path.join(out, CONFIG), os.path.join(out, RECORDS)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise InvalidParameter("out", out, "a directory (this is a file)")
+    config = sweep.config()
+    if os.path.exists(config_path) and not force:
+        try:
+            with open(config_path) as f:
+                old = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise InvalidParameter("out", out, f"a metaloom eval directory (its {CONFIG} is unreadable: {exc}); "
+                                   "--force starts it afresh") from exc
+        diff = _differences(old, config)
+        if diff:
+            raise InvalidParameter("out", out, "a directory of the same configuration, or --force to start it afresh "
+                                   f"(it differs: {'; '.join(diff[:5])})")
+        config["strategies"] = list(dict.fromkeys([*old.get("strategies", []), *config["strategies"]]))
+    elif os.path.isdir(out) and os.listdir(out) and not force and not os.path.exists(config_path):
+        raise InvalidParameter("out", out, f"an empty or new directory, or one `metaloom eval` wrote (no {CONFIG} "
+                               "here); --force uses it anyway")
+    if force:
+        for name in (RECORDS, CONFIG):
+            if os.path.exists(os.path.join(out, name)):
+                os.remove(os.path.join(out, name))
+        shutil.rmtree(os.path.join(out, TRACES), ignore_errors=True)
+    os.makedirs(os.path.join(out, TRACES), exist_ok=True)
+    _write_atomic(config_path, json.dumps(config, indent=1))
+    done: dict[tuple[str, str], Record] = {}
+    if os.path.exists(records_path):
+        _drop_cut_line(records_path)
+        for r in read_records(records_path):
+            done[r.key] = r
+    return done
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _drop_cut_line(path: str) -> None:
+    """Truncate a last line a crash cut short (no newline), so appends start on a fresh line."""
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def trace_name(record: Record) -> str:
+    digest = hashlib.sha1(f"{record.problem}\0{record.strategy}".encode()).hexdigest()[:16]
+    return f"{TRACES}/{digest}.json"
+
+
+class Writer:
+    """Appends outcomes to ``records.jsonl`` (trace first, then the record line, flushed and
+    synced); drops an outcome whose key is already recorded (a retried task that had in fact
+    finished), so nothing is duplicated."""
+
+    def __init__(self, out: str, done: Mapping[tuple[str, str], Record]) -> None:
+        self.out = out
+        self.done = dict(done)
+        self.file = open(os.path.join(out, RECORDS), "a")  # noqa: SIM115 - closed by close()
+
+    def write(self, outcome: Outcome) -> Record | None:
+        record = outcome.record
+        if record.key in self.done:
+            return None
+        if outcome.trace is not None:
+            record = dataclasses.replace(record, trace=trace_name(record))
+            _write_atomic(os.path.join(self.out, record.trace or ""), json.dumps(list(outcome.trace)))
+        self.file.write(json.dumps(record.to_dict()) + "\n")
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.done[record.key] = record
+        return record
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def pending(sweep: Sweep, done: Mapping[tuple[str, str], Record]) -> list[Job]:
+    """The jobs not yet recorded, problem by problem."""
+    return [Job(i, s) for i, p in enumerate(sweep.problems) for s in sweep.specs if (p.id, s) not in done]
+
+
+Executor = Callable[[Setup, Sequence[Job], Callable[[Outcome], None]], None]
+
+
+def local_executor(setup: Setup, jobs: Sequence[Job], emit: Callable[[Outcome], None]) -> None:
+    for job in jobs:
+        emit(execute(setup, job))
+
+
+def run_sweep(sweep: Sweep, *, executor: Executor = local_executor, force: bool = False,
+              progress: Callable[[Iterable[Record], int], Any] | None = None) -> list[Record]:
+    """Run what ``sweep.out`` does not hold yet; returns every record of the sweep's specs."""
+    done = prepare_out(sweep, force=force)
+    jobs = pending(sweep, done)
+    writer = Writer(sweep.out, done)
+    bar = progress([r for r in done.values() if r.strategy in sweep.specs], len(sweep.problems) * len(sweep.specs)) \
+        if progress else None
+    try:
+        def emit(outcome: Outcome) -> None:
+            record = writer.write(outcome)
+            if record is not None and bar is not None:
+                bar.add(record)
+
+        if jobs:
+            executor(sweep.setup, jobs, emit)
+    finally:
+        writer.close()
+        if bar is not None:
+            bar.close()
+    return [r for r in writer.done.values() if r.strategy in sweep.specs]

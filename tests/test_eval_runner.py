@@ -1,0 +1,314 @@
+"""`metaloom eval`'s runner: records as runs finish, resumption, configuration checks, cost
+attribution of pooled samples, error records, specs, and the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from metaloom.cli import main
+from metaloom.errors import InvalidParameter
+from metaloom.eval import runner
+from metaloom.eval.pool import attribute, model_row_flops
+from metaloom.eval.records import RECORDS, read_records
+from metaloom.eval.runner import Job, Outcome, Setup, local_executor, plan_sweep, run_sweep
+from metaloom.ledger import Usage
+from metaloom.meta.spec import check_spec, parse_spec
+from metaloom.meta.types import Event, Result
+from metaloom.testing.scripted import Say, ScriptedGenerator
+
+QUESTIONS = {"What is 2+3?": "5", "What is 4+4?": "8", "What is 9-2?": "7"}
+# each question's scripted samples: the majority is right for the first two, wrong for the third
+SCRIPT = {
+    "What is 2+3?": [Say("The answer is 5.", -0.2), Say("The answer is 6.", -0.1), Say("The answer is 5.", -0.3),
+                     Say("It is 5.", -0.9)],
+    "What is 4+4?": [Say("The answer is 8.", -0.5), Say("The answer is 8.", -0.4), Say("The answer is 9.", -0.1),
+                     Say("The answer is 8.", -0.6)],
+    "What is 9-2?": [Say("The answer is 6.", -0.5), Say("The answer is 7.", -0.4), Say("The answer is 6.", -0.2),
+                     Say("The answer is 7.", -0.6)],
+}
+
+
+def scripted() -> ScriptedGenerator:
+    """The factory the sweeps below name (``Setup.factory``)."""
+    return ScriptedGenerator(SCRIPT)
+
+
+def failing() -> ScriptedGenerator:
+    """Knows only the first question: the others raise inside the strategy."""
+    return ScriptedGenerator({"What is 2+3?": SCRIPT["What is 2+3?"]})
+
+
+FACTORY = f"{__name__}:scripted"
+
+
+@pytest.fixture
+def task_file(tmp_path):
+    path = tmp_path / "questions.jsonl"
+    path.write_text("".join(json.dumps({"prompt": q, "answer": a}) + "\n" for q, a in QUESTIONS.items()))
+    return f"jsonl:{path}"
+
+
+def setup_for(task: str, **kw) -> Setup:
+    return Setup(task=task, factory=kw.pop("factory", FACTORY), **kw)
+
+
+def config(out) -> dict:
+    with open(os.path.join(out, "config.json")) as f:
+        return json.load(f)
+
+
+def lines(out) -> list[dict]:
+    with open(os.path.join(out, RECORDS)) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_sweep_writes_one_record_per_pair_graded_by_the_task(task_file, tmp_path):
+    out = str(tmp_path / "sweep")
+    # greedy last: the scripted generator cycles through a question's responses, and the
+    # sampling strategies' draw (shared) takes all four, so greedy gets the first again
+    sweep = plan_sweep(setup_for(task_file), ["majority_vote@n=4", "best_of_n@n=4,scorer=logprob", "greedy"], out)
+    records = run_sweep(sweep)
+    assert len(records) == 9 and len(lines(out)) == 9
+    by = {(r.problem, r.strategy): r for r in records}
+    ids = [p.id for p in sweep.problems]
+    # greedy plays each question's first response
+    assert [by[(i, "greedy")].correct for i in ids] == [True, True, False]
+    # majority of 4: 5 (x3 with "It is 5."), 8 (x3), 6 vs 7 tied 2-2 -> the answer seen first, 6: wrong
+    assert [by[(i, "majority_vote@n=4")].answer for i in ids] == ["5", "8", "6"]
+    assert [by[(i, "majority_vote@n=4")].correct for i in ids] == [True, True, False]
+    # best-of-4 by log-probability: the most likely sample wins
+    assert [by[(i, "best_of_n@n=4,scorer=logprob")].answer for i in ids] == ["6", "9", "6"]
+    pooled = by[(ids[0], "majority_vote@n=4")]
+    assert [c.answer for c in pooled.candidates] == ["5", "6", "5", "5"]
+    assert [c.correct for c in pooled.candidates] == [True, False, True, True]
+    assert pooled.selection is not None and pooled.selection.kind == "majority_vote"
+    assert pooled.selection.groups == (0, 1, 0, 0)
+    assert [c.tokens for c in pooled.candidates] == [5, 5, 5, 4]  # words + end-of-sequence
+    assert by[(ids[0], "best_of_n@n=4,scorer=logprob")].selection.kind == "best_of_n"
+    # the scorer's sum of token log-probabilities (each scripted token has the response's)
+    assert [c.score for c in by[(ids[0], "best_of_n@n=4,scorer=logprob")].candidates] == pytest.approx(
+        [-1.0, -0.5, -1.5, -3.6])
+    assert by[(ids[0], "greedy")].candidates == ()  # only sampling strategies keep their pool
+
+
+def test_resume_after_an_interruption_runs_only_what_is_missing(task_file, tmp_path):
+    out = str(tmp_path / "sweep")
+    sweep = plan_sweep(setup_for(task_file), ["greedy", "majority_vote@n=4"], out)
+    ran: list[Job] = []
+
+    def interrupted(setup, jobs, emit):
+        for k, job in enumerate(jobs):
+            if k == 3:
+                raise KeyboardInterrupt
+            ran.append(job)
+            emit(runner.execute(setup, job))
+
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(sweep, executor=interrupted)
+    assert len(lines(out)) == 3
+    first = lines(out)
+
+    def counting(setup, jobs, emit):
+        ran.extend(jobs)
+        local_executor(setup, jobs, emit)
+
+    records = run_sweep(sweep, executor=counting)
+    assert len(records) == 6 and len(lines(out)) == 6
+    assert lines(out)[:3] == first  # nothing already done was redone or rewritten
+    assert len(ran) == 6 and len(set(ran)) == 6  # 3 before the interruption, 3 after
+
+
+def test_a_line_cut_by_a_crash_is_dropped_and_its_run_redone(task_file, tmp_path):
+    out = str(tmp_path / "sweep")
+    sweep = plan_sweep(setup_for(task_file), ["greedy"], out)
+    run_sweep(sweep)
+    path = os.path.join(out, RECORDS)
+    with open(path) as f:
+        text = f.read()
+    cut = text[:text.rindex("\n", 0, len(text) - 1) + 1] + text.splitlines()[-1][:25]  # the last record half-written
+    with open(path, "w") as f:
+        f.write(cut)
+    records = run_sweep(sweep)
+    assert len(records) == 3 and [r["problem"] for r in lines(out)] == [p.id for p in sweep.problems]
+
+
+def test_a_directory_of_another_configuration_is_refused_unless_forced(task_file, tmp_path):
+    out = str(tmp_path / "sweep")
+    run_sweep(plan_sweep(setup_for(task_file), ["greedy"], out))
+    other = plan_sweep(setup_for(task_file, max_tokens=7), ["greedy"], out)
+    with pytest.raises(InvalidParameter, match=r"--force.*max_tokens: None -> 7"):
+        run_sweep(other)
+    assert len(lines(out)) == 3  # untouched
+    records = run_sweep(other, force=True)
+    assert len(records) == 3 and len(lines(out)) == 3
+    assert config(out)["setup"]["max_tokens"] == 7
+
+
+def test_strategies_can_be_added_to_a_sweep(task_file, tmp_path):
+    out = str(tmp_path / "sweep")
+    run_sweep(plan_sweep(setup_for(task_file), ["greedy"], out))
+    ran: list[Job] = []
+
+    def counting(setup, jobs, emit):
+        ran.extend(jobs)
+        local_executor(setup, jobs, emit)
+
+    records = run_sweep(plan_sweep(setup_for(task_file), ["greedy", "majority_vote@n=2"], out), executor=counting)
+    assert {j.spec for j in ran} == {"majority_vote@n=2"} and len(records) == 6
+    assert config(out)["strategies"] == ["greedy", "majority_vote@n=2"]
+
+
+def test_a_directory_metaloom_did_not_write_is_refused(task_file, tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(InvalidParameter, match=r"no config\.json"):
+        run_sweep(plan_sweep(setup_for(task_file), ["greedy"], str(out)))
+    assert sorted(os.listdir(out)) == ["notes.txt"]
+
+
+def test_a_run_that_fails_is_recorded_with_its_error_and_the_sweep_goes_on(task_file, tmp_path):
+    out = str(tmp_path / "sweep")
+    records = run_sweep(plan_sweep(setup_for(task_file, factory=f"{__name__}:failing"), ["greedy"], out))
+    assert [r.error is None for r in records] == [True, False, False]
+    assert "no entry for prompt" in (records[1].error or "") and not records[1].correct
+    assert records[0].correct
+
+
+def test_duplicate_outcomes_are_written_once(task_file, tmp_path):
+    out = str(tmp_path / "sweep")
+    sweep = plan_sweep(setup_for(task_file), ["greedy"], out)
+
+    def twice(setup, jobs, emit):  # a retried job whose first attempt had in fact finished
+        for job in jobs:
+            outcome = runner.execute(setup, job)
+            emit(outcome)
+            emit(outcome)
+
+    assert len(run_sweep(sweep, executor=twice)) == 3
+    assert len(lines(out)) == 3
+
+
+def test_trace_files_are_written_before_the_records_that_name_them(task_file, tmp_path):
+    out = str(tmp_path / "sweep")
+    sweep = plan_sweep(setup_for(task_file), ["greedy"], out)
+
+    def with_tree(setup, jobs, emit):
+        for job in jobs:
+            outcome = runner.execute(setup, job)
+            emit(Outcome(outcome.record, ({"kind": "tree", "nodes": [], "problem": outcome.record.problem},)))
+
+    run_sweep(sweep, executor=with_tree)
+    for r in read_records(os.path.join(out, RECORDS)):
+        assert r.trace is not None
+        with open(os.path.join(out, r.trace)) as f:
+            assert json.load(f) == [{"kind": "tree", "nodes": [], "problem": r.problem}]
+
+
+def test_pooled_costs_add_up_to_the_run_and_follow_the_flop_formula():
+    class Model:  # flops linear in each argument, like LanguageModel.flops
+        def flops(self, new_tokens, attended, logit_rows):
+            return 100.0 * new_tokens + 1.0 * attended + 10.0 * logit_rows
+
+    from metaloom.generator.types import Completion
+
+    cands = tuple(Completion("x", tuple(range(k)), (0.0,) * k, "stop") for k in (2, 3))
+    usage = Usage(input_tokens=4, output_tokens=5, flops=2000.0, seconds=2.0)
+    result = Result(best="x", candidates=cands, usage=usage, best_index=0,
+                    trace=(Event("sample", {"usage": {"input_tokens": 4, "flops": 1500.0}}),))
+    costs, shared = attribute(result, model_row_flops(Model()))
+    # a row of L tokens after 4 prompt tokens: L forwards, attending 5..4+L keys, L logit rows
+    assert costs[0][0] == 100 * 2 + (5 + 6) + 10 * 2
+    assert costs[1][0] == 100 * 3 + (5 + 6 + 7) + 10 * 3
+    assert shared["flops"] + costs[0][0] + costs[1][0] == pytest.approx(2000.0)
+    assert sum(s for _, s in costs) + shared["seconds"] == pytest.approx(2.0)
+    # without a formula (a remote server) the sampling call's FLOPs split by tokens
+    costs, shared = attribute(result, None)
+    assert [f for f, _ in costs] == [600.0, 900.0] and shared["flops"] == 500.0
+
+
+def test_specs_parse_and_check_before_any_model():
+    s = parse_spec('best_of_n@n=8,scorer=judge,scorer.template="a, b"')
+    assert (s.name, dict(s.params), {g: dict(p) for g, p in s.groups.items()}) == (
+        "best_of_n", {"n": "8", "scorer": "judge"}, {"scorer": {"template": '"a, b"'}})
+    assert parse_spec(s.text()) == s
+    for bad in ("", "@n=2", "majority_vote@n", "majority_vote@n=2,n=3", "x@a=[1,2"):
+        with pytest.raises(InvalidParameter):
+            parse_spec(bad)
+    with pytest.raises(InvalidParameter, match="one of"):
+        check_spec("majority_vote@nn=2")
+    with pytest.raises(InvalidParameter, match="strategy"):
+        check_spec("no_such_strategy")
+    with pytest.raises(InvalidParameter):
+        check_spec("majority_vote@n=0")  # the strategy's own value checks run too
+
+
+def test_bad_sweeps_are_refused_before_anything_is_written(task_file, tmp_path, capsys):
+    out = tmp_path / "sweep"
+    for argv, needle in (
+        (["--task", "no_such_task", "--strategies", "greedy"], "task"),
+        (["--task", task_file, "--strategies", "majority_vote@n=x"], "majority_vote@n=x"),
+        (["--task", task_file, "--strategies", "greedy", "greedy"], "each spec once"),
+        (["--task", task_file, "--strategies", "greedy", "--limit", "0"], "limit"),
+        (["--task", task_file, "--strategies", "greedy", "--ray-address", "auto"], "executor ray"),
+        (["--task", task_file, "--strategies", "greedy", "--max-tokens", "0"], "max_tokens"),
+    ):
+        assert main(["eval", *argv, "--out", str(out), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error:") and needle in err, (argv, err)
+        assert not out.exists()
+
+
+def test_run_takes_a_strategy_spec(capsys):
+    import argparse
+
+    from metaloom.commands.run import Dotted, strategy_config
+
+    ns = argparse.Namespace(strategy="majority_vote@n=3,extractor=last_number", prompt="q", dotted=[])
+    params, _groups, _ = strategy_config(ns)
+    assert (ns.strategy, params) == ("majority_vote", {"n": "3", "extractor": "last_number"})
+    ns = argparse.Namespace(strategy="majority_vote@n=3", prompt="q", dotted=[Dotted("strategy", "n", "4")])
+    with pytest.raises(InvalidParameter, match="already sets"):
+        strategy_config(ns)
+
+
+def test_setup_identity_leaves_out_the_key_and_threads():
+    s = Setup(task="gsm", api_key="secret", threads=2)
+    assert "api_key" not in s.identity() and "threads" not in s.identity()
+    assert dataclasses.replace(s, threads=1).identity() == s.identity()
+
+
+def test_sampling_strategies_share_one_pool_per_problem_and_each_is_charged_for_it(task_file, tmp_path):
+    from metaloom.eval.replay import ReplayGenerator
+    from metaloom.generator.types import Request
+    from metaloom.ledger import Ledger
+    from metaloom.sampling.params import SamplingParams
+
+    inner = ScriptedGenerator(SCRIPT)
+    draws: dict = {}
+    req = Request("What is 2+3?", SamplingParams(n=4, seed=3))
+    first, second = Ledger(), Ledger()
+    a = ReplayGenerator(inner, draws).generate([req], ledger=first)
+    b = ReplayGenerator(inner, draws).generate([req], ledger=second)
+    assert a == b and len(inner.requests) == 1  # drawn once
+    assert second.usage == first.usage and first.usage.output_tokens == 19  # each run pays for its draw
+    # a run's later calls, and unseeded requests, always go to the model
+    g = ReplayGenerator(inner, draws)
+    g.generate([Request("What is 4+4?", SamplingParams(seed=1))], ledger=Ledger())
+    g.generate([req], ledger=Ledger())
+    ReplayGenerator(inner, draws).generate([Request("What is 2+3?", SamplingParams(n=4))], ledger=Ledger())
+    assert len(inner.requests) == 4
+    # in a sweep: majority vote and best-of-N at the same N draw the same samples once
+    out = str(tmp_path / "sweep")
+    records = run_sweep(plan_sweep(setup_for(task_file), ["majority_vote@n=4", "best_of_n@n=4,scorer=logprob"], out))
+    engine = runner.worker(setup_for(task_file)).generator
+    assert len(engine.requests) == 3  # one draw per problem
+    by = {(r.problem, r.strategy): r for r in records}
+    for pid in {r.problem for r in records}:
+        mv, bon = by[(pid, "majority_vote@n=4")], by[(pid, "best_of_n@n=4,scorer=logprob")]
+        assert [c.text for c in mv.candidates] == [c.text for c in bon.candidates]
+        assert mv.usage["output_tokens"] == bon.usage["output_tokens"] > 0
