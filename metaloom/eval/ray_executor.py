@@ -1,0 +1,403 @@
+"""Ray fan-out for `metaloom eval` (``--executor ray [--ray-address auto]``).
+
+`make_ray_executor` returns an `Executor` for `run_sweep`: the sweep's jobs go to a pool of
+Ray actors, one per worker, each a process that builds its task and engine once
+(`runner.worker`, when the actor starts) and then runs job after job (`runner.execute`).
+Results come back as they finish (``ray.wait``) and each is handed to ``emit`` in the driver,
+so the driver alone writes ``records.jsonl``.
+
+Why actors, not tasks: a worker's engine (a loaded model, its threads) is the expensive
+part, so a worker is a long-lived process with one job in flight; the driver feeds an actor
+its next job when the last one comes back, so a slow job holds up no one else.
+
+Faults:
+
+- a worker process that dies (killed, out of memory, its node lost) loses only the job it
+  held: the driver starts a fresh actor in its place and puts the job back at the front of
+  the queue, for whichever worker is free first. A job that kills its worker more than
+  ``max_retries`` times is `WorkerLost` (it would kill every worker). A result is emitted
+  only once it is in the driver, and the `Writer` drops a key it already holds, so nothing
+  is duplicated;
+- an exception out of `execute` is not a death: `execute` turns a strategy's failure into a
+  record, so what escapes it is a worker that cannot be built (a bad model path, a missing
+  task file) or a bug. It is raised in the driver as it was raised in the worker (a
+  `MetaloomError` keeps its type; anything else is `WorkerFailed`), not retried;
+- an address that does not answer is `InvalidParameter("ray_address", ...)` within
+  ``connect_timeout`` seconds, raised by `make_ray_executor` itself, before the sweep writes
+  anything: the address is probed (a TCP connection and the HTTP/2 greeting every gRPC server,
+  Ray's GCS and its client server included, answers) before ``ray.init`` is called, because
+  ``ray.init`` retries an unanswering GCS for minutes.
+
+Clusters: ``address=None`` starts a local one (all of this machine's CPUs, at least one per
+worker; no dashboard, worker logs not forwarded) and shuts it down when the sweep's jobs are
+done; ``"auto"``, ``host:port`` or ``ray://host:port`` connects and leaves the cluster as
+it was (its actors are killed). A process that already called ``ray.init`` keeps its cluster.
+A remote cluster's workers must be able to import metaloom (and any ``Setup.factory``).
+
+Threads: unless the `Setup` says, a worker that loads a model sets torch's thread count so the
+workers of one machine together use its CPUs (on a one-node cluster: its CPUs // workers; on
+several nodes: ``num_cpus_per_worker``, what Ray reserves for each).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import socket
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from metaloom.errors import InvalidParameter, MetaloomError
+from metaloom.eval.runner import Job, Outcome, Setup, execute, worker
+
+DEFAULT_CONNECT_TIMEOUT = 10.0
+_HTTP2_GREETING = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # preface + SETTINGS
+_SETTINGS_FRAME = 4
+
+
+class WorkerFailed(MetaloomError):
+    """A Ray worker raised something other than a `MetaloomError` (it could not be built, or a
+    bug): ``remote_traceback`` is the worker's own traceback."""
+
+    def __init__(self, message: str, remote_traceback: str = "") -> None:
+        self.remote_traceback = remote_traceback
+        super().__init__(message + (f"\n--- in the worker:\n{remote_traceback}" if remote_traceback else ""))
+
+
+class WorkerLost(WorkerFailed):
+    """A job's worker process died more than ``max_retries`` times (the job, or the machine,
+    kills every worker that runs it)."""
+
+
+# ----------------------------------------------------------------------------------- address
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    """``host:port`` (or ``[v6]:port``) as a pair; `InvalidParameter` for anything else."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidParameter("ray_address", address, "auto, host:port or ray://host:port")
+    return host.strip("[]"), int(port)
+
+
+def _resolve(address: str) -> tuple[str, int]:
+    """Where ``ray.init(address)`` will connect: ``auto`` is the running cluster Ray finds
+    (RAY_ADDRESS, then the last ``ray start`` on this machine), ``host:port`` as Ray
+    canonicalises it (localhost becomes this node's address), ``ray://`` as given."""
+    if address == "auto" and os.environ.get("RAY_ADDRESS"):
+        address = os.environ["RAY_ADDRESS"]  # as Ray reads it (it may be a ray:// address)
+    if address.startswith("ray://"):
+        return _host_port(address[len("ray://"):])
+    if address != "auto":
+        _host_port(address)
+    from ray._private.services import canonicalize_bootstrap_address
+
+    try:
+        resolved = canonicalize_bootstrap_address(address)
+    except (ConnectionError, ValueError, OSError) as exc:
+        raise InvalidParameter("ray_address", address, f"the address of a running Ray cluster ({exc})") from exc
+    if resolved is None:
+        raise InvalidParameter("ray_address", address, "the address of a running Ray cluster (none found)")
+    return _host_port(resolved)
+
+
+def probe(address: str, timeout: float) -> None:
+    """Check within ``timeout`` seconds that a gRPC server answers at ``address`` (Ray's GCS,
+    or its client server for ``ray://``): `InvalidParameter` when nothing does."""
+    host, port = _resolve(address)
+    why = None
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as conn:
+            conn.settimeout(timeout)
+            conn.sendall(_HTTP2_GREETING)
+            header = conn.recv(9)
+            if len(header) < 9 or header[3] != _SETTINGS_FRAME:
+                why = "it answered, but not as a gRPC server"
+    except OSError as exc:  # refused, unreachable, timed out
+        why = f"no answer within {timeout:g}s: {exc}"
+    if why is not None:
+        raise InvalidParameter("ray_address", address, f"the address of a running Ray cluster ({host}:{port}: {why})")
+
+
+# ----------------------------------------------------------------------------------- cluster
+
+
+def _machine_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+@contextmanager
+def cluster(address: str | None, workers: int | None, num_cpus_per_worker: float) -> Iterator[None]:
+    """Ray, connected for the block: a cluster this started is shut down after it, one it
+    connected to is left running, one this process had already joined is kept."""
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    quiet: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "logging_level": logging.ERROR}
+    if address is None:
+        cpus = max(_machine_cpus(), math.ceil((workers or 1) * num_cpus_per_worker))
+        try:
+            ray.init(address="local", num_cpus=cpus, **quiet)  # "local": a new cluster, whatever RAY_ADDRESS says
+        except (ConnectionError, TimeoutError, RuntimeError) as exc:
+            raise WorkerFailed(f"could not start a local Ray cluster: {type(exc).__name__}: {exc}") from exc
+    else:
+        quiet.pop("include_dashboard")
+        try:
+            ray.init(address=address, **quiet)
+        except (ConnectionError, TimeoutError, RuntimeError) as exc:
+            raise InvalidParameter("ray_address", address, f"a Ray cluster ray.init can join ({exc})") from exc
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def loads_model(setup: Setup) -> bool:
+    """Whether the workers load a model in-process (so torch's thread count matters). A
+    remote endpoint's does not; a factory's generator is the caller's, and Ray's
+    ``OMP_NUM_THREADS`` (the worker's CPU reservation) bounds a torch one."""
+    return setup.factory is None and setup.backend != "openai"
+
+
+def _plan(workers: int | None, num_cpus_per_worker: float, setup: Setup) -> tuple[int, Setup]:
+    """How many workers (default: as many as the cluster has room for) and each one's setup
+    (its thread count filled in, see the module docstring)."""
+    import ray
+
+    total = float(ray.cluster_resources().get("CPU", 0))
+    if num_cpus_per_worker > total:
+        raise InvalidParameter("num_cpus_per_worker", num_cpus_per_worker,
+                               f"at most the cluster's {total:g} CPUs (a worker would never start)")
+    n = workers if workers is not None else max(1, int(total // num_cpus_per_worker))
+    if setup.threads is None and loads_model(setup):
+        nodes = [node for node in ray.nodes() if node.get("Alive")]
+        per = total // n if len(nodes) == 1 else num_cpus_per_worker
+        setup = dataclasses.replace(setup, threads=max(1, int(per)))
+    return n, setup
+
+
+# ----------------------------------------------------------------------------------- workers
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """An exception out of a worker, carried as data: Ray cannot rebuild exceptions whose
+    ``__init__`` takes other arguments than their message (most `MetaloomError`s), so the
+    class, message and attributes travel and the driver rebuilds it."""
+
+    kind: type[MetaloomError] | None  # None: not a MetaloomError (its class may not exist in the driver)
+    name: str
+    message: str
+    state: dict[str, Any]
+    remote_traceback: str
+
+    @classmethod
+    def of(cls, exc: BaseException) -> _Failure:
+        import pickle
+
+        state: dict[str, Any] = {}
+        for key, value in vars(exc).items():
+            try:
+                pickle.dumps(value)
+            except Exception:  # an attribute that cannot travel is left behind, not the error
+                continue
+            state[key] = value
+        kind = type(exc) if isinstance(exc, MetaloomError) else None
+        return cls(kind, type(exc).__name__, str(exc), state if kind else {}, traceback.format_exc())
+
+    def error(self) -> Exception:
+        """The worker's error, as the driver raises it."""
+        if self.kind is None:
+            return WorkerFailed(f"a worker failed: {self.name}: {self.message}", self.remote_traceback)
+        exc = self.kind.__new__(self.kind)
+        Exception.__init__(exc, self.message)
+        exc.__dict__.update(self.state)
+        return exc
+
+
+class EvalActor:
+    """One worker process (made a Ray actor by `_actor_class`)."""
+
+    def __init__(self, setup: Setup) -> None:
+        self.setup = setup
+
+    def ready(self) -> _Failure | int:
+        """Build the task and engine now (so every worker loads at once, and a setup that
+        cannot load fails before any job); this process's id, or the failure."""
+        try:
+            worker(self.setup)
+        except Exception as exc:
+            return _Failure.of(exc)
+        return os.getpid()
+
+    def run(self, job: Job) -> _Failure | Outcome:
+        try:
+            return execute(self.setup, job)
+        except Exception as exc:
+            return _Failure.of(exc)
+
+
+_ACTOR: Any = None
+
+
+def _actor_class() -> Any:
+    """`EvalActor` as a Ray actor class (made on first use: importing this module does not
+    import Ray)."""
+    global _ACTOR
+    if _ACTOR is None:
+        import ray
+
+        _ACTOR = ray.remote(EvalActor)
+    return _ACTOR
+
+
+class Fanout:
+    """The driver's loop: ``workers`` actors, one job in flight on each, a queue of the rest.
+    ``waiting`` maps each pending Ray reference to its worker slot and job (None: the
+    worker's ``ready`` call)."""
+
+    def __init__(self, setup: Setup, workers: int, num_cpus_per_worker: float, max_retries: int) -> None:
+        self.setup = setup
+        self.options = {"num_cpus": num_cpus_per_worker, "max_restarts": 0, "max_task_retries": 0}
+        self.max_retries = max_retries
+        self.actors: list[Any] = [None] * workers
+        self.waiting: dict[Any, tuple[int, Job | None]] = {}
+        self.queue: deque[Job] = deque()
+        self.deaths: dict[Job, int] = {}
+        self.started: list[int] = [0] * workers  # consecutive deaths of a slot before its worker was ready
+        self.idle: list[int] = []  # ready slots with nothing to do
+
+    def run(self, jobs: Sequence[Job], emit: Callable[[Outcome], None]) -> None:
+        import ray
+
+        self.queue.extend(jobs)
+        try:
+            for slot in range(min(len(self.actors), len(jobs))):
+                self._start(slot)
+            while self.waiting:
+                [ref], _ = ray.wait(list(self.waiting), num_returns=1)
+                slot, job = self.waiting.pop(ref)
+                self._finished(slot, job, ref, emit)
+        finally:
+            for actor in self.actors:
+                if actor is not None:
+                    ray.kill(actor, no_restart=True)
+
+    def _start(self, slot: int) -> None:
+        """A fresh worker in ``slot``; it gets jobs once it is ready."""
+        import ray
+
+        if self.actors[slot] is not None:
+            ray.kill(self.actors[slot], no_restart=True)
+        actor = _actor_class().options(**self.options).remote(self.setup)
+        self.actors[slot] = actor
+        self.waiting[actor.ready.remote()] = (slot, None)
+
+    def _feed(self, slot: int) -> None:
+        """The next job to ``slot``'s worker, or the slot idles."""
+        if not self.queue:
+            self.idle.append(slot)
+            return
+        job = self.queue.popleft()
+        self.waiting[self.actors[slot].run.remote(job)] = (slot, job)
+
+    def _finished(self, slot: int, job: Job | None, ref: Any, emit: Callable[[Outcome], None]) -> None:
+        import ray
+        from ray.exceptions import ObjectLostError, RayActorError, RayError, WorkerCrashedError
+
+        try:
+            value = ray.get(ref)
+        except (RayActorError, WorkerCrashedError, ObjectLostError) as exc:
+            self._lost(slot, job, exc)
+            return
+        except RayError as exc:  # not a death, not the worker's own exception: Ray failed the call
+            raise WorkerFailed(f"Ray failed a worker's call: {type(exc).__name__}: {exc}") from exc
+        if isinstance(value, _Failure):
+            raise value.error()
+        if job is None:
+            self.started[slot] = 0
+        else:
+            emit(value)
+        self._feed(slot)
+
+    def _lost(self, slot: int, job: Job | None, exc: Exception) -> None:
+        """A worker died: its job back at the front of the queue, to an idle worker if there is
+        one, and a fresh worker in its slot while jobs are left (`WorkerLost` once a job, or a
+        slot's start, has died more than ``max_retries`` times)."""
+        if job is None:
+            self.started[slot] += 1
+            if self.started[slot] > self.max_retries:
+                raise WorkerLost(f"a worker died {self.started[slot]} times while starting (its engine could not "
+                                 f"be built): {type(exc).__name__}: {exc}")
+        else:
+            self.deaths[job] = self.deaths.get(job, 0) + 1
+            if self.deaths[job] > self.max_retries:
+                raise WorkerLost(f"job {job} killed its worker {self.deaths[job]} times (max_retries="
+                                 f"{self.max_retries}): {type(exc).__name__}: {exc}")
+            self.queue.appendleft(job)
+            if self.idle:
+                self._feed(self.idle.pop())
+        if self.queue:
+            self._start(slot)
+        else:
+            import ray
+
+            ray.kill(self.actors[slot], no_restart=True)
+            self.actors[slot] = None
+
+
+# ----------------------------------------------------------------------------------- executor
+
+
+@dataclass(frozen=True)
+class RayExecutor:
+    """An `Executor` (see `make_ray_executor`)."""
+
+    address: str | None = None
+    workers: int | None = None
+    num_cpus_per_worker: float = 1
+    max_retries: int = 3
+
+    def __call__(self, setup: Setup, jobs: Sequence[Job], emit: Callable[[Outcome], None]) -> None:
+        if not jobs:
+            return
+        with cluster(self.address, self.workers, self.num_cpus_per_worker):
+            n, setup = _plan(self.workers, self.num_cpus_per_worker, setup)
+            Fanout(setup, n, self.num_cpus_per_worker, self.max_retries).run(jobs, emit)
+
+
+def _check(name: str, value: Any, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise InvalidParameter(name, value, allowed)
+
+
+def make_ray_executor(*, address: str | None = None, workers: int | None = None, num_cpus_per_worker: float = 1,
+                      max_retries: int = 3, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT) -> RayExecutor:
+    """An executor that runs a sweep's jobs on Ray (see the module docstring). ``address``:
+    None starts a local cluster; ``"auto"``, ``host:port`` or ``ray://host:port`` joins one,
+    which must answer within ``connect_timeout`` seconds (checked now, so a bad address fails
+    before the sweep writes anything). ``workers``: actors (default: the cluster's CPUs //
+    ``num_cpus_per_worker``); ``max_retries``: how often a job whose worker died is run again."""
+    _check("workers", workers, workers is None or (isinstance(workers, int) and not isinstance(workers, bool)
+                                                   and workers >= 1), "an integer >= 1, or None")
+    _check("num_cpus_per_worker", num_cpus_per_worker,
+           isinstance(num_cpus_per_worker, int | float) and num_cpus_per_worker > 0, "a number > 0")
+    _check("max_retries", max_retries, isinstance(max_retries, int) and max_retries >= 0, "an integer >= 0")
+    _check("connect_timeout", connect_timeout, isinstance(connect_timeout, int | float) and connect_timeout > 0,
+           "a number of seconds > 0")
+    if address is not None:
+        _check("ray_address", address, isinstance(address, str) and bool(address.strip()),
+               "auto, host:port or ray://host:port")
+        probe(address, connect_timeout)
+    return RayExecutor(address, workers, num_cpus_per_worker, max_retries)
