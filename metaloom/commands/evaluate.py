@@ -39,7 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--select", action="store_true",
                    help="after the sweep, print the compute-optimal strategy for --select-budget")
     e.add_argument("--select-budget", type=float, default=None, metavar="FLOPS",
-                   help="FLOPs per problem for --select (default: the largest budget of the analysis)")
+                   help="FLOPs per problem for --select (output tokens where FLOPs are unknown; default: the largest "
+                        "budget analysed)")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.add_argument("--json", action="store_true", help="print the summary (and selection) as one JSON object")
     e.set_defaults(run=run)
@@ -95,24 +96,27 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
 
 
 def select(records: list[Any], model: str, budget: float | None, seed: int) -> dict[str, Any]:
-    """The compute-optimal choice as configs `metaloom run` and the server take."""
+    """The compute-optimal choice at ``budget`` (default: the largest analysed) as a spec that
+    `metaloom run --strategy` and the server's model aliases take: the best single strategy
+    chosen on the selection half (one spec needs no difficulty probe), with the per-bin
+    choices and both held-out accuracies beside it."""
     from metaloom.eval.analysis import analyze, choice_for_budget
 
     analysis = analyze(records, seed=seed)
     chosen = analysis.get("selection")
     if not chosen or not chosen.get("rows"):
-        raise InvalidParameter("select", "--select", f"a sweep with problems to select on "
-                               f"({(chosen or {}).get('reason', 'no selection could be made')})")
-    rows = chosen["rows"]
-    row = rows[-1] if budget is None else max((r for r in rows if r["budget_flops"] <= budget),
-                                              key=lambda r: r["budget_flops"], default=None)
-    if row is None:
-        raise InvalidParameter("select-budget", budget, f">= {rows[0]['budget_flops']:.3g} FLOPs (the smallest budget "
-                               "any strategy fits in)")
-    spec = choice_for_budget(analysis, row["budget_flops"])
-    return {"budget_flops": row["budget_flops"], "strategy": spec, "per_bin": row.get("choices", {}),
-            "heldout_accuracy": row.get("accuracy"), "run": f"metaloom run --strategy '{spec}' --model {model} PROMPT",
-            "serve_model": f"{spec}:{model}"}
+        raise InvalidParameter("select", "--select", "a sweep with problems to select on ("
+                               + str(analysis.get("selection_reason") or "no selection could be made") + ")")
+    metric = chosen.get("budget_metric", "flops")
+    at = chosen["rows"][-1]["budget"] if budget is None else budget
+    try:
+        spec = choice_for_budget(analysis, at)
+    except InvalidParameter as exc:  # below the least budget analysed: named as the flag
+        raise InvalidParameter("select-budget", budget, exc.allowed) from exc
+    row = max((r for r in chosen["rows"] if r["budget"] <= at * (1 + 1e-12)), key=lambda r: r["budget"])
+    return {"budget": row["budget"], "budget_metric": metric, "strategy": spec, "per_bin": row.get("choices", {}),
+            "heldout_accuracy": row.get("best_single"), "compute_optimal_accuracy": row.get("accuracy"),
+            "run": f"metaloom run --strategy '{spec}' --model {model} PROMPT", "serve_model": f"{spec}:{model}"}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,8 +139,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(table(rows))
     if chosen:
-        print(f"\ncompute-optimal at {chosen['budget_flops']:.3g} FLOPs per problem: {chosen['strategy']}"
-              f" (held-out accuracy {chosen['heldout_accuracy']})")
+        print(f"\nat {chosen['budget']:.3g} {chosen['budget_metric']} per problem: {chosen['strategy']} "
+              f"(held-out accuracy {chosen['heldout_accuracy']}; per difficulty bin, with its probe: "
+              f"{chosen['compute_optimal_accuracy']})")
         print(f"  per difficulty bin: {json.dumps(chosen['per_bin'])}")
         print(f"  {chosen['run']}")
         print(f"  server model alias: {chosen['serve_model']}")

@@ -1,0 +1,82 @@
+"""`metaloom eval` and `metaloom report` end to end: --select on a scripted sweep, and the real
+default model through the command line."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from metaloom.cli import main
+from metaloom.commands.evaluate import select
+from metaloom.errors import InvalidParameter
+from metaloom.eval.runner import Setup, plan_sweep, run_sweep
+from metaloom.testing.scripted import Say, ScriptedGenerator
+
+# easy questions: every sample right (greedy suffices); hard ones: greedy (the first
+# response) wrong, the majority of 4 right — so the cheapest right strategy differs by problem
+EASY = {f"What is {i}+1?": str(i + 1) for i in range(6)}
+HARD = {f"What is {i}*3?": str(3 * i) for i in range(6)}
+
+
+def scripted() -> ScriptedGenerator:
+    table: dict[str, list] = {q: [Say(f"The answer is {a}.")] for q, a in EASY.items()}
+    for q, a in HARD.items():
+        table[q] = [Say(f"The answer is {int(a) + 1}."), Say(f"The answer is {a}."), Say(f"It is {a}."),
+                    Say(f"Maybe {a}.")]
+    return ScriptedGenerator(table)
+
+
+def test_select_prints_a_spec_run_and_the_server_accept(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"prompt": q, "answer": a}) + "\n" for q, a in {**EASY, **HARD}.items()))
+    sweep = plan_sweep(Setup(task=f"jsonl:{path}", factory=f"{__name__}:scripted"),
+                       ["majority_vote@n=4", "greedy"], str(tmp_path / "out"))
+    records = run_sweep(sweep)
+    chosen = select(records, "default", None, 0)
+    # at the largest budget the best single strategy is the vote (greedy misses every hard one)
+    assert chosen["strategy"].startswith("majority_vote@n=")
+    assert chosen["heldout_accuracy"] == 1.0
+    assert chosen["serve_model"] == chosen["strategy"] + ":default"
+    assert f"--strategy '{chosen['strategy']}'" in chosen["run"]
+    import argparse
+
+    from metaloom.commands.run import strategy_config
+
+    ns = argparse.Namespace(strategy=chosen["strategy"], prompt="q", dotted=[])
+    strategy_config(ns)  # `metaloom run` takes it as printed
+    from metaloom.server.strategy import resolve_model
+
+    call = resolve_model(chosen["serve_model"], ("default",), None)
+    assert call is not None and call.name == "majority_vote"
+    with pytest.raises(InvalidParameter, match="select-budget"):
+        select(records, "default", 1.0, 0)  # below every strategy's cost
+
+
+@pytest.mark.model
+def test_eval_select_and_report_on_the_default_model(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    argv = ["eval", "--task", "arithmetic", "--limit", "2", "--seed", "3", "--strategies", "greedy", "majority_vote@n=3",
+            "--max-tokens", "24", "--weights", "dense", "--out", str(out), "--no-progress", "--json", "--select"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result["summary"]) == {"greedy", "majority_vote@n=3"}
+    assert all(s["problems"] == 2 and s["flops"] > 0 for s in result["summary"].values())
+    assert result["select"]["strategy"].split("@")[0] in ("greedy", "majority_vote")
+    with open(out / "records.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert len(records) == 4
+    pooled = next(r for r in records if r["strategy"] == "majority_vote@n=3")
+    # the samples' own costs and the shared prefill add up to what the run was charged
+    total = sum(c["flops"] for c in pooled["candidates"]) + pooled["shared"]["flops"]
+    assert total == pytest.approx(pooled["usage"]["flops"], rel=1e-9)
+    assert all(c["flops"] > 0 for c in pooled["candidates"])
+    # a rerun finds everything done and runs nothing
+    assert main(argv) == 0
+    capsys.readouterr()
+    with open(out / "records.jsonl") as f:
+        assert len(f.readlines()) == 4
+    assert main(["report", str(out)]) == 0
+    report = capsys.readouterr().out.strip()
+    assert report == os.path.join(str(out), "report.html") and os.path.getsize(report) > 10_000
