@@ -25,6 +25,7 @@ from metaloom.meta import (
 from metaloom.meta.configure import build_strategy
 from metaloom.meta.refine import REVISE
 from metaloom.meta.registry import STRATEGIES, resolve
+from metaloom.meta.single import Single
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.answers import LastNumber
 from metaloom.score.feedback import FunctionFeedback
@@ -63,6 +64,10 @@ def case(cls, name, *values, **extra):
     for v in values:
         CASES.append((cls, {**extra, name: v}, name))
 
+
+# Single (`greedy`): one call
+case(Single, "params", *NOT_PARAMS)
+case(Single, "extractor", *NOT_EXTRACTORS)
 
 # Chain: templates over {prompt} and earlier {stepK}, one integer limit per step
 case(Chain, "steps", "{prompt} think", (), (1, 2), max_tokens=(8, 8))
