@@ -55,7 +55,7 @@ def test_select_prints_a_spec_run_and_the_server_accept(tmp_path):
 
 
 @pytest.mark.model
-def test_eval_select_and_report_on_the_default_model(tmp_path, capsys):
+def test_eval_select_and_report_on_the_default_model(tmp_path, capsys, smollm):
     out = tmp_path / "sweep"
     argv = ["eval", "--task", "arithmetic", "--limit", "2", "--seed", "3", "--strategies", "greedy", "majority_vote@n=3",
             "--max-tokens", "24", "--weights", "dense", "--out", str(out), "--no-progress", "--json", "--select"]
@@ -71,7 +71,13 @@ def test_eval_select_and_report_on_the_default_model(tmp_path, capsys):
     # the samples' own costs and the shared prefill add up to what the run was charged
     total = sum(c["flops"] for c in pooled["candidates"]) + pooled["shared"]["flops"]
     assert total == pytest.approx(pooled["usage"]["flops"], rel=1e-9)
-    assert all(c["flops"] > 0 for c in pooled["candidates"])
+    assert all(c["flops"] > 0 for c in pooled["candidates"] if c["tokens"] > 1)
+    # and what no sample caused is exactly the prompt's prefill (one logit row, then forked)
+    from metaloom.models.flops import attended_keys
+
+    prompt = pooled["usage"]["input_tokens"]
+    prefill = smollm.model.flops(new_tokens=prompt, attended=attended_keys([0], [prompt]), logit_rows=1)
+    assert pooled["shared"]["flops"] == pytest.approx(prefill, rel=1e-9)
     # a rerun finds everything done and runs nothing
     assert main(argv) == 0
     capsys.readouterr()

@@ -221,9 +221,10 @@ def test_pooled_costs_add_up_to_the_run_and_follow_the_flop_formula():
     result = Result(best="x", candidates=cands, usage=usage, best_index=0,
                     trace=(Event("sample", {"usage": {"input_tokens": 4, "flops": 1500.0}}),))
     costs, shared = attribute(result, model_row_flops(Model()))
-    # a row of L tokens after 4 prompt tokens: L forwards, attending 5..4+L keys, L logit rows
-    assert costs[0][0] == 100 * 2 + (5 + 6) + 10 * 2
-    assert costs[1][0] == 100 * 3 + (5 + 6 + 7) + 10 * 3
+    # a row of L tokens after 4 prompt tokens: its first token comes from the prefill's logits,
+    # then L - 1 forwards attending 5 .. 4+L-1 keys, one logit row each
+    assert costs[0][0] == 100 * 1 + 5 + 10 * 1
+    assert costs[1][0] == 100 * 2 + (5 + 6) + 10 * 2
     assert shared["flops"] + costs[0][0] + costs[1][0] == pytest.approx(2000.0)
     assert sum(s for _, s in costs) + shared["seconds"] == pytest.approx(2.0)
     # without a formula (a remote server) the sampling call's FLOPs split by tokens

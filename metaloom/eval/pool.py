@@ -5,8 +5,10 @@ request: the prompt is prefilled once and forked N ways, then every row decodes 
 tokens. A run with fewer samples would have paid the same prefill and only its own rows'
 decoding, so a subset's cost is ``shared + Σ candidate costs`` where a candidate's FLOPs are
 its own decode forwards, from the model's FLOP formula (`LanguageModel.flops`; linear, so a
-batched step splits exactly by row): a row of ``L`` tokens after a ``P``-token prompt feeds
-tokens at positions P .. P+L-1, attending P+1 .. P+L keys, with one logit row each.
+batched step splits exactly by row): a row's first token is drawn from the prefill's logits
+(shared by all rows: the prompt is prefilled once and forked), and each later token costs one
+forward of the token before it, so a row of ``L`` tokens after a ``P``-token prompt feeds
+``L - 1`` tokens at positions P .. P+L-2, attending P+1 .. P+L-1 keys, one logit row each.
 ``shared`` is the rest of the run (prefill, scorer calls over the whole set): at the full N
 the parts add up to the run's charged usage exactly. Without a formula (a remote server) the
 sampling call's FLOPs are split by tokens. Seconds are split in proportion to FLOPs: an
@@ -33,7 +35,8 @@ def model_row_flops(model: Any) -> RowFlops:
     from metaloom.models.flops import attended_keys
 
     def row(prompt: int, tokens: int) -> float:
-        return float(model.flops(new_tokens=tokens, attended=attended_keys([prompt], [tokens]), logit_rows=tokens))
+        fed = max(0, tokens - 1)  # the first token came from the shared prefill's logits
+        return float(model.flops(new_tokens=fed, attended=attended_keys([prompt], [fed]), logit_rows=fed))
 
     return row
 
