@@ -313,3 +313,30 @@ def test_sampling_strategies_share_one_pool_per_problem_and_each_is_charged_for_
         mv, bon = by[(pid, "majority_vote@n=4")], by[(pid, "best_of_n@n=4,scorer=logprob")]
         assert [c.text for c in mv.candidates] == [c.text for c in bon.candidates]
         assert mv.usage["output_tokens"] == bon.usage["output_tokens"] > 0
+
+
+def test_a_sweep_against_an_openai_compatible_server(tmp_path):
+    from metaloom.testing.fake_openai import FakeOpenAI
+    from metaloom.testing.served import serve_app
+
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps({"prompt": "What is 2+3?", "answer": "5"}) + "\n")
+    replies = ["The answer is 5.", "The answer is 6.", "The answer is 5."]
+    fake = FakeOpenAI(replies={"What is 2+3?": replies, "<|user|>What is 2+3?\n<|assistant|>": replies})
+    with serve_app(fake.app) as url:
+        setup = Setup(task=f"jsonl:{path}", backend="openai", base_url=url, model="fake-model")
+        records = run_sweep(plan_sweep(setup, ["greedy", "majority_vote@n=3"], str(tmp_path / "out")))
+    by = {r.strategy: r for r in records}
+    assert by["greedy"].correct and by["majority_vote@n=3"].answer == "5"
+    pooled = by["majority_vote@n=3"]
+    assert [c.answer for c in pooled.candidates] == ["5", "6", "5"]
+    # the server reports no FLOPs: unknown stays unknown (None), never a misleading 0
+    assert pooled.usage["flops"] is None
+    assert all(c.flops is None for c in pooled.candidates) and pooled.shared.get("flops") is None
+    assert pooled.usage["output_tokens"] == sum(c.tokens for c in pooled.candidates)
+    from metaloom.eval.analysis import analyze
+
+    analysis = analyze(records, seed=0, draws=20, bootstrap=50)
+    mv = next(c for c in analysis["curves"] if c["family"] == "majority_vote")
+    assert [p["flops"] for p in mv["points"]] == [None] * len(mv["points"])  # unknown, not zero
+    assert all(p["output_tokens"] > 0 for p in mv["points"])

@@ -52,10 +52,18 @@ def _sample_usage(result: Result) -> Mapping[str, Any]:
     return total
 
 
-def attribute(result: Result, row_flops: RowFlops | None) -> tuple[list[tuple[float, float]], dict[str, float]]:
+def attribute(result: Result, row_flops: RowFlops | None) -> tuple[list[tuple[float | None, float]], dict[str, float | None]]:
     """((flops, seconds) of each candidate, shared usage {flops, seconds, input_tokens,
-    cached_tokens, scorer_calls}); see the module docstring."""
+    cached_tokens, scorer_calls}); see the module docstring. FLOPs the run could not count (a
+    server that reports none, without ``--model-params``) stay None: no attribution of an
+    unknown."""
     usage = result.usage
+    if "flops" in usage.unknown:
+        share = [len(c.token_ids) for c in result.candidates]
+        secs_unknown = [float(usage.seconds) * t / sum(share) if sum(share) else 0.0 for t in share]
+        return ([(None, s) for s in secs_unknown],
+                {"flops": None, "seconds": 0.0, "input_tokens": float(usage.input_tokens),
+                 "cached_tokens": float(usage.cached_tokens), "scorer_calls": float(usage.scorer_calls)})
     sampled = _sample_usage(result)
     prompt = int(sampled.get("input_tokens", 0) + sampled.get("cached_tokens", 0))
     tokens = [len(c.token_ids) for c in result.candidates]
@@ -69,7 +77,7 @@ def attribute(result: Result, row_flops: RowFlops | None) -> tuple[list[tuple[fl
         own = [f * flops_total / sum(own) for f in own]
     seconds_total = float(usage.seconds)
     secs = [seconds_total * f / flops_total if flops_total else 0.0 for f in own]
-    shared = {"flops": flops_total - sum(own), "seconds": max(0.0, seconds_total - sum(secs)),
+    shared: dict[str, float | None] = {"flops": flops_total - sum(own), "seconds": max(0.0, seconds_total - sum(secs)),
               "input_tokens": float(usage.input_tokens), "cached_tokens": float(usage.cached_tokens),
               "scorer_calls": float(usage.scorer_calls)}
     return list(zip(own, secs, strict=True)), shared
@@ -91,7 +99,7 @@ def selection_of(kind: str, result: Result, extractor: Extractor | None, transfo
     return Selection(kind)
 
 
-def candidates_of(result: Result, grades: Sequence[Grade], costs: Sequence[tuple[float, float]]) -> tuple[Candidate, ...]:
+def candidates_of(result: Result, grades: Sequence[Grade], costs: Sequence[tuple[float | None, float]]) -> tuple[Candidate, ...]:
     scores = list(result.scores) if len(result.scores) == len(result.candidates) else [None] * len(result.candidates)
     return tuple(Candidate(text=c.text, tokens=len(c.token_ids), flops=f, seconds=s, answer=g.answer, correct=g.correct,
                            score=None if sc is None else float(sc))

@@ -35,7 +35,7 @@ class Candidate:
 
     text: str
     tokens: int
-    flops: float
+    flops: float | None  # None: the run could not count FLOPs (a remote server)
     seconds: float
     answer: str | None
     correct: bool
@@ -77,7 +77,7 @@ class Record:
     trace: str | None = None
     error: str | None = None
     candidates: tuple[Candidate, ...] = ()
-    shared: Mapping[str, float] = field(default_factory=dict)
+    shared: Mapping[str, float | None] = field(default_factory=dict)
     selection: Selection | None = None
 
     @property

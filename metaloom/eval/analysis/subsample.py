@@ -251,7 +251,7 @@ def subset_cost(record: Record, subset: Sequence[int]) -> dict[str, float]:
     cands = record.candidates
     return {
         "output_tokens": _num(record.shared.get("output_tokens", 0.0)) + sum(cands[i].tokens for i in idx),
-        "flops": _num(record.shared.get("flops", 0.0)) + math.fsum(cands[i].flops for i in idx),
+        "flops": _num(record.shared.get("flops", 0.0)) + math.fsum(_num(cands[i].flops) for i in idx),
         "seconds": _num(record.shared.get("seconds", 0.0)) + math.fsum(cands[i].seconds for i in idx),
     }
 
