@@ -359,6 +359,22 @@ def test_selection_picks_per_difficulty_bin_on_the_selection_half():
         choice_for_budget(out, budgets[0] / 2)
 
 
+def test_where_bins_bring_nothing_compute_optimal_is_the_best_single_strategy_without_the_probe():
+    # beam search is right everywhere: bins would choose it in both, and paying the probe would
+    # only push compute-optimal under the best single strategy at every budget
+    records = [replace(r, correct=True) if r.strategy == "step_beam_search@n=4" else r for r in _selection_records()]
+    sel = analyze(records, seed=1, bootstrap=100, bins=2)["selection"]
+    for row in sel["rows"]:
+        assert row["policy"] == "single" and row["probe_compute"] == 0.0
+        assert row["accuracy"] == row["best_single"]
+        assert set(row["choices"].values()) == {row["best_single_choice"]}
+    top = sel["rows"][-1]
+    assert top["accuracy"] == 1.0 and top["compute"] == pytest.approx(5000.0)  # no probe charged
+    # and where the bins do beat one strategy on the selection half, they are used (and paid)
+    base = analyze(_selection_records(), seed=1, bootstrap=100, bins=2)["selection"]["rows"][-1]
+    assert base["policy"] == "per bin" and base["probe_compute"] == pytest.approx(1400.0)
+
+
 def test_heldout_accuracy_reads_only_heldout_problems_and_choices_only_the_selection_half():
     records = _selection_records()
     base = analyze(records, seed=1, bootstrap=100, bins=2)["selection"]

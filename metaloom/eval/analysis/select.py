@@ -30,7 +30,11 @@ Protocol (every choice is made without the held-out half's ground truth):
 5. **Choice**: for each budget and bin, among the points whose mean cost *plus the probe's*
    over the selection half's problems of that bin is within budget, the best selection-half
    accuracy in that bin (ties: cheaper, then earlier) — compute-optimal pays for its probe
-   within the same budget as the baselines. ``best_single`` chooses the same way over the whole
+   within the same budget as the baselines. One strategy for every problem is a policy too
+   and needs no probe, so the per-bin choices are used only when their selection-half accuracy
+   beats the best single strategy's (``policy``: "per bin" or "single", the probe charged only
+   for "per bin"); where bins bring nothing, compute-optimal is the best single strategy and
+   does not pay to find out a difficulty it does not use. ``best_single`` chooses the same way over the whole
    selection half without bins and without a probe; ``majority_vote``/``best_of_n`` likewise
    among those strategies' points only (every variant, every N). All report held-out accuracy.
 6. **Efficiency**: compute-optimal's held-out compute C is the held-out mean cost of each
@@ -201,6 +205,13 @@ def _best(candidates: Sequence[tuple[float, float, int]], budget: float) -> int 
     return min(within)[2] if within else None
 
 
+def _policy_accuracy(choices: Mapping[str, int | None], sel_in: Mapping[str, Sequence[str]],
+                     sel_acc: Mapping[str, Sequence[float]]) -> float:
+    """Selection-half accuracy of per-bin choices (each bin weighted by its problems)."""
+    total = sum(len(ps) for ps in sel_in.values())
+    return sum(len(sel_in[b]) * sel_acc[b][i] for b, i in choices.items() if i is not None) / total if total else math.nan
+
+
 def efficiency(target: float, compute: float, curve: Sequence[tuple[float, float]]) -> float | None:
     """Compute a baseline needs to reach ``target`` accuracy (the least cost among its
     (cost, accuracy) points with accuracy >= target) divided by ``compute``; None when none
@@ -244,16 +255,25 @@ def select(pts: Sequence[Point], records: Sequence[Record], problems: Sequence[s
     rows = []
     for budget in budget_grid(lo, hi, grid):
         choices = {b: _best([(sel_acc[b][i], sel_cost[b][i], i) for i in range(len(pts))], budget) for b in sel_in}
+        single = _best(whole, budget)
+        # one strategy for every problem is a policy too, and needs no probe: per-bin choices are
+        # used only where they beat it on the selection half (so selection cannot do worse there
+        # than the best single strategy; with one bin, or bins that agree, the probe is not paid)
+        binned = all(i is not None for i in choices.values()) and len(choices) > 1 and (
+            single is None or _policy_accuracy(choices, sel_in, sel_acc) > whole[single][0] + 1e-12)
+        if not binned and single is not None:
+            choices = dict.fromkeys(sel_in, single)
         row: dict[str, Any] = {"budget_flops": budget if metric == "flops" else None, "budget": budget,
-                               "choices": {b: None if i is None else pts[i].label for b, i in choices.items()}}
+                               "choices": {b: None if i is None else pts[i].label for b, i in choices.items()},
+                               "policy": "per bin" if binned else "single"}
+        paid = probe_cost if binned else 0.0
         if all(i is not None for i in choices.values()) and held:
             picked = {b: pts[i] for b, i in choices.items() if i is not None}
             accuracy = float(np.mean([picked[where[p]].correct_at(p) for p in held]))
-            compute = float(np.mean([picked[where[p]].cost_at(metric, p) for p in held])) + probe_cost
+            compute = float(np.mean([picked[where[p]].cost_at(metric, p) for p in held])) + paid
         else:
             accuracy, compute = math.nan, math.nan
-        row.update(accuracy=accuracy, compute=compute, probe_compute=probe_cost)
-        single = _best(whole, budget)
+        row.update(accuracy=accuracy, compute=compute, probe_compute=paid)
         row["best_single"] = None if single is None else held_acc[single]
         row["best_single_choice"] = None if single is None else pts[single].label
         for name, key in (("majority_vote", "efficiency_vs_majority"), ("best_of_n", "efficiency_vs_best_of_n")):
