@@ -324,10 +324,11 @@ def selection_view(analysis: Mapping[str, Any]) -> dict[str, Any]:
         budget = fmt_flops(r["budget_flops"]) if r.get("budget_flops") is not None else (
             f"{r['budget']:,.0f} {selection.get('budget_metric', '')}".replace("_", " ") if r.get("budget") is not None
             else MISSING)
-        rows.append({"budget": budget, "policy": r.get("policy") or "", "choices": [(r.get("choices") or {}).get(b, MISSING)
-                                                                               for b in bins],
-                     "accuracy": fmt_pct(r.get("accuracy")), "compute": fmt_flops(r.get("compute")) if r.get("budget_flops") is not None else (
-                         MISSING if r.get("compute") is None else f"{r['compute']:,.0f}"),
+        compute = fmt_flops(r.get("compute")) if r.get("budget_flops") is not None else (
+            MISSING if r.get("compute") is None else f"{r['compute']:,.0f}")
+        rows.append({"budget": budget, "policy": r.get("policy") or "",
+                     "choices": [(r.get("choices") or {}).get(b, MISSING) for b in bins],
+                     "accuracy": fmt_pct(r.get("accuracy")), "compute": compute,
                      **{key: fmt_pct(r.get(key)) for key in BASELINES},
                      **{f"{key}_choice": r.get(f"{key}_choice") or "" for key in BASELINES},
                      "vs_majority": fmt_ratio(r.get("efficiency_vs_majority")),
