@@ -340,3 +340,23 @@ def test_a_sweep_against_an_openai_compatible_server(tmp_path):
     mv = next(c for c in analysis["curves"] if c["family"] == "majority_vote")
     assert [p["flops"] for p in mv["points"]] == [None] * len(mv["points"])  # unknown, not zero
     assert all(p["output_tokens"] > 0 for p in mv["points"])
+
+
+def test_the_progress_bar_counts_runs_accuracy_tokens_and_flops(task_file, tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from metaloom.eval.progress import SweepProgress
+    from metaloom.eval.records import Record
+
+    def rec(problem, correct, tokens, flops):
+        return Record(problem, "greedy", None, correct, float(correct), "", {"output_tokens": tokens, "flops": flops}, 0.1)
+
+    buffer = io.StringIO()
+    bar = SweepProgress([rec("a", True, 10, 2e12)], 4, console=Console(file=buffer, width=200, force_terminal=False))
+    bar.add(rec("b", False, 30, 1e12))
+    stats = bar._stats()
+    bar.close()
+    assert stats == "problems 2 · accuracy 50.0% · 40 tokens · 3.0 TFLOP"
+    assert bar.progress.tasks[0].completed == 2 and bar.progress.tasks[0].total == 4
