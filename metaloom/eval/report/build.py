@@ -163,6 +163,13 @@ def fmt_tokens(v: Any) -> str:
     return f"{int(v):,}" if float(v).is_integer() else f"{v:,.1f}"
 
 
+def run_seconds(r: Record) -> float:
+    """What a run cost in seconds: the ledger's (a sample pool replayed from another run of the
+    sweep is charged what drawing it took), else the record's wall time."""
+    charged = r.usage.get("seconds")
+    return float(charged) if isinstance(charged, int | float) else r.seconds
+
+
 def fmt_seconds(v: Any) -> str:
     if not _number(v):
         return MISSING
@@ -273,7 +280,7 @@ def summary_rows(records: Sequence[Record], strategies: Sequence[str],
             "coverage_interval": fmt_interval(point.get("coverage_lo"), point.get("coverage_hi")),
             "output_tokens": fmt_tokens(_mean(r.usage.get("output_tokens") for r in recs)),
             "flops": fmt_flops(_mean(r.usage.get("flops") for r in recs)),
-            "seconds": fmt_seconds(_mean(r.seconds for r in recs)),
+            "seconds": fmt_seconds(_mean(run_seconds(r) for r in recs)),
             "errors": sum(r.error is not None for r in recs),
             "budget_stops": sum(r.stopped_reason == "budget" for r in recs),
         })
@@ -548,7 +555,7 @@ def record_view(r: Record, out_dir: str, anchor: str, text_cap: int = TEXT_CAP) 
     return {
         "strategy": r.strategy, "answer": r.answer, "correct": r.correct, "score": fmt_score(r.score),
         "output_tokens": fmt_tokens(r.usage.get("output_tokens")), "flops": fmt_flops(r.usage.get("flops")),
-        "seconds": fmt_seconds(r.seconds), "stopped": r.stopped_reason, "error": r.error, "best": clip(r.best),
+        "seconds": fmt_seconds(run_seconds(r)), "stopped": r.stopped_reason, "error": r.error, "best": clip(r.best),
         "candidates": [candidate_view(c, k, text_cap) for k, c in enumerate(r.candidates[:CANDIDATE_CAP])],
         "candidates_total": len(r.candidates), "selection": r.selection.kind if r.selection else None,
         "trees": [tree_view(t, f"{anchor}-t{k}") for k, t in enumerate(trees)], "trace_note": note, "trace": r.trace,
