@@ -148,8 +148,26 @@ def _legend_below(fig: Figure, axes: Sequence[Any]) -> None:
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             seen.setdefault(label, handle)
     if seen:
-        fig.legend(list(seen.values()), list(seen.keys()), loc="lower center", ncol=min(len(seen), 5), fontsize=8.5,
-                   frameon=False, bbox_to_anchor=(0.5, 0.0))
+        labels = [wrap_label(k) for k in seen]
+        widest = max(len(line) for label in labels for line in label.splitlines())
+        # a long spec would widen the legend, and with it the whole figure, which the page then
+        # shrinks: long labels wrap at commas and take fewer columns
+        ncol = min(len(seen), 5 if widest <= 30 else 3 if widest <= 45 else 2)
+        # hung below the figure (the tight bounding box of the saved PNG takes it in), so
+        # however many lines it has it never covers the axes
+        fig.legend(list(seen.values()), labels, loc="upper center", ncol=ncol, fontsize=8.5,
+                   frameon=False, bbox_to_anchor=(0.5, 0.02))
+
+
+def wrap_label(label: str, width: int = 40) -> str:
+    """``label`` on lines of at most about ``width`` characters, broken after commas."""
+    lines: list[str] = []
+    for part in label.replace(",", ",\0").split("\0"):
+        if lines and len(lines[-1]) + len(part) <= width:
+            lines[-1] += part
+        else:
+            lines.append(part)
+    return "\n".join(lines)
 
 
 def accuracy_figure(curves: Sequence[Mapping[str, Any]], frontier: Mapping[str, Sequence[str]],
