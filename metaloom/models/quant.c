@@ -518,6 +518,20 @@ int metaloom_quant_openmp(void) {
  * x and y float32, or bfloat16 (xbf, ybf; bfloat16 y is rounded to nearest even once, from the
  * float32 sum). Outputs are split over `threads` OpenMP threads (1: this thread, no parallel
  * region). Returns 0; -1 unknown type or `in` not a multiple of its block; -2 out of memory. */
+/* This thread's rows [lo, hi) of n inside an OpenMP parallel region: equal shares, each a whole
+ * number of ``tile`` rows (the last share may be short or empty). */
+static void thread_share(int64_t n, int64_t tile, int64_t *lo, int64_t *hi) {
+    int64_t id = 0, nt = 1;
+#ifdef _OPENMP
+    id = omp_get_thread_num();
+    nt = omp_get_num_threads();
+#endif
+    int64_t share = (n + nt - 1) / nt;
+    share = (share + tile - 1) / tile * tile;
+    *lo = id * share;
+    *hi = *lo + share < n ? *lo + share : n;
+}
+
 int quant_matmul(int t, const uint8_t *w, int64_t out, int64_t in, const void *x, int xbf, void *y, int ybf,
                  int64_t rows, int64_t threads) {
     if (!tiles_of(t) || in % block_elems(t)) return -1;
@@ -537,14 +551,8 @@ int quant_matmul(int t, const uint8_t *w, int64_t out, int64_t in, const void *x
     } else {
 #pragma omp parallel num_threads(threads)
         {
-            int64_t id = 0, nt = 1;
-#ifdef _OPENMP
-            id = omp_get_thread_num();
-            nt = omp_get_num_threads();
-#endif
-            int64_t share = (out + nt - 1) / nt;
-            share = (share + 7) / 8 * 8; /* whole tiles */
-            int64_t lo = id * share, hi = lo + share < out ? lo + share : out;
+            int64_t lo, hi;
+            thread_share(out, 8, &lo, &hi); /* whole tiles of 8 rows */
             if (lo < hi) matmul_part(t, w, in, xf, rows, y, out, ybf, lo, hi);
         }
     }
@@ -602,12 +610,8 @@ int quant_dequantize(int t, const uint8_t *w, int64_t out, int64_t in, const int
     } else {
 #pragma omp parallel num_threads(threads)
         {
-            int64_t id = 0, nt = 1;
-#ifdef _OPENMP
-            id = omp_get_thread_num();
-            nt = omp_get_num_threads();
-#endif
-            int64_t share = (n + nt - 1) / nt, lo = id * share, hi = lo + share < n ? lo + share : n;
+            int64_t lo, hi;
+            thread_share(n, 1, &lo, &hi);
             if (lo < hi) dequantize_any(t, w, in, ids, lo, hi, y, ybf);
         }
     }
