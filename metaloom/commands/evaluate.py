@@ -101,6 +101,7 @@ def select(records: list[Any], model: str, budget: float | None, seed: int) -> d
     chosen on the selection half (one spec needs no difficulty probe), with the per-bin
     choices and both held-out accuracies beside it."""
     from metaloom.eval.analysis import analyze, choice_for_budget
+    from metaloom.eval.analysis.select import row_for_budget
 
     analysis = analyze(records, seed=seed)
     chosen = analysis.get("selection")
@@ -110,10 +111,10 @@ def select(records: list[Any], model: str, budget: float | None, seed: int) -> d
     metric = chosen.get("budget_metric", "flops")
     at = chosen["rows"][-1]["budget"] if budget is None else budget
     try:
+        row = row_for_budget(analysis, at)
         spec = choice_for_budget(analysis, at)
     except InvalidParameter as exc:  # below the least budget analysed: named as the flag
         raise InvalidParameter("select-budget", budget, exc.allowed) from exc
-    row = max((r for r in chosen["rows"] if r["budget"] <= at * (1 + 1e-12)), key=lambda r: r["budget"])
     return {"budget": row["budget"], "budget_metric": metric, "strategy": spec, "per_bin": row.get("choices", {}),
             "heldout_accuracy": row.get("best_single"), "compute_optimal_accuracy": row.get("accuracy"),
             "run": f"metaloom run --strategy '{spec}' --model {model} PROMPT", "serve_model": f"{spec}:{model}"}

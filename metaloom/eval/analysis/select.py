@@ -292,11 +292,9 @@ def select(pts: Sequence[Point], records: Sequence[Record], problems: Sequence[s
             "difficulty": dict(probe.difficulty), "rows": rows}
 
 
-def choice_for_budget(analysis: Mapping[str, Any], budget: float, bin: str | None = None) -> str:
-    """The spec to run at ``budget`` (on the analysis's budget metric): the row with the largest
-    budget not above it; its per-bin choice for ``bin``, else the best single strategy (one spec
-    needs no difficulty probe; `metaloom run` and `metaloom serve` take it as it is).
-    ``analysis``: `analyze`'s result or its ``selection``."""
+def row_for_budget(analysis: Mapping[str, Any], budget: float) -> Mapping[str, Any]:
+    """The compute-optimal row with the largest budget not above ``budget`` (on the analysis's
+    budget metric). ``analysis``: `analyze`'s result or its ``selection``."""
     sel = analysis.get("selection", analysis) if "rows" not in analysis else analysis
     if not sel or not sel.get("rows"):
         raise InvalidParameter("analysis", "no selection", "an analysis with compute-optimal rows (2 problems or more)")
@@ -304,7 +302,14 @@ def choice_for_budget(analysis: Mapping[str, Any], budget: float, bin: str | Non
     if not rows:
         least = min(r["budget"] for r in sel["rows"])
         raise InvalidParameter("budget", budget, f">= {least} ({sel.get('budget_metric', 'flops')}), the least budget analysed")
-    row = max(rows, key=lambda r: r["budget"])
+    return max(rows, key=lambda r: r["budget"])
+
+
+def choice_for_budget(analysis: Mapping[str, Any], budget: float, bin: str | None = None) -> str:
+    """The spec to run at ``budget``: `row_for_budget`'s per-bin choice for ``bin``, else its
+    best single strategy (one spec needs no difficulty probe; `metaloom run` and `metaloom
+    serve` take it as it is)."""
+    row = row_for_budget(analysis, budget)
     if bin is not None:
         if bin not in row["choices"]:
             raise InvalidParameter("bin", bin, f"one of {sorted(row['choices'])}")
