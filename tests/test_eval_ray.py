@@ -16,7 +16,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from metaloom.errors import InvalidParameter, ModelNotFound  # noqa: E402
-from metaloom.eval.ray_executor import WorkerFailed, WorkerLost, make_ray_executor, probe  # noqa: E402
+from metaloom.eval.ray_executor import WorkerFailed, WorkerLost, make_ray_executor, next_job, probe  # noqa: E402
 from metaloom.eval.records import RECORDS  # noqa: E402
 from metaloom.eval.runner import Job, Outcome, Setup, plan_sweep, run_sweep  # noqa: E402
 from metaloom.testing.eval_fixtures import problems_file  # noqa: E402
@@ -62,6 +62,38 @@ def test_ray_sweep_gives_the_local_executors_records(cluster, tmp_path):
     lines = _lines(tmp_path / "ray")
     assert len({(d["problem"], d["strategy"]) for d in lines}) == len(lines) == len(SUMS) * len(SPECS)
     assert ray.is_initialized()  # a cluster the executor did not start is left running
+
+
+def test_a_problems_strategies_stay_on_one_worker_so_its_sample_pool_is_drawn_once(cluster, tmp_path):
+    """Majority vote and best-of-N at the same N replay one draw (`metaloom.eval.replay`), which
+    a worker holds for the problem it ran last: with two workers, each problem's pool must still
+    reach the generator once, not once per worker its strategies were sent to. Problem 0 waits
+    until a first outcome is emitted, so the other worker surely takes jobs meanwhile."""
+    log, flag = tmp_path / "draws.log", tmp_path / "first-emitted"
+    hooks = {i: f"log-draws:{log}" for i in range(len(SUMS))}
+    hooks[0] += f" wait-for:{flag}"
+    specs = ("majority_vote@n=3", "best_of_n@n=3,scorer=logprob")
+    sweep = _sweep(_task(tmp_path, hooks), tmp_path / "out", specs=specs)
+    seen: list[Outcome] = []
+
+    def emit(outcome: Outcome) -> None:
+        seen.append(outcome)
+        flag.touch()
+
+    make_ray_executor(workers=2)(sweep.setup, [Job(i, s) for i in range(len(SUMS)) for s in specs], emit)
+    assert len(seen) == len(SUMS) * len(specs) and all(o.record.correct for o in seen)  # problem 0 did not time out
+    draws = [line.split(" ", 1) for line in log.read_text().splitlines()]
+    prompts = [prompt for _pid, prompt in draws]
+    assert len(prompts) == len(set(prompts)) == len(SUMS)  # each problem drawn once
+    assert len({pid for pid, _ in draws}) == 2  # by both workers
+
+
+def test_a_free_worker_takes_its_own_problem_then_a_problem_no_one_is_on():
+    assert next_job([0, 1, 1, 2], mine=1, others={0}) == 1
+    assert next_job([0, 0, 1, 2], mine=5, others={0}) == 2
+    assert next_job([0, 0, 1], mine=None, others={0, 1}) is None  # every problem taken: it waits
+    assert next_job([], mine=1, others=set()) is None
+    assert next_job([3], mine=None, others=set()) == 0
 
 
 def test_a_killed_worker_has_its_job_retried_and_nothing_is_lost_or_duplicated(cluster, tmp_path):

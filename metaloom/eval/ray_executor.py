@@ -10,6 +10,15 @@ Why actors, not tasks: a worker's engine (a loaded model, its threads) is the ex
 part, so a worker is a long-lived process with one job in flight; the driver feeds an actor
 its next job when the last one comes back, so a slow job holds up no one else.
 
+Why a worker keeps to one problem (`next_job`): the strategies of one problem share its sample
+pools (`metaloom.eval.replay`: majority vote, best-of-N and MBR at the same N replay one draw),
+and a worker holds only the pools of the problem it ran last. So a problem's jobs all run on
+one worker, one after another: a free worker takes the next job of its own problem, else the
+first job of a problem no other worker is on, else it waits (the queue's problems are all
+taken). Without this, two workers would split a problem's strategies between them and draw
+its pool twice. The price: parallelism is across problems, so a sweep of fewer problems than
+workers leaves some idle.
+
 Faults:
 
 - a worker process that dies (killed, out of memory, its node lost) loses only the job it
@@ -277,6 +286,7 @@ class Fanout:
         self.deaths: dict[Job, int] = {}
         self.started: list[int] = [0] * workers  # consecutive deaths of a slot before its worker was ready
         self.idle: list[int] = []  # ready slots with nothing to do
+        self.on: list[int | None] = [None] * workers  # the problem each slot's worker holds the pools of
 
     def run(self, jobs: Sequence[Job], emit: Callable[[Outcome], None]) -> None:
         import ray
@@ -300,16 +310,22 @@ class Fanout:
 
         if self.actors[slot] is not None:
             ray.kill(self.actors[slot], no_restart=True)
+        self.on[slot] = None  # a fresh process holds no pools
         actor = _actor_class().options(**self.options).remote(self.setup)
         self.actors[slot] = actor
         self.waiting[actor.ready.remote()] = (slot, None)
 
     def _feed(self, slot: int) -> None:
-        """The next job to ``slot``'s worker, or the slot idles."""
-        if not self.queue:
+        """The next job to ``slot``'s worker, or the slot idles (nothing queued, or only jobs of
+        problems other workers are on)."""
+        others = {p for s, p in enumerate(self.on) if s != slot and p is not None}
+        i = next_job([j.problem for j in self.queue], self.on[slot], others)
+        if i is None:
             self.idle.append(slot)
             return
-        job = self.queue.popleft()
+        job = self.queue[i]
+        del self.queue[i]
+        self.on[slot] = job.problem
         self.waiting[self.actors[slot].run.remote(job)] = (slot, job)
 
     def _finished(self, slot: int, job: Job | None, ref: Any, emit: Callable[[Outcome], None]) -> None:
@@ -341,6 +357,7 @@ class Fanout:
                 raise WorkerLost(f"a worker died {self.started[slot]} times while starting (its engine could not "
                                  f"be built): {type(exc).__name__}: {exc}")
         else:
+            self.on[slot] = None  # its problem's pools died with it: any worker may take the job
             self.deaths[job] = self.deaths.get(job, 0) + 1
             if self.deaths[job] > self.max_retries:
                 raise WorkerLost(f"job {job} killed its worker {self.deaths[job]} times (max_retries="
@@ -355,6 +372,19 @@ class Fanout:
 
             ray.kill(self.actors[slot], no_restart=True)
             self.actors[slot] = None
+
+
+def next_job(problems: Sequence[int], mine: int | None, others: set[int]) -> int | None:
+    """The index in a queue of jobs' ``problems`` that a free worker takes, the one whose last
+    problem was ``mine`` while other workers are on ``others``; None: it waits (see the module
+    docstring)."""
+    for i, p in enumerate(problems):
+        if p == mine:
+            return i
+    for i, p in enumerate(problems):
+        if p not in others:
+            return i
+    return None
 
 
 # ----------------------------------------------------------------------------------- executor

@@ -12,7 +12,9 @@ worker's environment is fixed when its cluster starts, the problem text travels 
   once (``os._exit``: no exception, no cleanup, as a killed process); later ones answer;
 - ``die-always``: every worker process that sees the prompt exits (a job no retry saves);
 - ``wait-for:PATH``: wait until PATH exists (at most `WAIT_SECONDS`) before answering; an
-  answer after the wait ran out is "The answer is unknown." (so a test sees that it did).
+  answer after the wait ran out is "The answer is unknown." (so a test sees that it did);
+- ``log-draws:PATH``: every request with this prompt that reaches the generator (a sample
+  pool replayed to a later strategy does not) appends a line ``PID PROMPT`` to PATH.
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ import time
 from collections.abc import Sequence
 
 from metaloom.errors import ModelNotFound
+from metaloom.generator.types import Completion, Request
+from metaloom.ledger import Ledger
 from metaloom.testing.scripted import Say, ScriptedGenerator
 
 WAIT_SECONDS = 30.0
 _SUM = re.compile(r"What is\s+(-?\d+)\s*([-+*])\s*(-?\d+)")
 _DIE_ONCE = re.compile(r"die-once:(\S+)")
 _WAIT_FOR = re.compile(r"wait-for:(\S+)")
+_LOG_DRAWS = re.compile(r"log-draws:(\S+)")
 
 
 def solve(text: str) -> str:
@@ -74,6 +79,14 @@ class ArithmeticScript(ScriptedGenerator):
 
     def __init__(self) -> None:
         super().__init__({})
+
+    def generate(self, requests: Sequence[Request], *, ledger: Ledger) -> list[list[Completion]]:
+        for r in requests:
+            m = _LOG_DRAWS.search(r.prompt) if isinstance(r.prompt, str) else None
+            if m is not None:
+                with open(m.group(1), "a") as f:  # one short write per line: appends do not interleave
+                    f.write(f"{os.getpid()} {r.prompt}\n")
+        return super().generate(requests, ledger=ledger)
 
     def _lookup(self, text: str, n: int) -> list[tuple[str, int, str]]:
         if text not in self.table:
