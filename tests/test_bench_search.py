@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from metaloom.bench.search import final_answer, problems, prompt_of, strategies, summarize
+from metaloom.bench.search import final_answer, grade, problems, prompt_of, strategies, summarize
 from metaloom.generator.types import Completion
 from metaloom.ledger import Ledger
 from metaloom.score.puzzles import CountdownAnswer, CountdownSteps, Game24Answer
@@ -22,6 +22,18 @@ def test_puzzle_prompts_are_graded_on_their_own_puzzle(task, checker) -> None:
         assert data.score_answer(final_answer(task, right), p.entry) == 1.0
         example = prompt[-2]["content"].splitlines()[-1]  # the example's answer is no answer here
         assert checker.score(prompt, [Completion(example, (), (), "stop")], ledger=Ledger()) == [0.0]
+
+
+def test_the_24_game_is_graded_strictly_as_eval_grades_it() -> None:
+    """reasoning-gym's puzzle24 scorer takes any four numbers that make 24; the benchmark, like
+    `metaloom eval`, requires the puzzle's own."""
+    items, data = problems("game24", 3, 4242)
+    for p in items:
+        cheat = final_answer("game24", "Answer: 6 * 4 * 1 * 1")
+        assert data.score_answer(cheat, p.entry) == 1.0  # the loose scorer's verdict
+        assert grade(p, data, cheat) < 1.0
+        assert grade(p, data, final_answer("game24", f"Answer: {p.entry['answer']}")) == 1.0
+        assert grade(p, data, None) == 0.0
 
 
 def test_countdown_step_checker_reads_the_asked_puzzle() -> None:

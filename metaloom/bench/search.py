@@ -7,7 +7,8 @@ whose FLOPs become that problem's budget; then majority vote and every tree sear
 `Budget` of those FLOPs (each stops cleanly with its best finished solution when it runs out).
 The searches score steps with the exact step checker (countdown, 24) or, on GSM, with the
 LLM-as-judge step verifier and Monte-Carlo rollouts. Accuracy is reasoning-gym's own
-``score_answer`` of the chosen output's final answer.
+``score_answer`` of the chosen output's final answer, strict on the 24 game's numbers as
+`metaloom eval` grades it (`metaloom.eval.tasks.gym.score_answer`).
 
 Each run has its own radix prefix cache (its prompt and paths are reused across its own
 calls, no run inherits another's prefill), so FLOPs compare. Records go to ``--search-out``
@@ -29,7 +30,7 @@ from typing import Any
 from metaloom.bench import single_weights
 from metaloom.errors import InvalidParameter
 from metaloom.eval.tasks.gym import TASKS as GYM_TASKS
-from metaloom.eval.tasks.gym import chat_prompt, final_answer
+from metaloom.eval.tasks.gym import chat_prompt, final_answer, score_answer
 
 # the tasks searched: reasoning-gym dataset and configuration (the prompts, configurations and
 # answer reading are the evaluation tasks' own, `metaloom.eval.tasks.gym`)
@@ -64,6 +65,12 @@ def problems(task: str, size: int, seed: int) -> tuple[list[Problem], Any]:
     name, config = TASKS[task]
     data = reasoning_gym.create_dataset(name, size=size, seed=seed, **config)
     return [Problem(task, i, str(x["question"]), x) for i, x in enumerate(data)], data
+
+
+def grade(p: Problem, data: Any, answer: str | None) -> float:
+    """The score of a problem's extracted answer: the evaluation tasks' (`score_answer`:
+    reasoning-gym's, strict on the 24 game's numbers); 1.0 is correct."""
+    return 0.0 if answer is None else score_answer(p.task, data, answer, p.entry)
 
 
 def prompt_of(p: Problem) -> tuple[dict[str, str], ...]:
@@ -176,7 +183,7 @@ def main(args: argparse.Namespace) -> int:
                         text, stopped = result.best, result.stopped_reason
                     seconds = time.perf_counter() - start
                     answer = final_answer(task, text)
-                    correct = float(data.score_answer(answer, p.entry)) if answer is not None else 0.0
+                    correct = grade(p, data, answer)
                     u = ledger.usage
                     rec = {"task": task, "problem": p.index, "strategy": name, "correct": correct >= 1.0,
                            "answer": answer, "output_tokens": u.output_tokens, "input_tokens": u.input_tokens,

@@ -108,6 +108,14 @@ def _uses_the_puzzle_numbers(task: str, answer: str, entry: Mapping[str, Any]) -
 WRONG_24 = 0.01  # reasoning-gym's puzzle24 score of a wrong answer
 
 
+def score_answer(task: str, dataset: Any, answer: str, entry: Mapping[str, Any]) -> float:
+    """reasoning-gym's ``score_answer`` of an extracted answer, except that for the 24 game an
+    answer not made of the puzzle's own numbers, or not exactly 24, scores what reasoning-gym
+    gives a wrong one (`_uses_the_puzzle_numbers`); 1.0 is correct."""
+    score = float(dataset.score_answer(answer, dict(entry)))
+    return score if _uses_the_puzzle_numbers(task, answer, entry) else min(score, WRONG_24)
+
+
 @dataclass(frozen=True)
 class GymTask:
     """``size`` problems of one reasoning-gym dataset (``task``: a `TASKS` name), drawn with
@@ -167,8 +175,5 @@ class GymTask:
         answer = self.extractor().extract(text)
         if answer is None:
             return Grade(answer=None, correct=False, score=0.0)
-        entry = dict(problem.data)
-        score = float(self.dataset.score_answer(answer, entry))
-        if not _uses_the_puzzle_numbers(self.task, answer, entry):
-            score = min(score, WRONG_24)
+        score = score_answer(self.task, self.dataset, answer, problem.data)
         return Grade(answer=answer, correct=score >= 1.0, score=score)
