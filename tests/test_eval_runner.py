@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections import Counter
 
 import pytest
 
@@ -313,6 +314,21 @@ def test_sampling_strategies_share_one_pool_per_problem_and_each_is_charged_for_
         mv, bon = by[(pid, "majority_vote@n=4")], by[(pid, "best_of_n@n=4,scorer=logprob")]
         assert [c.text for c in mv.candidates] == [c.text for c in bon.candidates]
         assert mv.usage["output_tokens"] == bon.usage["output_tokens"] > 0
+
+
+def test_only_pooled_strategies_replay_a_draw(task_file, tmp_path):
+    """Two adaptive votes, majority vote and best-of-N all open with the same seeded request. A
+    run that goes on after its first call must have made that call itself (a replay fills no
+    prefix cache), so each adaptive vote draws; the two pooled strategies share one draw."""
+    out = str(tmp_path / "sweep")
+    specs = ["adaptive_vote@batch=2,max_samples=4,min_samples=2", "adaptive_vote@batch=2,max_samples=6,min_samples=2",
+             "majority_vote@n=2", "best_of_n@n=2,scorer=logprob"]
+    records = run_sweep(plan_sweep(setup_for(task_file), specs, out))
+    assert len(records) == 3 * len(specs)
+    engine = runner.worker(setup_for(task_file)).generator
+    index = list(QUESTIONS)  # the sweep's seed is 0, so problem i's runs are seeded i
+    opening = Counter(r.prompt for r in engine.requests if r.params.seed == index.index(r.prompt))
+    assert opening == dict.fromkeys(QUESTIONS, 3)
 
 
 def test_a_sweep_against_an_openai_compatible_server(tmp_path):

@@ -9,7 +9,9 @@ would have cost on its own: the saving is the sweep's, not the strategy's.
 Only a run's first call is replayed, when it is a single seeded request (the sampling call of
 a pooled strategy): later calls of a run depend on what its own prefix cache holds, so the
 same request could cost another run a different amount; an unseeded request must draw fresh
-samples. The cache holds one problem's
+samples. For the same reason the runner wraps only pooled strategies' runs: a replayed call
+leaves nothing in the run's prefix cache, so a run that goes on after it (a tree search whose
+root expansion matched another's) would pay again for prefixes a real run has cached. The cache holds one problem's
 draws: the runner clears it when the problem changes.
 """
 

@@ -131,20 +131,26 @@ class Worker:
                                weights=setup.weights)
             self.row_flops = model_row_flops(self.loaded.model)
 
-    def generator_for_run(self, problem: int) -> Any:
+    def generator_for_run(self, problem: int, pooled: bool) -> Any:
         """The local engine with a fresh prefix cache (see the module docstring), else the
-        generator; either replaying the problem's sample pools drawn by earlier runs."""
+        generator; for a ``pooled`` strategy's run, replaying the problem's sample pools drawn
+        by earlier runs. Only pooled runs share draws: their one sampling call is all they ask,
+        while a tree search or an adaptive vote goes on from its first call, at a cost that
+        depends on what that call left in its own prefix cache, which a replay never fills
+        (two searches with the same first expansion would otherwise charge the second a
+        re-prefill of every path)."""
         from metaloom.eval.replay import ReplayGenerator
 
         if self.draws_of != problem:
             self.draws, self.draws_of = {}, problem
         if self.loaded is None:
-            return ReplayGenerator(self.generator, self.draws)
-        from metaloom.commands.run import prefix_cache
-        from metaloom.generator.local import LocalGenerator
+            generator = self.generator
+        else:
+            from metaloom.commands.run import prefix_cache
+            from metaloom.generator.local import LocalGenerator
 
-        engine = LocalGenerator(self.loaded, prefix_cache=prefix_cache(self.setup.prefix_cache_mb, self.loaded))
-        return ReplayGenerator(engine, self.draws)
+            generator = LocalGenerator(self.loaded, prefix_cache=prefix_cache(self.setup.prefix_cache_mb, self.loaded))
+        return ReplayGenerator(generator, self.draws) if pooled else generator
 
     def strategy(self, spec: Spec, generator: Any, problem: int) -> Any:
         """The spec's strategy with the task's extractor (where it needs one and the spec named
@@ -173,7 +179,7 @@ class Worker:
 
         problem = self.problems[job.problem]
         spec = parse_spec(job.spec)
-        generator = self.generator_for_run(job.problem)
+        generator = self.generator_for_run(job.problem, pooled=spec.name in POOLED)
         ledger = Ledger()
         start = time.perf_counter()
         try:
