@@ -351,6 +351,33 @@ def test_with_the_real_analysis(sweep) -> None:
     assert 'id="selection"' in page and page.count('<details class="problem"') == len(PROBLEMS)
 
 
+def test_equal_compute_table(sweep) -> None:
+    """Each single-run strategy against each sampling curve: a difference with its interval
+    (green when the interval is above 0), or the reason there is none."""
+    from metaloom.eval.analysis import analyze
+
+    out, recs = sweep
+    analysis = analyze(recs, seed=0, draws=20, bootstrap=50)
+    rows = analysis["equal_compute"]
+    assert {(r["strategy"], r["family"]) for r in rows} == {(s, f) for s in (GREEDY, BEAM)
+                                                            for f in ("majority_vote", "best_of_n")}
+    page = build_report(out, analysis=analysis, problems=PROBLEMS)
+    table = page[page.index('<h3 id="equal">'):page.index('<h2 id="selection">')]
+    assert table.count("<tr><td class=\"strategy\">") == 4
+    fake = fake_analysis(recs)
+    fake["equal_compute"] = [
+        {"strategy": BEAM, "family": "best_of_n", "problems": 4, "cost": 2.4e9, "accuracy": 1.0, "family_accuracy": 0.6,
+         "difference": 0.4, "difference_lo": 0.1, "difference_hi": 0.7, "between": ["best_of_n@n=1", "best_of_n@n=2"],
+         "reason": None},
+        {"strategy": GREEDY, "family": "best_of_n", "problems": 4, "cost": 1e9, "accuracy": 0.5, "family_accuracy": None,
+         "difference": None, "difference_lo": None, "difference_hi": None, "between": None,
+         "reason": "below the curve's cheapest point (best_of_n@n=1)"}]
+    page = build_report(out, analysis=fake, problems=PROBLEMS)
+    table = page[page.index('<h3 id="equal">'):page.index('<h2 id="selection">')]
+    assert '<td class="num right">+40.0<span class="interval">[10.0, 70.0]</span>' in table
+    assert "best_of_n@n=1 … best_of_n@n=2" in table and "below the curve&#39;s cheapest point" in table
+
+
 def test_costs_a_log_axis_cannot_place_are_left_out_and_said(sweep) -> None:
     out, recs = sweep
     analysis = fake_analysis(recs)

@@ -5,6 +5,8 @@ records (numpy, no model).
   strategy would have (tie rules included), what that subset cost, and pass@k.
 - `curves`: accuracy and coverage against output tokens, FLOPs and seconds — N = 1, 2, 4, ...
   read off the largest pool — with bootstrap 95% intervals and the Pareto frontier.
+- `equal`: each single-run strategy (a search, greedy) against every sampling curve at the
+  same compute, with a paired bootstrap interval on the difference.
 - `select`: compute-optimal selection per budget and difficulty bin (Snell et al. 2024), on a
   selection half, reported on a held-out half against best-of-N and majority vote.
 
@@ -19,6 +21,7 @@ from typing import Any
 
 from metaloom.errors import InvalidParameter
 from metaloom.eval.analysis.curves import curves, first_seen, frontier, latest, points
+from metaloom.eval.analysis.equal import at_equal_compute
 from metaloom.eval.analysis.select import VOTES, choice_for_budget, select
 from metaloom.eval.analysis.subsample import COSTS, pass_at_k, pick, pick_many, subset_cost
 from metaloom.eval.records import Record
@@ -71,7 +74,9 @@ def analyze(records: Sequence[Record], *, seed: int = 0, draws: int = 200, boots
 
     ``problems`` and ``strategies`` (first-seen order); ``curves`` (per family, its points with
     accuracy, coverage, bootstrap intervals, mean costs and problem counts); ``frontier`` (the
-    Pareto-optimal labels per cost, cheapest first); ``selection`` (the compute-optimal analysis
+    Pareto-optimal labels per cost, cheapest first); ``equal_compute`` (each single-run
+    strategy against each sampling curve at its ``metric`` cost, `equal.at_equal_compute`);
+    ``selection`` (the compute-optimal analysis
     of `metaloom.eval.analysis.select`, or None with ``selection_reason`` when fewer than 2
     problems are shared by every strategy); ``votes`` (answer histograms of the vote records).
 
@@ -89,7 +94,8 @@ def analyze(records: Sequence[Record], *, seed: int = 0, draws: int = 200, boots
     table = latest(records)
     common = [p for p in problems if all((p, s) in table for s in strategies)]
     out: dict[str, Any] = {"problems": problems, "strategies": strategies,
-                           "curves": curves(pts, seed=seed, bootstrap=bootstrap), "frontier": front}
+                           "curves": curves(pts, seed=seed, bootstrap=bootstrap), "frontier": front,
+                           "equal_compute": at_equal_compute(pts, metric=metric, seed=seed, bootstrap=bootstrap)}
     if len(common) < 2:
         out["selection"] = None
         out["selection_reason"] = (f"{len(common)} problem(s) shared by every strategy: compute-optimal selection "

@@ -89,6 +89,9 @@ class Point:
     def _where(self) -> dict[str, int]:
         return {p: i for i, p in enumerate(self.problems)}
 
+    def covers(self, problem: str) -> bool:
+        return problem in self._where
+
     def among(self, problems: Sequence[str]) -> np.ndarray:
         """Positions of ``problems`` in this point's problems (all must be present)."""
         return np.array([self._where[p] for p in problems], dtype=np.int64)

@@ -315,6 +315,24 @@ def figures_view(analysis: Mapping[str, Any]) -> dict[str, Any]:
             "families": len(curves), "points": sum(len(c["points"]) for c in curves)}
 
 
+def equal_compute_view(analysis: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Each single-run strategy against each sampling curve at its own FLOPs
+    (`metaloom.eval.analysis.equal`): accuracies, the paired difference in points with its
+    interval, or why there is none."""
+    out = []
+    for r in analysis.get("equal_compute") or ():
+        diff = r.get("difference")
+        out.append({"strategy": r.get("strategy"), "family": r.get("family"), "problems": r.get("problems"),
+                    "cost": fmt_flops(r.get("cost")), "accuracy": fmt_pct(r.get("accuracy")),
+                    "family_accuracy": fmt_pct(r.get("family_accuracy")),
+                    "difference": f"{100 * diff:+.1f}" if _number(diff) else MISSING,
+                    "interval": fmt_interval(r.get("difference_lo"), r.get("difference_hi")),
+                    "better": _number(r.get("difference_lo")) and r["difference_lo"] > 0,
+                    "worse": _number(r.get("difference_hi")) and r["difference_hi"] < 0,
+                    "between": " … ".join(r.get("between") or ()), "reason": r.get("reason") or ""})
+    return out
+
+
 BASELINES = ("majority_vote", "best_of_n", "best_single")  # a selection row's baselines (and their ``_choice``)
 
 
@@ -630,6 +648,7 @@ def build_report(out_dir: str, *, analysis: Mapping[str, Any] | None = None, ana
         header=header_view(sweep, problem_ids, strategies),
         summary=summary_rows(sweep.records, strategies, points),
         figures=figures_view(analysis), frontier=frontier_view(analysis, points),
+        equal=equal_compute_view(analysis),
         selection=selection_view(analysis), votes=votes_summary(analysis, by_problem, strategies),
         problems=problem_list, trees=trees, prompts_note=prompts_note,
         caps={"text": text_cap, "full_text": TEXT_CAP, "budget": PAGE_TEXT_BUDGET, "candidates": CANDIDATE_CAP,
