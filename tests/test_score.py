@@ -74,6 +74,27 @@ def test_real_model_scores_equal_the_greedy_decoding_logprobs(smollm, smollm_gen
     assert ledger.usage.forward_passes == 2
 
 
+def test_scoring_reuses_the_prefix_cache_and_gives_the_same_logprobs(smollm, smollm_generator):
+    """An LLM judge asks one question per path; the questions share the problem. With a prefix
+    cache the second question computes only what is new, and scores the same."""
+    from metaloom.generator import LocalGenerator
+    from metaloom.prefix.pool import PrefixCache
+
+    cached = LocalGenerator(smollm, prefix_cache=PrefixCache(64 << 20))
+    problem = "A farmer has 17 sheep and buys 5 more, then sells 8 of them at the market on Sunday. "
+    questions = [problem + f"Step: 17 + 5 = {v}. Is this step correct? Answer Yes or No." for v in (22, 23)]
+    first, second, plain = Ledger(), Ledger(), Ledger()
+    cached.score(questions[0], [" Yes", " No"], ledger=first)
+    got = cached.score(questions[1], [" Yes", " No"], ledger=second)
+    want = smollm_generator.score(questions[1], [" Yes", " No"], ledger=plain)
+    for a, b in zip(got, want, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    shared = len(smollm.tokenizer.encode(problem)) - 2  # the question's common tokens, give or take a merge
+    assert first.usage.cached_tokens == 0 and second.usage.cached_tokens >= shared
+    assert second.usage.input_tokens == plain.usage.input_tokens
+    assert second.usage.flops < plain.usage.flops
+
+
 def test_split_continuation_follows_the_joint_tokenisation(smollm):
     tok = smollm.tokenizer
     context, cont = split_continuation(tok, "The capital of France is", " Paris")

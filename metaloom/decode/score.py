@@ -14,11 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from metaloom.decode.forward import charged_forward
-from metaloom.decode.prefill import new_cache, prefill
+from metaloom.decode.prefill import new_cache, prefill, prefill_cached
 from metaloom.errors import ContextWindowExceeded, InvalidParameter
 from metaloom.ledger import Ledger
 from metaloom.models.cache import KVPool
 from metaloom.models.protocols import LanguageModel, Tokenizer
+from metaloom.prefix.pool import PrefixCache
 
 
 @dataclass(frozen=True)
@@ -39,12 +40,16 @@ class ContinuationScore:
 
 
 def score_continuations(model: LanguageModel, prompt: Sequence[int], continuations: Sequence[Sequence[int]],
-                        ledger: Ledger, *, batch_size: int = 16, pool: KVPool | None = None) -> list[ContinuationScore]:
+                        ledger: Ledger, *, batch_size: int = 16, pool: KVPool | None = None,
+                        prefix_cache: PrefixCache | None = None) -> list[ContinuationScore]:
     """Per-token log-probabilities of each continuation (token ids) after ``prompt``.
 
     Charges the prompt once and every continuation token as input tokens; one forward for the
     prompt plus one per batch of ``batch_size`` continuations. The batch's rows fork the
     prompt's cache row (with the native model's KV pool, ``pool``, without copying it).
+    With a ``prefix_cache`` (bound to ``pool``) the prompt starts from its longest cached prefix
+    (charged as ``cached_tokens``, no FLOPs) and is stored for later calls: an LLM judge asks
+    about many paths of one problem, and their questions share the problem and most of the path.
     """
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise InvalidParameter("batch_size", batch_size, "an integer >= 1")
@@ -59,7 +64,10 @@ def score_continuations(model: LanguageModel, prompt: Sequence[int], continuatio
     if len(prompt) + longest > model.max_context:
         raise ContextWindowExceeded(len(prompt) + longest, model.max_context, "prompt plus the longest continuation")
     ledger.charge(input_tokens=len(prompt) + sum(len(c) for c in continuations))
-    cache, last = prefill(model, [list(prompt)], len(prompt) + longest, ledger, pool=pool)
+    if prefix_cache is not None and pool is not None:
+        cache, last = prefill_cached(model, [list(prompt)], len(prompt) + longest, ledger, prefix_cache, pool=pool)
+    else:
+        cache, last = prefill(model, [list(prompt)], len(prompt) + longest, ledger, pool=pool)
     first = torch.log_softmax(last[0].float(), dim=-1)  # [V]: scores each continuation's first token
     out: list[ContinuationScore] = []
     for start in range(0, len(continuations), batch_size):

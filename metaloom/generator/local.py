@@ -129,7 +129,8 @@ class LocalGenerator:
             check_ids("continuation ids", c_ids, self.model.vocab_size)
         started = time.perf_counter()
         try:
-            scored = score_continuations(self.model, context_ids, conts, ledger, pool=self.pool)
+            scored = score_continuations(self.model, context_ids, conts, ledger, pool=self.pool,
+                                         prefix_cache=self.prefix_cache)
         finally:
             _charge_time(ledger, time.perf_counter() - started)
         return [Scored(c if isinstance(c, str) else self.tokenizer.decode(list(c.ids)), s.tokens, s.logprobs)
