@@ -1,0 +1,46 @@
+#!/bin/bash
+# The real runs of tree search against sampling (issue 12) and of `metaloom eval` (issue 15),
+# as `metaloom eval` sweeps: every (problem, strategy) record in OUT/<task>/records.jsonl,
+# resumable (rerun the same line after an interruption), then `metaloom report OUT/<task>`,
+# whose "At equal compute" table reads each search against the best-of-N-with-checker and
+# majority-vote curves at the search's own FLOPs.
+#
+#   MODEL=/path/to/qwen2.5-coder-0.5b.gguf OUT=runs bash scripts/search_runs.sh countdown
+#
+# Tasks: countdown (3 numbers up to 20, targets 10-99), game24, gsm. Seed 2611: problem i is
+# reasoning-gym's seed 2611 + i, apart from the tests' seeds (11-15, 2025) and `bench search`'s
+# (4242). Each search samples steps at its default temperature (0.8) and ends a step at a blank
+# line (48 tokens at most); the puzzles' step scorer and final scorer are the exact checkers.
+# Hours on a 2-core CPU: countdown's sampling strategies about 0.6 min per problem, each search
+# 0.1-0.5 min; GSM's 32-sample pool about 2 min per problem.
+set -euo pipefail
+task=${1:?countdown, game24 or gsm}
+MODEL=${MODEL:?the GGUF of Qwen2.5-Coder-0.5B-Instruct}
+OUT=${OUT:-runs}
+BIN=${BIN:-.venv/bin}
+common=(--model "$MODEL" --weights dense --seed 2611 --out "$OUT/$task")
+
+case $task in
+countdown | game24)
+    C="step_scorer=$task,final_scorer=$task,step_tokens=48"
+    HF_HUB_OFFLINE=1 "$BIN/metaloom" eval "${common[@]}" --dtype float32 --task "$task" --limit 60 --max-tokens 128 \
+        --strategies greedy "majority_vote@n=32" "best_of_n@n=32,scorer=logprob" "best_of_n@n=32,scorer=$task" \
+        "mbr@n=32" "weighted_vote@n=32,scorer=logprob,transform=exp" "adaptive_vote@max_samples=32,batch=8" \
+        "step_beam_search@n=8,beam_width=4,$C" "step_beam_search@n=16,beam_width=4,$C" \
+        "particle_filtering@n=16,$C" "particle_filtering@n=8,$C" "dvts@n=16,beam_width=4,$C" "rebase@n=16,$C" \
+        "lookahead@n=16,beam_width=4,$C" "mcts@iterations=8,k=4,parallel=2,$C" \
+        "a_star@k=4,parallel=2,max_rounds=8,goal_score=1,$C" "best_first@k=4,parallel=2,max_rounds=8,goal_score=1,$C"
+    ;;
+gsm)
+    # bfloat16: the 32-sample pools decode about 1.4x faster than in float32 here
+    HF_HUB_OFFLINE=1 "$BIN/metaloom" eval "${common[@]}" --dtype bfloat16 --task gsm --limit 60 --max-tokens 256 \
+        --executor ray --workers 2 --threads 1 \
+        --strategies greedy "majority_vote@n=32" "best_of_n@n=32,scorer=logprob" "mbr@n=32" \
+        "weighted_vote@n=32,scorer=logprob,transform=exp" "adaptive_vote@max_samples=16,batch=8"
+    ;;
+*)
+    echo "unknown task $task (countdown, game24, gsm)" >&2
+    exit 2
+    ;;
+esac
+"$BIN/metaloom" report "$OUT/$task" --screenshot "$OUT/$task/report.png"
