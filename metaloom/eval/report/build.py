@@ -315,22 +315,29 @@ def figures_view(analysis: Mapping[str, Any]) -> dict[str, Any]:
             "families": len(curves), "points": sum(len(c["points"]) for c in curves)}
 
 
-def equal_compute_view(analysis: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Each single-run strategy against each sampling curve at its own FLOPs
-    (`metaloom.eval.analysis.equal`): accuracies, the paired difference in points with its
-    interval, or why there is none."""
-    out = []
+def equal_compute_view(analysis: Mapping[str, Any]) -> dict[str, Any]:
+    """Each single-run strategy (a row) against each sampling curve (a column) at the row's
+    FLOPs (`metaloom.eval.analysis.equal`): per cell the paired difference in points with its
+    interval and the curve's accuracy there, or why there is none."""
+    rows: dict[str, dict[str, Any]] = {}
+    families: list[str] = []
     for r in analysis.get("equal_compute") or ():
+        fam = str(r.get("family"))
+        if fam not in families:
+            families.append(fam)
+        row = rows.setdefault(str(r.get("strategy")), {"strategy": r.get("strategy"), "cells": {},
+                                                       "cost": fmt_flops(r.get("cost")),
+                                                       "accuracy": fmt_pct(r.get("accuracy")),
+                                                       "problems": r.get("problems")})
         diff = r.get("difference")
-        out.append({"strategy": r.get("strategy"), "family": r.get("family"), "problems": r.get("problems"),
-                    "cost": fmt_flops(r.get("cost")), "accuracy": fmt_pct(r.get("accuracy")),
-                    "family_accuracy": fmt_pct(r.get("family_accuracy")),
-                    "difference": f"{100 * diff:+.1f}" if _number(diff) else MISSING,
-                    "interval": fmt_interval(r.get("difference_lo"), r.get("difference_hi")),
-                    "better": _number(r.get("difference_lo")) and r["difference_lo"] > 0,
-                    "worse": _number(r.get("difference_hi")) and r["difference_hi"] < 0,
-                    "between": " … ".join(r.get("between") or ()), "reason": r.get("reason") or ""})
-    return out
+        row["cells"][fam] = {
+            "difference": f"{100 * diff:+.1f}" if _number(diff) else None,
+            "interval": fmt_interval(r.get("difference_lo"), r.get("difference_hi")),
+            "curve": fmt_pct(r.get("family_accuracy")), "between": " … ".join(r.get("between") or ()),
+            "better": _number(r.get("difference_lo")) and r["difference_lo"] > 0,
+            "worse": _number(r.get("difference_hi")) and r["difference_hi"] < 0,
+            "reason": (r.get("reason") or "").split(" (")[0], "reason_full": r.get("reason") or ""}
+    return {"families": families, "rows": list(rows.values())}
 
 
 BASELINES = ("majority_vote", "best_of_n", "best_single")  # a selection row's baselines (and their ``_choice``)
