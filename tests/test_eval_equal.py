@@ -70,3 +70,9 @@ def test_unknown_costs_are_said_not_guessed():
     search = point("dvts@n=8", None, [1, 0, 0, 0], [math.nan] * 4)
     [row] = at_equal_compute([*CURVE, search], bootstrap=50)
     assert row["family_accuracy"] is None and row["reason"] == "flops unknown"
+
+
+def test_a_cost_a_log_axis_cannot_place_is_said():
+    free = point("greedy", None, [1, 0, 0, 0], [0.0] * 4)
+    [row] = at_equal_compute([*CURVE, free], bootstrap=50)
+    assert row["difference"] is None and row["reason"] == "no positive flops to place on a log axis"

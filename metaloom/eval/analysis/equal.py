@@ -67,6 +67,9 @@ def at_equal_compute(pts: Sequence[Point], *, metric: str = "flops", seed: int =
             if not all(math.isfinite(c) for c in [cost, *costs]):
                 row["reason"] = f"{metric} unknown"
                 continue
+            if not (cost > 0 and costs[0] > 0):
+                row["reason"] = f"no positive {metric} to place on a log axis"
+                continue
             found = bracket(costs, cost)
             if found is None:
                 row["reason"] = (f"below the curve's cheapest point ({ordered[0].label})" if cost < costs[0]
