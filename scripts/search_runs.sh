@@ -17,13 +17,14 @@ set -euo pipefail
 task=${1:?countdown, game24 or gsm}
 MODEL=${MODEL:?the GGUF of Qwen2.5-Coder-0.5B-Instruct}
 OUT=${OUT:-runs}
+LIMIT=${LIMIT:-60}  # issue 12 asks for 40 problems of each task
 BIN=${BIN:-.venv/bin}
 common=(--model "$MODEL" --weights dense --seed 2611 --out "$OUT/$task")
 
 case $task in
 countdown | game24)
     C="step_scorer=$task,final_scorer=$task,step_tokens=48"
-    HF_HUB_OFFLINE=1 "$BIN/metaloom" eval "${common[@]}" --dtype float32 --task "$task" --limit 60 --max-tokens 128 \
+    HF_HUB_OFFLINE=1 "$BIN/metaloom" eval "${common[@]}" --dtype float32 --task "$task" --limit "$LIMIT" --max-tokens 128 \
         --strategies greedy "majority_vote@n=32" "best_of_n@n=32,scorer=logprob" "best_of_n@n=32,scorer=$task" \
         "mbr@n=32" "weighted_vote@n=32,scorer=logprob,transform=exp" "adaptive_vote@max_samples=32,batch=8" \
         "step_beam_search@n=8,beam_width=4,$C" "step_beam_search@n=16,beam_width=4,$C" \
@@ -33,7 +34,7 @@ countdown | game24)
     ;;
 gsm)
     # bfloat16: the 32-sample pools decode about 1.4x faster than in float32 here
-    HF_HUB_OFFLINE=1 "$BIN/metaloom" eval "${common[@]}" --dtype bfloat16 --task gsm --limit 60 --max-tokens 256 \
+    HF_HUB_OFFLINE=1 "$BIN/metaloom" eval "${common[@]}" --dtype bfloat16 --task gsm --limit "$LIMIT" --max-tokens 256 \
         --executor ray --workers 2 --threads 1 \
         --strategies greedy "majority_vote@n=32" "best_of_n@n=32,scorer=logprob" "mbr@n=32" \
         "weighted_vote@n=32,scorer=logprob,transform=exp" "adaptive_vote@max_samples=16,batch=8"
