@@ -6,6 +6,7 @@
 # majority-vote curves at the search's own FLOPs.
 #
 #   MODEL=/path/to/qwen2.5-coder-0.5b.gguf OUT=runs bash scripts/search_runs.sh countdown
+#   MODEL=... OUT=runs LIMIT=40 WORKERS=2 THREADS=1 bash scripts/search_runs.sh game24   # Ray, 2 problems at a time
 #
 # Tasks: countdown (3 numbers up to 20, targets 10-99), game24, gsm. Seed 2611: problem i is
 # reasoning-gym's seed 2611 + i, apart from the tests' seeds (11-15, 2025) and `bench search`'s
@@ -24,13 +25,17 @@ common=(--model "$MODEL" --weights dense --seed 2611 --out "$OUT/$task")
 case $task in
 countdown | game24)
     C="step_scorer=$task,final_scorer=$task,step_tokens=48"
-    HF_HUB_OFFLINE=1 "$BIN/metaloom" eval "${common[@]}" --dtype float32 --task "$task" --limit "$LIMIT" --max-tokens 128 \
+    # countdown ran in float32; game24 in bfloat16, the faster here (see gsm)
+    dtype=float32
+    [ "$task" = game24 ] && dtype=bfloat16
+    HF_HUB_OFFLINE=1 "$BIN/metaloom" eval "${common[@]}" --dtype $dtype --task "$task" --limit "$LIMIT" --max-tokens 128 \
         --strategies greedy "majority_vote@n=32" "best_of_n@n=32,scorer=logprob" "best_of_n@n=32,scorer=$task" \
         "mbr@n=32" "weighted_vote@n=32,scorer=logprob,transform=exp" "adaptive_vote@max_samples=32,batch=8" \
         "step_beam_search@n=8,beam_width=4,$C" "step_beam_search@n=16,beam_width=4,$C" \
         "particle_filtering@n=16,$C" "particle_filtering@n=8,$C" "dvts@n=16,beam_width=4,$C" "rebase@n=16,$C" \
         "lookahead@n=16,beam_width=4,$C" "mcts@iterations=8,k=4,parallel=2,$C" \
-        "a_star@k=4,parallel=2,max_rounds=8,goal_score=1,$C" "best_first@k=4,parallel=2,max_rounds=8,goal_score=1,$C"
+        "a_star@k=4,parallel=2,max_rounds=8,goal_score=1,$C" "best_first@k=4,parallel=2,max_rounds=8,goal_score=1,$C" \
+        ${THREADS:+--threads "$THREADS"} ${WORKERS:+--executor ray --workers "$WORKERS"}
     ;;
 gsm)
     # bfloat16: the 32-sample pools decode about 1.4x faster than in float32 here
