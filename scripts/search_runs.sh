@@ -8,14 +8,14 @@
 #   MODEL=/path/to/qwen2.5-coder-0.5b.gguf OUT=runs bash scripts/search_runs.sh countdown
 #   MODEL=... OUT=runs LIMIT=40 WORKERS=2 THREADS=1 bash scripts/search_runs.sh game24   # Ray, 2 problems at a time
 #
-# Tasks: countdown (3 numbers up to 20, targets 10-99), game24, gsm. Seed 2611: problem i is
-# reasoning-gym's seed 2611 + i, apart from the tests' seeds (11-15, 2025) and `bench search`'s
-# (4242). Each search samples steps at its default temperature (0.8) and ends a step at a blank
+# Tasks: countdown (3 numbers up to 20, targets 10-99), game24, gsm, gsm_search (GSM's searches,
+# into gsm's directory). Seed 2611: problem i is reasoning-gym's seed 2611 + i, apart from the
+# tests' seeds (11-15, 2025) and `bench search`'s (4242). Each search samples steps at its default temperature (0.8) and ends a step at a blank
 # line (48 tokens at most); the puzzles' step scorer and final scorer are the exact checkers.
 # Hours on a 2-core CPU: countdown's sampling strategies about 0.6 min per problem, each search
 # 0.1-0.5 min; GSM's 32-sample pool about 2 min per problem.
 set -euo pipefail
-task=${1:?countdown, game24 or gsm}
+task=${1:?countdown, game24, gsm or gsm_search}
 MODEL=${MODEL:?the GGUF of Qwen2.5-Coder-0.5B-Instruct}
 OUT=${OUT:-runs}
 LIMIT=${LIMIT:-60}  # issue 12 asks for 40 problems of each task
@@ -44,8 +44,23 @@ gsm)
         --strategies greedy "majority_vote@n=32" "best_of_n@n=32,scorer=logprob" "mbr@n=32" \
         "weighted_vote@n=32,scorer=logprob,transform=exp" "adaptive_vote@max_samples=16,batch=8"
     ;;
+gsm_search)
+    # issue 12 on GSM: the searches with the LLM-as-judge step verifier and Monte-Carlo rollouts
+    # (2 per partial, agreement with the majority answer), and best-of-N ranked by the LLM judge,
+    # added to the gsm sweep (same directory and --limit; read them on the problems they share).
+    # Problems are taken in order, so a run stopped early covers the first ones.
+    J="step_scorer=judge,step_tokens=48"
+    R="step_scorer=rollout,step_scorer.k=2,step_scorer.extractor=last_number,step_scorer.max_tokens=256,step_tokens=48"
+    HF_HUB_OFFLINE=1 "$BIN/metaloom" eval --model "$MODEL" --weights dense --seed 2611 --out "$OUT/gsm" \
+        --dtype bfloat16 --task gsm --limit "$LIMIT" --max-tokens 256 --executor ray --workers 2 --threads 1 \
+        --strategies "best_of_n@n=32,scorer=judge" "step_beam_search@n=8,beam_width=4,$J" "particle_filtering@n=8,$J" \
+        "rebase@n=8,$J" "dvts@n=8,beam_width=4,$J" "lookahead@n=8,beam_width=4,$J" "mcts@iterations=8,k=4,parallel=2,$J" \
+        "a_star@k=4,parallel=2,max_rounds=8,$J" "best_first@k=4,parallel=2,max_rounds=8,$J" \
+        "step_beam_search@n=8,beam_width=4,$R" "particle_filtering@n=8,$R"
+    task=gsm
+    ;;
 *)
-    echo "unknown task $task (countdown, game24, gsm)" >&2
+    echo "unknown task $task (countdown, game24, gsm, gsm_search)" >&2
     exit 2
     ;;
 esac
