@@ -13,6 +13,7 @@ compute-optimal rows on the held-out half.
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,10 +34,10 @@ def interval(lo: float | None, hi: float | None) -> str:
     return "—" if lo is None or hi is None else f"[{100 * lo:.1f}, {100 * hi:.1f}]"
 
 
-def complete_only(records: Sequence[Record]) -> list[Record]:
-    """The records of the problems that every strategy of the sweep has finished."""
+def complete_only(records: Sequence[Record], specs: Sequence[str]) -> list[Record]:
+    """The records of the problems that every one of ``specs`` (the sweep's strategies, from its
+    config.json) has finished."""
     table = latest(records)
-    specs = {s for _, s in table}
     problems = {p for p, _ in table}
     done = {p for p in problems if all((p, s) in table for s in specs)}
     return [r for r in records if r.problem in done]
@@ -105,7 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     records = list(read_records(f"{args.dir}/records.jsonl"))
     if args.complete:
-        records = complete_only(records)
+        with open(f"{args.dir}/config.json") as f:
+            records = complete_only(records, json.load(f)["strategies"])
     a = analyze(records)
     print(f"# {args.dir}: {len(a['problems'])} problems, {len(a['strategies'])} strategies\n")
     for title, part in (("Strategies at full size", strategies_table), ("Curves", curves_table),
