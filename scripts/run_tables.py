@@ -45,8 +45,9 @@ def complete_only(records: Sequence[Record], specs: Sequence[str]) -> list[Recor
 
 def strategies_table(a: dict[str, Any]) -> list[str]:
     lines = ["| strategy | problems | accuracy [95%] | output tokens | TFLOP | seconds |", "|---|---|---|---|---|---|"]
-    for curve in a["curves"]:
-        top = curve["points"][-1]
+    # every strategy as it ran (a pooled curve's smaller N are subsets, shown under Curves)
+    ran = [p for curve in a["curves"] for p in curve["points"] if p["label"] == p["spec"]]
+    for top in ran:
         lines.append(f"| {top['label']} | {top['problems']} | {pct(top['accuracy'])} "
                      f"{interval(top['accuracy_lo'], top['accuracy_hi'])} | {top['output_tokens']:.0f} | "
                      f"{tflop(top['flops'])} | {top['seconds']:.1f} |")
