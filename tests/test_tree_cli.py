@@ -233,6 +233,14 @@ def test_stdin_and_bare_event_render_the_same_tree(tmp_path, capsys, monkeypatch
     assert from_file[:2] == [HEADER[0].removeprefix("model smollm2-135m · "), HEADER[1]]
 
 
+def test_eval_trace_file_renders_its_tree(tmp_path, capsys):
+    # `metaloom eval` writes a search's trace (the result's list of events) to DIR/traces/
+    status, lines = tree_cli(capsys, write(tmp_path, run_result()["trace"]))
+    assert status == 0
+    assert lines[2:] == TREE + ROUNDS
+    assert lines[:2] == [HEADER[0].removeprefix("model smollm2-135m · "), HEADER[1]]
+
+
 def test_several_trees_in_one_trace(tmp_path, capsys):
     result = run_result()
     result["trace"].append({**tree_event(), "strategy": "second"})
@@ -257,7 +265,9 @@ def bad(tree_changes=None, node_changes=None):
     (json.dumps({"strategy": "best_of_n", "trace": [{"kind": "vote"}]}),
      "no tree event in the trace of strategy 'best_of_n'"),
     (json.dumps({"answer": 3}), 'no tree event: no "kind": "tree" object, no trace holding one'),
-    ("[1, 2]", "a JSON list, not an object"),
+    ("[1, 2]", "a JSON list with no tree event in it"),
+    (json.dumps([{"kind": "vote"}]), "a JSON list with no tree event in it"),
+    ("3", "a JSON int, not an object or a list"),
     (bad(node_changes={5: {"parent": 42}}), "node 5's parent 42 is missing from the tree"),
     (bad({"best": None}, node_changes={0: {"parent": 1}}),
      "a cycle of parents: no root above nodes 0, 1, 2, 3, 4, … (11 in all)"),

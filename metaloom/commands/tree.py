@@ -1,7 +1,8 @@
 """`metaloom tree FILE.json`: draw the search tree a tree-search strategy left in its trace (the
 "tree" event of `metaloom run ... --json`): a header (strategy, aggregation, why it stopped,
 nodes by state, tokens), one line per node with the best path marked ★, and the usage of each
-round. FILE may hold one run result, a bare tree event, or JSON Lines of them; `-` reads stdin.
+round. FILE may hold one run result, a trace (as `metaloom eval` writes to DIR/traces/), a bare
+tree event, or JSON Lines of them; `-` reads stdin.
 Rendering is `metaloom.search.render`."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import sys
 
 def register(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("tree", help="draw the search tree of a tree-search result (metaloom run ... --json)")
-    s.add_argument("file", help="a metaloom run --json result, a tree event, or JSON Lines of them; - reads stdin")
+    s.add_argument("file", help="a metaloom run --json result, a trace (metaloom eval's DIR/traces/*.json), a tree event, "
+                   "or JSON Lines of them; - reads stdin")
     s.add_argument("--width", type=int, default=80, help="cut each step's text to this many characters (0 = no text)")
     s.add_argument("--collapse-pruned", action="store_true", help="show a node's pruned children as one line '… N pruned'")
     s.add_argument("--max-depth", type=int, default=None, metavar="D", help="draw nothing below depth D (the root is 0)")

@@ -3,8 +3,9 @@ puts in `Result.trace` (see `metaloom.search.tree.Tree.to_dict`) in, rich render
 text out. Pure: no model, no I/O beyond parsing the text it is given; `metaloom tree` is the
 command around it.
 
-Input: a whole ``metaloom run --json`` object, a bare tree event, or JSON Lines of either
-(`parse_trees`). Output: a header (strategy, aggregation, stop reason, node counts by state,
+Input: a whole ``metaloom run --json`` object, a bare tree event, a trace (the JSON list of
+events a result carries, as `metaloom eval` writes to ``DIR/traces/``), or JSON Lines of
+objects (`parse_trees`). Output: a header (strategy, aggregation, stop reason, node counts by state,
 tokens), the tree (one line per node: id, state, score, step score, tokens, round, MCTS visits
 and value, other numeric fields, the step's text on one line) with the best node and its
 ancestors marked ★ and bold, and a table of the rounds' usage (`render`, `render_text`).
@@ -62,11 +63,15 @@ class TreeRecord:
 
 
 def _bad(source: str, problem: str) -> InvalidParameter:
-    return InvalidParameter("file", source, f"a metaloom run --json result, a tree event or JSON Lines of them — {problem}")
+    return InvalidParameter("file", source,
+                            f"a metaloom run --json result, a trace, a tree event or JSON Lines of them — {problem}")
 
 
 def tree_events(obj: Any) -> list[Mapping[str, Any]]:
-    """The tree events in a parsed JSON value: itself if it is one, else those in its trace."""
+    """The tree events in a parsed JSON value: itself if it is one, else those in its trace, or
+    in it if it is a trace (a list of events: a file under `metaloom eval`'s ``traces/``)."""
+    if isinstance(obj, list):
+        return [e for e in obj if isinstance(e, dict) and e.get("kind") == "tree"]
     if not isinstance(obj, dict):
         return []
     if obj.get("kind") == "tree":
@@ -82,7 +87,9 @@ def _what(obj: Any) -> str:
         if "strategy" in obj:
             return f"no tree event in the trace of strategy {obj['strategy']!r}"
         return "no tree event: no \"kind\": \"tree\" object, no trace holding one"
-    return f"a JSON {type(obj).__name__}, not an object"
+    if isinstance(obj, list):
+        return "a JSON list with no tree event in it (a trace holds one as an object with \"kind\": \"tree\")"
+    return f"a JSON {type(obj).__name__}, not an object or a list"
 
 
 def parse_trees(text: str, source: str = "<input>") -> list[TreeRecord]:
@@ -101,7 +108,7 @@ def parse_trees(text: str, source: str = "<input>") -> list[TreeRecord]:
     events = tree_events(whole)
     if not events:
         raise _bad(source, _what(whole))
-    context = whole if whole is not events[0] else {}
+    context = whole if isinstance(whole, dict) and whole is not events[0] else {}
     records = []
     for k, event in enumerate(events, 1):
         check_tree(event, source, f"tree {k} of {len(events)}" if len(events) > 1 else "")
@@ -135,7 +142,7 @@ def _parse_lines(lines: Sequence[tuple[int, str]], source: str) -> list[TreeReco
         for k, event in enumerate(events, 1):
             where = f"line {number}" + (f", tree {k} of {len(events)}" if len(events) > 1 else "")
             check_tree(event, source, where)
-            records.append(TreeRecord(where, event, obj if obj is not event else {}))
+            records.append(TreeRecord(where, event, obj if isinstance(obj, dict) and obj is not event else {}))
     if not found:
         raise _bad(source, f"no tree event on any of its {len(lines)} lines")
     return records
