@@ -7,6 +7,7 @@
 #
 #   MODEL=/path/to/qwen2.5-coder-0.5b.gguf OUT=runs bash scripts/search_runs.sh countdown
 #   MODEL=... OUT=runs LIMIT=40 WORKERS=2 THREADS=1 bash scripts/search_runs.sh game24   # Ray, 2 problems at a time
+#   MODEL=... OUT=runs ROLLOUT=0 bash scripts/search_runs.sh gsm_search                # the judge's searches only
 #
 # Tasks: countdown (3 numbers up to 20, targets 10-99), game24, gsm, gsm_search (GSM's searches,
 # into gsm's directory). Seed 2611: problem i is reasoning-gym's seed 2611 + i, apart from the
@@ -50,14 +51,17 @@ gsm_search)
     # (2 per partial, agreement with the majority answer), and best-of-N ranked by the LLM judge,
     # added to the gsm sweep (same directory and --limit; read them on the problems they share).
     # Problems are taken in order, so a run stopped early covers the first ones.
+    # The rollout searches cost 15-25 TFLOP and 4-7 min a problem (2-3x majority vote at N = 32):
+    # ROLLOUT=0 leaves them out, to cover more problems with the judge in the same time.
     J="step_scorer=judge,step_tokens=48"
     R="step_scorer=rollout,step_scorer.k=2,step_scorer.extractor=last_number,step_scorer.max_tokens=256,step_tokens=48"
+    rollout=("step_beam_search@n=8,beam_width=4,$R" "particle_filtering@n=8,$R")
+    [ "${ROLLOUT:-1}" = 0 ] && rollout=()
     HF_HUB_OFFLINE=1 "$BIN/metaloom" eval --model "$MODEL" --weights dense --seed 2611 --out "$OUT/gsm" \
         --dtype bfloat16 --task gsm --limit "$LIMIT" --max-tokens 256 --executor ray --workers 2 --threads 1 \
         --strategies "best_of_n@n=32,scorer=judge" "step_beam_search@n=8,beam_width=4,$J" "particle_filtering@n=8,$J" \
         "rebase@n=8,$J" "dvts@n=8,beam_width=4,$J" "lookahead@n=8,beam_width=4,$J" "mcts@iterations=8,k=4,parallel=2,$J" \
-        "a_star@k=4,parallel=2,max_rounds=8,$J" "best_first@k=4,parallel=2,max_rounds=8,$J" \
-        "step_beam_search@n=8,beam_width=4,$R" "particle_filtering@n=8,$R"
+        "a_star@k=4,parallel=2,max_rounds=8,$J" "best_first@k=4,parallel=2,max_rounds=8,$J" ${rollout[@]+"${rollout[@]}"}
     task=gsm
     ;;
 *)
