@@ -3,11 +3,14 @@ HTML report shows, in text. Reads only DIR/records.jsonl (no model).
 
     .venv/bin/python scripts/run_tables.py runs/gsm            # every table
     .venv/bin/python scripts/run_tables.py runs/gsm --complete # only problems every strategy has
+    .venv/bin/python scripts/run_tables.py runs/gsm --complete --exclude scorer=judge --exclude scorer=rollout
 
 Tables: each strategy at its full size (accuracy with a bootstrap 95% interval, mean output
 tokens, TFLOP and seconds per problem); each sampling curve at N = 1, 2, 4, ... (accuracy, and
 coverage, the pass@N); each single-run strategy against each curve at equal FLOPs; the
-compute-optimal rows on the held-out half.
+compute-optimal rows on the held-out half; how well each scoring strategy ranks its own
+candidates. ``--exclude TEXT`` leaves out the strategies whose spec contains TEXT (before
+``--complete`` is applied), to read part of a sweep that grew.
 """
 
 from __future__ import annotations
@@ -100,19 +103,35 @@ def selection_table(a: dict[str, Any]) -> list[str]:
     return lines
 
 
+def scorers_table(a: dict[str, Any]) -> list[str]:
+    lines = ["| strategy | problems | mixed | AUROC | its pick | random pick |", "|---|---|---|---|---|---|"]
+    for r in a["scorers"]:
+        auroc = "—" if r["auroc"] is None else f"{r['auroc']:.2f}"
+        lines.append(f"| {r['strategy']} | {r['problems']} | {r['mixed']} | {auroc} | {pct(r['accuracy'])} | "
+                     f"{pct(r['random'])} |")
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("dir", help="the directory `metaloom eval --out` wrote")
     p.add_argument("--complete", action="store_true", help="only the problems every strategy has finished")
+    p.add_argument("--exclude", action="append", default=[], metavar="TEXT",
+                   help="leave out the strategies whose spec contains TEXT (repeatable)")
     args = p.parse_args(argv)
-    records = list(read_records(f"{args.dir}/records.jsonl"))
+
+    def kept(spec: str) -> bool:
+        return not any(t in spec for t in args.exclude)
+
+    records = [r for r in read_records(f"{args.dir}/records.jsonl") if kept(r.strategy)]
     if args.complete:
         with open(f"{args.dir}/config.json") as f:
-            records = complete_only(records, json.load(f)["strategies"])
+            records = complete_only(records, [s for s in json.load(f)["strategies"] if kept(s)])
     a = analyze(records)
     print(f"# {args.dir}: {len(a['problems'])} problems, {len(a['strategies'])} strategies\n")
     for title, part in (("Strategies at full size", strategies_table), ("Curves", curves_table),
-                        ("At equal compute (FLOPs)", equal_table), ("Compute-optimal, held-out half", selection_table)):
+                        ("At equal compute (FLOPs)", equal_table), ("Compute-optimal, held-out half", selection_table),
+                        ("Scorers: ranking their own candidates (problems with right and wrong ones)", scorers_table)):
         print(f"## {title}\n")
         print("\n".join(part(a)))
         print()

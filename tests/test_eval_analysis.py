@@ -441,3 +441,38 @@ def test_selection_edge_cases():
     with pytest.raises(InvalidParameter, match="draws"):
         analyze(records, draws=0)
     assert analyze([])["curves"] == [] and analyze([])["selection"] is None
+
+
+# --- scorers: ranking quality on mixed problems -----------------------------------------------------
+
+
+def test_auroc_counts_pairs_and_ties_by_hand():
+    from metaloom.eval.analysis.scorers import auroc
+
+    # correct 3.0 and 1.0 against wrong 2.0, 1.0, 0.0: pairs won 3 + (0 + 0.5 + 1) = 4.5 of 6
+    assert auroc([3.0, 2.0, 1.0, 1.0, 0.0], [True, False, True, False, False]) == pytest.approx(4.5 / 6)
+    assert auroc([5.0, 1.0], [False, True]) == 0.0
+    assert auroc([1.0, 1.0], [True, False]) == 0.5
+    assert auroc([1.0, 2.0], [True, True]) is None and auroc([1.0], [False]) is None
+
+
+def test_ranking_averages_over_mixed_problems_only():
+    from metaloom.eval.analysis.scorers import ranking
+
+    bon = Selection("best_of_n", (), None)
+    spec = "best_of_n@n=3,scorer=judge"
+    records = [
+        # mixed: the correct one ranked first (AUROC 1), and picked
+        replace(pooled([cand("1", True, 0.9), cand("2", False, 0.2), cand("3", False, 0.1)], bon, "a", spec),
+                correct=True),
+        # mixed: the correct one ranked last (AUROC 0), a wrong one picked
+        pooled([cand("1", True, 0.1), cand("2", False, 0.5), cand("2", False, 0.4)], bon, "b", spec),
+        # not mixed (all wrong): no ranking to judge, counted in problems only
+        pooled([cand("4", False, 0.3), cand("5", False, 0.6), cand("6", False, 0.2)], bon, "c", spec),
+        # majority vote carries no scores: not a scorer
+        pooled([cand("1", True), cand("1", True), cand("2", False)], Selection("majority_vote", (1, 1, 2), None), "a"),
+    ]
+    (row,) = ranking(records)
+    assert row == {"strategy": spec, "problems": 3, "mixed": 2, "auroc": 0.5, "accuracy": 0.5,
+                   "random": pytest.approx((1 / 3 + 1 / 3) / 2)}
+    assert analyze(records)["scorers"] == [row]

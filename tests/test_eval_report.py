@@ -349,6 +349,7 @@ def test_with_the_real_analysis(sweep) -> None:
         page = f.read()
     assert page.count("data:image/png;base64,") >= 3 and "majority_vote@n=2" in page  # subsampled points
     assert 'id="selection"' in page and page.count('<details class="problem"') == len(PROBLEMS)
+    assert '<td class="strategy">best_of_n@n=8</td>' in page[page.index('<h2 id="scorers">'):]  # it scores
 
 
 def test_equal_compute_table(sweep) -> None:
@@ -377,6 +378,23 @@ def test_equal_compute_table(sweep) -> None:
     assert '<td class="num right">+40.0<div class="interval">[10.0, 70.0]</div>' in table
     assert 'title="best_of_n@n=1 … best_of_n@n=2">curve 60.0%' in table
     assert 'title="below the curve&#39;s cheapest point (best_of_n@n=1)">below the curve&#39;s cheapest point<' in table
+
+
+def test_scorer_table(sweep) -> None:
+    """The scorers section: one row per scoring pooled strategy from the analysis, formatted;
+    no section (and no link to it) when no strategy scores its candidates."""
+    out, recs = sweep
+    fake = fake_analysis(recs)
+    fake["scorers"] = [{"strategy": BON, "problems": 4, "mixed": 3, "auroc": 0.6666, "accuracy": 2 / 3,
+                        "random": 0.5833}]
+    page = build_report(out, analysis=fake, problems=PROBLEMS)
+    table = page[page.index('<h2 id="scorers">'):page.index('<h2 id="trees">')]
+    assert ('<tr><td class="strategy">best_of_n@n=8</td><td class="num">4</td><td class="num">3</td>\n'
+            '      <td class="num">0.67</td><td class="num">66.7%</td><td class="num">58.3%</td></tr>') in table
+    assert '<a href="#scorers">' in page
+    fake["scorers"] = []
+    page = build_report(out, analysis=fake, problems=PROBLEMS)
+    assert 'id="scorers"' not in page and '<a href="#scorers">' not in page
 
 
 def test_costs_a_log_axis_cannot_place_are_left_out_and_said(sweep) -> None:

@@ -9,6 +9,8 @@ records (numpy, no model).
   same compute, with a paired bootstrap interval on the difference.
 - `select`: compute-optimal selection per budget and difficulty bin (Snell et al. 2024), on a
   selection half, reported on a held-out half against best-of-N and majority vote.
+- `scorers`: how well each pooled strategy's scorer ranks its own candidates (AUROC on the
+  problems whose pool holds both correct and wrong answers).
 
 `analyze` puts them together as the JSON the HTML report reads.
 """
@@ -22,6 +24,7 @@ from typing import Any
 from metaloom.errors import InvalidParameter
 from metaloom.eval.analysis.curves import curves, first_seen, frontier, latest, points
 from metaloom.eval.analysis.equal import at_equal_compute
+from metaloom.eval.analysis.scorers import ranking
 from metaloom.eval.analysis.select import VOTES, choice_for_budget, select
 from metaloom.eval.analysis.subsample import COSTS, pass_at_k, pick, pick_many, subset_cost
 from metaloom.eval.records import Record
@@ -78,7 +81,8 @@ def analyze(records: Sequence[Record], *, seed: int = 0, draws: int = 200, boots
     strategy against each sampling curve at its ``metric`` cost, `equal.at_equal_compute`);
     ``selection`` (the compute-optimal analysis
     of `metaloom.eval.analysis.select`, or None with ``selection_reason`` when fewer than 2
-    problems are shared by every strategy); ``votes`` (answer histograms of the vote records).
+    problems are shared by every strategy); ``votes`` (answer histograms of the vote records);
+    ``scorers`` (each scoring pooled strategy's ranking quality, `scorers.ranking`).
 
     ``seed``: subsample draws, bootstrap and split; ``draws``: random subsets per (problem, N);
     ``bootstrap``: resamples per interval; ``probe_k``, ``bins``, ``grid``, ``metric``: the
@@ -105,4 +109,5 @@ def analyze(records: Sequence[Record], *, seed: int = 0, draws: int = 200, boots
         if not out["selection"]["rows"]:
             out["selection_reason"] = f"no point has a known cost on {out['selection']['budget_metric']}"
     out["votes"] = votes(records)
+    out["scorers"] = ranking(records)
     return clean(out)

@@ -442,6 +442,18 @@ def votes_summary(analysis: Mapping[str, Any], by_problem: Mapping[str, Mapping[
     return {"figure": figures.vote_summary_figure(rows), "strategies": len(rows)}
 
 
+def scorers_view(analysis: Mapping[str, Any]) -> list[dict[str, str]]:
+    """The scorer table (`metaloom.eval.analysis.scorers`): per scoring pooled strategy, its
+    AUROC and its pick's accuracy against a random pick's on the mixed problems."""
+    rows = []
+    for r in analysis.get("scorers") or ():
+        auroc = r.get("auroc")
+        rows.append({"strategy": str(r["strategy"]), "problems": str(r["problems"]), "mixed": str(r["mixed"]),
+                     "auroc": "–" if not _number(auroc) else f"{auroc:.2f}",
+                     "accuracy": fmt_pct(r.get("accuracy")), "random": fmt_pct(r.get("random"))})
+    return rows
+
+
 # --------------------------------------------------------------------------------- trees
 
 
@@ -657,6 +669,7 @@ def build_report(out_dir: str, *, analysis: Mapping[str, Any] | None = None, ana
         figures=figures_view(analysis), frontier=frontier_view(analysis, points),
         equal=equal_compute_view(analysis),
         selection=selection_view(analysis), votes=votes_summary(analysis, by_problem, strategies),
+        scorers=scorers_view(analysis),
         problems=problem_list, trees=trees, prompts_note=prompts_note,
         caps={"text": text_cap, "full_text": TEXT_CAP, "budget": PAGE_TEXT_BUDGET, "candidates": CANDIDATE_CAP,
               "nodes": TREE_NODE_CAP},
