@@ -48,8 +48,8 @@ def ranking(records: Sequence[Record]) -> list[dict[str, Any]]:
     for spec, recs in by_spec.items():
         aurocs, picks, randoms = [], [], []
         for r in recs:
-            scored = [c for c in r.candidates if c.score is not None]
-            a = auroc([float(c.score) for c in scored], [bool(c.correct) for c in scored])  # type: ignore[arg-type]
+            scored = [(c.score, c.correct) for c in r.candidates if c.score is not None]
+            a = auroc([s for s, _ in scored], [ok for _, ok in scored])
             if a is None:
                 continue
             aurocs.append(a)
