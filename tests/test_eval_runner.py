@@ -233,6 +233,23 @@ def test_pooled_costs_add_up_to_the_run_and_follow_the_flop_formula():
     assert [f for f, _ in costs] == [600.0, 900.0] and shared["flops"] == 500.0
 
 
+def test_a_model_scorers_flops_are_split_over_the_candidates_it_scored():
+    # best-of-N with an LLM judge: a run with fewer samples asks the judge fewer questions, so
+    # the judge's FLOPs go with the candidates (by tokens), not to every subset in full
+    from metaloom.generator.types import Completion
+
+    cands = tuple(Completion("x", tuple(range(k)), (0.0,) * k, "stop") for k in (2, 3, 5))
+    usage = Usage(input_tokens=4, output_tokens=10, flops=3000.0, seconds=3.0)
+    result = Result(best="x", candidates=cands, usage=usage, best_index=0,
+                    trace=(Event("sample", {"usage": {"input_tokens": 4, "flops": 1500.0}}),
+                           Event("score", {"scorer": "judge", "usage": {"flops": 1000.0, "scorer_calls": 1}})))
+    costs, shared = attribute(result, None)
+    # sampling 1500 by tokens (150 a token), the judge 1000 by tokens (100 a token)
+    assert [f for f, _ in costs] == pytest.approx([500.0, 750.0, 1250.0])
+    assert shared["flops"] == pytest.approx(500.0)  # the rest: the prefill
+    assert sum(s for _, s in costs) + shared["seconds"] == pytest.approx(3.0)
+
+
 def test_specs_parse_and_check_before_any_model():
     s = parse_spec('best_of_n@n=8,scorer=judge,scorer.template="a, b"')
     assert (s.name, dict(s.params), {g: dict(p) for g, p in s.groups.items()}) == (

@@ -9,10 +9,17 @@ batched step splits exactly by row): a row's first token is drawn from the prefi
 (shared by all rows: the prompt is prefilled once and forked), and each later token costs one
 forward of the token before it, so a row of ``L`` tokens after a ``P``-token prompt feeds
 ``L - 1`` tokens at positions P .. P+L-2, attending P+1 .. P+L-1 keys, one logit row each.
-``shared`` is the rest of the run (prefill, scorer calls over the whole set): at the full N
-the parts add up to the run's charged usage exactly. Without a formula (a remote server) the
-sampling call's FLOPs are split by tokens. Seconds are split in proportion to FLOPs: an
-attribution, not a measurement — a batch of 32 rows does not take 32 times one row's time.
+A scorer that runs a model (an LLM judge, a reward model) is asked about every candidate, so
+a run with fewer samples would have asked it fewer questions: the scorer's FLOPs (its "score"
+events) are split over the candidates in proportion to their tokens and added to each
+candidate's own cost — an attribution (a judge's question is the prompt, found in the prefix
+cache after the first, plus the candidate, so its cost grows with the candidate's length), where
+charging the whole scorer to every subset would make best-of-N with a judge look as dear at
+N = 1 as at N = 32. ``shared`` is the rest of the run (the prefill, MBR's pairwise utilities):
+at the full N the parts add up to the run's charged usage exactly. Without a formula (a remote
+server) the sampling call's FLOPs are split by tokens. Seconds are split in proportion to
+FLOPs: an attribution, not a measurement — a batch of 32 rows does not take 32 times one row's
+time.
 """
 
 from __future__ import annotations
@@ -41,11 +48,11 @@ def model_row_flops(model: Any) -> RowFlops:
     return row
 
 
-def _sample_usage(result: Result) -> Mapping[str, Any]:
-    """The usage of the run's sampling call(s), summed from its "sample" trace events."""
+def _usage_of(result: Result, kind: str) -> Mapping[str, Any]:
+    """The usage of the run's ``kind`` calls ("sample", "score"), summed from its trace events."""
     total: dict[str, float] = {}
     for e in result.trace:
-        if e.kind == "sample":
+        if e.kind == kind:
             for k, v in (e.data.get("usage") or {}).items():
                 if isinstance(v, int | float):
                     total[k] = total.get(k, 0) + v
@@ -64,7 +71,7 @@ def attribute(result: Result, row_flops: RowFlops | None) -> tuple[list[tuple[fl
         return ([(None, s) for s in secs_unknown],
                 {"flops": None, "seconds": 0.0, "input_tokens": float(usage.input_tokens),
                  "cached_tokens": float(usage.cached_tokens), "scorer_calls": float(usage.scorer_calls)})
-    sampled = _sample_usage(result)
+    sampled = _usage_of(result, "sample")
     prompt = int(sampled.get("input_tokens", 0) + sampled.get("cached_tokens", 0))
     tokens = [len(c.token_ids) for c in result.candidates]
     flops_total = float(usage.flops)
@@ -73,6 +80,10 @@ def attribute(result: Result, row_flops: RowFlops | None) -> tuple[list[tuple[fl
     else:  # no formula: split the sampling call's FLOPs by tokens
         sample_flops = float(sampled.get("flops", 0.0))
         own = [sample_flops * t / sum(tokens) if sum(tokens) else 0.0 for t in tokens]
+    scorer_flops = float(_usage_of(result, "score").get("flops", 0.0))
+    if scorer_flops > 0 and tokens:
+        weights = tokens if sum(tokens) else [1] * len(tokens)
+        own = [f + scorer_flops * w / sum(weights) for f, w in zip(own, weights, strict=True)]
     if sum(own) > flops_total > 0:  # never attribute more than was charged
         own = [f * flops_total / sum(own) for f in own]
     seconds_total = float(usage.seconds)
