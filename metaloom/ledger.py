@@ -16,10 +16,13 @@ Token fields follow the OpenAI convention:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import re
 import threading
-from collections.abc import Callable
+import typing
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,6 +112,34 @@ class Budget:
                                                                   f"({f.name} are unknown here)")
             if getattr(usage, f.name) > limit:
                 raise BudgetExceeded(f.name, limit, getattr(usage, f.name))
+
+
+def parse_budget(items: Sequence[str]) -> Budget:
+    """A `Budget` from ``FIELD=LIMIT`` texts: a whole number for count fields, a number for
+    ``flops`` and ``seconds``, finite and >= 0, each field once; else `InvalidParameter`
+    naming ``budget.FIELD``."""
+    hints = typing.get_type_hints(Budget)
+    fields = [f.name for f in dataclasses.fields(Budget)]
+    limits: dict[str, float] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key, text = key.strip(), value.strip()
+        if not sep or key not in fields:
+            raise InvalidParameter("budget", item, f"FIELD=LIMIT with FIELD one of {fields}")
+        if key in limits:
+            raise InvalidParameter(f"budget.{key}", value, f"one limit (already {limits[key]})")
+        whole = int in typing.get_args(hints[key])
+        allowed = "a whole number >= 0" if whole else "a finite number >= 0"
+        limit: float = math.nan
+        if whole and re.fullmatch(r"[-+]?\d+", text):
+            limit = int(text)
+        elif not whole:
+            with contextlib.suppress(ValueError):  # not a number: stays nan
+                limit = float(text)
+        if not math.isfinite(limit) or limit < 0:
+            raise InvalidParameter(f"budget.{key}", value, allowed)
+        limits[key] = limit
+    return Budget(**limits)  # type: ignore[arg-type]
 
 
 @dataclass

@@ -96,6 +96,23 @@ def test_sweep_writes_one_record_per_pair_graded_by_the_task(task_file, tmp_path
     assert by[(ids[0], "greedy")].candidates == ()  # only sampling strategies keep their pool
 
 
+def test_a_budget_in_a_spec_stops_that_strategys_runs_cleanly(task_file, tmp_path):
+    # budget.FIELD=LIMIT holds a strategy to a stated cost (a search to the FLOPs of a vote)
+    out = str(tmp_path / "sweep")
+    spec = "adaptive_vote@max_samples=4,batch=2,budget.output_tokens=6"
+    records = run_sweep(plan_sweep(setup_for(task_file), [spec, "adaptive_vote@max_samples=4,batch=2"], out))
+    capped = [r for r in records if r.strategy == spec]
+    free = [r for r in records if r.strategy != spec]
+    assert len(capped) == 3 and all(r.stopped_reason == "budget" and r.error is None for r in capped)
+    # the first batch's two rows decode side by side: the step that took them past 6 tokens
+    # (the 4th: 8) was the last, and the run still chose among what it had
+    assert all(r.usage["output_tokens"] == 8 and r.best for r in capped)
+    assert all(r.stopped_reason != "budget" and r.usage["output_tokens"] > 10 for r in free)
+    # a pooled strategy's N is its cost, and the curves read smaller N from its pool: refused
+    with pytest.raises(InvalidParameter, match="no budget on a pooled strategy"):
+        plan_sweep(setup_for(task_file), ["majority_vote@n=4,budget.flops=1e9"], str(tmp_path / "other"))
+
+
 def test_resume_after_an_interruption_runs_only_what_is_missing(task_file, tmp_path):
     out = str(tmp_path / "sweep")
     sweep = plan_sweep(setup_for(task_file), ["greedy", "majority_vote@n=4"], out)

@@ -103,6 +103,30 @@ def test_budget_limits_are_typed_numbers():
         parse_budget(["output_tokens=1", "output_tokens=9"])  # not silently the last one
 
 
+def test_a_budget_in_a_strategy_spec_reaches_run_and_the_server():
+    import argparse
+
+    from metaloom.meta.spec import check_spec, parse_spec
+    from metaloom.server.strategy import resolve_model
+
+    spec = check_spec("majority_vote@n=3,budget.flops=8e12,budget.output_tokens=500")
+    assert spec.budget() == Budget(flops=8e12, output_tokens=500) and parse_spec("majority_vote@n=3").budget() is None
+    with pytest.raises(InvalidParameter, match=r"budget\.flops='lots'"):
+        check_spec("majority_vote@n=3,budget.flops=lots")
+    # `metaloom run --strategy SPEC`: the spec's limits join --budget's
+    ns = argparse.Namespace(strategy="majority_vote@n=3,budget.output_tokens=40", prompt="q", dotted=[],
+                            budget=["flops=1e9"])
+    params, groups, _ = strategy_config(ns)
+    assert params == {"n": "3"} and groups == {} and parse_budget(ns.budget) == Budget(output_tokens=40, flops=1e9)
+    ns = argparse.Namespace(strategy="majority_vote@budget.output_tokens=40", prompt="q", dotted=[],
+                            budget=["output_tokens=9"])
+    with pytest.raises(InvalidParameter, match="one limit"):  # set both ways: not silently one of them
+        strategy_config(ns)
+    # the server's model alias STRATEGY@...:MODEL caps each request's run
+    call = resolve_model("majority_vote@n=3,budget.output_tokens=40:default", ("default",), None)
+    assert call is not None and call.budget == Budget(output_tokens=40) and "budget" not in call.groups
+
+
 @pytest.mark.parametrize(("item", "match"), [
     ("output_tokens=abc", "invalid budget.output_tokens='abc': allowed a whole number >= 0"),
     ("output_tokens=1.5", "invalid budget.output_tokens='1.5': allowed a whole number >= 0"),

@@ -15,18 +15,15 @@ a prompt taken as a parameter's value (``--strategy.n "Q"``) is reported as that
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
-import math
-import re
 import sys
-import typing
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from metaloom.commands.common import SAMPLER_DESTS, add_model_args, add_sampling_args, remote_generator, sampling_kwargs
 from metaloom.errors import InvalidParameter
+from metaloom.ledger import parse_budget
 
 
 class Dotted(NamedTuple):
@@ -102,42 +99,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(run=run)
 
 
-def parse_budget(items: Sequence[str]) -> Any:
-    """A `Budget` from ``FIELD=LIMIT`` texts: a whole number for count fields, a number for
-    ``flops`` and ``seconds``, finite and >= 0, each field once; else `InvalidParameter`
-    naming ``budget.FIELD``."""
-    from metaloom.ledger import Budget
-
-    hints = typing.get_type_hints(Budget)
-    fields = [f.name for f in dataclasses.fields(Budget)]
-    limits: dict[str, float] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        key, text = key.strip(), value.strip()
-        if not sep or key not in fields:
-            raise InvalidParameter("budget", item, f"FIELD=LIMIT with FIELD one of {fields}")
-        if key in limits:
-            raise InvalidParameter(f"budget.{key}", value, f"one limit (already {limits[key]})")
-        whole = int in typing.get_args(hints[key])
-        allowed = "a whole number >= 0" if whole else "a finite number >= 0"
-        limit: float = math.nan
-        if whole and re.fullmatch(r"[-+]?\d+", text):
-            limit = int(text)
-        elif not whole:
-            with contextlib.suppress(ValueError):  # not a number: stays nan
-                limit = float(text)
-        if not math.isfinite(limit) or limit < 0:
-            raise InvalidParameter(f"budget.{key}", value, allowed)
-        limits[key] = limit
-    return Budget(**limits)  # type: ignore[arg-type]
-
-
 def strategy_config(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, dict[str, str]], dict[str, Any]]:
     """(strategy params, component params by field, sampling overrides), checked before any
     model loads: the dotted values against the strategy's (and its components') fields and
     types, the sampling flags, then that a prompt was given."""
     from metaloom.meta.configure import build_strategy
-    from metaloom.meta.spec import parse_spec
+    from metaloom.meta.spec import BUDGET, parse_spec
     from metaloom.sampling import SamplingParams
 
     dotted: list[Dotted] = getattr(args, "dotted", [])
@@ -146,7 +113,9 @@ def strategy_config(args: argparse.Namespace) -> tuple[dict[str, str], dict[str,
     spec = parse_spec(args.strategy, "strategy")
     args.strategy = spec.name
     params: dict[str, str] = dict(spec.params)
-    groups: dict[str, dict[str, str]] = {g: dict(p) for g, p in spec.groups.items()}
+    groups: dict[str, dict[str, str]] = {g: dict(p) for g, p in spec.groups.items() if g != BUDGET}
+    args.budget = [*getattr(args, "budget", []), *spec.budget_items()]  # a field set both ways: parse_budget refuses
+    parse_budget(args.budget)
     for group, key, value, _ in dotted:
         if value is None:
             raise InvalidParameter(f"{group}.{key}", None, f"a value: --{group}.{key} VALUE")

@@ -180,7 +180,7 @@ class Worker:
         problem = self.problems[job.problem]
         spec = parse_spec(job.spec)
         generator = self.generator_for_run(job.problem, pooled=spec.name in POOLED)
-        ledger = Ledger()
+        ledger = Ledger(budget=spec.budget())  # budget.FIELD=LIMIT in the spec: the run stops there, cleanly
         start = time.perf_counter()
         try:
             strategy = self.strategy(spec, generator, job.problem)
@@ -251,7 +251,13 @@ def plan_sweep(setup: Setup, specs: Sequence[str], out: str) -> Sweep:
         raise InvalidParameter("strategies", specs, "at least one strategy spec (NAME or NAME@param=v,...)")
     canonical: list[str] = []
     for s in specs:
-        text = check_spec(s, "strategies").text()
+        spec = check_spec(s, "strategies")
+        if spec.name in POOLED and spec.budget_items():
+            raise InvalidParameter(f"strategies {s!r}: budget", spec.budget_items(),
+                                   "no budget on a pooled strategy: its N sets its cost, and the curves read "
+                                   "every smaller N from its pool (a budget belongs to the searches and adaptive "
+                                   "strategies)")
+        text = spec.text()
         if text in canonical:
             raise InvalidParameter("strategies", s, "each spec once")
         canonical.append(text)

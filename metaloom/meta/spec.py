@@ -2,7 +2,9 @@
 `metaloom eval`'s ``--strategies``, of the server's model aliases (``NAME@...:MODEL``) and of
 the config ``metaloom eval --select`` prints. ``FIELD.PARAM=v`` configures the component a
 field chose (``best_of_n@scorer=judge,scorer.template=...``), as ``--FIELD.PARAM`` does for
-``metaloom run``. A value holding a comma is written as JSON (``delimiter=["\\n\\n", "##"]``):
+``metaloom run``. ``budget.FIELD=LIMIT`` caps the run's usage (``rebase@n=8,budget.flops=8e12``,
+as ``--budget`` does): the strategy stops cleanly at the limit with the best it has, so a
+sweep can hold every strategy to the same FLOPs. A value holding a comma is written as JSON (``delimiter=["\\n\\n", "##"]``):
 commas inside brackets or quotes do not split."""
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metaloom.errors import InvalidParameter
+from metaloom.ledger import Budget, parse_budget
 
 FORM = "NAME or NAME@param=value,param=value"
+BUDGET = "budget"  # the group that caps the run's usage, not a component
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,18 @@ class Spec:
         or ``{"dry": True}`` to check names, parameters and types only)."""
         from metaloom.meta.configure import build_strategy
 
-        return build_strategy(self.name, dict(self.params), {g: dict(p) for g, p in self.groups.items()}, context)
+        groups = {g: dict(p) for g, p in self.groups.items() if g != BUDGET}
+        return build_strategy(self.name, dict(self.params), groups, context)
+
+    def budget_items(self) -> list[str]:
+        """The ``budget.FIELD=LIMIT`` items as ``FIELD=LIMIT`` texts (what ``--budget`` takes)."""
+        return [f"{k}={v}" for k, v in self.groups.get(BUDGET, {}).items()]
+
+    def budget(self) -> Budget | None:
+        """The run's `Budget` (None: unlimited); a bad limit is an `InvalidParameter` naming
+        ``budget.FIELD``."""
+        items = self.budget_items()
+        return parse_budget(items) if items else None
 
 
 def _items(text: str, where: str) -> list[str]:
@@ -89,6 +104,7 @@ def check_spec(text: str, where: str = "strategy") -> Spec:
     (no model needed); errors name ``where``."""
     spec = parse_spec(text, where)
     try:
+        spec.budget()
         spec.build({"dry": True})
     except InvalidParameter as exc:
         raise InvalidParameter(f"{where} {text!r}: {exc.name}", exc.value, exc.allowed) from exc

@@ -75,16 +75,18 @@ def resolve_model(model: str, served: tuple[str, ...], options: StrategyOptions 
                        "invalid_request_error", param="model", code="model_not_found")
     if options is not None:
         raise InvalidParameter("metaloom", "set", f"unset when the model alias {model!r} names the strategy")
-    from metaloom.meta.spec import parse_spec
+    from metaloom.meta.spec import BUDGET, parse_spec
 
     spec = parse_spec(name, "model")
-    params: dict[str, str] = {**spec.params, **{f"{g}.{k}": v for g, ps in spec.groups.items() for k, v in ps.items()}}
-    strategy = spec.name
-    return _from_options(StrategyOptions(strategy=strategy, params=params))
+    params: dict[str, str] = {**spec.params, **{f"{g}.{k}": v for g, ps in spec.groups.items() if g != BUDGET
+                                                for k, v in ps.items()}}
+    limits = spec.budget()  # budget.FIELD=LIMIT in the alias caps each request's run
+    budget = {} if limits is None else {k: float(v) for k, v in dataclasses.asdict(limits).items() if v is not None}
+    return _from_options(StrategyOptions(strategy=spec.name, params=params, budget=budget))
 
 
 def _from_options(options: StrategyOptions) -> StrategyCall:
-    from metaloom.commands.run import parse_budget
+    from metaloom.ledger import parse_budget
 
     params, groups = strategy_params(options)
     items = [f"{k}={int(v) if float(v).is_integer() else v}" for k, v in options.budget.items()]
