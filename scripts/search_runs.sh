@@ -8,6 +8,7 @@
 #   MODEL=/path/to/qwen2.5-coder-0.5b.gguf OUT=runs bash scripts/search_runs.sh countdown
 #   MODEL=... OUT=runs LIMIT=40 WORKERS=2 THREADS=1 bash scripts/search_runs.sh game24   # Ray, 2 problems at a time
 #   MODEL=... OUT=runs ROLLOUT=0 bash scripts/search_runs.sh gsm_search                # the judge's searches only
+#   MODEL=... OUT=runs ROLLOUT=equal bash scripts/search_runs.sh gsm_search            # + rollouts at equal FLOPs
 #
 # Tasks: countdown (3 numbers up to 20, targets 10-99), game24, gsm, gsm_search (GSM's searches,
 # into gsm's directory). Seed 2611: problem i is reasoning-gym's seed 2611 + i, apart from the
@@ -51,12 +52,19 @@ gsm_search)
     # (2 per partial, agreement with the majority answer), and best-of-N ranked by the LLM judge,
     # added to the gsm sweep (same directory and --limit; read them on the problems they share).
     # Problems are taken in order, so a run stopped early covers the first ones.
-    # The rollout searches cost 15-25 TFLOP and 4-7 min a problem (2-3x majority vote at N = 32):
-    # ROLLOUT=0 leaves them out, to cover more problems with the judge in the same time.
+    # Rollouts: ROLLOUT=full (the first configuration, 2 rollouts a partial: 15-25 TFLOP and 4-7 min
+    # a problem, 2-3x majority vote at N = 32), ROLLOUT=equal (particle filtering with 4 particles
+    # and 1 rollout a partial, held by budget.flops to majority vote's 7.66 TFLOP at N = 32: about
+    # 2 min a problem), ROLLOUT=0 (none: the judge's searches only, to cover more problems).
     J="step_scorer=judge,step_tokens=48"
     R="step_scorer=rollout,step_scorer.k=2,step_scorer.extractor=last_number,step_scorer.max_tokens=256,step_tokens=48"
-    rollout=("step_beam_search@n=8,beam_width=4,$R" "particle_filtering@n=8,$R")
-    [ "${ROLLOUT:-1}" = 0 ] && rollout=()
+    R1="step_scorer=rollout,step_scorer.k=1,step_scorer.extractor=last_number,step_scorer.max_tokens=256,step_tokens=48"
+    case ${ROLLOUT:-full} in
+    0) rollout=() ;;
+    full) rollout=("step_beam_search@n=8,beam_width=4,$R" "particle_filtering@n=8,$R") ;;
+    equal) rollout=("particle_filtering@n=4,$R1,budget.flops=7.66e12") ;;
+    *) echo "ROLLOUT is 0, full or equal" >&2 && exit 2 ;;
+    esac
     HF_HUB_OFFLINE=1 "$BIN/metaloom" eval --model "$MODEL" --weights dense --seed 2611 --out "$OUT/gsm" \
         --dtype bfloat16 --task gsm --limit "$LIMIT" --max-tokens 256 --executor ray --workers 2 --threads 1 \
         --strategies "best_of_n@n=32,scorer=judge" "step_beam_search@n=8,beam_width=4,$J" "particle_filtering@n=8,$J" \
