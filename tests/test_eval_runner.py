@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections import Counter
 
@@ -348,6 +349,40 @@ def test_sampling_strategies_share_one_pool_per_problem_and_each_is_charged_for_
         mv, bon = by[(pid, "majority_vote@n=4")], by[(pid, "best_of_n@n=4,scorer=logprob")]
         assert [c.text for c in mv.candidates] == [c.text for c in bon.candidates]
         assert mv.usage["output_tokens"] == bon.usage["output_tokens"] > 0
+
+
+def test_a_later_invocation_replays_the_pools_the_sweep_kept(task_file, tmp_path):
+    # best-of-N added to a finished majority-vote sweep scores the very samples the vote counted
+    out = str(tmp_path / "sweep")
+    first = run_sweep(plan_sweep(setup_for(task_file), ["majority_vote@n=4"], out))
+    assert len(os.listdir(os.path.join(out, "pools"))) == 3  # one file a problem
+    runner._WORKERS.clear()  # as a new process: no pool in memory
+    records = run_sweep(plan_sweep(setup_for(task_file), ["majority_vote@n=4", "best_of_n@n=4,scorer=logprob"], out))
+    assert runner.worker(setup_for(task_file)).generator.requests == []  # nothing drawn again
+    by = {(r.problem, r.strategy): r for r in records}
+    for mv in first:
+        bon = by[(mv.problem, "best_of_n@n=4,scorer=logprob")]
+        assert [c.text for c in bon.candidates] == [c.text for c in mv.candidates]
+        for name in ("input_tokens", "output_tokens", "forward_passes", "flops"):  # charged what the draw cost
+            assert bon.usage[name] == mv.usage[name]
+    # each scripted token carries its response's log-probability: the kept pool has them
+    assert [c.score for c in by[(first[0].problem, "best_of_n@n=4,scorer=logprob")].candidates] == pytest.approx(
+        [-1.0, -0.5, -1.5, -3.6])
+    # --force starts afresh: the pools go with the records
+    runner._WORKERS.clear()
+    run_sweep(plan_sweep(setup_for(task_file), ["best_of_n@n=4,scorer=logprob"], out), force=True)
+    assert len(runner.worker(setup_for(task_file)).generator.requests) == 3
+
+
+def test_kept_pools_round_trip_every_field():
+    from metaloom.eval.replay import dump, load
+    from metaloom.generator.types import Completion
+
+    draws = {"k": ([Completion("a", (1, 2), (-0.1, -math.inf), "stop", stop_reason=2, score=-1.5,
+                                decoder_logprobs=(-0.2, -0.3), top_logprobs=(((1, -0.1), (5, -2.0)), ((2, -0.5),))),
+                    Completion("", (), (), "length", stop_reason="\n\n", error=None)],
+                   {"output_tokens": 2, "flops": 123.5, "seconds": 0.25})}
+    assert load(dump(draws)) == draws
 
 
 def test_only_pooled_strategies_replay_a_draw(task_file, tmp_path):

@@ -23,6 +23,7 @@ from metaloom.errors import InvalidParameter
 CONFIG = "config.json"
 RECORDS = "records.jsonl"
 TRACES = "traces"
+POOLS = "pools"  # each problem's sample pools (`metaloom.eval.replay`)
 POOLED = ("majority_vote", "weighted_vote", "best_of_n", "mbr")
 
 

@@ -13,10 +13,19 @@ samples. For the same reason the runner wraps only pooled strategies' runs: a re
 leaves nothing in the run's prefix cache, so a run that goes on after it (a tree search whose
 root expansion matched another's) would pay again for prefixes a real run has cached. The cache holds one problem's
 draws: the runner clears it when the problem changes.
+
+Pools outlive the process: the driver keeps each problem's draws in ``DIR/pools/`` (`dump` /
+`load`: every field of every completion, log-probabilities exact, and the recorded cost), and
+hands them to the worker that runs a later pooled job of that problem. A strategy added to a
+finished sweep (best-of-N with a judge after majority vote) then scores the very samples the
+vote counted — its record pairs with theirs sample for sample — and the sweep does not draw
+them again.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,3 +70,27 @@ class ReplayGenerator:
         if key is not None and not child.usage.unknown:
             self.draws[key] = (list(out[0]), spent)
         return out
+
+
+def _completion(d: dict[str, Any]) -> Completion:
+    def tuples(x: Any) -> Any:
+        return None if x is None else tuple(x)
+
+    top = d.get("top_logprobs")
+    return Completion(text=d["text"], token_ids=tuple(d["token_ids"]), logprobs=tuple(d["logprobs"]),
+                      finish_reason=d["finish_reason"], stop_reason=d.get("stop_reason"), score=d.get("score"),
+                      decoder_logprobs=tuples(d.get("decoder_logprobs")), error=d.get("error"),
+                      top_logprobs=None if top is None else tuple(tuple((int(t), float(lp)) for t, lp in pos)
+                                                                   for pos in top))
+
+
+def dump(draws: Draws) -> str:
+    """``draws`` as JSON text (floats in their shortest exact form; -inf as -Infinity)."""
+    return json.dumps({key: {"completions": [dataclasses.asdict(c) for c in completions], "cost": cost}
+                       for key, (completions, cost) in draws.items()})
+
+
+def load(text: str) -> Draws:
+    """The `Draws` that `dump` wrote."""
+    return {key: ([_completion(c) for c in v["completions"]], dict(v["cost"]))
+            for key, v in json.loads(text).items()}

@@ -26,12 +26,12 @@ import shutil
 import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from metaloom.errors import InvalidParameter, MetaloomError
 from metaloom.eval.pool import attribute, candidates_of, model_row_flops, selection_of
-from metaloom.eval.records import CONFIG, POOLED, RECORDS, TRACES, Record, read_records
+from metaloom.eval.records import CONFIG, POOLED, POOLS, RECORDS, TRACES, Record, read_records
 from metaloom.eval.tasks.base import Problem, Task
 from metaloom.meta.spec import Spec, check_spec
 
@@ -76,10 +76,13 @@ class Setup:
 
 @dataclass(frozen=True)
 class Job:
-    """One run: the problem's position in the task and the strategy spec (canonical text)."""
+    """One run: the problem's position in the task and the strategy spec (canonical text);
+    ``pool``: for a pooled strategy, the problem's sample pools kept by earlier invocations
+    (`metaloom.eval.replay.dump` text), for the worker to replay."""
 
     problem: int
     spec: str
+    pool: str | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,7 @@ class Outcome:
 
     record: Record
     trace: tuple[Mapping[str, Any], ...] | None = None
+    pool: str | None = None  # the sample pools this run drew (`replay.dump` text), for DIR/pools/
 
 
 # ----------------------------------------------------------------------------------- worker
@@ -131,18 +135,21 @@ class Worker:
                                weights=setup.weights)
             self.row_flops = model_row_flops(self.loaded.model)
 
-    def generator_for_run(self, problem: int, pooled: bool) -> Any:
+    def generator_for_run(self, problem: int, pooled: bool, saved: str | None = None) -> Any:
         """The local engine with a fresh prefix cache (see the module docstring), else the
         generator; for a ``pooled`` strategy's run, replaying the problem's sample pools drawn
         by earlier runs. Only pooled runs share draws: their one sampling call is all they ask,
         while a tree search or an adaptive vote goes on from its first call, at a cost that
         depends on what that call left in its own prefix cache, which a replay never fills
         (two searches with the same first expansion would otherwise charge the second a
-        re-prefill of every path)."""
-        from metaloom.eval.replay import ReplayGenerator
+        re-prefill of every path). ``saved``: the problem's pools from ``DIR/pools/``."""
+        from metaloom.eval.replay import ReplayGenerator, load
 
         if self.draws_of != problem:
             self.draws, self.draws_of = {}, problem
+        if saved:
+            for key, draw in load(saved).items():
+                self.draws.setdefault(key, draw)
         if self.loaded is None:
             generator = self.generator
         else:
@@ -179,7 +186,8 @@ class Worker:
 
         problem = self.problems[job.problem]
         spec = parse_spec(job.spec)
-        generator = self.generator_for_run(job.problem, pooled=spec.name in POOLED)
+        generator = self.generator_for_run(job.problem, pooled=spec.name in POOLED, saved=job.pool)
+        drawn_before = set(self.draws)
         ledger = Ledger(budget=spec.budget())  # budget.FIELD=LIMIT in the spec: the run stops there, cleanly
         start = time.perf_counter()
         try:
@@ -205,7 +213,10 @@ class Worker:
             selection = selection_of(spec.name, result, extractor, getattr(strategy, "transform", None))
             record = dataclasses.replace(record, candidates=candidates_of(result, grades, costs), shared=shared,
                                          selection=selection)
-        return Outcome(record, tree)
+        from metaloom.eval.replay import dump
+
+        drawn = {k: v for k, v in self.draws.items() if k not in drawn_before}
+        return Outcome(record, tree, dump(drawn) if drawn else None)
 
 
 _WORKERS: dict[Setup, Worker] = {}
@@ -314,6 +325,7 @@ def prepare_out(sweep: Sweep, *, force: bool = False) -> dict[tuple[str, str], R
             if os.path.exists(os.path.join(out, name)):
                 os.remove(os.path.join(out, name))
         shutil.rmtree(os.path.join(out, TRACES), ignore_errors=True)
+        shutil.rmtree(os.path.join(out, POOLS), ignore_errors=True)
     os.makedirs(os.path.join(out, TRACES), exist_ok=True)
     _write_atomic(config_path, json.dumps(config, indent=1))
     done: dict[tuple[str, str], Record] = {}
@@ -346,6 +358,19 @@ def trace_name(record: Record) -> str:
     return f"{TRACES}/{digest}.json"
 
 
+def pool_path(out: str, problem: str) -> str:
+    """Where a problem's sample pools are kept (`metaloom.eval.replay`)."""
+    return os.path.join(out, POOLS, hashlib.sha1(problem.encode()).hexdigest()[:16] + ".json")
+
+
+def read_pool(out: str, problem: str) -> str | None:
+    path = pool_path(out, problem)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read()
+
+
 class Writer:
     """Appends outcomes to ``records.jsonl`` (trace first, then the record line, flushed and
     synced); drops an outcome whose key is already recorded (a retried task that had in fact
@@ -360,6 +385,13 @@ class Writer:
         record = outcome.record
         if record.key in self.done:
             return None
+        if outcome.pool is not None:  # before the record, like a trace: kept pools serve later invocations
+            from metaloom.eval.replay import dump, load
+
+            kept = read_pool(self.out, record.problem)
+            merged = {**(load(kept) if kept else {}), **load(outcome.pool)}
+            os.makedirs(os.path.join(self.out, POOLS), exist_ok=True)
+            _write_atomic(pool_path(self.out, record.problem), dump(merged))
         if outcome.trace is not None:
             record = dataclasses.replace(record, trace=trace_name(record))
             _write_atomic(os.path.join(self.out, record.trace or ""), json.dumps(list(outcome.trace)))
@@ -374,8 +406,21 @@ class Writer:
 
 
 def pending(sweep: Sweep, done: Mapping[tuple[str, str], Record]) -> list[Job]:
-    """The jobs not yet recorded, problem by problem."""
-    return [Job(i, s) for i, p in enumerate(sweep.problems) for s in sweep.specs if (p.id, s) not in done]
+    """The jobs not yet recorded, problem by problem; a pooled job carries its problem's kept
+    sample pools."""
+    from metaloom.meta.spec import parse_spec
+
+    pools: dict[str, str | None] = {}
+
+    def pool(problem: str, spec: str) -> str | None:
+        if parse_spec(spec).name not in POOLED:
+            return None
+        if problem not in pools:
+            pools[problem] = read_pool(sweep.out, problem)
+        return pools[problem]
+
+    return [Job(i, s, pool(p.id, s)) for i, p in enumerate(sweep.problems) for s in sweep.specs
+            if (p.id, s) not in done]
 
 
 Executor = Callable[[Setup, Sequence[Job], Callable[[Outcome], None]], None]
