@@ -113,6 +113,7 @@ class Worker:
         self.problems: Sequence[Problem] = self.task.problems()
         self.draws: dict[str, Any] = {}  # the current problem's sample pools (`metaloom.eval.replay`)
         self.draws_of: int | None = None
+        self.draws_read: str | None = None  # the kept pools already merged into draws
         self.loaded: Any = None
         self.generator: Any = None
         self.row_flops: Any = None
@@ -146,10 +147,11 @@ class Worker:
         from metaloom.eval.replay import ReplayGenerator, load
 
         if self.draws_of != problem:
-            self.draws, self.draws_of = {}, problem
-        if saved:
+            self.draws, self.draws_of, self.draws_read = {}, problem, None
+        if saved and saved != self.draws_read:  # every pooled job of a problem carries the same pools: read once
             for key, draw in load(saved).items():
                 self.draws.setdefault(key, draw)
+            self.draws_read = saved
         if self.loaded is None:
             generator = self.generator
         else:

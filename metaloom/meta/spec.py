@@ -4,8 +4,8 @@ the config ``metaloom eval --select`` prints. ``FIELD.PARAM=v`` configures the c
 field chose (``best_of_n@scorer=judge,scorer.template=...``), as ``--FIELD.PARAM`` does for
 ``metaloom run``. ``budget.FIELD=LIMIT`` caps the run's usage (``rebase@n=8,budget.flops=8e12``,
 as ``--budget`` does): the strategy stops cleanly at the limit with the best it has, so a
-sweep can hold every strategy to the same FLOPs. A value holding a comma is written as JSON (``delimiter=["\\n\\n", "##"]``):
-commas inside brackets or quotes do not split."""
+sweep can hold every strategy to the same FLOPs. A value holding a comma is written as JSON
+(``delimiter=["\\n\\n", "##"]``): commas inside brackets or quotes do not split."""
 
 from __future__ import annotations
 

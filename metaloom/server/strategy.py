@@ -80,9 +80,8 @@ def resolve_model(model: str, served: tuple[str, ...], options: StrategyOptions 
     spec = parse_spec(name, "model")
     params: dict[str, str] = {**spec.params, **{f"{g}.{k}": v for g, ps in spec.groups.items() if g != BUDGET
                                                 for k, v in ps.items()}}
-    limits = spec.budget()  # budget.FIELD=LIMIT in the alias caps each request's run
-    budget = {} if limits is None else {k: float(v) for k, v in dataclasses.asdict(limits).items() if v is not None}
-    return _from_options(StrategyOptions(strategy=spec.name, params=params, budget=budget))
+    call = _from_options(StrategyOptions(strategy=spec.name, params=params))
+    return dataclasses.replace(call, budget=spec.budget())  # budget.FIELD=LIMIT in the alias caps each request's run
 
 
 def _from_options(options: StrategyOptions) -> StrategyCall:
