@@ -118,6 +118,15 @@ class Concat:
         return torch.cat([linear(x, p) for p in self.parts], dim=-1)
 
 
+def panelled(w: Weight) -> Weight:
+    """``w`` with its quantised parts in the panel layout where the kernels have one
+    (`metaloom.models.quant.QuantWeight.panelled`); anything else as it is."""
+    if isinstance(w, Concat):
+        return Concat(tuple(panelled(p) for p in w.parts))
+    panel = getattr(w, "panelled", None)
+    return panel() if callable(panel) else w
+
+
 def stack(ws: list[Weight]) -> Weight:
     """One weight whose outputs are ``ws``'s outputs in order (q, k, v into qkv; gate, up)."""
     if all(isinstance(w, torch.Tensor) for w in ws):
@@ -143,9 +152,11 @@ class LlamaModel:
         self.config = config
         self.fused = fused
         self.embed = embed
-        self.layers = layers
+        # quantised weights in the layout their batch-1 kernels read fastest (quant.c's panels)
+        self.layers = [replace(w, qkv=panelled(w.qkv), o=panelled(w.o), gate_up=panelled(w.gate_up),
+                                           down=panelled(w.down)) for w in layers]
         self.norm = norm
-        self.lm_head = lm_head
+        self.lm_head = panelled(lm_head)
         self.dtype = norm.dtype
         self._cos, self._sin = rope_tables(config.head_dim, config.rope_theta, config.rope_scaling_dict,
                                            config.max_position_embeddings, self.dtype, norm.device)

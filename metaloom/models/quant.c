@@ -42,7 +42,7 @@
 #include <immintrin.h>
 #endif
 
-#define ABI_VERSION 1
+#define ABI_VERSION 2
 #define INLINE static inline __attribute__((always_inline))
 #define UNROLL _Pragma("GCC unroll 16")
 #define MAX_CHUNK 8 /* rows of x per pass over the weight */
@@ -700,4 +700,260 @@ int quant_quantize(int t, const void *x, int xbf, int64_t rows, int64_t in, uint
             else quantize_q4_1(blk, o);
         }
     return 0;
+}
+
+/* ---- panels: 16 outputs side by side, for batch-1 decode -------------------------------------- *
+ *
+ * Why: in GGUF's layout a block's 32 quants sit along the input, so a 16-lane kernel must widen
+ * bytes into lanes with cross-lane shuffles and sum each output's lanes at the end; on Zen 4
+ * those shuffles, not memory, bound a 4-bit matvec (about 7 cycles per block per core). Putting
+ * 16 outputs in the 16 lanes instead, each lane's quants come out of one 32-bit word with an AND
+ * (and for Q5_0 a masked OR), an exact integer-to-float conversion and one fma against a
+ * broadcast input: no shuffles, no horizontal sums. A panel is a permutation of the same bytes
+ * (the file's quantisation, the same size); the converted cache keeps GGUF's own layout, and
+ * weights are regrouped in memory when a model is built (`QuantWeight.panelled`).
+ *
+ * Layout (Q4_0, Q4_1, Q5_0; out a multiple of 16): panel p holds outputs 16p..16p+15; its blocks
+ * b = 0..nb-1 follow each other, each the 16 outputs' block b regrouped into a head and nib:
+ *   Q4_0: head d[16] f16 (32 bytes)                 + nib[4][16] u32 (256): 288 bytes = 16 x 18
+ *   Q4_1: head d[16] f16, m[16] f16 (64)            + nib: 320 bytes = 16 x 20
+ *   Q5_0: head d[16] f16, hi[32] u16 (96)           + nib: 352 bytes = 16 x 22
+ * nib[v][j]: output j's 4-bit quants of elements 8v..8v+7, element 8v+k in bits 4k..4k+3;
+ * hi[i] bit j: the 5th bit of output j's element i. nib comes first, except in the odd panel
+ * blocks (counting from the weight's start) of Q4_0 and Q5_0, which start at 32 mod 64: there
+ * the head comes first, so that every 64-byte load of nib is aligned (a load across two cache
+ * lines costs two).
+ *
+ * Arithmetic (per row of x and output): w = d q + m (Q4_1), d (q - 8) (Q4_0), d (q - 16) (Q5_0)
+ * with q the unsigned quant, so y = sum_b [d_b (sum_i q_i x_i) + c_b S_b] with S_b the block's
+ * input sum (c = m, -8 d, -16 d). Lane k of a word is converted as q 2^e(k) (exact: at most 5
+ * significant bits) against x prescaled by 2^-e(k) (exact but for inputs below ~2^-98), so each
+ * product q x is exact inside its fma. Order, the same for every row count, tile and thread:
+ * each block's 32 products in element order into a fresh sum, then acc = fma(sum, d, acc) and
+ * acc = fma(c, S_b, acc), blocks in order; S_b sums the block's inputs in order. The offset
+ * terms make the error bound (32 + 2 nb) u sum_i (|d q_i| + |c|) |x_i| rather than the GGUF
+ * kernel's; at most a few u of sum |W x| in the tests (tests/test_quant_kernels.py). */
+
+INLINE int panel_head(const int t) { return t == Q4_0 ? 32 : t == Q4_1 ? 64 : 96; }
+/* offsets of nib and of the head in panel block g (counted from the weight's first) */
+INLINE int64_t nib_at(const int t, int64_t g) { return t != Q4_1 && (g & 1) ? panel_head(t) : 0; }
+INLINE int64_t head_at(const int t, int64_t g) { return t != Q4_1 && (g & 1) ? 0 : 256; }
+INLINE int panel_qs(const int t) { return t == Q4_0 ? 2 : t == Q4_1 ? 4 : 6; } /* GGUF: first quant byte */
+
+static int panel_type(int t) { return t == Q4_0 || t == Q4_1 || t == Q5_0; }
+
+/* GGUF blocks w [out, nb * BB] <-> panels p (the same bytes regrouped); back = 1: panels -> blocks */
+static void panel_part(int t, uint8_t *w, int64_t nb, uint8_t *p, int back, int64_t p_lo, int64_t p_hi) {
+    const int BB = block_bytes(t), QS = panel_qs(t);
+    for (int64_t pn = p_lo; pn < p_hi; pn++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *blk = p + (pn * nb + b) * 16 * BB, *P = blk + head_at(t, pn * nb + b);
+            const int64_t H = nib_at(t, pn * nb + b) - head_at(t, pn * nb + b); /* nib, from P */
+            if (!back) memset(blk, 0, 16 * (size_t)BB);
+            for (int j = 0; j < 16; j++) {
+                uint8_t *g = w + ((pn * 16 + j) * nb + b) * BB;
+                uint8_t q[32];
+                if (!back) {
+                    memcpy(P + 2 * j, g, 2);
+                    if (t == Q4_1) memcpy(P + 32 + 2 * j, g + 2, 2);
+                    for (int e = 0; e < 32; e++) q[e] = e < 16 ? g[QS + e] & 15 : g[QS + e - 16] >> 4;
+                    for (int e = 0; e < 32; e++) {
+                        uint8_t *word = P + H + 64 * (e / 8) + 4 * j;
+                        uint32_t v = ld_u32(word) | (uint32_t)q[e] << (4 * (e % 8));
+                        memcpy(word, &v, 4);
+                    }
+                    if (t == Q5_0) {
+                        uint32_t qh = ld_u32(g + 2);
+                        for (int i = 0; i < 32; i++) {
+                            uint16_t h = ld_u16(P + 32 + 2 * i) | (uint16_t)(((qh >> i) & 1u) << j);
+                            memcpy(P + 32 + 2 * i, &h, 2);
+                        }
+                    }
+                } else {
+                    memcpy(g, P + 2 * j, 2);
+                    if (t == Q4_1) memcpy(g + 2, P + 32 + 2 * j, 2);
+                    for (int e = 0; e < 32; e++) q[e] = (ld_u32(P + H + 64 * (e / 8) + 4 * j) >> (4 * (e % 8))) & 15;
+                    for (int e = 0; e < 16; e++) g[QS + e] = (uint8_t)(q[e] | q[e + 16] << 4);
+                    if (t == Q5_0) {
+                        uint32_t qh = 0;
+                        for (int i = 0; i < 32; i++) qh |= (uint32_t)((ld_u16(P + 32 + 2 * i) >> j) & 1u) << i;
+                        memcpy(g + 2, &qh, 4);
+                    }
+                }
+            }
+        }
+}
+
+/* 1 << t for each type with a panel matmul in this build (AVX-512 only), 0 without */
+int quant_panel_types(void) {
+#ifdef __AVX512F__
+    return 1 << Q4_0 | 1 << Q4_1 | 1 << Q5_0;
+#else
+    return 0;
+#endif
+}
+
+/* blocks [out, in / 32 * BB] -> panels (back = 0) or panels -> blocks (back = 1), the same
+ * size. Returns 0; -1 not a panel type, `in` not a multiple of 32 or `out` of 16. */
+int quant_panel(int t, uint8_t *blocks, int64_t out, int64_t in, uint8_t *panels, int back, int64_t threads) {
+    (void)threads;
+    if (!panel_type(t) || in % 32 || out % 16 || out <= 0) return -1;
+    int64_t np = out / 16, nb = in / 32;
+#pragma omp parallel num_threads(threads) if (threads > 1 && np > 1)
+    {
+        int64_t lo = 0, hi = np;
+#ifdef _OPENMP
+        thread_share(np, 1, &lo, &hi);
+#endif
+        if (lo < hi) panel_part(t, blocks, nb, panels, back, lo, hi);
+    }
+    return 0;
+}
+
+#ifdef __AVX512F__
+/* lane k of a quant word is converted as q 2^pshift(k); Q5_0's lane 7 (5 bits) is first shifted
+ * down 4 so that q 2^28 stays below 2^32 */
+INLINE int pshift(const int t, const int k) { return t == Q5_0 && k == 7 ? 24 : 4 * k; }
+
+/* xs [in] = x 2^-pshift(i % 8) (exact but below ~2^-98), S [nb] = each block's inputs summed in order */
+static void panel_prep(int t, const void *x, int xbf, int64_t in, float *xs, float *S) {
+    float scale[8];
+    for (int k = 0; k < 8; k++) scale[k] = ldexpf(1.0f, -pshift(t, k));
+    for (int64_t b = 0; b < in / 32; b++) {
+        float s = 0.0f;
+        for (int i = 0; i < 32; i++) {
+            int64_t at = 32 * b + i;
+            float v = xbf ? bits_f32((uint32_t)((const uint16_t *)x)[at] << 16) : ((const float *)x)[at];
+            xs[at] = v * scale[i % 8];
+            s += v;
+        }
+        S[b] = s;
+    }
+}
+
+/* panels p0..p0+NP-1 (NP <= T) for R <= RMAX rows of prepared x (row r at xs + r in, S + r nb) */
+INLINE void ptile(const int t, const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, int64_t p0,
+                  void *y, int64_t out, int ybf, const int T, const int RMAX, int R) {
+    const int BB16 = 16 * block_bytes(t);
+    const int64_t pb = nb * BB16;
+    __m512i M[8];
+    UNROLL for (int k = 0; k < 8; k++) M[k] = _mm512_set1_epi32((int)(15u << pshift(t, k)));
+    __m512 acc[T * RMAX];
+    UNROLL for (int i = 0; i < T * RMAX; i++) acc[i] = _mm512_setzero_ps();
+    const float c = t == Q4_0 ? -8.0f : -16.0f; /* Q4_0 / Q5_0 offsets (Q4_1: m) */
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 sum[T * RMAX];
+        UNROLL for (int i = 0; i < T * RMAX; i++) sum[i] = _mm512_setzero_ps();
+        UNROLL for (int tt = 0; tt < T; tt++) __builtin_prefetch(pw + (p0 + tt) * pb + (b + 4) * BB16, 0, 3);
+        const uint8_t *nib[T], *head[T];
+        UNROLL for (int tt = 0; tt < T; tt++) {
+            const int64_t g = (p0 + tt) * nb + b;
+            nib[tt] = pw + g * BB16 + nib_at(t, g);
+            head[tt] = pw + g * BB16 + head_at(t, g);
+        }
+        UNROLL for (int v = 0; v < 4; v++) {
+            __m512i V[T];
+            UNROLL for (int tt = 0; tt < T; tt++) V[tt] = _mm512_loadu_si512(nib[tt] + 64 * v);
+            UNROLL for (int k = 0; k < 8; k++) {
+                const int i = 8 * v + k;
+                UNROLL for (int tt = 0; tt < T; tt++) {
+                    __m512i q = t == Q5_0 && k == 7 ? _mm512_and_si512(_mm512_srli_epi32(V[tt], 4), M[k])
+                                                    : _mm512_and_si512(V[tt], M[k]);
+                    if (t == Q5_0) {
+                        __mmask16 hi = _load_mask16((__mmask16 *)(head[tt] + 32 + 2 * i));
+                        q = _mm512_mask_or_epi32(q, hi, q, _mm512_set1_epi32((int)(16u << pshift(t, k))));
+                    }
+                    __m512 f = _mm512_cvtepu32_ps(q);
+                    UNROLL for (int r = 0; r < RMAX; r++)
+                        if (r < R)
+                            sum[tt * RMAX + r] =
+                                _mm512_fmadd_ps(f, _mm512_set1_ps(xs[r * in + 32 * b + i]), sum[tt * RMAX + r]);
+                }
+            }
+        }
+        UNROLL for (int tt = 0; tt < T; tt++) {
+            const uint8_t *P = head[tt];
+            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)P));
+            __m512 m = t == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + 32))) : d;
+            UNROLL for (int r = 0; r < RMAX; r++)
+                if (r < R) {
+                    float s = t == Q4_1 ? S[r * (in / 32) + b] : c * S[r * (in / 32) + b]; /* exact */
+                    acc[tt * RMAX + r] = _mm512_fmadd_ps(sum[tt * RMAX + r], d, acc[tt * RMAX + r]);
+                    acc[tt * RMAX + r] = _mm512_fmadd_ps(m, _mm512_set1_ps(s), acc[tt * RMAX + r]);
+                }
+        }
+    }
+    UNROLL for (int tt = 0; tt < T; tt++) UNROLL for (int r = 0; r < RMAX; r++)
+        if (r < R) st(y, r * out + (p0 + tt) * 16, (vec)acc[tt * RMAX + r], ybf);
+}
+
+typedef void (*ptile_fn)(const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, int64_t p0,
+                         void *y, int64_t out, int ybf, int R);
+#define PTILE(TY, T, RMAX)                                                                         \
+    static __attribute__((noinline)) void p##TY##_##T##x##RMAX(const uint8_t *pw, int64_t nb, const float *xs,      \
+                                                               const float *S, int64_t in, int64_t p0, void *y,     \
+                                                               int64_t out, int ybf, int R) {                       \
+        ptile(TY, pw, nb, xs, S, in, p0, y, out, ybf, T, RMAX, R);                                 \
+    }
+/* (T panels, RMAX rows): for one row 8 x 1 (8 independent fma chains), with 4, 2 and 1 panels
+ * for those left over (one chain waits on the fma latency); 2 x 4 and 1 x 4; 1 x 8 */
+#define PTILE_SET(TY)                                                                              \
+    PTILE(TY, 8, 1) PTILE(TY, 4, 1) PTILE(TY, 2, 1) PTILE(TY, 1, 1) PTILE(TY, 2, 4) PTILE(TY, 1, 4)   \
+    PTILE(TY, 1, 8)                                                                                \
+    static const ptile_fn p##TY##_tiles[7] = {p##TY##_8x1, p##TY##_4x1, p##TY##_2x1, p##TY##_1x1,       \
+                                              p##TY##_2x4, p##TY##_1x4, p##TY##_1x8};
+PTILE_SET(Q4_0)
+PTILE_SET(Q4_1)
+PTILE_SET(Q5_0)
+
+/* panels lo..hi of R <= MAX_CHUNK prepared rows */
+static void panel_chunk(int t, const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, void *y,
+                        int64_t out, int ybf, int64_t lo, int64_t hi, int R) {
+    const ptile_fn *f = t == Q4_0 ? pQ4_0_tiles : t == Q4_1 ? pQ4_1_tiles : pQ5_0_tiles;
+    int64_t p = lo;
+    if (R == 1) {
+        for (; p + 8 <= hi; p += 8) f[0](pw, nb, xs, S, in, p, y, out, ybf, 1);
+        if (p + 4 <= hi) f[1](pw, nb, xs, S, in, p, y, out, ybf, 1), p += 4;
+        if (p + 2 <= hi) f[2](pw, nb, xs, S, in, p, y, out, ybf, 1), p += 2;
+        if (p < hi) f[3](pw, nb, xs, S, in, p, y, out, ybf, 1);
+    } else if (R <= 4) {
+        for (; p + 2 <= hi; p += 2) f[4](pw, nb, xs, S, in, p, y, out, ybf, R);
+        for (; p < hi; p++) f[5](pw, nb, xs, S, in, p, y, out, ybf, R);
+    } else {
+        for (; p < hi; p++) f[6](pw, nb, xs, S, in, p, y, out, ybf, R);
+    }
+}
+#endif
+
+/* y [rows, out] = x [rows, in] W^T for W in the panel layout of type t (float32 or bfloat16 x
+ * and y, as quant_matmul). Returns 0; -1 a type without panels in this build, `in` not a
+ * multiple of 32 or `out` of 16; -2 out of memory. */
+int quant_panel_matmul(int t, const uint8_t *pw, int64_t out, int64_t in, const void *x, int xbf, void *y, int ybf,
+                       int64_t rows, int64_t threads) {
+    if (!(quant_panel_types() >> t & 1) || in % 32 || out % 16 || out <= 0) return -1;
+#ifdef __AVX512F__
+    int64_t nb = in / 32, np = out / 16;
+    float *xs = aligned_alloc(64, ((size_t)(rows * in + rows * nb) * sizeof(float) + 63) / 64 * 64);
+    if (!xs) return -2;
+    float *S = xs + rows * in;
+    for (int64_t r = 0; r < rows; r++)
+        panel_prep(t, (const char *)x + r * in * (xbf ? 2 : 4), xbf, in, xs + r * in, S + r * nb);
+    int64_t elem = ybf ? 2 : 4;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t lo = 0, hi = np;
+#ifdef _OPENMP
+        thread_share(np, 1, &lo, &hi); /* equal shares: the tiles above take any count */
+#endif
+        for (int64_t c = 0; c * MAX_CHUNK < rows; c++)
+            if (lo < hi)
+                panel_chunk(t, pw, nb, xs + c * MAX_CHUNK * in, S + c * MAX_CHUNK * nb, in,
+                            (char *)y + c * MAX_CHUNK * out * elem, out, ybf, lo, hi, chunk_size(rows, c));
+    }
+    free(xs);
+    return 0;
+#else
+    (void)pw; (void)x; (void)xbf; (void)y; (void)ybf; (void)rows; (void)threads;
+    return -1;
+#endif
 }

@@ -16,6 +16,12 @@ bfloat16) gives x W^T [..., out] in x's dtype:
   float32 (activations are never quantised, unlike llama.cpp), so results match a float64
   reference to float32 rounding, and a row's result does not depend on the other rows in the
   call or on the thread count;
+- a model's Q4_0, Q4_1 and Q5_0 weights are regrouped when it is built (`QuantWeight.panelled`:
+  16 outputs side by side, the same bytes) where the kernels are compiled with AVX-512: the panel
+  kernel reads them about twice as fast per core (quant.c says why). It sums each block's exact
+  products q x first, then scales by d and adds the offset term (m, -8 d or -16 d times the
+  block's input sum): the same float32 rounding level, another order, and again a row's result
+  does not depend on the other rows or the threads;
 - more rows: the weight dequantised to x's dtype (by the C kernel) and `F.linear`, where a
   dense GEMM's arithmetic rate pays for dequantising (bfloat16 x: the weight rounds to bfloat16);
 - without a C compiler: the same values from PyTorch bit operations, then `F.linear` (slow, but
@@ -42,7 +48,7 @@ from metaloom.errors import InvalidParameter, UnsupportedModel
 from metaloom.models.cbuild import build_library
 
 SOURCE = Path(__file__).with_name("quant.c")
-ABI_VERSION = 1  # must match quant.c
+ABI_VERSION = 2  # must match quant.c
 # Up to this many rows per call, the kernel; above, dequantise + F.linear. Measured with
 # scripts/quant_kernel_speed.py (2 threads, Zen 4): F.linear first wins between 96 and 256 rows
 # on weights of 1 to 5 MB of blocks (SmolLM2-135M's gate_up, Qwen2.5-0.5B's ffn_down; within 10%
@@ -104,6 +110,7 @@ class QuantKernels:
     lib: ctypes.CDLL
     path: str
     openmp: bool = False  # compiled with OpenMP: threads > 1 splits outputs
+    panel_types: int = 0  # bit t set: type t has the panel layout's matmul in this build (AVX-512)
 
     def matmul(self, qtype: int, blocks: torch.Tensor, in_features: int, x: torch.Tensor, y: torch.Tensor,
                rows: int, threads: int = 1) -> None:
@@ -113,6 +120,21 @@ class QuantKernels:
                                    x.dtype == torch.bfloat16, y.data_ptr(), y.dtype == torch.bfloat16, rows, threads)
         if rc:
             _check(rc, "quant_matmul")
+
+    def panel_matmul(self, qtype: int, panels: torch.Tensor, in_features: int, x: torch.Tensor, y: torch.Tensor,
+                     rows: int, threads: int = 1) -> None:
+        """As `matmul`, for a weight in the panel layout (`QuantWeight.panelled`)."""
+        rc = self.lib.quant_panel_matmul(qtype, panels.data_ptr(), panels.shape[0], in_features, x.data_ptr(),
+                                         x.dtype == torch.bfloat16, y.data_ptr(), y.dtype == torch.bfloat16, rows,
+                                         threads)
+        if rc:
+            _check(rc, "quant_panel_matmul")
+
+    def panel(self, qtype: int, blocks: torch.Tensor, in_features: int, panels: torch.Tensor, back: bool = False,
+              threads: int = 1) -> None:
+        """panels = blocks regrouped 16 outputs at a time (back: blocks = panels), same shape."""
+        _check(self.lib.quant_panel(qtype, blocks.data_ptr(), blocks.shape[0], in_features, panels.data_ptr(),
+                                    int(back), threads), "quant_panel")
 
     def dequantize(self, qtype: int, blocks: torch.Tensor, in_features: int, ids: torch.Tensor | None,
                    y: torch.Tensor, threads: int = 1) -> None:
@@ -153,7 +175,12 @@ def _bind(lib: ctypes.CDLL, path: Path) -> QuantKernels:
     lib.quant_quantize.argtypes = [_C, _P, _C, _I, _I, _P, _I]
     lib.quant_quantize.restype = ctypes.c_int
     lib.metaloom_quant_openmp.restype = ctypes.c_int
-    return QuantKernels(lib, str(path), bool(lib.metaloom_quant_openmp()))
+    lib.quant_panel.argtypes = [_C, _P, _I, _I, _P, _C, _I]
+    lib.quant_panel.restype = ctypes.c_int
+    lib.quant_panel_matmul.argtypes = [_C, _P, _I, _I, _P, _C, _P, _C, _I, _I]
+    lib.quant_panel_matmul.restype = ctypes.c_int
+    lib.quant_panel_types.restype = ctypes.c_int
+    return QuantKernels(lib, str(path), bool(lib.metaloom_quant_openmp()), int(lib.quant_panel_types()))
 
 
 def build(cache_dir: Path | None = None, compiler: str | None = None) -> Availability:
@@ -253,19 +280,66 @@ def dequantize_torch(qtype: int, blocks: torch.Tensor, in_features: int) -> torc
     return _DECODERS[qtype](blocks.view(blocks.shape[0], in_features // q.block, q.bytes)).reshape(-1, in_features)
 
 
+def unpanel_torch(qtype: int, panels: torch.Tensor, in_features: int) -> torch.Tensor:
+    """GGUF blocks [out, row_bytes] from quant.c's panel layout (see `QuantWeight.panelled`), by
+    PyTorch bit operations: what the C kernels' ``quant_panel(back=1)`` gives, for when they are
+    gone."""
+    q = QTYPES[qtype]
+    out, nb = panels.shape[0], in_features // 32
+    head = {2: 32, 3: 64, 6: 96}[qtype]
+    flat = panels.reshape(out // PANEL * nb, PANEL * q.bytes)  # [panel block, bytes]: nib then head, but
+    nib_first = torch.cat([flat[:, 256:], flat[:, :256]], dim=1)  # Q4_0 / Q5_0's odd ones head first
+    odd = (torch.arange(flat.shape[0]) % 2 == 1) & (qtype != 3)
+    p = torch.where(odd[:, None], flat, nib_first).reshape(out // PANEL, nb, PANEL * q.bytes)  # head, nib
+    words = p[..., head:].reshape(out // PANEL, nb, 4, PANEL, 4).to(torch.int64)
+    words = words[..., 0] | words[..., 1] << 8 | words[..., 2] << 16 | words[..., 3] << 24  # [P, nb, v, j]
+    nib = (words.unsqueeze(-1) >> (4 * torch.arange(8))) & 15  # [P, nb, v, j, k]: element 8v + k
+    nib = nib.permute(0, 3, 1, 2, 4).reshape(out, nb, 32)  # [out, nb, element]
+    quants = (nib[..., :16] | nib[..., 16:] << 4).to(torch.uint8)
+    d = p[..., :32].reshape(out // PANEL, nb, PANEL, 2).permute(0, 2, 1, 3).reshape(out, nb, 2)
+    parts = [d]
+    if qtype == 3:
+        parts.append(p[..., 32:64].reshape(out // PANEL, nb, PANEL, 2).permute(0, 2, 1, 3).reshape(out, nb, 2))
+    if qtype == 6:
+        hi = p[..., 32:96].reshape(out // PANEL, nb, 32, 2).to(torch.int64)
+        hi = hi[..., 0] | hi[..., 1] << 8  # [P, nb, element]: bit j = output j
+        bits = (hi.unsqueeze(-1) >> torch.arange(PANEL)) & 1  # [P, nb, element, j]
+        qh = (bits << torch.arange(32).unsqueeze(-1)).sum(2)  # [P, nb, j]
+        qh = qh.permute(0, 2, 1).reshape(out, nb, 1)
+        parts.append(((qh >> (8 * torch.arange(4))) & 255).to(torch.uint8))
+    parts.append(quants)
+    return torch.cat(parts, dim=-1).reshape(out, nb * q.bytes).contiguous()
+
+
 # ---- the weight -----------------------------------------------------------------------------------
+
+
+# Types with quant.c's panel layout (16 outputs side by side: see `QuantWeight.panelled`)
+PANEL_TYPES = frozenset({2, 3, 6})  # Q4_0, Q4_1, Q5_0
+PANEL = 16  # outputs per panel
+LAYOUTS = ("gguf", "panel")
 
 
 @dataclass(frozen=True, eq=False)
 class QuantWeight:
     """A weight [out, in] as GGUF blocks: ``blocks`` uint8 [out, row_bytes] (contiguous, CPU),
-    each row one output's blocks along the input; ``qtype`` a ggml type id (see `QTYPES`)."""
+    each row one output's blocks along the input; ``qtype`` a ggml type id (see `QTYPES`).
+
+    ``layout="panel"``: the same bytes regrouped 16 outputs at a time (quant.c's panel layout,
+    made by `panelled`), which the batch-1 kernels read fastest; the shape is unchanged, and
+    `gguf` gives the file's layout back."""
 
     qtype: int
     blocks: torch.Tensor
     in_features: int
+    layout: str = "gguf"
 
     def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise InvalidParameter("layout", self.layout, f"one of {list(LAYOUTS)}")
+        if self.layout == "panel" and (self.qtype not in PANEL_TYPES or self.blocks.shape[0] % PANEL):
+            raise InvalidParameter("layout", self.layout,
+                                   f"panels hold Q4_0, Q4_1 or Q5_0 weights of a multiple of {PANEL} outputs")
         if not isinstance(self.qtype, int):
             raise InvalidParameter("qtype", self.qtype, "a ggml type id (an int; qtype_id converts a name)")
         q = QTYPES[qtype_id(self.qtype)]  # an unknown id is an UnsupportedModel naming the known ones
@@ -302,7 +376,33 @@ class QuantWeight:
         return self.blocks.numel()
 
     def __repr__(self) -> str:
-        return f"QuantWeight({self.info.name}, shape={self.shape})"
+        return f"QuantWeight({self.info.name}, shape={self.shape}{', panels' if self.layout == 'panel' else ''})"
+
+    def panelled(self) -> QuantWeight:
+        """This weight in the panel layout where this machine's kernels have it (Q4_0, Q4_1,
+        Q5_0 with AVX-512, out a multiple of 16), else itself. Why: in GGUF's layout a block's
+        quants lie along the input, and widening them into vector lanes costs more than reading
+        them (see quant.c); with 16 outputs in the 16 lanes a 4-bit matvec runs about twice as
+        fast per core. A regrouping of the same bytes: nothing is requantised."""
+        k = self._kernels()
+        if (self.layout == "panel" or k is None or not (k.panel_types >> self.qtype) & 1
+                or self.out_features % PANEL or self.in_features % 32):
+            return self
+        panels = torch.empty_like(self.blocks)
+        k.panel(self.qtype, self.blocks, self.in_features, panels, threads=_threads(self.nbytes))
+        return QuantWeight(self.qtype, panels, self.in_features, "panel")
+
+    def gguf(self) -> QuantWeight:
+        """This weight in GGUF's own layout (itself when it already is)."""
+        if self.layout == "gguf":
+            return self
+        k = kernels().kernels
+        blocks = torch.empty_like(self.blocks)
+        if k is not None:
+            k.panel(self.qtype, blocks, self.in_features, self.blocks, back=True, threads=_threads(self.nbytes))
+        else:
+            blocks = unpanel_torch(self.qtype, self.blocks, self.in_features)
+        return QuantWeight(self.qtype, blocks, self.in_features)
 
     def _kernels(self) -> QuantKernels | None:
         """The C kernels, when built and this weight's shape suits them (looked up per call, so a
@@ -326,17 +426,22 @@ class QuantWeight:
             return F.linear(x, self.dequantize(x.dtype))
         k = self._kernels()
         if k is None:  # float32 products and sums, one rounding to x's dtype: the kernel's arithmetic
-            return F.linear(x.float(), dequantize_torch(self.qtype, self.blocks, self.in_features)).to(x.dtype)
+            return F.linear(x.float(), self.dequantize()).to(x.dtype)
         if not x.is_contiguous():
             x = x.contiguous()
         y = torch.empty((*shape[:-1], self.blocks.shape[0]), dtype=x.dtype)
-        k.matmul(self.qtype, self.blocks, self.in_features, x, y, rows,
-                 torch.get_num_threads() if self.blocks.numel() >= PARALLEL_MIN_BYTES else 1)
+        threads = torch.get_num_threads() if self.blocks.numel() >= PARALLEL_MIN_BYTES else 1
+        if self.layout == "panel":
+            k.panel_matmul(self.qtype, self.blocks, self.in_features, x, y, rows, threads)
+        else:
+            k.matmul(self.qtype, self.blocks, self.in_features, x, y, rows, threads)
         return y
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense weight [out, in]: gguf.quants.dequantize's values (exact in float32; bfloat16
         rounds them to nearest even; other dtypes convert from float32)."""
+        if self.layout != "gguf":
+            return self.gguf().dequantize(dtype)
         k = self._kernels()
         if k is None:
             return dequantize_torch(self.qtype, self.blocks, self.in_features).to(dtype)
@@ -353,6 +458,8 @@ class QuantWeight:
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.out_features):
             bad = flat[(flat < 0) | (flat >= self.out_features)][0].item()
             raise InvalidParameter("ids", bad, f"row indices in [0, {self.out_features})")
+        if self.layout != "gguf":
+            return self.gguf().rows(ids, dtype)
         k = self._kernels()
         if k is None:
             y = dequantize_torch(self.qtype, self.blocks[flat], self.in_features).to(dtype)
@@ -373,7 +480,9 @@ class QuantWeight:
             if (w.qtype, w.in_features) != (first.qtype, first.in_features):
                 raise InvalidParameter("weights", f"{w!r} after {first!r}",
                                        "weights of one type and one in_features")
-        return cls(first.qtype, torch.cat([w.blocks for w in weights]), first.in_features)
+        if len({w.layout for w in weights}) > 1:  # panels concatenate as panels (whole panels each)
+            weights = [w.gguf() for w in weights]
+        return cls(first.qtype, torch.cat([w.blocks for w in weights]), first.in_features, weights[0].layout)
 
 
 def quantize(w: torch.Tensor, qtype: int | str) -> QuantWeight:

@@ -1,0 +1,159 @@
+"""quant.c's panel layout (16 outputs side by side, `QuantWeight.panelled`): the regrouping
+against an independent numpy model of the documented layout, the way back, the panel matmul
+against a float64 reference, a row's independence of its batch, and the model using it.
+
+Error bound of the panel matmul (`_panel_excess`): per (row, output) each block's 32 products
+q_i x_i are exact inside their fmas and summed in order (31 roundings), the sum times d and
+the offset c S_b (S_b the block's input sum, 31 roundings) are added with one rounding each,
+blocks in order: |y - y_exact| <= (32 + 2 nb + 2) u sum_i (|d q_i| + |c|) |x_i| to first order,
+with c = m (Q4_1), -8 d (Q4_0), -16 d (Q5_0)."""
+
+import numpy as np
+import pytest
+import torch
+
+from metaloom.errors import InvalidParameter
+from metaloom.models import quant
+from metaloom.models.quant import QuantWeight, kernels, unpanel_torch
+from tests.test_quant_kernels import U, random_blocks, reference, weight
+
+KERNELS = kernels().kernels
+PANELS = KERNELS is not None and KERNELS.panel_types != 0
+needs = pytest.mark.skipif(not PANELS, reason="no panel kernels here (they need AVX-512)")
+PANEL_TYPES = pytest.mark.parametrize("qtype", [2, 3, 6], ids=["Q4_0", "Q4_1", "Q5_0"])
+BYTES = {2: 18, 3: 20, 6: 22}
+HEAD = {2: 32, 3: 64, 6: 96}
+
+
+def panel_reference(qtype: int, blocks: np.ndarray) -> np.ndarray:
+    """The panel layout as quant.c's comment states it, element by element in numpy."""
+    out, row = blocks.shape
+    bb, nb, qs = BYTES[qtype], row // BYTES[qtype], {2: 2, 3: 4, 6: 6}[qtype]
+    g_blocks = blocks.reshape(out, nb, bb)
+    panels = np.zeros((out // 16, nb, 16 * bb), dtype=np.uint8)
+    for p in range(out // 16):
+        for b in range(nb):
+            g = p * nb + b
+            head_first = qtype != 3 and g % 2 == 1
+            nib_at, head_at = (HEAD[qtype], 0) if head_first else (0, 256)
+            dst = panels[p, b]
+            words = np.zeros((4, 16), dtype=np.uint32)
+            hi = np.zeros(32, dtype=np.uint16)
+            for j in range(16):
+                src = g_blocks[16 * p + j, b]
+                dst[head_at + 2 * j:head_at + 2 * j + 2] = src[:2]  # d
+                if qtype == 3:
+                    dst[head_at + 32 + 2 * j:head_at + 32 + 2 * j + 2] = src[2:4]  # m
+                for e in range(32):
+                    q = int(src[qs + e % 16]) >> (4 * (e // 16)) & 15
+                    words[e // 8, j] |= np.uint32(q << (4 * (e % 8)))
+                if qtype == 6:
+                    qh = int(src[2:6].view(np.uint32)[0])
+                    for i in range(32):
+                        hi[i] |= np.uint16(((qh >> i) & 1) << j)
+            dst[nib_at:nib_at + 256] = words.view(np.uint8).reshape(-1)
+            if qtype == 6:
+                dst[head_at + 32:head_at + 96] = hi.view(np.uint8)
+    return panels.reshape(out, row)
+
+
+def _panel_excess(y: torch.Tensor, x: torch.Tensor, qtype: int, blocks: np.ndarray) -> float:
+    """max over outputs of |y - x W^T| / (bound u sum (|d q| + |c|) |x|), float64: <= 1 passes."""
+    w = torch.from_numpy(reference(qtype, blocks)).double()
+    out, nb = blocks.shape[0], blocks.shape[1] // BYTES[qtype]
+    b = blocks.reshape(out, nb, BYTES[qtype])
+    d = torch.from_numpy(b[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float64))
+    c = torch.from_numpy(b[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64)) if qtype == 3 else \
+        d * (-8.0 if qtype == 2 else -16.0)
+    c = c.repeat_interleave(32, dim=1)  # [out, in]
+    scale = x.double().abs() @ ((w - c).abs() + c.abs()).T
+    exact = x.double() @ w.T
+    bound = 32 + 2 * nb + 2
+    return ((y.double() - exact).abs() / (bound * U * scale + 1e-300)).max().item()
+
+
+@needs
+@PANEL_TYPES
+@pytest.mark.parametrize("out, inputs", [(16, 32), (48, 96), (32, 576)])
+def test_panels_are_the_documented_regrouping_of_the_same_bytes(qtype, out, inputs):
+    blocks = random_blocks(qtype, out, inputs, seed=out + inputs)
+    w = QuantWeight(qtype, torch.from_numpy(blocks.copy()), inputs)
+    p = w.panelled()
+    assert p.layout == "panel" and p.shape == w.shape and p.nbytes == w.nbytes
+    assert np.array_equal(p.blocks.numpy(), panel_reference(qtype, blocks))
+    assert torch.equal(p.gguf().blocks, w.blocks)  # C, back
+    assert torch.equal(unpanel_torch(qtype, p.blocks, inputs), w.blocks)  # PyTorch, back
+    assert p.panelled() is p and p.gguf().gguf().layout == "gguf"
+
+
+@needs
+@PANEL_TYPES
+def test_panel_matmul_is_the_float64_product_to_float32_rounding(qtype):
+    for out, inputs in ((16, 32), (48, 96), (64, 576)):
+        blocks = random_blocks(qtype, out, inputs, seed=out)
+        p = QuantWeight(qtype, torch.from_numpy(blocks.copy()), inputs).panelled()
+        for rows in [*range(1, 18), 40]:
+            x = torch.randn(rows, inputs, generator=torch.Generator().manual_seed(rows))
+            x[0, 5] = 3e3  # an outlier input, as real activations have
+            for threads in (1, 2):
+                y = torch.empty(rows, out)
+                KERNELS.panel_matmul(qtype, p.blocks, inputs, x, y, rows, threads)
+                assert _panel_excess(y, x, qtype, blocks) <= 1, (out, inputs, rows, threads)
+            xb = x.bfloat16()  # bfloat16 in and out: the same sums of the same inputs, rounded once
+            assert torch.equal(p(xb), p(xb.float()).bfloat16())
+
+
+@needs
+@PANEL_TYPES
+def test_a_rows_panel_result_does_not_depend_on_its_batch_or_the_threads(qtype):
+    w, _ = weight(qtype, 80, 96, seed=3)
+    p = w.panelled()
+    x = torch.randn(40, 96, generator=torch.Generator().manual_seed(4))
+    alone = torch.cat([p(x[i:i + 1]) for i in range(40)])
+    for rows in (2, 3, 5, 13, 40):
+        for threads in (1, 2):
+            y = torch.empty(rows, 80)
+            KERNELS.panel_matmul(qtype, p.blocks, 96, x[:rows].contiguous(), y, rows, threads)
+            assert torch.equal(y, alone[:rows]), (rows, threads)
+
+
+@needs
+@PANEL_TYPES
+def test_a_panel_weight_dequantises_looks_up_rows_and_falls_back_like_its_blocks(qtype, monkeypatch):
+    w, ref = weight(qtype, 32, 96, seed=5)
+    p = w.panelled()
+    assert torch.equal(p.dequantize(), torch.from_numpy(ref))
+    assert torch.equal(p.rows(torch.tensor([31, 0, 7])), torch.from_numpy(ref)[[31, 0, 7]])
+    x = torch.randn(quant.CROSSOVER_ROWS + 1, 96, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(p(x), w(x))  # above the crossover: the same dequantised weight and F.linear
+    monkeypatch.setattr(quant, "kernels", lambda: quant.Availability(None, "forced off"))
+    assert torch.equal(p.dequantize(), torch.from_numpy(ref))  # unpanelled by PyTorch
+    assert torch.equal(p(x[:3]), w(x[:3]))
+
+
+@needs
+def test_panels_concatenate_as_panels_and_layouts_are_checked():
+    ws = [weight(3, out, 64, seed=out)[0] for out in (16, 32)]
+    fused = QuantWeight.cat([w.panelled() for w in ws])
+    assert fused.layout == "panel"
+    assert torch.equal(fused.gguf().blocks, QuantWeight.cat(ws).blocks)
+    mixed = QuantWeight.cat([ws[0].panelled(), ws[1]])
+    assert mixed.layout == "gguf" and torch.equal(mixed.blocks, QuantWeight.cat(ws).blocks)
+    odd, _ = weight(3, 40, 64)  # 40 outputs: not whole panels
+    assert odd.panelled() is odd
+    q8, _ = weight(8, 32, 64)  # Q8_0: no panels
+    assert q8.panelled() is q8
+    with pytest.raises(InvalidParameter, match="layout"):
+        QuantWeight(3, odd.blocks, 64, "panel")
+    with pytest.raises(InvalidParameter, match="layout"):
+        QuantWeight(8, q8.blocks, 64, "panel")
+    with pytest.raises(InvalidParameter, match="layout"):
+        QuantWeight(3, ws[0].blocks, 64, "rows")
+
+
+@needs
+def test_the_native_default_model_runs_on_panels():
+    from metaloom.models.load import load
+
+    model = load("default", weights="native").model
+    assert model.layers[0].qkv.layout == "panel" and model.layers[5].down.layout == "panel"
