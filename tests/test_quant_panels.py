@@ -20,8 +20,10 @@ from tests.test_quant_kernels import U, random_blocks, reference, weight
 KERNELS = kernels().kernels
 PANELS = KERNELS is not None and KERNELS.panel_types != 0
 needs = pytest.mark.skipif(not PANELS, reason="no panel kernels here (they need AVX-512)")
-PANEL_TYPES = pytest.mark.parametrize("qtype", [2, 3, 6], ids=["Q4_0", "Q4_1", "Q5_0"])
-BYTES = {2: 18, 3: 20, 6: 22}
+PANEL_TYPES = pytest.mark.parametrize("qtype", [2, 3, 6, 12, 14], ids=["Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K"])
+SMALL_TYPES = pytest.mark.parametrize("qtype", [2, 3, 6], ids=["Q4_0", "Q4_1", "Q5_0"])
+K_TYPES = (12, 14)
+BYTES = {2: 18, 3: 20, 6: 22, 12: 144, 14: 210}
 HEAD = {2: 32, 3: 64, 6: 96}
 
 
@@ -60,6 +62,8 @@ def panel_reference(qtype: int, blocks: np.ndarray) -> np.ndarray:
 def _panel_excess(y: torch.Tensor, x: torch.Tensor, qtype: int, blocks: np.ndarray) -> float:
     """max over outputs of |y - x W^T| / (bound u sum (|d q| + |c|) |x|), float64: <= 1 passes."""
     w = torch.from_numpy(reference(qtype, blocks)).double()
+    if qtype in K_TYPES:  # the offset, per element: Q4_K's -dmin m (its w's minimum over q), Q6_K's -32 d sc
+        return _k_excess(y, x, qtype, blocks, w)
     out, nb = blocks.shape[0], blocks.shape[1] // BYTES[qtype]
     b = blocks.reshape(out, nb, BYTES[qtype])
     d = torch.from_numpy(b[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float64))
@@ -72,24 +76,62 @@ def _panel_excess(y: torch.Tensor, x: torch.Tensor, qtype: int, blocks: np.ndarr
     return ((y.double() - exact).abs() / (bound * U * scale + 1e-300)).max().item()
 
 
+def _sizes(qtype: int) -> list[tuple[int, int]]:
+    return [(16, 256), (48, 768)] if qtype in K_TYPES else [(16, 32), (48, 96), (32, 576)]
+
+
 @needs
 @PANEL_TYPES
-@pytest.mark.parametrize("out, inputs", [(16, 32), (48, 96), (32, 576)])
-def test_panels_are_the_documented_regrouping_of_the_same_bytes(qtype, out, inputs):
-    blocks = random_blocks(qtype, out, inputs, seed=out + inputs)
+def test_panels_are_the_documented_regrouping_of_the_same_bytes(qtype):
+    for out, inputs in _sizes(qtype):
+        blocks = random_blocks(qtype, out, inputs, seed=out + inputs)
+        _check_regrouping(qtype, blocks, inputs)
+
+
+def _check_regrouping(qtype: int, blocks: np.ndarray, inputs: int) -> None:
     w = QuantWeight(qtype, torch.from_numpy(blocks.copy()), inputs)
     p = w.panelled()
     assert p.layout == "panel" and p.shape == w.shape and p.nbytes == w.nbytes
-    assert np.array_equal(p.blocks.numpy(), panel_reference(qtype, blocks))
+    if qtype not in K_TYPES:  # element by element, as quant.c's comment states it
+        assert np.array_equal(p.blocks.numpy(), panel_reference(qtype, blocks))
     assert torch.equal(p.gguf().blocks, w.blocks)  # C, back
-    assert torch.equal(unpanel_torch(qtype, p.blocks, inputs), w.blocks)  # PyTorch, back
+    assert torch.equal(unpanel_torch(qtype, p.blocks, inputs), w.blocks)  # numpy bit moves, back
     assert p.panelled() is p and p.gguf().gguf().layout == "gguf"
+
+
+def test_every_bit_of_a_k_block_lands_where_the_layout_says():
+    """One bit set at a time in a Q4_K / Q6_K block: the panel has exactly that bit set, at the
+    place `_panel_sources` (the layout written out in Python) names."""
+    if not PANELS:
+        pytest.skip("no panel kernels here")
+    for qtype in K_TYPES:
+        bb = BYTES[qtype]
+        for bit in range(0, 16 * bb * 8, 97):  # a spread of bits over all 16 outputs' blocks
+            blocks = np.zeros((16, bb), dtype=np.uint8)
+            blocks.reshape(-1)[bit // 8] = 1 << (bit % 8)
+            p = QuantWeight(qtype, torch.from_numpy(blocks), 256).panelled()
+            got = np.flatnonzero(np.unpackbits(p.blocks.numpy().reshape(-1), bitorder="little"))
+            assert got.tolist() == [int(np.flatnonzero(quant._panel_sources(qtype, False) == bit)[0])], (qtype, bit)
+
+
+def _k_excess(y: torch.Tensor, x: torch.Tensor, qtype: int, blocks: np.ndarray, w: torch.Tensor) -> float:
+    """The bound for Q4_K (sub-blocks of 32, offset -dmin m) and Q6_K (of 16, offset -32 d sc),
+    the offsets recovered from the dequantised weight of quants 0 (Q4_K) and 32 (Q6_K)."""
+    zero = blocks.copy().reshape(blocks.shape[0], -1, BYTES[qtype])
+    zero[:, :, 16:] = 0 if qtype == 12 else zero[:, :, 16:]  # Q4_K: every quant 0, w = -dmin m
+    zero[:, :, :192] = zero[:, :, :192] if qtype == 12 else 0  # Q6_K: every quant 0, w = -32 d sc
+    c = torch.from_numpy(reference(qtype, zero.reshape(blocks.shape))).double()
+    scale = x.double().abs() @ ((w - c).abs() + c.abs()).T
+    exact = x.double() @ w.T
+    sub = 32 if qtype == 12 else 16
+    bound = sub + 2 * (w.shape[1] // sub) + 2
+    return ((y.double() - exact).abs() / (bound * U * scale + 1e-300)).max().item()
 
 
 @needs
 @PANEL_TYPES
 def test_panel_matmul_is_the_float64_product_to_float32_rounding(qtype):
-    for out, inputs in ((16, 32), (48, 96), (64, 576)):
+    for out, inputs in ((16, 256), (48, 768)) if qtype in K_TYPES else ((16, 32), (48, 96), (64, 576)):
         blocks = random_blocks(qtype, out, inputs, seed=out)
         p = QuantWeight(qtype, torch.from_numpy(blocks.copy()), inputs).panelled()
         for rows in [*range(1, 18), 40]:
@@ -106,25 +148,27 @@ def test_panel_matmul_is_the_float64_product_to_float32_rounding(qtype):
 @needs
 @PANEL_TYPES
 def test_a_rows_panel_result_does_not_depend_on_its_batch_or_the_threads(qtype):
-    w, _ = weight(qtype, 80, 96, seed=3)
+    inputs = 256 if qtype in K_TYPES else 96
+    w, _ = weight(qtype, 80, inputs, seed=3)
     p = w.panelled()
-    x = torch.randn(40, 96, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(40, inputs, generator=torch.Generator().manual_seed(4))
     alone = torch.cat([p(x[i:i + 1]) for i in range(40)])
     for rows in (2, 3, 5, 13, 40):
         for threads in (1, 2):
             y = torch.empty(rows, 80)
-            KERNELS.panel_matmul(qtype, p.blocks, 96, x[:rows].contiguous(), y, rows, threads)
+            KERNELS.panel_matmul(qtype, p.blocks, inputs, x[:rows].contiguous(), y, rows, threads)
             assert torch.equal(y, alone[:rows]), (rows, threads)
 
 
 @needs
 @PANEL_TYPES
 def test_a_panel_weight_dequantises_looks_up_rows_and_falls_back_like_its_blocks(qtype, monkeypatch):
-    w, ref = weight(qtype, 32, 96, seed=5)
+    inputs = 256 if qtype in K_TYPES else 96
+    w, ref = weight(qtype, 32, inputs, seed=5)
     p = w.panelled()
     assert torch.equal(p.dequantize(), torch.from_numpy(ref))
     assert torch.equal(p.rows(torch.tensor([31, 0, 7])), torch.from_numpy(ref)[[31, 0, 7]])
-    x = torch.randn(quant.CROSSOVER_ROWS + 1, 96, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(quant.CROSSOVER_ROWS + 1, inputs, generator=torch.Generator().manual_seed(6))
     assert torch.equal(p(x), w(x))  # above the crossover: the same dequantised weight and F.linear
     monkeypatch.setattr(quant, "kernels", lambda: quant.Availability(None, "forced off"))
     assert torch.equal(p.dequantize(), torch.from_numpy(ref))  # unpanelled by PyTorch

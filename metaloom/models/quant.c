@@ -730,7 +730,7 @@ int quant_quantize(int t, const void *x, int xbf, int64_t rows, int64_t in, uint
  * significant bits) against x prescaled by 2^-e(k) (exact but for inputs below ~2^-98), so each
  * product q x is exact inside its fma. Order, the same for every row count, tile and thread:
  * each block's 32 products in element order into a fresh sum, then acc = fma(sum, d, acc) and
- * acc = fma(c, S_b, acc), blocks in order; S_b sums the block's inputs in order. The offset
+ * acc = fma(c, S_b, acc), blocks in order; S_b sums the block's inputs in a fixed order. The offset
  * terms make the error bound (32 + 2 nb) u sum_i (|d q_i| + |c|) |x_i| rather than the GGUF
  * kernel's; at most a few u of sum |W x| in the tests (tests/test_quant_kernels.py). */
 
@@ -740,11 +740,62 @@ INLINE int64_t nib_at(const int t, int64_t g) { return t != Q4_1 && (g & 1) ? pa
 INLINE int64_t head_at(const int t, int64_t g) { return t != Q4_1 && (g & 1) ? 0 : 256; }
 INLINE int panel_qs(const int t) { return t == Q4_0 ? 2 : t == Q4_1 ? 4 : 6; } /* GGUF: first quant byte */
 
-static int panel_type(int t) { return t == Q4_0 || t == Q4_1 || t == Q5_0; }
+static int panel_type(int t) { return t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q4_K || t == Q6_K; }
+
+/* Q6_K panel super-blocks: where d, nib, hi and the scales start; the odd ones (which start at
+ * 32 mod 64) put d first so that nib and hi stay aligned */
+typedef struct {
+    int d, nib, hi, sc;
+} k6_at;
+INLINE k6_at q6k_at(int64_t g) { return g & 1 ? (k6_at){0, 32, 2080, 3104} : (k6_at){3328, 0, 2048, 3072}; }
+
+/* the `width` bits at bit `fs` of byte *f to bit `ts` of byte *to (whose bits there are 0) */
+INLINE void move_bits(const uint8_t *f, int fs, uint8_t *to, int ts, int width) {
+    *to |= (uint8_t)(((*f >> fs) & ((1u << width) - 1)) << ts);
+}
+/* one field between a GGUF block (g) and a panel (P): forward g -> P, back P -> g */
+#define MOVE(gp, gs, pp, ps, width) (back ? move_bits(pp, ps, gp, gs, width) : move_bits(gp, gs, pp, ps, width))
+#define COPY(gp, pp, n) (back ? memcpy(gp, pp, n) : memcpy(pp, gp, n))
+
+/* a K super-block of output j (g) <-> lane j of panel super-block P, number g_index */
+static void panel_k_block(int t, uint8_t *g, uint8_t *P, int64_t g_index, int j, int back) {
+    if (t == Q4_K) { /* nib [8 sub-blocks][4][16] u32 | d[16] | dmin[16] | scales [3][16] u32 */
+        COPY(g, P + 2048 + 2 * j, 2);
+        COPY(g + 2, P + 2080 + 2 * j, 2);
+        for (int w = 0; w < 3; w++) COPY(g + 4 + 4 * w, P + 2112 + 64 * w + 4 * j, 4);
+        for (int e = 0; e < 256; e++) {
+            int sb = e / 32, l = e % 32, k = l % 8;
+            MOVE(g + 16 + 32 * (sb / 2) + l, 4 * (sb & 1), P + 256 * sb + 64 * (l / 8) + 4 * j + k / 2, 4 * (k & 1), 4);
+        }
+    } else { /* Q6_K: nib [32][16] u32, hi [16][16] u32, scales [4][16] u32, d[16] (q6k_at) */
+        k6_at at = q6k_at(g_index);
+        COPY(g + 208, P + at.d + 2 * j, 2);
+        for (int w = 0; w < 4; w++) COPY(g + 192 + 4 * w, P + at.sc + 64 * w + 4 * j, 4);
+        for (int e = 0; e < 256; e++) {
+            int n = e / 128, c = (e % 128) / 32, l = e % 32, gg = e / 8, k = e % 8;
+            MOVE(g + 64 * n + l + 32 * (c & 1), 4 * (c >> 1), P + at.nib + 64 * gg + 4 * j + k / 2, 4 * (k & 1), 4);
+            int hs = (k < 7 ? 4 * k + 4 : 0) + 2 * (gg & 1); /* bit of the hi word */
+            MOVE(g + 128 + 32 * n + l, 2 * c, P + at.hi + 64 * (gg / 2) + 4 * j + hs / 8, hs % 8, 2);
+        }
+    }
+}
 
 /* GGUF blocks w [out, nb * BB] <-> panels p (the same bytes regrouped); back = 1: panels -> blocks */
 static void panel_part(int t, uint8_t *w, int64_t nb, uint8_t *p, int back, int64_t p_lo, int64_t p_hi) {
     const int BB = block_bytes(t), QS = panel_qs(t);
+    if (t == Q4_K || t == Q6_K) {
+        for (int64_t pn = p_lo; pn < p_hi; pn++)
+            for (int64_t b = 0; b < nb; b++) {
+                uint8_t *P = p + (pn * nb + b) * 16 * BB;
+                if (!back) memset(P, 0, 16 * (size_t)BB);
+                for (int j = 0; j < 16; j++) {
+                    uint8_t *g = w + ((pn * 16 + j) * nb + b) * BB;
+                    if (back) memset(g, 0, (size_t)BB);
+                    panel_k_block(t, g, P, pn * nb + b, j, back);
+                }
+            }
+        return;
+    }
     for (int64_t pn = p_lo; pn < p_hi; pn++)
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *blk = p + (pn * nb + b) * 16 * BB, *P = blk + head_at(t, pn * nb + b);
@@ -787,7 +838,7 @@ static void panel_part(int t, uint8_t *w, int64_t nb, uint8_t *p, int back, int6
 /* 1 << t for each type with a panel matmul in this build (AVX-512 only), 0 without */
 int quant_panel_types(void) {
 #ifdef __AVX512F__
-    return 1 << Q4_0 | 1 << Q4_1 | 1 << Q5_0;
+    return 1 << Q4_0 | 1 << Q4_1 | 1 << Q5_0 | 1 << Q4_K | 1 << Q6_K;
 #else
     return 0;
 #endif
@@ -797,8 +848,8 @@ int quant_panel_types(void) {
  * size. Returns 0; -1 not a panel type, `in` not a multiple of 32 or `out` of 16. */
 int quant_panel(int t, uint8_t *blocks, int64_t out, int64_t in, uint8_t *panels, int back, int64_t threads) {
     (void)threads;
-    if (!panel_type(t) || in % 32 || out % 16 || out <= 0) return -1;
-    int64_t np = out / 16, nb = in / 32;
+    if (!panel_type(t) || in % block_elems(t) || out % 16 || out <= 0) return -1;
+    int64_t np = out / 16, nb = in / block_elems(t);
 #pragma omp parallel num_threads(threads) if (threads > 1 && np > 1)
     {
         int64_t lo = 0, hi = np;
@@ -813,74 +864,145 @@ int quant_panel(int t, uint8_t *blocks, int64_t out, int64_t in, uint8_t *panels
 #ifdef __AVX512F__
 /* lane k of a quant word is converted as q 2^pshift(k); Q5_0's lane 7 (5 bits) is first shifted
  * down 4 so that q 2^28 stays below 2^32 */
-INLINE int pshift(const int t, const int k) { return t == Q5_0 && k == 7 ? 24 : 4 * k; }
+INLINE int pshift(const int t, const int k) { return (t == Q5_0 || t == Q6_K) && k == 7 ? 24 : 4 * k; }
 
-/* xs [in] = x 2^-pshift(i % 8) (exact but below ~2^-98), S [nb] = each block's inputs summed in order */
+/* Per row of x, prepared once per call: xs [in] = x 2^-pshift(i % 8) (exact but below ~2^-98);
+ * S [3 nb]: each 32 inputs' sum, then each 16 inputs' sum (in a fixed order: `hsum`, the 32 as
+ * elements i and i + 16 first) */
 static void panel_prep(int t, const void *x, int xbf, int64_t in, float *xs, float *S) {
-    float scale[8];
-    for (int k = 0; k < 8; k++) scale[k] = ldexpf(1.0f, -pshift(t, k));
-    for (int64_t b = 0; b < in / 32; b++) {
-        float s = 0.0f;
-        for (int i = 0; i < 32; i++) {
-            int64_t at = 32 * b + i;
-            float v = xbf ? bits_f32((uint32_t)((const uint16_t *)x)[at] << 16) : ((const float *)x)[at];
-            xs[at] = v * scale[i % 8];
-            s += v;
+    vec scale;
+    const int64_t nb = in / 32;
+    for (int i = 0; i < W; i++) scale[i] = ldexpf(1.0f, -pshift(t, i % 8));
+    for (int64_t b = 0; b < nb; b++) {
+        vec v[2];
+        for (int h = 0; h < 2; h++) {
+            if (xbf) {
+                vecu16 raw;
+                memcpy(&raw, (const uint16_t *)x + 32 * b + 16 * h, sizeof raw);
+                v[h] = (vec)(__builtin_convertvector(raw, vecu) << 16);
+            } else {
+                v[h] = ldf((const float *)x + 32 * b + 16 * h);
+            }
+            vec scaled = v[h] * scale;
+            memcpy(xs + 32 * b + 16 * h, &scaled, sizeof scaled);
+            S[nb + 2 * b + h] = hsum(v[h]);
         }
-        S[b] = s;
+        S[b] = hsum(v[0] + v[1]);
     }
 }
 
-/* panels p0..p0+NP-1 (NP <= T) for R <= RMAX rows of prepared x (row r at xs + r in, S + r nb) */
+/* The 8 exact quants q 2^pshift(k) of lanes' word V (and hi bits H for Q5_0's mask / Q6_K's word)
+ * for element k of a group of 8 */
+INLINE __m512i pquant(const int t, const int k, __m512i V, __m512i H, __mmask16 hi) {
+    const int e = pshift(t, k);
+    __m512i q = k == 7 && (t == Q5_0 || t == Q6_K) ? _mm512_and_si512(_mm512_srli_epi32(V, 4), _mm512_set1_epi32(15 << 24))
+                                                   : _mm512_and_si512(V, _mm512_set1_epi32((int)(15u << e)));
+    if (t == Q5_0) q = _mm512_mask_or_epi32(q, hi, q, _mm512_set1_epi32((int)(16u << e)));
+    if (t == Q6_K) { /* the 2 high bits sit at 4k + 4 in H (at 0 for k = 7, moved to 28) */
+        __m512i h = k == 7 ? _mm512_slli_epi32(H, 28) : H;
+        q = _mm512_ternarylogic_epi32(q, h, _mm512_set1_epi32((int)(3u << (e + 4))), 0xF8); /* q | (h & mask) */
+    }
+    return q;
+}
+
+/* 8 elements (a word of 8 quants per lane) into the sums of R rows: element i0 + k of each row */
+INLINE void pgroup(const int t, __m512i V, __m512i H, const uint8_t *himask, const float *xs, int64_t in, int64_t i0,
+                   __m512 *sum, const int RMAX, int R) {
+    UNROLL for (int k = 0; k < 8; k++) {
+        __mmask16 hi = t == Q5_0 ? _load_mask16((__mmask16 *)(himask + 2 * k)) : 0;
+        __m512 f = _mm512_cvtepu32_ps(pquant(t, k, V, H, hi));
+        UNROLL for (int r = 0; r < RMAX; r++)
+            if (r < R) sum[r] = _mm512_fmadd_ps(f, _mm512_set1_ps(xs[r * in + i0 + k]), sum[r]);
+    }
+}
+
+/* acc = fma(sum, scale, acc), acc = fma(off, s, acc) for R rows */
+INLINE void pscale(__m512 *acc, const __m512 *sum, __m512 scale, __m512 off, const float *S, int64_t stride, int64_t at,
+                   float c, const int RMAX, int R) {
+    UNROLL for (int r = 0; r < RMAX; r++)
+        if (r < R) {
+            acc[r] = _mm512_fmadd_ps(sum[r], scale, acc[r]);
+            acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(c * S[r * stride + at]), acc[r]); /* c: -1, -8, -16, -32, 1 */
+        }
+}
+
+/* panels p0..p0+T-1 for R <= RMAX rows of prepared x (row r at xs + r in, S + 3 r nb); nb: the
+ * weight's blocks per row (of 32, or of 256 for the K types) */
 INLINE void ptile(const int t, const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, int64_t p0,
                   void *y, int64_t out, int ybf, const int T, const int RMAX, int R) {
     const int BB16 = 16 * block_bytes(t);
-    const int64_t pb = nb * BB16;
-    __m512i M[8];
-    UNROLL for (int k = 0; k < 8; k++) M[k] = _mm512_set1_epi32((int)(15u << pshift(t, k)));
+    const int64_t pb = nb * BB16, stride = 3 * (in / 32), n32 = in / 32;
     __m512 acc[T * RMAX];
     UNROLL for (int i = 0; i < T * RMAX; i++) acc[i] = _mm512_setzero_ps();
-    const float c = t == Q4_0 ? -8.0f : -16.0f; /* Q4_0 / Q5_0 offsets (Q4_1: m) */
+    const __m512i zero = _mm512_setzero_si512();
     for (int64_t b = 0; b < nb; b++) {
-        __m512 sum[T * RMAX];
-        UNROLL for (int i = 0; i < T * RMAX; i++) sum[i] = _mm512_setzero_ps();
-        UNROLL for (int tt = 0; tt < T; tt++) __builtin_prefetch(pw + (p0 + tt) * pb + (b + 4) * BB16, 0, 3);
-        const uint8_t *nib[T], *head[T];
+        /* each panel's next block, every cache line of it, into L2 (prefetcht1): T streams of
+         * short blocks are more than the hardware prefetchers keep ahead of. Measured on 24
+         * distinct 6 MB Q5_0 weights streamed from DRAM, 2 threads (Zen 4): 12 GB/s with no
+         * software prefetch or with prefetches into L1, 18 GB/s with this (distance 1, 2 or 3
+         * blocks into L2 or L3: 16-18) */
+        UNROLL for (int tt = 0; tt < T; tt++) for (int l = 0; l < BB16; l += 64)
+            __builtin_prefetch(pw + (p0 + tt) * pb + (b + 1) * BB16 + l, 0, 2);
         UNROLL for (int tt = 0; tt < T; tt++) {
             const int64_t g = (p0 + tt) * nb + b;
-            nib[tt] = pw + g * BB16 + nib_at(t, g);
-            head[tt] = pw + g * BB16 + head_at(t, g);
-        }
-        UNROLL for (int v = 0; v < 4; v++) {
-            __m512i V[T];
-            UNROLL for (int tt = 0; tt < T; tt++) V[tt] = _mm512_loadu_si512(nib[tt] + 64 * v);
-            UNROLL for (int k = 0; k < 8; k++) {
-                const int i = 8 * v + k;
-                UNROLL for (int tt = 0; tt < T; tt++) {
-                    __m512i q = t == Q5_0 && k == 7 ? _mm512_and_si512(_mm512_srli_epi32(V[tt], 4), M[k])
-                                                    : _mm512_and_si512(V[tt], M[k]);
-                    if (t == Q5_0) {
-                        __mmask16 hi = _load_mask16((__mmask16 *)(head[tt] + 32 + 2 * i));
-                        q = _mm512_mask_or_epi32(q, hi, q, _mm512_set1_epi32((int)(16u << pshift(t, k))));
+            const uint8_t *P = pw + g * BB16;
+            __m512 *a = acc + tt * RMAX;
+            if (t == Q4_0 || t == Q4_1 || t == Q5_0) {
+                const uint8_t *nib = P + nib_at(t, g), *head = P + head_at(t, g);
+                __m512 sum[RMAX];
+                UNROLL for (int r = 0; r < RMAX; r++) sum[r] = _mm512_setzero_ps();
+                UNROLL for (int v = 0; v < 4; v++)
+                    pgroup(t, _mm512_loadu_si512(nib + 64 * v), zero, head + 32 + 16 * v, xs, in, 32 * b + 8 * v, sum,
+                           RMAX, R);
+                __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)head));
+                if (t == Q4_1)
+                    pscale(a, sum, d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(head + 32))), S, stride, b,
+                           1.0f, RMAX, R);
+                else
+                    pscale(a, sum, d, d, S, stride, b, t == Q4_0 ? -8.0f : -16.0f, RMAX, R);
+            } else if (t == Q4_K) { /* 8 sub-blocks of 32: w = d sc q - dmin m */
+                __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + 2048)));
+                __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + 2080)));
+                __m512i q0 = _mm512_loadu_si512(P + 2112), q1 = _mm512_loadu_si512(P + 2176),
+                        q2 = _mm512_loadu_si512(P + 2240), m63 = _mm512_set1_epi32(63), m15 = _mm512_set1_epi32(15),
+                        m3 = _mm512_set1_epi32(3);
+                _Pragma("GCC unroll 1") for (int sb = 0; sb < 8; sb++) {
+                    __m512 sum[RMAX];
+                    UNROLL for (int r = 0; r < RMAX; r++) sum[r] = _mm512_setzero_ps();
+                    UNROLL for (int v = 0; v < 4; v++)
+                        pgroup(t, _mm512_loadu_si512(P + 256 * sb + 64 * v), zero, NULL, xs, in, 256 * b + 32 * sb + 8 * v,
+                               sum, RMAX, R);
+                    __m512i sc, mn; /* 6-bit scale and min of sub-block sb (GGUF's get_scale_min_k4) */
+                    if (sb < 4) {
+                        sc = _mm512_and_si512(_mm512_srl_epi32(q0, _mm_cvtsi32_si128(8 * sb)), m63);
+                        mn = _mm512_and_si512(_mm512_srl_epi32(q1, _mm_cvtsi32_si128(8 * sb)), m63);
+                    } else {
+                        __m128i lo = _mm_cvtsi32_si128(8 * (sb - 4)), hi = _mm_cvtsi32_si128(8 * (sb - 4) + 6),
+                                mid = _mm_cvtsi32_si128(8 * (sb - 4) + 4);
+                        sc = _mm512_or_si512(_mm512_and_si512(_mm512_srl_epi32(q2, lo), m15),
+                                             _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(q0, hi), m3), 4));
+                        mn = _mm512_or_si512(_mm512_and_si512(_mm512_srl_epi32(q2, mid), m15),
+                                             _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(q1, hi), m3), 4));
                     }
-                    __m512 f = _mm512_cvtepu32_ps(q);
-                    UNROLL for (int r = 0; r < RMAX; r++)
-                        if (r < R)
-                            sum[tt * RMAX + r] =
-                                _mm512_fmadd_ps(f, _mm512_set1_ps(xs[r * in + 32 * b + i]), sum[tt * RMAX + r]);
+                    pscale(a, sum, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn)),
+                           S, stride, 8 * b + sb, -1.0f, RMAX, R);
+                }
+            } else { /* Q6_K: 16 sub-blocks of 16: w = d scale (q - 32) */
+                const k6_at at = q6k_at(g);
+                __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + at.d)));
+                _Pragma("GCC unroll 1") for (int u = 0; u < 16; u++) {
+                    __m512 sum[RMAX];
+                    UNROLL for (int r = 0; r < RMAX; r++) sum[r] = _mm512_setzero_ps();
+                    __m512i H = _mm512_loadu_si512(P + at.hi + 64 * u); /* groups 2u, 2u + 1 */
+                    UNROLL for (int o = 0; o < 2; o++)
+                        pgroup(t, _mm512_loadu_si512(P + at.nib + 64 * (2 * u + o)), o ? _mm512_srli_epi32(H, 2) : H, NULL,
+                               xs, in, 256 * b + 16 * u + 8 * o, sum, RMAX, R);
+                    __m512i w = _mm512_loadu_si512(P + at.sc + 64 * (u / 4)); /* int8 scale: byte u % 4 */
+                    __m512i sc = _mm512_srai_epi32(_mm512_sll_epi32(w, _mm_cvtsi32_si128(24 - 8 * (u % 4))), 24);
+                    __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+                    pscale(a, sum, scale, scale, S, stride, n32 + 16 * b + u, -32.0f, RMAX, R);
                 }
             }
-        }
-        UNROLL for (int tt = 0; tt < T; tt++) {
-            const uint8_t *P = head[tt];
-            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)P));
-            __m512 m = t == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + 32))) : d;
-            UNROLL for (int r = 0; r < RMAX; r++)
-                if (r < R) {
-                    float s = t == Q4_1 ? S[r * (in / 32) + b] : c * S[r * (in / 32) + b]; /* exact */
-                    acc[tt * RMAX + r] = _mm512_fmadd_ps(sum[tt * RMAX + r], d, acc[tt * RMAX + r]);
-                    acc[tt * RMAX + r] = _mm512_fmadd_ps(m, _mm512_set1_ps(s), acc[tt * RMAX + r]);
-                }
         }
     }
     UNROLL for (int tt = 0; tt < T; tt++) UNROLL for (int r = 0; r < RMAX; r++)
@@ -905,11 +1027,14 @@ typedef void (*ptile_fn)(const uint8_t *pw, int64_t nb, const float *xs, const f
 PTILE_SET(Q4_0)
 PTILE_SET(Q4_1)
 PTILE_SET(Q5_0)
+PTILE_SET(Q4_K)
+PTILE_SET(Q6_K)
 
 /* panels lo..hi of R <= MAX_CHUNK prepared rows */
 static void panel_chunk(int t, const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, void *y,
                         int64_t out, int ybf, int64_t lo, int64_t hi, int R) {
-    const ptile_fn *f = t == Q4_0 ? pQ4_0_tiles : t == Q4_1 ? pQ4_1_tiles : pQ5_0_tiles;
+    const ptile_fn *f = t == Q4_0 ? pQ4_0_tiles : t == Q4_1 ? pQ4_1_tiles : t == Q5_0 ? pQ5_0_tiles
+                      : t == Q4_K ? pQ4_K_tiles : pQ6_K_tiles;
     int64_t p = lo;
     if (R == 1) {
         for (; p + 8 <= hi; p += 8) f[0](pw, nb, xs, S, in, p, y, out, ybf, 1);
@@ -930,14 +1055,14 @@ static void panel_chunk(int t, const uint8_t *pw, int64_t nb, const float *xs, c
  * multiple of 32 or `out` of 16; -2 out of memory. */
 int quant_panel_matmul(int t, const uint8_t *pw, int64_t out, int64_t in, const void *x, int xbf, void *y, int ybf,
                        int64_t rows, int64_t threads) {
-    if (!(quant_panel_types() >> t & 1) || in % 32 || out % 16 || out <= 0) return -1;
+    if (!(quant_panel_types() >> t & 1) || in % block_elems(t) || out % 16 || out <= 0) return -1;
 #ifdef __AVX512F__
-    int64_t nb = in / 32, np = out / 16;
-    float *xs = aligned_alloc(64, ((size_t)(rows * in + rows * nb) * sizeof(float) + 63) / 64 * 64);
+    int64_t nb = in / block_elems(t), n32 = in / 32, np = out / 16;
+    float *xs = aligned_alloc(64, ((size_t)(rows * (in + 3 * n32)) * sizeof(float) + 63) / 64 * 64);
     if (!xs) return -2;
     float *S = xs + rows * in;
     for (int64_t r = 0; r < rows; r++)
-        panel_prep(t, (const char *)x + r * in * (xbf ? 2 : 4), xbf, in, xs + r * in, S + r * nb);
+        panel_prep(t, (const char *)x + r * in * (xbf ? 2 : 4), xbf, in, xs + r * in, S + r * 3 * n32);
     int64_t elem = ybf ? 2 : 4;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
@@ -947,7 +1072,7 @@ int quant_panel_matmul(int t, const uint8_t *pw, int64_t out, int64_t in, const 
 #endif
         for (int64_t c = 0; c * MAX_CHUNK < rows; c++)
             if (lo < hi)
-                panel_chunk(t, pw, nb, xs + c * MAX_CHUNK * in, S + c * MAX_CHUNK * nb, in,
+                panel_chunk(t, pw, nb, xs + c * MAX_CHUNK * in, S + c * MAX_CHUNK * 3 * n32, in,
                             (char *)y + c * MAX_CHUNK * out * elem, out, ybf, lo, hi, chunk_size(rows, c));
     }
     free(xs);
