@@ -5,11 +5,13 @@
 Prints markdown tables:
 
 1. batch 1 (one row of x), per GGUF type on the weight shapes of SmolLM2-135M and Qwen2.5-0.5B:
-   GB/s of blocks read at 1 and 2 threads (float32 x; and bfloat16 x and y at 2 threads), next to
+   GB/s of blocks read at 1 and 2 threads in GGUF's layout and in quant.c's panels (float32 x;
+   and bfloat16 x and y at 2 threads, in the layout a model runs), next to
    the machine's copy bandwidth (`metaloom.bench.timing.copy_bandwidth_gbs`, which counts read +
    write) and to torch.mv over the same shape dense in float32 (against float32 x) and bfloat16
    (against bfloat16 x);
-2. an estimate of one decode token's matmuls for both models as their GGUFs store them;
+2. an estimate of one decode token's matmuls for both models as their GGUFs store them (weights
+   cached, as they are not when a model streams them from memory);
 3. rows 1..128 of x: the kernel against dequantise + F.linear (where `CROSSOVER_ROWS` comes from).
 
 Times are medians of repeated runs after a warm-up. On a machine shared with other work they are
@@ -89,9 +91,9 @@ def batch_one(types: list[str], reps: int) -> dict[tuple[str, str, str], float]:
     assert k is not None
     g = torch.Generator().manual_seed(0)
     seconds = {}
-    print("| model | weight | [out, in] | type | MB | GB/s 1 thr | GB/s 2 thr | GB/s 2 thr bf16 x | us 2 thr |"
-          " mv f32 us | mv bf16 us | x mv f32 | x mv bf16 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | weight | [out, in] | type | MB | GB/s 1 thr | GB/s 2 thr | panels GB/s 1 thr | panels GB/s 2 thr |"
+          " GB/s 2 thr bf16 x | us 2 thr | mv f32 us | mv bf16 us | x mv f32 | x mv bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (model, name), (out, inputs) in SHAPES.items():
         x = torch.randn(1, inputs, generator=g)
         y = torch.empty(1, out)
@@ -107,13 +109,18 @@ def batch_one(types: list[str], reps: int) -> dict[tuple[str, str, str], float]:
             w = QuantWeight(qtype, random_blocks(qtype, out, inputs, g), inputs)
             per = [median_seconds(functools.partial(k.matmul, qtype, w.blocks, inputs, x, y, 1, th), reps)
                    for th in (1, 2)]
-            bf16 = median_seconds(functools.partial(k.matmul, qtype, w.blocks, inputs, x.bfloat16(), y.bfloat16(), 1, 2),
-                                  reps)
-            seconds[(model, name, t)] = per[1]
+            p = w.panelled()  # the layout a model runs (quant.c's panels where this build has them)
+            run = k.panel_matmul if p.layout == "panel" else k.matmul
+            panels = [median_seconds(functools.partial(k.panel_matmul, qtype, p.blocks, inputs, x, y, 1, th), reps)
+                      for th in (1, 2)] if p.layout == "panel" else None
+            bf16 = median_seconds(functools.partial(run, qtype, p.blocks, inputs, x.bfloat16(), y.bfloat16(), 1, 2), reps)
+            best = panels[1] if panels else per[1]
+            seconds[(model, name, t)] = best
             gbs = [w.nbytes / p / 1e9 for p in (*per, bf16)]
+            pan = [f"{w.nbytes / p / 1e9:.1f}" for p in panels] if panels else ["-", "-"]
             print(f"| {model} | {name} | [{out}, {inputs}] | {t} | {w.nbytes / 1e6:.2f} | {gbs[0]:.1f} | {gbs[1]:.1f} | "
-                  f"{gbs[2]:.1f} | {per[1] * 1e6:.0f} | {mv32 * 1e6:.0f} | {mv16 * 1e6:.0f} | {mv32 / per[1]:.1f} | "
-                  f"{mv16 / bf16:.1f} |")
+                  f"{pan[0]} | {pan[1]} | {gbs[2]:.1f} | {best * 1e6:.0f} | {mv32 * 1e6:.0f} | {mv16 * 1e6:.0f} | "
+                  f"{mv32 / best:.1f} | {mv16 / bf16:.1f} |")
     return seconds
 
 

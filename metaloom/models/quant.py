@@ -16,12 +16,13 @@ bfloat16) gives x W^T [..., out] in x's dtype:
   float32 (activations are never quantised, unlike llama.cpp), so results match a float64
   reference to float32 rounding, and a row's result does not depend on the other rows in the
   call or on the thread count;
-- a model's Q4_0, Q4_1, Q5_0, Q4_K and Q6_K weights are regrouped when it is built (`QuantWeight.panelled`:
-  16 outputs side by side, the same bytes) where the kernels are compiled with AVX-512: the panel
-  kernel reads them about twice as fast per core (quant.c says why). It sums each block's exact
-  products q x first, then scales by the (sub-)block's scale and adds its offset term (m, -8 d,
-  -16 d, -dmin m or -32 d scale times the (sub-)block's input sum): the same float32 rounding level, another order, and again a row's result
-  does not depend on the other rows or the threads;
+- a model's Q4_0, Q4_1, Q5_0, Q4_K and Q6_K weights are regrouped when it is built
+  (`QuantWeight.panelled`: 16 outputs side by side, the same bytes) where the kernels are
+  compiled with AVX-512: the panel kernel reads them 1.3-1.7x as fast per core (quant.c says
+  why). It sums each (sub-)block's exact products q x first, then scales by the (sub-)block's
+  scale and adds its offset term (m, -8 d, -16 d, -dmin m or -32 d scale times the (sub-)block's
+  input sum): the same float32 rounding level in another order, and again a row's result does not
+  depend on the other rows or the threads;
 - more rows: the weight dequantised to x's dtype (by the C kernel) and `F.linear`, where a
   dense GEMM's arithmetic rate pays for dequantising (bfloat16 x: the weight rounds to bfloat16);
 - without a C compiler: the same values from PyTorch bit operations, then `F.linear` (slow, but
@@ -465,10 +466,13 @@ class QuantWeight:
             x = x.contiguous()
         y = torch.empty((*shape[:-1], self.blocks.shape[0]), dtype=x.dtype)
         threads = torch.get_num_threads() if self.blocks.numel() >= PARALLEL_MIN_BYTES else 1
-        if self.layout == "panel":
-            k.panel_matmul(self.qtype, self.blocks, self.in_features, x, y, rows, threads)
-        else:
-            k.matmul(self.qtype, self.blocks, self.in_features, x, y, rows, threads)
+        # the library's function itself, not the checked wrappers: a decode step makes 100-200
+        # of these calls, and each Python layer costs a microsecond of a step of a few ms
+        fn = k.lib.quant_panel_matmul if self.layout == "panel" else k.lib.quant_matmul
+        rc = fn(self.qtype, self.blocks.data_ptr(), self.blocks.shape[0], self.in_features, x.data_ptr(),
+                x.dtype == torch.bfloat16, y.data_ptr(), y.dtype == torch.bfloat16, rows, threads)
+        if rc:
+            _check(rc, "quant_panel_matmul" if self.layout == "panel" else "quant_matmul")
         return y
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
