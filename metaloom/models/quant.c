@@ -905,148 +905,213 @@ INLINE __m512i pquant(const int t, const int k, __m512i V, __m512i H, __mmask16 
     return q;
 }
 
-/* 8 elements (a word of 8 quants per lane) into the sums of R rows: element i0 + k of each row */
-INLINE void pgroup(const int t, __m512i V, __m512i H, const uint8_t *himask, const float *xs, int64_t in, int64_t i0,
-                   __m512 *sum, const int RMAX, int R) {
-    UNROLL for (int k = 0; k < 8; k++) {
-        __mmask16 hi = t == Q5_0 ? _load_mask16((__mmask16 *)(himask + 2 * k)) : 0;
-        __m512 f = _mm512_cvtepu32_ps(pquant(t, k, V, H, hi));
-        UNROLL for (int r = 0; r < RMAX; r++)
-            if (r < R) sum[r] = _mm512_fmadd_ps(f, _mm512_set1_ps(xs[r * in + i0 + k]), sum[r]);
+/* A panel block holds SUBS(t) sub-blocks, each with its own scale: Q4_0/Q4_1/Q5_0 one of 32
+ * elements, Q4_K eight of 32, Q6_K sixteen of 16; a sub-block is GROUPS(t) words of 8 quants */
+INLINE int psubs(const int t) { return t == Q4_K ? 8 : t == Q6_K ? 16 : 1; }
+INLINE int pgroups(const int t) { return t == Q6_K ? 2 : 4; }
+
+/* group v of sub-block sb of panel block P (number g): the quant word V, the hi word H (Q6_K),
+ * the hi masks (Q5_0) */
+INLINE void pwords(const int t, const uint8_t *P, int64_t g, int sb, int v, __m512i *V, __m512i *H,
+                   const uint8_t **himask) {
+    if (t == Q4_K) {
+        *V = _mm512_loadu_si512(P + 256 * sb + 64 * v);
+    } else if (t == Q6_K) {
+        const k6_at at = q6k_at(g);
+        *V = _mm512_loadu_si512(P + at.nib + 64 * (2 * sb + v));
+        __m512i h = _mm512_loadu_si512(P + at.hi + 64 * sb); /* groups 2 sb, 2 sb + 1 */
+        *H = v ? _mm512_srli_epi32(h, 2) : h;
+    } else {
+        *V = _mm512_loadu_si512(P + nib_at(t, g) + 64 * v);
+        *himask = P + head_at(t, g) + 32 + 16 * v;
     }
 }
 
-/* acc = fma(sum, scale, acc), acc = fma(off, s, acc) for R rows */
-INLINE void pscale(__m512 *acc, const __m512 *sum, __m512 scale, __m512 off, const float *S, int64_t stride, int64_t at,
-                   float c, const int RMAX, int R) {
-    UNROLL for (int r = 0; r < RMAX; r++)
-        if (r < R) {
-            acc[r] = _mm512_fmadd_ps(sum[r], scale, acc[r]);
-            acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(c * S[r * stride + at]), acc[r]); /* c: -1, -8, -16, -32, 1 */
+/* sub-block sb's scale and offset vectors: its weights are scale q + c off, off times the
+ * sub-block's input sum S[at] (at: into a row's S) */
+INLINE void pscales(const int t, const uint8_t *P, int64_t g, int64_t b, int sb, int64_t n32, __m512 *scale,
+                    __m512 *off, float *c, int64_t *at) {
+    if (t == Q4_K) { /* d sc q - dmin m (GGUF's get_scale_min_k4 for the 6-bit sc, m) */
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + 2048)));
+        __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + 2080)));
+        __m512i q0 = _mm512_loadu_si512(P + 2112), q1 = _mm512_loadu_si512(P + 2176), q2 = _mm512_loadu_si512(P + 2240);
+        const __m512i m63 = _mm512_set1_epi32(63), m15 = _mm512_set1_epi32(15), m3 = _mm512_set1_epi32(3);
+        __m512i sc, mn;
+        if (sb < 4) {
+            sc = _mm512_and_si512(_mm512_srl_epi32(q0, _mm_cvtsi32_si128(8 * sb)), m63);
+            mn = _mm512_and_si512(_mm512_srl_epi32(q1, _mm_cvtsi32_si128(8 * sb)), m63);
+        } else {
+            __m128i lo = _mm_cvtsi32_si128(8 * (sb - 4)), hi = _mm_cvtsi32_si128(8 * (sb - 4) + 6),
+                    mid = _mm_cvtsi32_si128(8 * (sb - 4) + 4);
+            sc = _mm512_or_si512(_mm512_and_si512(_mm512_srl_epi32(q2, lo), m15),
+                                 _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(q0, hi), m3), 4));
+            mn = _mm512_or_si512(_mm512_and_si512(_mm512_srl_epi32(q2, mid), m15),
+                                 _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(q1, hi), m3), 4));
         }
+        *scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+        *off = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn));
+        *c = -1.0f;
+        *at = 8 * b + sb;
+    } else if (t == Q6_K) { /* d scale (q - 32), the int8 scale byte sb % 4 of word sb / 4 */
+        const k6_at k6 = q6k_at(g);
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + k6.d)));
+        __m512i w = _mm512_loadu_si512(P + k6.sc + 64 * (sb / 4));
+        __m512i sc = _mm512_srai_epi32(_mm512_sll_epi32(w, _mm_cvtsi32_si128(24 - 8 * (sb % 4))), 24);
+        *scale = *off = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+        *c = -32.0f;
+        *at = n32 + 16 * b + sb;
+    } else {
+        const uint8_t *head = P + head_at(t, g);
+        *scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)head));
+        *off = t == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(head + 32))) : *scale;
+        *c = t == Q4_1 ? 1.0f : t == Q4_0 ? -8.0f : -16.0f;
+        *at = b;
+    }
 }
 
-/* panels p0..p0+T-1 for R <= RMAX rows of prepared x (row r at xs + r in, S + 3 r nb); nb: the
- * weight's blocks per row (of 32, or of 256 for the K types) */
-INLINE void ptile(const int t, const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, int64_t p0,
-                  void *y, int64_t out, int ybf, const int T, const int RMAX, int R) {
+/* the 8 quants of a group as exact floats q 2^pshift(k) */
+INLINE void pdecode(const int t, __m512i V, __m512i H, const uint8_t *himask, __m512 *f) {
+    UNROLL for (int k = 0; k < 8; k++) {
+        __mmask16 hi = t == Q5_0 ? _load_mask16((__mmask16 *)(himask + 2 * k)) : 0;
+        f[k] = _mm512_cvtepu32_ps(pquant(t, k, V, H, hi));
+    }
+}
+
+/* every cache line of each of T panels' block b + 1, into L2 (prefetcht1): T streams of short
+ * blocks are more than the hardware prefetchers keep ahead of. Measured on 24 distinct 6 MB
+ * Q5_0 weights streamed from DRAM, 2 threads (Zen 4): 12 GB/s with no software prefetch or with
+ * prefetches into L1, 18 GB/s with this (distance 1, 2 or 3 blocks into L2 or L3: 16-18) */
+INLINE void pprefetch(const int t, const uint8_t *pw, int64_t pb, int64_t p0, int64_t b, const int T) {
     const int BB16 = 16 * block_bytes(t);
-    const int64_t pb = nb * BB16, stride = 3 * (in / 32), n32 = in / 32;
-    __m512 acc[T * RMAX];
-    UNROLL for (int i = 0; i < T * RMAX; i++) acc[i] = _mm512_setzero_ps();
-    const __m512i zero = _mm512_setzero_si512();
+    UNROLL for (int tt = 0; tt < T; tt++) for (int l = 0; l < BB16; l += 64)
+        __builtin_prefetch(pw + (p0 + tt) * pb + (b + 1) * BB16 + l, 0, 2);
+}
+
+/* One row of prepared x (xs, S) against panels p0..p0+T-1: per lane (output), each sub-block's
+ * products in element order into a fresh sum, then acc = fma(sum, scale, acc) and
+ * acc = fma(off, c S, acc). T panels give T independent fma chains. */
+INLINE void ptile(const int t, const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, int64_t p0,
+                  void *y, int64_t out, int ybf, const int T) {
+    const int BB16 = 16 * block_bytes(t), SUBS = psubs(t), GROUPS = pgroups(t), SE = 8 * GROUPS;
+    const int64_t pb = nb * BB16, n32 = in / 32;
+    (void)out; /* one row: y [out] */
+    __m512 acc[T];
+    UNROLL for (int tt = 0; tt < T; tt++) acc[tt] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        /* each panel's next block, every cache line of it, into L2 (prefetcht1): T streams of
-         * short blocks are more than the hardware prefetchers keep ahead of. Measured on 24
-         * distinct 6 MB Q5_0 weights streamed from DRAM, 2 threads (Zen 4): 12 GB/s with no
-         * software prefetch or with prefetches into L1, 18 GB/s with this (distance 1, 2 or 3
-         * blocks into L2 or L3: 16-18) */
-        UNROLL for (int tt = 0; tt < T; tt++) for (int l = 0; l < BB16; l += 64)
-            __builtin_prefetch(pw + (p0 + tt) * pb + (b + 1) * BB16 + l, 0, 2);
-        UNROLL for (int tt = 0; tt < T; tt++) {
-            const int64_t g = (p0 + tt) * nb + b;
-            const uint8_t *P = pw + g * BB16;
-            __m512 *a = acc + tt * RMAX;
-            if (t == Q4_0 || t == Q4_1 || t == Q5_0) {
-                const uint8_t *nib = P + nib_at(t, g), *head = P + head_at(t, g);
-                __m512 sum[RMAX];
-                UNROLL for (int r = 0; r < RMAX; r++) sum[r] = _mm512_setzero_ps();
-                UNROLL for (int v = 0; v < 4; v++)
-                    pgroup(t, _mm512_loadu_si512(nib + 64 * v), zero, head + 32 + 16 * v, xs, in, 32 * b + 8 * v, sum,
-                           RMAX, R);
-                __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)head));
-                if (t == Q4_1)
-                    pscale(a, sum, d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(head + 32))), S, stride, b,
-                           1.0f, RMAX, R);
-                else
-                    pscale(a, sum, d, d, S, stride, b, t == Q4_0 ? -8.0f : -16.0f, RMAX, R);
-            } else if (t == Q4_K) { /* 8 sub-blocks of 32: w = d sc q - dmin m */
-                __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + 2048)));
-                __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + 2080)));
-                __m512i q0 = _mm512_loadu_si512(P + 2112), q1 = _mm512_loadu_si512(P + 2176),
-                        q2 = _mm512_loadu_si512(P + 2240), m63 = _mm512_set1_epi32(63), m15 = _mm512_set1_epi32(15),
-                        m3 = _mm512_set1_epi32(3);
-                _Pragma("GCC unroll 1") for (int sb = 0; sb < 8; sb++) {
-                    __m512 sum[RMAX];
-                    UNROLL for (int r = 0; r < RMAX; r++) sum[r] = _mm512_setzero_ps();
-                    UNROLL for (int v = 0; v < 4; v++)
-                        pgroup(t, _mm512_loadu_si512(P + 256 * sb + 64 * v), zero, NULL, xs, in, 256 * b + 32 * sb + 8 * v,
-                               sum, RMAX, R);
-                    __m512i sc, mn; /* 6-bit scale and min of sub-block sb (GGUF's get_scale_min_k4) */
-                    if (sb < 4) {
-                        sc = _mm512_and_si512(_mm512_srl_epi32(q0, _mm_cvtsi32_si128(8 * sb)), m63);
-                        mn = _mm512_and_si512(_mm512_srl_epi32(q1, _mm_cvtsi32_si128(8 * sb)), m63);
-                    } else {
-                        __m128i lo = _mm_cvtsi32_si128(8 * (sb - 4)), hi = _mm_cvtsi32_si128(8 * (sb - 4) + 6),
-                                mid = _mm_cvtsi32_si128(8 * (sb - 4) + 4);
-                        sc = _mm512_or_si512(_mm512_and_si512(_mm512_srl_epi32(q2, lo), m15),
-                                             _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(q0, hi), m3), 4));
-                        mn = _mm512_or_si512(_mm512_and_si512(_mm512_srl_epi32(q2, mid), m15),
-                                             _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(q1, hi), m3), 4));
+        pprefetch(t, pw, pb, p0, b, T);
+        _Pragma("GCC unroll 1") for (int sb = 0; sb < SUBS; sb++) {
+            __m512 sum[T];
+            UNROLL for (int tt = 0; tt < T; tt++) sum[tt] = _mm512_setzero_ps();
+            UNROLL for (int v = 0; v < GROUPS; v++) {
+                const float *xv = xs + b * SUBS * SE + sb * SE + 8 * v;
+                UNROLL for (int tt = 0; tt < T; tt++) {
+                    const int64_t g = (p0 + tt) * nb + b;
+                    __m512i V, H = _mm512_setzero_si512();
+                    const uint8_t *himask = NULL;
+                    pwords(t, pw + g * BB16, g, sb, v, &V, &H, &himask);
+                    UNROLL for (int k = 0; k < 8; k++) {
+                        __mmask16 hi = t == Q5_0 ? _load_mask16((__mmask16 *)(himask + 2 * k)) : 0;
+                        sum[tt] = _mm512_fmadd_ps(_mm512_cvtepu32_ps(pquant(t, k, V, H, hi)), _mm512_set1_ps(xv[k]),
+                                                  sum[tt]);
                     }
-                    pscale(a, sum, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn)),
-                           S, stride, 8 * b + sb, -1.0f, RMAX, R);
                 }
-            } else { /* Q6_K: 16 sub-blocks of 16: w = d scale (q - 32) */
-                const k6_at at = q6k_at(g);
-                __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + at.d)));
-                _Pragma("GCC unroll 1") for (int u = 0; u < 16; u++) {
-                    __m512 sum[RMAX];
-                    UNROLL for (int r = 0; r < RMAX; r++) sum[r] = _mm512_setzero_ps();
-                    __m512i H = _mm512_loadu_si512(P + at.hi + 64 * u); /* groups 2u, 2u + 1 */
-                    UNROLL for (int o = 0; o < 2; o++)
-                        pgroup(t, _mm512_loadu_si512(P + at.nib + 64 * (2 * u + o)), o ? _mm512_srli_epi32(H, 2) : H, NULL,
-                               xs, in, 256 * b + 16 * u + 8 * o, sum, RMAX, R);
-                    __m512i w = _mm512_loadu_si512(P + at.sc + 64 * (u / 4)); /* int8 scale: byte u % 4 */
-                    __m512i sc = _mm512_srai_epi32(_mm512_sll_epi32(w, _mm_cvtsi32_si128(24 - 8 * (u % 4))), 24);
-                    __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
-                    pscale(a, sum, scale, scale, S, stride, n32 + 16 * b + u, -32.0f, RMAX, R);
-                }
+            }
+            UNROLL for (int tt = 0; tt < T; tt++) {
+                const int64_t g = (p0 + tt) * nb + b;
+                __m512 scale, off;
+                float c;
+                int64_t at;
+                pscales(t, pw + g * BB16, g, b, sb, n32, &scale, &off, &c, &at);
+                acc[tt] = _mm512_fmadd_ps(sum[tt], scale, acc[tt]);
+                acc[tt] = _mm512_fmadd_ps(off, _mm512_set1_ps(c * S[at]), acc[tt]); /* c S exact: c a power of 2 */
             }
         }
     }
-    UNROLL for (int tt = 0; tt < T; tt++) UNROLL for (int r = 0; r < RMAX; r++)
-        if (r < R) st(y, r * out + (p0 + tt) * 16, (vec)acc[tt * RMAX + r], ybf);
+    UNROLL for (int tt = 0; tt < T; tt++) st(y, (p0 + tt) * 16, (vec)acc[tt], ybf);
+}
+
+/* R rows (any number up to PANEL_ROWS) of prepared x against panel p: the same operations per
+ * (row, lane) in the same order as `ptile`, so a row's result is the same alone or in a batch.
+ * Each group's 8 quants are decoded once for all rows; a row's sums stay in registers over the
+ * group and in L1 between groups. */
+#define PANEL_ROWS 32
+static void prows(int t, const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, int64_t p, void *y,
+                  int64_t out, int ybf, int R) {
+    const int BB16 = 16 * block_bytes(t), SUBS = psubs(t), GROUPS = pgroups(t), SE = 8 * GROUPS;
+    const int64_t pb = nb * BB16, n32 = in / 32, stride = 3 * n32;
+    __m512 acc[PANEL_ROWS], sum[PANEL_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        pprefetch(t, pw, pb, p, b, 1);
+        const int64_t g = p * nb + b;
+        const uint8_t *P = pw + g * BB16;
+        for (int sb = 0; sb < SUBS; sb++) {
+            for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_ps();
+            for (int v = 0; v < GROUPS; v++) {
+                __m512i V, H = _mm512_setzero_si512();
+                const uint8_t *himask = NULL;
+                __m512 f[8];
+                pwords(t, P, g, sb, v, &V, &H, &himask);
+                pdecode(t, V, H, himask, f);
+                const float *xv = xs + b * SUBS * SE + sb * SE + 8 * v;
+                for (int r = 0; r < R; r++) {
+                    __m512 s = sum[r];
+                    UNROLL for (int k = 0; k < 8; k++) s = _mm512_fmadd_ps(f[k], _mm512_set1_ps(xv[r * in + k]), s);
+                    sum[r] = s;
+                }
+            }
+            __m512 scale, off;
+            float c;
+            int64_t at;
+            pscales(t, P, g, b, sb, n32, &scale, &off, &c, &at);
+            for (int r = 0; r < R; r++) {
+                acc[r] = _mm512_fmadd_ps(sum[r], scale, acc[r]);
+                acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(c * S[r * stride + at]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) st(y, r * out + p * 16, (vec)acc[r], ybf);
 }
 
 typedef void (*ptile_fn)(const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, int64_t p0,
-                         void *y, int64_t out, int ybf, int R);
-#define PTILE(TY, T, RMAX)                                                                         \
-    static __attribute__((noinline)) void p##TY##_##T##x##RMAX(const uint8_t *pw, int64_t nb, const float *xs,      \
-                                                               const float *S, int64_t in, int64_t p0, void *y,     \
-                                                               int64_t out, int ybf, int R) {                       \
-        ptile(TY, pw, nb, xs, S, in, p0, y, out, ybf, T, RMAX, R);                                 \
+                         void *y, int64_t out, int ybf);
+#define PTILE(TY, T)                                                                               \
+    static __attribute__((noinline)) void p##TY##_##T(const uint8_t *pw, int64_t nb, const float *xs, const float *S,  \
+                                                      int64_t in, int64_t p0, void *y, int64_t out, int ybf) {       \
+        ptile(TY, pw, nb, xs, S, in, p0, y, out, ybf, T);                                          \
     }
-/* (T panels, RMAX rows): for one row 8 x 1 (8 independent fma chains), with 4, 2 and 1 panels
- * for those left over (one chain waits on the fma latency); 2 x 4 and 1 x 4; 1 x 8 */
+#define PROWS(TY)                                                                                  \
+    static __attribute__((noinline)) void p##TY##_rows(const uint8_t *pw, int64_t nb, const float *xs, const float *S, \
+                                                       int64_t in, int64_t p, void *y, int64_t out, int ybf, int R) {  \
+        prows(TY, pw, nb, xs, S, in, p, y, out, ybf, R);                                           \
+    }
+/* one row: 8 panels at a time (8 independent fma chains), then 4, 2, 1 for those left over (one
+ * chain waits on the fma latency); more rows: `prows`, panel by panel */
 #define PTILE_SET(TY)                                                                              \
-    PTILE(TY, 8, 1) PTILE(TY, 4, 1) PTILE(TY, 2, 1) PTILE(TY, 1, 1) PTILE(TY, 2, 4) PTILE(TY, 1, 4)   \
-    PTILE(TY, 1, 8)                                                                                \
-    static const ptile_fn p##TY##_tiles[7] = {p##TY##_8x1, p##TY##_4x1, p##TY##_2x1, p##TY##_1x1,       \
-                                              p##TY##_2x4, p##TY##_1x4, p##TY##_1x8};
+    PTILE(TY, 8) PTILE(TY, 4) PTILE(TY, 2) PTILE(TY, 1) PROWS(TY)                                   \
+    static const ptile_fn p##TY##_tiles[4] = {p##TY##_8, p##TY##_4, p##TY##_2, p##TY##_1};
 PTILE_SET(Q4_0)
 PTILE_SET(Q4_1)
 PTILE_SET(Q5_0)
 PTILE_SET(Q4_K)
 PTILE_SET(Q6_K)
 
-/* panels lo..hi of R <= MAX_CHUNK prepared rows */
+/* panels lo..hi of R <= PANEL_ROWS prepared rows */
 static void panel_chunk(int t, const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, void *y,
                         int64_t out, int ybf, int64_t lo, int64_t hi, int R) {
+    int64_t p = lo;
+    if (R > 1) {
+        void (*rows)(const uint8_t *, int64_t, const float *, const float *, int64_t, int64_t, void *, int64_t, int, int) =
+            t == Q4_0 ? pQ4_0_rows : t == Q4_1 ? pQ4_1_rows : t == Q5_0 ? pQ5_0_rows : t == Q4_K ? pQ4_K_rows : pQ6_K_rows;
+        for (; p < hi; p++) rows(pw, nb, xs, S, in, p, y, out, ybf, R);
+        return;
+    }
     const ptile_fn *f = t == Q4_0 ? pQ4_0_tiles : t == Q4_1 ? pQ4_1_tiles : t == Q5_0 ? pQ5_0_tiles
                       : t == Q4_K ? pQ4_K_tiles : pQ6_K_tiles;
-    int64_t p = lo;
-    if (R == 1) {
-        for (; p + 8 <= hi; p += 8) f[0](pw, nb, xs, S, in, p, y, out, ybf, 1);
-        if (p + 4 <= hi) f[1](pw, nb, xs, S, in, p, y, out, ybf, 1), p += 4;
-        if (p + 2 <= hi) f[2](pw, nb, xs, S, in, p, y, out, ybf, 1), p += 2;
-        if (p < hi) f[3](pw, nb, xs, S, in, p, y, out, ybf, 1);
-    } else if (R <= 4) {
-        for (; p + 2 <= hi; p += 2) f[4](pw, nb, xs, S, in, p, y, out, ybf, R);
-        for (; p < hi; p++) f[5](pw, nb, xs, S, in, p, y, out, ybf, R);
-    } else {
-        for (; p < hi; p++) f[6](pw, nb, xs, S, in, p, y, out, ybf, R);
-    }
+    for (; p + 8 <= hi; p += 8) f[0](pw, nb, xs, S, in, p, y, out, ybf);
+    if (p + 4 <= hi) f[1](pw, nb, xs, S, in, p, y, out, ybf), p += 4;
+    if (p + 2 <= hi) f[2](pw, nb, xs, S, in, p, y, out, ybf), p += 2;
+    if (p < hi) f[3](pw, nb, xs, S, in, p, y, out, ybf);
 }
 #endif
 
@@ -1070,10 +1135,11 @@ int quant_panel_matmul(int t, const uint8_t *pw, int64_t out, int64_t in, const 
 #ifdef _OPENMP
         thread_share(np, 1, &lo, &hi); /* equal shares: the tiles above take any count */
 #endif
-        for (int64_t c = 0; c * MAX_CHUNK < rows; c++)
+        for (int64_t c = 0; c * PANEL_ROWS < rows; c++) /* chunks of PANEL_ROWS rows */
             if (lo < hi)
-                panel_chunk(t, pw, nb, xs + c * MAX_CHUNK * in, S + c * MAX_CHUNK * 3 * n32, in,
-                            (char *)y + c * MAX_CHUNK * out * elem, out, ybf, lo, hi, chunk_size(rows, c));
+                panel_chunk(t, pw, nb, xs + c * PANEL_ROWS * in, S + c * PANEL_ROWS * 3 * n32, in,
+                            (char *)y + c * PANEL_ROWS * out * elem, out, ybf, lo, hi,
+                            (int)(rows - c * PANEL_ROWS < PANEL_ROWS ? rows - c * PANEL_ROWS : PANEL_ROWS));
     }
     free(xs);
     return 0;
