@@ -981,10 +981,12 @@ INLINE void pdecode(const int t, __m512i V, __m512i H, const uint8_t *himask, __
  * blocks are more than the hardware prefetchers keep ahead of. Measured on 24 distinct 6 MB
  * Q5_0 weights streamed from DRAM, 2 threads (Zen 4): 12 GB/s with no software prefetch or with
  * prefetches into L1, 18 GB/s with this (distance 1, 2 or 3 blocks into L2 or L3: 16-18) */
-INLINE void pprefetch(const int t, const uint8_t *pw, int64_t pb, int64_t p0, int64_t b, const int T) {
-    const int BB16 = 16 * block_bytes(t);
-    UNROLL for (int tt = 0; tt < T; tt++) for (int l = 0; l < BB16; l += 64)
-        __builtin_prefetch(pw + (p0 + tt) * pb + (b + 1) * BB16 + l, 0, 2);
+INLINE void pprefetch(const int t, const uint8_t *pw, int64_t pb, int64_t p0, int64_t b, int sb, const int T) {
+    /* spread over the block's sub-blocks: a K block is 36-53 lines a panel, too many at once */
+    const int BB16 = 16 * block_bytes(t), lines = (BB16 + 63) / 64, from = sb * lines / psubs(t),
+              to = (sb + 1) * lines / psubs(t);
+    UNROLL for (int tt = 0; tt < T; tt++) for (int l = from; l < to; l++)
+        __builtin_prefetch(pw + (p0 + tt) * pb + (b + 1) * BB16 + 64 * l, 0, 2);
 }
 
 /* One row of prepared x (xs, S) against panels p0..p0+T-1: per lane (output), each sub-block's
@@ -998,8 +1000,8 @@ INLINE void ptile(const int t, const uint8_t *pw, int64_t nb, const float *xs, c
     __m512 acc[T];
     UNROLL for (int tt = 0; tt < T; tt++) acc[tt] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        pprefetch(t, pw, pb, p0, b, T);
         _Pragma("GCC unroll 1") for (int sb = 0; sb < SUBS; sb++) {
+            pprefetch(t, pw, pb, p0, b, sb, T);
             __m512 sum[T];
             UNROLL for (int tt = 0; tt < T; tt++) sum[tt] = _mm512_setzero_ps();
             UNROLL for (int v = 0; v < GROUPS; v++) {
@@ -1042,10 +1044,10 @@ static void prows(int t, const uint8_t *pw, int64_t nb, const float *xs, const f
     __m512 acc[PANEL_ROWS], sum[PANEL_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        pprefetch(t, pw, pb, p, b, 1);
         const int64_t g = p * nb + b;
         const uint8_t *P = pw + g * BB16;
         for (int sb = 0; sb < SUBS; sb++) {
+            pprefetch(t, pw, pb, p, b, sb, 1);
             for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_ps();
             for (int v = 0; v < GROUPS; v++) {
                 __m512i V, H = _mm512_setzero_si512();
