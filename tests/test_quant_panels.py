@@ -40,7 +40,7 @@ def panel_reference(qtype: int, blocks: np.ndarray) -> np.ndarray:
             nib_at, head_at = (HEAD[qtype], 0) if head_first else (0, 256)
             dst = panels[p, b]
             words = np.zeros((4, 16), dtype=np.uint32)
-            hi = np.zeros(32, dtype=np.uint16)
+            hi = np.zeros(16, dtype=np.uint32)
             for j in range(16):
                 src = g_blocks[16 * p + j, b]
                 dst[head_at + 2 * j:head_at + 2 * j + 2] = src[:2]  # d
@@ -51,8 +51,9 @@ def panel_reference(qtype: int, blocks: np.ndarray) -> np.ndarray:
                     words[e // 8, j] |= np.uint32(q << (4 * (e % 8)))
                 if qtype == 6:
                     qh = int(src[2:6].view(np.uint32)[0])
-                    for i in range(32):
-                        hi[i] |= np.uint16(((qh >> i) & 1) << j)
+                    for i in range(32):  # element 8v + k's 5th bit at v + (4k + 4 if k < 7 else 0)
+                        v, k = divmod(i, 8)
+                        hi[j] |= np.uint32(((qh >> i) & 1) << (v + (4 * k + 4 if k < 7 else 0)))
             dst[nib_at:nib_at + 256] = words.view(np.uint8).reshape(-1)
             if qtype == 6:
                 dst[head_at + 32:head_at + 96] = hi.view(np.uint8)

@@ -708,7 +708,7 @@ int quant_quantize(int t, const void *x, int xbf, int64_t rows, int64_t in, uint
  * bytes into lanes with cross-lane shuffles and sum each output's lanes at the end; on Zen 4
  * those shuffles, not memory, bound a 4-bit matvec (about 7 cycles per block per core). Putting
  * 16 outputs in the 16 lanes instead, each lane's quants come out of one 32-bit word with an AND
- * (and for Q5_0 a masked OR), an exact integer-to-float conversion and one fma against a
+ * (and for Q5_0 and Q6_K one more bitwise op), an exact integer-to-float conversion and one fma against a
  * broadcast input: no shuffles, no horizontal sums. A panel is a permutation of the same bytes
  * (the file's quantisation, the same size); the converted cache keeps GGUF's own layout, and
  * weights are regrouped in memory when a model is built (`QuantWeight.panelled`).
@@ -717,9 +717,11 @@ int quant_quantize(int t, const void *x, int xbf, int64_t rows, int64_t in, uint
  * b = 0..nb-1 follow each other, each the 16 outputs' block b regrouped into a head and nib:
  *   Q4_0: head d[16] f16 (32 bytes)                 + nib[4][16] u32 (256): 288 bytes = 16 x 18
  *   Q4_1: head d[16] f16, m[16] f16 (64)            + nib: 320 bytes = 16 x 20
- *   Q5_0: head d[16] f16, hi[32] u16 (96)           + nib: 352 bytes = 16 x 22
+ *   Q5_0: head d[16] f16, hi[16] u32 (96)           + nib: 352 bytes = 16 x 22
  * nib[v][j]: output j's 4-bit quants of elements 8v..8v+7, element 8v+k in bits 4k..4k+3;
- * hi[i] bit j: the 5th bit of output j's element i. nib comes first, except in the odd panel
+ * hi[j]: output j's 5th bits, element 8v+k's at bit v + (k < 7 ? 4k + 4 : 0) (shifted down v
+ * bits, AND with one constant puts a group's bit where its quant's 5th bit goes: see `pquant`).
+ * nib comes first, except in the odd panel
  * blocks (counting from the weight's start) of Q4_0 and Q5_0, which start at 32 mod 64: there
  * the head comes first, so that every 64-byte load of nib is aligned (a load across two cache
  * lines costs two).
@@ -738,6 +740,8 @@ INLINE int panel_head(const int t) { return t == Q4_0 ? 32 : t == Q4_1 ? 64 : 96
 /* offsets of nib and of the head in panel block g (counted from the weight's first) */
 INLINE int64_t nib_at(const int t, int64_t g) { return t != Q4_1 && (g & 1) ? panel_head(t) : 0; }
 INLINE int64_t head_at(const int t, int64_t g) { return t != Q4_1 && (g & 1) ? 0 : 256; }
+/* Q5_0: the bit of a panel's hi word holding element i's 5th bit */
+INLINE int q5_hi_bit(int i) { return i / 8 + (i % 8 < 7 ? 4 * (i % 8) + 4 : 0); }
 INLINE int panel_qs(const int t) { return t == Q4_0 ? 2 : t == Q4_1 ? 4 : 6; } /* GGUF: first quant byte */
 
 static int panel_type(int t) { return t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q4_K || t == Q6_K; }
@@ -814,11 +818,9 @@ static void panel_part(int t, uint8_t *w, int64_t nb, uint8_t *p, int back, int6
                         memcpy(word, &v, 4);
                     }
                     if (t == Q5_0) {
-                        uint32_t qh = ld_u32(g + 2);
-                        for (int i = 0; i < 32; i++) {
-                            uint16_t h = ld_u16(P + 32 + 2 * i) | (uint16_t)(((qh >> i) & 1u) << j);
-                            memcpy(P + 32 + 2 * i, &h, 2);
-                        }
+                        uint32_t qh = ld_u32(g + 2), h = 0;
+                        for (int i = 0; i < 32; i++) h |= ((qh >> i) & 1u) << q5_hi_bit(i);
+                        memcpy(P + 32 + 4 * j, &h, 4);
                     }
                 } else {
                     memcpy(g, P + 2 * j, 2);
@@ -826,8 +828,8 @@ static void panel_part(int t, uint8_t *w, int64_t nb, uint8_t *p, int back, int6
                     for (int e = 0; e < 32; e++) q[e] = (ld_u32(P + H + 64 * (e / 8) + 4 * j) >> (4 * (e % 8))) & 15;
                     for (int e = 0; e < 16; e++) g[QS + e] = (uint8_t)(q[e] | q[e + 16] << 4);
                     if (t == Q5_0) {
-                        uint32_t qh = 0;
-                        for (int i = 0; i < 32; i++) qh |= (uint32_t)((ld_u16(P + 32 + 2 * i) >> j) & 1u) << i;
+                        uint32_t qh = 0, h = ld_u32(P + 32 + 4 * j);
+                        for (int i = 0; i < 32; i++) qh |= ((h >> q5_hi_bit(i)) & 1u) << i;
                         memcpy(g + 2, &qh, 4);
                     }
                 }
@@ -891,16 +893,16 @@ static void panel_prep(int t, const void *x, int xbf, int64_t in, float *xs, flo
     }
 }
 
-/* The 8 exact quants q 2^pshift(k) of lanes' word V (and hi bits H for Q5_0's mask / Q6_K's word)
- * for element k of a group of 8 */
-INLINE __m512i pquant(const int t, const int k, __m512i V, __m512i H, __mmask16 hi) {
+/* The exact quant q 2^pshift(k) of element k of a group of 8, in each lane, from the lanes'
+ * quant word V and (Q5_0, Q6_K) the group's hi word H */
+INLINE __m512i pquant(const int t, const int k, __m512i V, __m512i H) {
     const int e = pshift(t, k);
     __m512i q = k == 7 && (t == Q5_0 || t == Q6_K) ? _mm512_and_si512(_mm512_srli_epi32(V, 4), _mm512_set1_epi32(15 << 24))
                                                    : _mm512_and_si512(V, _mm512_set1_epi32((int)(15u << e)));
-    if (t == Q5_0) q = _mm512_mask_or_epi32(q, hi, q, _mm512_set1_epi32((int)(16u << e)));
-    if (t == Q6_K) { /* the 2 high bits sit at 4k + 4 in H (at 0 for k = 7, moved to 28) */
+    if (t == Q5_0 || t == Q6_K) { /* the 1 or 2 high bits sit at 4k + 4 in H (at 0 for k = 7, moved to 28) */
         __m512i h = k == 7 ? _mm512_slli_epi32(H, 28) : H;
-        q = _mm512_ternarylogic_epi32(q, h, _mm512_set1_epi32((int)(3u << (e + 4))), 0xF8); /* q | (h & mask) */
+        const unsigned bits = t == Q5_0 ? 1u : 3u;
+        q = _mm512_ternarylogic_epi32(q, h, _mm512_set1_epi32((int)(bits << (e + 4))), 0xF8); /* q | (h & mask) */
     }
     return q;
 }
@@ -910,10 +912,9 @@ INLINE __m512i pquant(const int t, const int k, __m512i V, __m512i H, __mmask16 
 INLINE int psubs(const int t) { return t == Q4_K ? 8 : t == Q6_K ? 16 : 1; }
 INLINE int pgroups(const int t) { return t == Q6_K ? 2 : 4; }
 
-/* group v of sub-block sb of panel block P (number g): the quant word V, the hi word H (Q6_K),
- * the hi masks (Q5_0) */
-INLINE void pwords(const int t, const uint8_t *P, int64_t g, int sb, int v, __m512i *V, __m512i *H,
-                   const uint8_t **himask) {
+/* group v of sub-block sb of panel block P (number g): the quant word V, the hi word H (Q5_0,
+ * Q6_K: shifted so that the group's bits sit at 4k + 4, and at 0 for k = 7) */
+INLINE void pwords(const int t, const uint8_t *P, int64_t g, int sb, int v, __m512i *V, __m512i *H) {
     if (t == Q4_K) {
         *V = _mm512_loadu_si512(P + 256 * sb + 64 * v);
     } else if (t == Q6_K) {
@@ -923,7 +924,7 @@ INLINE void pwords(const int t, const uint8_t *P, int64_t g, int sb, int v, __m5
         *H = v ? _mm512_srli_epi32(h, 2) : h;
     } else {
         *V = _mm512_loadu_si512(P + nib_at(t, g) + 64 * v);
-        *himask = P + head_at(t, g) + 32 + 16 * v;
+        if (t == Q5_0) *H = _mm512_srl_epi32(_mm512_loadu_si512(P + head_at(t, g) + 32), _mm_cvtsi32_si128(v));
     }
 }
 
@@ -970,11 +971,8 @@ INLINE void pscales(const int t, const uint8_t *P, int64_t g, int64_t b, int sb,
 }
 
 /* the 8 quants of a group as exact floats q 2^pshift(k) */
-INLINE void pdecode(const int t, __m512i V, __m512i H, const uint8_t *himask, __m512 *f) {
-    UNROLL for (int k = 0; k < 8; k++) {
-        __mmask16 hi = t == Q5_0 ? _load_mask16((__mmask16 *)(himask + 2 * k)) : 0;
-        f[k] = _mm512_cvtepu32_ps(pquant(t, k, V, H, hi));
-    }
+INLINE void pdecode(const int t, __m512i V, __m512i H, __m512 *f) {
+    UNROLL for (int k = 0; k < 8; k++) f[k] = _mm512_cvtepu32_ps(pquant(t, k, V, H));
 }
 
 /* every cache line of each of T panels' block b + 1, into L2 (prefetcht1): T streams of short
@@ -1009,13 +1007,9 @@ INLINE void ptile(const int t, const uint8_t *pw, int64_t nb, const float *xs, c
                 UNROLL for (int tt = 0; tt < T; tt++) {
                     const int64_t g = (p0 + tt) * nb + b;
                     __m512i V, H = _mm512_setzero_si512();
-                    const uint8_t *himask = NULL;
-                    pwords(t, pw + g * BB16, g, sb, v, &V, &H, &himask);
-                    UNROLL for (int k = 0; k < 8; k++) {
-                        __mmask16 hi = t == Q5_0 ? _load_mask16((__mmask16 *)(himask + 2 * k)) : 0;
-                        sum[tt] = _mm512_fmadd_ps(_mm512_cvtepu32_ps(pquant(t, k, V, H, hi)), _mm512_set1_ps(xv[k]),
-                                                  sum[tt]);
-                    }
+                    pwords(t, pw + g * BB16, g, sb, v, &V, &H);
+                    UNROLL for (int k = 0; k < 8; k++)
+                        sum[tt] = _mm512_fmadd_ps(_mm512_cvtepu32_ps(pquant(t, k, V, H)), _mm512_set1_ps(xv[k]), sum[tt]);
                 }
             }
             UNROLL for (int tt = 0; tt < T; tt++) {
@@ -1051,10 +1045,9 @@ static void prows(int t, const uint8_t *pw, int64_t nb, const float *xs, const f
             for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_ps();
             for (int v = 0; v < GROUPS; v++) {
                 __m512i V, H = _mm512_setzero_si512();
-                const uint8_t *himask = NULL;
                 __m512 f[8];
-                pwords(t, P, g, sb, v, &V, &H, &himask);
-                pdecode(t, V, H, himask, f);
+                pwords(t, P, g, sb, v, &V, &H);
+                pdecode(t, V, H, f);
                 const float *xv = xs + b * SUBS * SE + sb * SE + 8 * v;
                 for (int r = 0; r < R; r++) {
                     __m512 s = sum[r];

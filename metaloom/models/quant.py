@@ -304,8 +304,9 @@ def _panel_sources(qtype: int, odd: bool) -> np.ndarray:
             for e in range(32):
                 move(j, qs + e % 16, 4 * (e // 16), nib + 64 * (e // 8) + 4 * j + (e % 8) // 2, 4 * (e % 2), 4)
             if qtype == 6:
-                for i in range(32):  # hi[i] bit j: the 5th bit of element i
-                    move(j, 2 + i // 8, i % 8, head + 32 + 2 * i + j // 8, j % 8, 1)
+                for i in range(32):  # hi[j]: element 8v+k's 5th bit at v + (4k + 4 if k < 7 else 0)
+                    bit = i // 8 + (4 * (i % 8) + 4 if i % 8 < 7 else 0)
+                    move(j, 2 + i // 8, i % 8, head + 32 + 4 * j + bit // 8, bit % 8, 1)
         elif qtype == 12:  # Q4_K: nib [8][4][16] u32 | d[16] | dmin[16] | scales [3][16] u32
             move(j, 0, 0, 2048 + 2 * j, 0, 16)
             move(j, 2, 0, 2080 + 2 * j, 0, 16)
