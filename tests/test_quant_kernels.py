@@ -431,6 +431,15 @@ def test_the_portable_c_path_gives_the_same_values(tmp_path):
     cc.chmod(cc.stat().st_mode | stat.S_IEXEC)
     portable = build(tmp_path, compiler=str(cc)).kernels
     assert portable is not None
+    assert portable.panel_types == 0  # the panel matmul is AVX-512 code: a model keeps GGUF's layout
+    for qtype, inputs in ((6, 96), (14, 256)):  # the regrouping itself is plain C: the same bytes as here
+        w, _ = weight(qtype, 32, inputs, seed=12)
+        panels, back = torch.empty_like(w.blocks), torch.empty_like(w.blocks)
+        portable.panel(qtype, w.blocks, inputs, panels)
+        portable.panel(qtype, back, inputs, panels, back=True)
+        assert torch.equal(back, w.blocks)
+        if KERNELS is not None and KERNELS.panel_types:
+            assert torch.equal(panels, w.panelled().blocks)
     for qtype in sorted(QTYPES):
         inputs = _inputs(qtype)[1]
         w, ref = weight(qtype, 19, inputs, seed=13)

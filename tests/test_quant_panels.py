@@ -2,11 +2,12 @@
 against an independent numpy model of the documented layout, the way back, the panel matmul
 against a float64 reference, a row's independence of its batch, and the model using it.
 
-Error bound of the panel matmul (`_panel_excess`): per (row, output) each block's 32 products
-q_i x_i are exact inside their fmas and summed in order (31 roundings), the sum times d and
-the offset c S_b (S_b the block's input sum, 31 roundings) are added with one rounding each,
-blocks in order: |y - y_exact| <= (32 + 2 nb + 2) u sum_i (|d q_i| + |c|) |x_i| to first order,
-with c = m (Q4_1), -8 d (Q4_0), -16 d (Q5_0)."""
+Error bound of the panel matmul (`_panel_excess`, `_k_excess`): per (row, output) each
+(sub-)block's n products q_i x_i are exact inside their fmas and summed in order (n - 1
+roundings), the sum times its scale and the offset c off S (S the (sub-)block's input sum, at
+most n - 1 roundings) are added with one rounding each, (sub-)blocks in order: |y - y_exact| <=
+(n + 2 blocks + 2) u sum_i (|scale q_i| + |c off|) |x_i| to first order, with c off = m (Q4_1),
+-8 d (Q4_0), -16 d (Q5_0), -dmin m (Q4_K, n = 32), -32 d sc (Q6_K, n = 16)."""
 
 import numpy as np
 import pytest

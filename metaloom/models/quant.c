@@ -10,6 +10,9 @@
  * dequantised weight only by float32 summation rounding; the activations are never quantised
  * (llama.cpp quantises them to 8 bits; we must match a float32 reference).
  *
+ * This part runs GGUF's own layout; a model's Q4_0, Q4_1, Q5_0, Q4_K and Q6_K weights are
+ * regrouped into panels (the last part of this file), which decode reads 1.4-2x as fast.
+ *
  * Work: rows of x in chunks of up to MAX_CHUNK = 8, each chunk one pass over the weight; a pass
  * walks tiles of NO outputs (8 for one row of x, 4 or 2 for more: NO outputs share each load of
  * x, NO x rows accumulators fill half the vector registers), decoding each block once per tile.
@@ -707,34 +710,42 @@ int quant_quantize(int t, const void *x, int xbf, int64_t rows, int64_t in, uint
  * Why: in GGUF's layout a block's 32 quants sit along the input, so a 16-lane kernel must widen
  * bytes into lanes with cross-lane shuffles and sum each output's lanes at the end; on Zen 4
  * those shuffles, not memory, bound a 4-bit matvec (about 7 cycles per block per core). Putting
- * 16 outputs in the 16 lanes instead, each lane's quants come out of one 32-bit word with an AND
- * (and for Q5_0 and Q6_K one more bitwise op), an exact integer-to-float conversion and one fma against a
- * broadcast input: no shuffles, no horizontal sums. A panel is a permutation of the same bytes
- * (the file's quantisation, the same size); the converted cache keeps GGUF's own layout, and
- * weights are regrouped in memory when a model is built (`QuantWeight.panelled`).
+ * 16 outputs in the 16 lanes instead, each lane's quants come out of one 32-bit word with an
+ * AND (and for Q5_0 and Q6_K one more bitwise op), an exact integer-to-float conversion and one
+ * fma against a broadcast input: no shuffles, no horizontal sums. A panel is a permutation of
+ * the same bits (the file's quantisation, the same size); the converted cache keeps GGUF's own
+ * layout, and weights are regrouped in memory when a model is built (`QuantWeight.panelled`;
+ * quant.py's `_panel_sources` states the same layout bit by bit, and the tests hold the two to
+ * each other).
  *
- * Layout (Q4_0, Q4_1, Q5_0; out a multiple of 16): panel p holds outputs 16p..16p+15; its blocks
- * b = 0..nb-1 follow each other, each the 16 outputs' block b regrouped into a head and nib:
+ * Layout (out a multiple of 16): panel p holds outputs 16p..16p+15; its blocks b = 0..nb-1
+ * follow each other, each the 16 outputs' block b regrouped into a head and nib:
  *   Q4_0: head d[16] f16 (32 bytes)                 + nib[4][16] u32 (256): 288 bytes = 16 x 18
  *   Q4_1: head d[16] f16, m[16] f16 (64)            + nib: 320 bytes = 16 x 20
  *   Q5_0: head d[16] f16, hi[16] u32 (96)           + nib: 352 bytes = 16 x 22
  * nib[v][j]: output j's 4-bit quants of elements 8v..8v+7, element 8v+k in bits 4k..4k+3;
  * hi[j]: output j's 5th bits, element 8v+k's at bit v + (k < 7 ? 4k + 4 : 0) (shifted down v
  * bits, AND with one constant puts a group's bit where its quant's 5th bit goes: see `pquant`).
- * nib comes first, except in the odd panel
- * blocks (counting from the weight's start) of Q4_0 and Q5_0, which start at 32 mod 64: there
- * the head comes first, so that every 64-byte load of nib is aligned (a load across two cache
- * lines costs two).
+ * nib comes first, except in the odd panel blocks (counting from the weight's start) of Q4_0
+ * and Q5_0, which start at 32 mod 64: there the head comes first, so that every 64-byte load of
+ * nib is aligned (a load across two cache lines costs two). The K super-blocks (256 elements):
+ *   Q4_K: nib[8 sub-blocks][4][16] u32 (2048) | d[16] | dmin[16] | scales[3][16] u32 (GGUF's 12
+ *         scale bytes of each output, 4 to a word): 2304 bytes = 16 x 144
+ *   Q6_K: nib[32][16] u32 (low 4 bits) | hi[16][16] u32 (2 high bits: groups 2w and 2w + 1 in
+ *         word w, element 8g+k's at 4k + 4 + 2 (g % 2), at 2 (g % 2) for k = 7) | scales[4][16]
+ *         u32 (the int8 scales, 4 to a word) | d[16]: 3360 bytes = 16 x 210; the odd ones put d
+ *         first (see `q6k_at`)
  *
- * Arithmetic (per row of x and output): w = d q + m (Q4_1), d (q - 8) (Q4_0), d (q - 16) (Q5_0)
- * with q the unsigned quant, so y = sum_b [d_b (sum_i q_i x_i) + c_b S_b] with S_b the block's
- * input sum (c = m, -8 d, -16 d). Lane k of a word is converted as q 2^e(k) (exact: at most 5
+ * Arithmetic (per row of x and output): a (sub-)block's weights are scale q + c off with q the
+ * unsigned quant: Q4_1 d q + m, Q4_0 d (q - 8), Q5_0 d (q - 16), Q4_K (d sc) q - dmin m, Q6_K
+ * (d sc) (q - 32). So y = sum over (sub-)blocks of [scale (sum_i q_i x_i) + c off S] with S the
+ * (sub-)block's input sum. Lane k of a word is converted as q 2^e(k) (exact: at most 6
  * significant bits) against x prescaled by 2^-e(k) (exact but for inputs below ~2^-98), so each
  * product q x is exact inside its fma. Order, the same for every row count, tile and thread:
- * each block's 32 products in element order into a fresh sum, then acc = fma(sum, d, acc) and
- * acc = fma(c, S_b, acc), blocks in order; S_b sums the block's inputs in a fixed order. The offset
- * terms make the error bound (32 + 2 nb) u sum_i (|d q_i| + |c|) |x_i| rather than the GGUF
- * kernel's; at most a few u of sum |W x| in the tests (tests/test_quant_kernels.py). */
+ * each (sub-)block's products in element order into a fresh sum, then acc = fma(sum, scale, acc)
+ * and acc = fma(off, c S, acc), in order; S sums its inputs in a fixed order. The offset terms
+ * make the error bound (n + 2 blocks + 2) u sum_i (|scale q_i| + |c off|) |x_i| (n elements a
+ * sub-block) rather than the GGUF kernel's; tests/test_quant_panels.py holds every type to it. */
 
 INLINE int panel_head(const int t) { return t == Q4_0 ? 32 : t == Q4_1 ? 64 : 96; }
 /* offsets of nib and of the head in panel block g (counted from the weight's first) */
