@@ -11,7 +11,7 @@
  * (llama.cpp quantises them to 8 bits; we must match a float32 reference).
  *
  * This part runs GGUF's own layout; a model's Q4_0, Q4_1, Q5_0, Q4_K and Q6_K weights are
- * regrouped into panels (the last part of this file), which decode reads 1.4-2x as fast.
+ * regrouped into panels (the last part of this file), which decode reads 1.2-1.7x as fast.
  *
  * Work: rows of x in chunks of up to MAX_CHUNK = 8, each chunk one pass over the weight; a pass
  * walks tiles of NO outputs (8 for one row of x, 4 or 2 for more: NO outputs share each load of

@@ -18,7 +18,7 @@ bfloat16) gives x W^T [..., out] in x's dtype:
   call or on the thread count;
 - a model's Q4_0, Q4_1, Q5_0, Q4_K and Q6_K weights are regrouped when it is built
   (`QuantWeight.panelled`: 16 outputs side by side, the same bytes) where the kernels are
-  compiled with AVX-512: the panel kernel reads them 1.3-1.7x as fast per core (quant.c says
+  compiled with AVX-512: the panel kernel reads them 1.2-1.7x as fast per core (quant.c says
   why). It sums each (sub-)block's exact products q x first, then scales by the (sub-)block's
   scale and adds its offset term (m, -8 d, -16 d, -dmin m or -32 d scale times the (sub-)block's
   input sum): the same float32 rounding level in another order, and again a row's result does not
@@ -281,6 +281,12 @@ def dequantize_torch(qtype: int, blocks: torch.Tensor, in_features: int) -> torc
     return _DECODERS[qtype](blocks.view(blocks.shape[0], in_features // q.block, q.bytes)).reshape(-1, in_features)
 
 
+# Types with quant.c's panel layout (16 outputs side by side: see `QuantWeight.panelled`)
+PANEL_TYPES = frozenset({2, 3, 6, 12, 14})  # Q4_0, Q4_1, Q5_0, Q4_K, Q6_K
+PANEL = 16  # outputs per panel
+LAYOUTS = ("gguf", "panel")
+
+
 @functools.cache
 def _panel_sources(qtype: int, odd: bool) -> np.ndarray:
     """For one panel block of ``qtype`` (16 outputs' blocks regrouped; ``odd``: its index from the
@@ -347,12 +353,6 @@ def unpanel_torch(qtype: int, panels: torch.Tensor, in_features: int) -> torch.T
 
 
 # ---- the weight -----------------------------------------------------------------------------------
-
-
-# Types with quant.c's panel layout (16 outputs side by side: see `QuantWeight.panelled`)
-PANEL_TYPES = frozenset({2, 3, 6, 12, 14})  # Q4_0, Q4_1, Q5_0, Q4_K, Q6_K
-PANEL = 16  # outputs per panel
-LAYOUTS = ("gguf", "panel")
 
 
 @dataclass(frozen=True, eq=False)
