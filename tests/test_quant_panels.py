@@ -171,7 +171,13 @@ def test_a_panel_weight_dequantises_looks_up_rows_and_falls_back_like_its_blocks
     assert torch.equal(p.dequantize(), torch.from_numpy(ref))
     assert torch.equal(p.rows(torch.tensor([31, 0, 7])), torch.from_numpy(ref)[[31, 0, 7]])
     x = torch.randn(quant.CROSSOVER_ROWS + 1, inputs, generator=torch.Generator().manual_seed(6))
-    assert torch.equal(p(x), w(x))  # above the crossover: the same dequantised weight and F.linear
+    # float32 above CROSSOVER_ROWS: still the panel kernel (each row as alone); bfloat16 and more
+    # than PANEL_CROSSOVER_ROWS rows: the dequantised weight and F.linear, as from GGUF's layout
+    n = x.shape[0]
+    assert torch.equal(p(x)[-3:], torch.cat([p(x[i:i + 1]) for i in range(n - 3, n)]))
+    assert torch.equal(p(x.bfloat16()), w(x.bfloat16()))
+    long = torch.randn(quant.PANEL_CROSSOVER_ROWS + 1, inputs, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(p(long), w(long))
     monkeypatch.setattr(quant, "kernels", lambda: quant.Availability(None, "forced off"))
     assert torch.equal(p.dequantize(), torch.from_numpy(ref))  # unpanelled by PyTorch
     assert torch.equal(p(x[:3]), w(x[:3]))

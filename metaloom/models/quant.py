@@ -23,7 +23,8 @@ bfloat16) gives x W^T [..., out] in x's dtype:
   scale and adds its offset term (m, -8 d, -16 d, -dmin m or -32 d scale times the (sub-)block's
   input sum): the same float32 rounding level in another order, and again a row's result does not
   depend on the other rows or the threads;
-- more rows: the weight dequantised to x's dtype (by the C kernel) and `F.linear`, where a
+- more rows (for float32 x on panels, more than `PANEL_CROSSOVER_ROWS`): the weight dequantised
+  to x's dtype (by the C kernel) and `F.linear`, where a
   dense GEMM's arithmetic rate pays for dequantising (bfloat16 x: the weight rounds to bfloat16);
 - without a C compiler: the same values from PyTorch bit operations, then `F.linear` (slow, but
   the same results).
@@ -55,6 +56,13 @@ ABI_VERSION = 2  # must match quant.c
 # on weights of 1 to 5 MB of blocks (SmolLM2-135M's gate_up, Qwen2.5-0.5B's ffn_down; within 10%
 # either way at 128 but for Q5_0), and past 256 on Qwen's gate_up (dequantising 35 MB costs more).
 CROSSOVER_ROWS = 128
+# The same for a weight in the panel layout with float32 x: the panel kernel decodes each group
+# of quants once for 32 rows and then runs fmas at about the rate of a float32 GEMM, with no
+# weight to regroup and dequantise first. Measured against regroup + dequantise + F.linear
+# (2 threads, Zen 4): 1.2-3x faster at 129 and 354 rows on SmolLM2's gate_up and Qwen's
+# gate_up/down, 0.8-1.3x at 1024. bfloat16 x keeps CROSSOVER_ROWS: F.linear in bfloat16 wins
+# above about 200 rows.
+PANEL_CROSSOVER_ROWS = 512
 # Below this many bytes of blocks, one thread: an OpenMP parallel region costs a microsecond or
 # two, and two threads first won at ~22 KB of Q4_1 (4.4 us on one)
 PARALLEL_MIN_BYTES = 32 * 1024
@@ -458,7 +466,7 @@ class QuantWeight:
         rows = x.numel() // self.in_features
         if rows == 0:
             return x.new_empty((*shape[:-1], self.blocks.shape[0]))
-        if rows > CROSSOVER_ROWS:
+        if rows > CROSSOVER_ROWS and (self.layout == "gguf" or x.dtype != torch.float32 or rows > PANEL_CROSSOVER_ROWS):
             return F.linear(x, self.dequantize(x.dtype))
         k = self._kernels()
         if k is None:  # float32 products and sums, one rounding to x's dtype: the kernel's arithmetic
