@@ -772,9 +772,21 @@ INLINE void move_bits(const uint8_t *f, int fs, uint8_t *to, int ts, int width) 
 #define MOVE(gp, gs, pp, ps, width) (back ? move_bits(pp, ps, gp, gs, width) : move_bits(gp, gs, pp, ps, width))
 #define COPY(gp, pp, n) (back ? memcpy(gp, pp, n) : memcpy(pp, gp, n))
 
-/* a K super-block of output j (g) <-> lane j of panel super-block P, number g_index */
-static void panel_k_block(int t, uint8_t *g, uint8_t *P, int64_t g_index, int j, int back) {
-    if (t == Q4_K) { /* nib [8 sub-blocks][4][16] u32 | d[16] | dmin[16] | scales [3][16] u32 */
+/* GGUF block of output j (g) <-> lane j of panel block P, number g_index (the layouts above) */
+static void panel_block(int t, uint8_t *g, uint8_t *P, int64_t g_index, int j, int back) {
+    if (t == Q4_0 || t == Q4_1 || t == Q5_0) {
+        const int qs = panel_qs(t);
+        uint8_t *head = P + head_at(t, g_index), *nib = P + nib_at(t, g_index);
+        COPY(g, head + 2 * j, 2); /* d */
+        if (t == Q4_1) COPY(g + 2, head + 32 + 2 * j, 2); /* m */
+        for (int e = 0; e < 32; e++) /* GGUF: element e low nibble of byte e, 16 + e its high one */
+            MOVE(g + qs + e % 16, 4 * (e / 16), nib + 64 * (e / 8) + 4 * j + (e % 8) / 2, 4 * (e & 1), 4);
+        if (t == Q5_0)
+            for (int i = 0; i < 32; i++) {
+                int hb = q5_hi_bit(i);
+                MOVE(g + 2 + i / 8, i % 8, head + 32 + 4 * j + hb / 8, hb % 8, 1);
+            }
+    } else if (t == Q4_K) { /* nib [8 sub-blocks][4][16] u32 | d[16] | dmin[16] | scales [3][16] u32 */
         COPY(g, P + 2048 + 2 * j, 2);
         COPY(g + 2, P + 2080 + 2 * j, 2);
         for (int w = 0; w < 3; w++) COPY(g + 4 + 4 * w, P + 2112 + 64 * w + 4 * j, 4);
@@ -797,53 +809,15 @@ static void panel_k_block(int t, uint8_t *g, uint8_t *P, int64_t g_index, int j,
 
 /* GGUF blocks w [out, nb * BB] <-> panels p (the same bytes regrouped); back = 1: panels -> blocks */
 static void panel_part(int t, uint8_t *w, int64_t nb, uint8_t *p, int back, int64_t p_lo, int64_t p_hi) {
-    const int BB = block_bytes(t), QS = panel_qs(t);
-    if (t == Q4_K || t == Q6_K) {
-        for (int64_t pn = p_lo; pn < p_hi; pn++)
-            for (int64_t b = 0; b < nb; b++) {
-                uint8_t *P = p + (pn * nb + b) * 16 * BB;
-                if (!back) memset(P, 0, 16 * (size_t)BB);
-                for (int j = 0; j < 16; j++) {
-                    uint8_t *g = w + ((pn * 16 + j) * nb + b) * BB;
-                    if (back) memset(g, 0, (size_t)BB);
-                    panel_k_block(t, g, P, pn * nb + b, j, back);
-                }
-            }
-        return;
-    }
+    const int BB = block_bytes(t);
     for (int64_t pn = p_lo; pn < p_hi; pn++)
         for (int64_t b = 0; b < nb; b++) {
-            uint8_t *blk = p + (pn * nb + b) * 16 * BB, *P = blk + head_at(t, pn * nb + b);
-            const int64_t H = nib_at(t, pn * nb + b) - head_at(t, pn * nb + b); /* nib, from P */
-            if (!back) memset(blk, 0, 16 * (size_t)BB);
+            uint8_t *P = p + (pn * nb + b) * 16 * BB;
+            if (!back) memset(P, 0, 16 * (size_t)BB); /* moves OR into zeroed bytes */
             for (int j = 0; j < 16; j++) {
                 uint8_t *g = w + ((pn * 16 + j) * nb + b) * BB;
-                uint8_t q[32];
-                if (!back) {
-                    memcpy(P + 2 * j, g, 2);
-                    if (t == Q4_1) memcpy(P + 32 + 2 * j, g + 2, 2);
-                    for (int e = 0; e < 32; e++) q[e] = e < 16 ? g[QS + e] & 15 : g[QS + e - 16] >> 4;
-                    for (int e = 0; e < 32; e++) {
-                        uint8_t *word = P + H + 64 * (e / 8) + 4 * j;
-                        uint32_t v = ld_u32(word) | (uint32_t)q[e] << (4 * (e % 8));
-                        memcpy(word, &v, 4);
-                    }
-                    if (t == Q5_0) {
-                        uint32_t qh = ld_u32(g + 2), h = 0;
-                        for (int i = 0; i < 32; i++) h |= ((qh >> i) & 1u) << q5_hi_bit(i);
-                        memcpy(P + 32 + 4 * j, &h, 4);
-                    }
-                } else {
-                    memcpy(g, P + 2 * j, 2);
-                    if (t == Q4_1) memcpy(g + 2, P + 32 + 2 * j, 2);
-                    for (int e = 0; e < 32; e++) q[e] = (ld_u32(P + H + 64 * (e / 8) + 4 * j) >> (4 * (e % 8))) & 15;
-                    for (int e = 0; e < 16; e++) g[QS + e] = (uint8_t)(q[e] | q[e + 16] << 4);
-                    if (t == Q5_0) {
-                        uint32_t qh = 0, h = ld_u32(P + 32 + 4 * j);
-                        for (int i = 0; i < 32; i++) qh |= ((h >> q5_hi_bit(i)) & 1u) << i;
-                        memcpy(g + 2, &qh, 4);
-                    }
-                }
+                if (back) memset(g, 0, (size_t)BB);
+                panel_block(t, g, P, pn * nb + b, j, back);
             }
         }
 }
@@ -865,10 +839,8 @@ int quant_panel(int t, uint8_t *blocks, int64_t out, int64_t in, uint8_t *panels
     int64_t np = out / 16, nb = in / block_elems(t);
 #pragma omp parallel num_threads(threads) if (threads > 1 && np > 1)
     {
-        int64_t lo = 0, hi = np;
-#ifdef _OPENMP
+        int64_t lo, hi;
         thread_share(np, 1, &lo, &hi);
-#endif
         if (lo < hi) panel_part(t, blocks, nb, panels, back, lo, hi);
     }
     return 0;
@@ -1137,10 +1109,8 @@ int quant_panel_matmul(int t, const uint8_t *pw, int64_t out, int64_t in, const 
     int64_t elem = ybf ? 2 : 4;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        int64_t lo = 0, hi = np;
-#ifdef _OPENMP
+        int64_t lo, hi;
         thread_share(np, 1, &lo, &hi); /* equal shares: the tiles above take any count */
-#endif
         for (int64_t c = 0; c * PANEL_ROWS < rows; c++) /* chunks of PANEL_ROWS rows */
             if (lo < hi)
                 panel_chunk(t, pw, nb, xs + c * PANEL_ROWS * in, S + c * PANEL_ROWS * 3 * n32, in,

@@ -344,7 +344,7 @@ def _panel_sources(qtype: int, odd: bool) -> np.ndarray:
     return src
 
 
-def unpanel_torch(qtype: int, panels: torch.Tensor, in_features: int) -> torch.Tensor:
+def unpanel_numpy(qtype: int, panels: torch.Tensor, in_features: int) -> torch.Tensor:
     """GGUF blocks [out, row_bytes] from quant.c's panel layout (see `QuantWeight.panelled`), by
     numpy bit moves (`_panel_sources`): what the C kernels' ``quant_panel(back=1)`` gives, for
     when they are gone."""
@@ -445,7 +445,7 @@ class QuantWeight:
         if k is not None:
             k.panel(self.qtype, blocks, self.in_features, self.blocks, back=True, threads=_threads(self.nbytes))
         else:
-            blocks = unpanel_torch(self.qtype, self.blocks, self.in_features)
+            blocks = unpanel_numpy(self.qtype, self.blocks, self.in_features)
         return QuantWeight(self.qtype, blocks, self.in_features)
 
     def _kernels(self) -> QuantKernels | None:
