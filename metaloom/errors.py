@@ -35,6 +35,11 @@ class UnsupportedModel(MetaloomError):
     """A real model whose architecture or feature metaloom does not implement."""
 
 
+class UnsupportedISA(MetaloomError):
+    """A kernel instruction-set path (``METALOOM_ISA``) that is no path or that this CPU cannot
+    run; the message names what the CPU has and the paths it runs."""
+
+
 class ContextWindowExceeded(MetaloomError):
     """Prompt plus requested tokens do not fit the model's context window."""
 

@@ -9,6 +9,17 @@ os.environ.setdefault("METALOOM_SANDBOX_WEAK", "1")
 import pytest
 import torch
 
+from metaloom.models import isa
+
+
+@pytest.fixture(params=isa.runnable())
+def kernel_path(request):
+    """The instruction-set path of metaloom's C kernels a test runs on: once for each one this
+    CPU runs (`metaloom.models.isa`: avx512, avx2 and generic on an AVX-512 x86, avx2 and
+    generic on an AVX2 one, neon and generic on aarch64), as ``METALOOM_ISA`` would force it."""
+    with isa.using(request.param):
+        yield request.param
+
 
 @pytest.fixture(scope="session")
 def smollm():

@@ -1,9 +1,11 @@
 """The fused CPU decode kernels (metaloom.models.fused): each kernel against the PyTorch ops it
 replaces, a model's one-token steps through them against the same model without them, and a
-clear reason (or typed error) where they cannot be had."""
+clear reason (or typed error) where they cannot be had. Every test runs once per instruction-set
+path this CPU runs (the ``kernel_path`` fixture)."""
 
 import math
 import os
+import sys
 from dataclasses import astuple
 
 import pytest
@@ -19,6 +21,17 @@ from metaloom.models.rope import apply_rope, rope_tables
 CPU = torch.device("cpu")
 KERNELS = kernels().kernels
 needs = pytest.mark.skipif(KERNELS is None, reason=f"no fused kernels here: {kernels().reason}")
+
+
+@pytest.fixture(autouse=True)
+def path_kernels(kernel_path, monkeypatch):
+    """KERNELS: the fused kernels of the path under test (`kernel_path`), built for exactly it."""
+    k = kernels().kernels
+    if k is None:
+        pytest.skip(f"no fused kernels for {kernel_path}: {kernels().reason}")
+    assert k.isa == kernel_path
+    monkeypatch.setattr(sys.modules[__name__], "KERNELS", k)
+    return k
 
 
 def _g(seed: int) -> torch.Generator:

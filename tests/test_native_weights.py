@@ -1,8 +1,11 @@
 """Native weights (`metaloom.models.native`): the default model's GGUF blocks kept as they are
-and multiplied by the quantised kernels, against the same weights dequantised."""
+and multiplied by the quantised kernels, against the same weights dequantised. The tests of the
+arithmetic run once per instruction-set path this CPU runs (``on_path``: the quantised and the
+fused kernels of that path)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -27,6 +30,19 @@ Q4_1, Q8_0 = 3, 8
 @pytest.fixture(scope="module")
 def native(smollm):
     return load("default", dtype="float32", weights="native")
+
+
+@pytest.fixture
+def on_path(native, kernel_path):
+    """``native`` running the kernels of the path under test: the quantised ones are looked up per
+    call, the fused ones are bound to the model, so rebound here."""
+    from metaloom.models import fused, quant
+
+    f, q = fused.kernels().kernels, quant.kernels().kernels
+    if f is None or q is None:
+        pytest.skip(f"no kernels for {kernel_path}")
+    assert f.isa == q.isa == kernel_path
+    return dataclasses.replace(native, model=native.model.with_fused(f))
 
 
 def _logits(model, ids: list[int]) -> torch.Tensor:
@@ -61,43 +77,43 @@ def test_blocks_file_is_written_once_and_reused(native):
     assert torch.equal(again.model.layers[3].down.blocks, native.model.layers[3].down.blocks)
 
 
-def test_native_logits_match_the_dequantised_model(native, smollm):
+def test_native_logits_match_the_dequantised_model(on_path, smollm):
     """Same weights, so the logits agree to float rounding (the kernels sum in another order)."""
     tok = smollm.tokenizer
     for prompt in PROMPTS:
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]), add_special_tokens=False)
-        ours, ref = _logits(native.model, ids), _logits(smollm.model, ids)
+        ours, ref = _logits(on_path.model, ids), _logits(smollm.model, ids)
         scale = ref.abs().max()
         assert (ours - ref).abs().max() <= 2e-4 * scale, prompt
 
 
-def test_native_one_token_steps_match_dense(native, smollm):
+def test_native_one_token_steps_match_dense(on_path, smollm):
     """The decode path (one token per step, fused kernels, the quantised matvec)."""
     ids = smollm.tokenizer.encode("The quick brown fox", add_special_tokens=False)
-    caches = [m.new_cache(1, len(ids) + 8) for m in (native.model, smollm.model)]
-    for m, c in zip((native.model, smollm.model), caches, strict=True):
+    caches = [m.new_cache(1, len(ids) + 8) for m in (on_path.model, smollm.model)]
+    for m, c in zip((on_path.model, smollm.model), caches, strict=True):
         m.forward(torch.tensor([ids]), c)
     for t in (11, 22, 33, 44):
-        a = native.model.forward(torch.tensor([[t]]), caches[0])[0, -1]
+        a = on_path.model.forward(torch.tensor([[t]]), caches[0])[0, -1]
         b = smollm.model.forward(torch.tensor([[t]]), caches[1])[0, -1]
         assert (a - b).abs().max() <= 2e-4 * b.abs().max()
 
 
-def test_native_greedy_tokens_match_dense(native, smollm):
+def test_native_greedy_tokens_match_dense(on_path, smollm):
     from metaloom.generator import LocalGenerator, Request
     from metaloom.ledger import Ledger
     from metaloom.sampling import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     reqs = [Request(({"role": "user", "content": p},), params) for p in PROMPTS]
-    ours = LocalGenerator(native).generate(reqs, ledger=Ledger())
+    ours = LocalGenerator(on_path).generate(reqs, ledger=Ledger())
     ref = LocalGenerator(smollm).generate(reqs, ledger=Ledger())
     for a, b in zip(ours, ref, strict=True):
         assert a[0].token_ids == b[0].token_ids and len(a[0].token_ids) == 24
 
 
-def test_native_bfloat16_activations(smollm):
-    bf = load("default", dtype="bfloat16", weights="native")
+def test_native_bfloat16_activations(smollm, kernel_path):
+    bf = load("default", dtype="bfloat16", weights="native")  # loaded on the path: its fused kernels too
     assert bf.model.dtype == torch.bfloat16 and isinstance(bf.model.layers[0].o, QuantWeight)
     ids = smollm.tokenizer.encode("Once upon a time", add_special_tokens=False)
     ours, ref = _logits(bf.model, ids), _logits(smollm.model, ids)

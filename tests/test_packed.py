@@ -1,23 +1,31 @@
 """Packed CPU weights (metaloom.models.packed): the same products as the plain kernels, for any
-row count, and a packed model that decodes like the plain one."""
+row count, and a packed model that decodes like the plain one; bfloat16 packed only where oneDNN
+has bfloat16 kernels for the CPU, metaloom's own bfloat16 kernel (`Bf16Linear`) elsewhere. Every
+test runs once per instruction-set path this CPU runs (``kernel_path``: a path forced below
+avx512 stands for a CPU without oneDNN's bfloat16)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from metaloom.errors import InvalidParameter
+from metaloom.models import isa
 from metaloom.models.config import LlamaConfig
-from metaloom.models.llama import LlamaModel, dense_weight
-from metaloom.models.packed import PackedLinear, pack, packing_available
+from metaloom.models.llama import LlamaModel, dense_weight, plain_weight
+from metaloom.models.packed import Bf16Linear, PackedLinear, bf16_gemm, own_bf16, pack, packing_available
 
 CPU = torch.device("cpu")
 needs = pytest.mark.skipif(not packing_available(torch.float32, CPU), reason="this torch build has no MKL/oneDNN")
+pytestmark = pytest.mark.usefixtures("kernel_path")
 
 
 @needs
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("rows", [1, 2, 11, 40])
 def test_packed_product_equals_plain(dtype, tol, rows):
+    if not packing_available(dtype, CPU):
+        assert dtype == torch.bfloat16 and not bf16_gemm()
+        pytest.skip("oneDNN has no bfloat16 kernels for this CPU (or path): metaloom's own run instead")
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 64, generator=g).to(dtype)
     x = torch.randn(3, rows, 64, generator=g).to(dtype)[:1]  # a [1, rows, 64] view of a bigger tensor
@@ -86,3 +94,81 @@ def test_load_pack_true_without_kernels_is_a_typed_error(smollm):
 def test_default_load_packs_on_the_cpu(smollm):
     assert isinstance(smollm.model.lm_head, PackedLinear)
     assert isinstance(smollm.model.layers[0].gate_up, PackedLinear)
+
+
+def test_bfloat16_is_packed_only_where_onednn_has_it():
+    """Checked, not assumed: on a path below avx512 (a CPU without AVX-512 BW/VL/DQ, unless it
+    has AVX-NE-CONVERT) bfloat16 is not packed; where it is packable the reorder works."""
+    expected = isa.chosen().name == "avx512" or "avx_ne_convert" in isa.cpu_features()
+    if not expected:
+        assert not bf16_gemm() and not packing_available(torch.bfloat16, CPU)
+    if packing_available(torch.bfloat16, CPU):
+        pack(torch.randn(32, 64).bfloat16())  # would raise where the CPU lacks the instructions
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40, 129, 300])
+def test_own_bfloat16_product_is_the_float32_product_rounded_once(rows):
+    """`Bf16Linear`: every bfloat16 weight and input widened exactly, float32 products and sums,
+    one rounding of y to bfloat16: within float32 summation rounding of the float64 product,
+    before that rounding (rows above the crossover: the same through PyTorch in float32 where
+    oneDNN has no bfloat16 GEMM)."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(80, 96, generator=g).bfloat16()
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    lin = own_bf16(w)
+    assert isinstance(lin, Bf16Linear) and lin.numel() == w.numel()
+    assert lin.blocks.blocks.data_ptr() == w.data_ptr()  # the same storage, no copy
+    y = lin(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 80)
+    exact = x.double() @ w.double().T
+    ulp = exact.abs().clamp_min(1e-30) * 2.0**-8  # one bfloat16 rounding: half an ulp, at most 2^-8 relative
+    slack = 96 * 2.0**-24 * (x.double().abs() @ w.double().abs().T)  # float32 summation
+    assert ((y.double() - exact).abs() <= ulp + slack).all()
+    yf = lin(x.float())  # float32 in and out: the float32 sums themselves
+    assert ((yf.double() - exact).abs() <= slack).all()
+    if rows <= 128 or not bf16_gemm():  # (above, with oneDNN's bfloat16: its own GEMM)
+        assert torch.equal(y, yf.bfloat16())
+
+
+def test_own_bfloat16_model_matches_the_plain_bfloat16_model():
+    plain = _tiny_model()
+    bf = LlamaModel.from_state_dict(plain.config, _state(plain), dtype=torch.bfloat16)
+    own = bf.own_bf16()
+    assert isinstance(own.layers[0].gate_up, Bf16Linear) and isinstance(own.lm_head, Bf16Linear)
+    assert plain_weight(own.lm_head) is bf.embed and own.num_parameters() == bf.num_parameters()
+    prompt = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(3))
+    caches = [m.new_cache(2, 32) for m in (bf, own)]
+    a, b = (m.forward(prompt, c) for m, c in zip((bf, own), caches, strict=True))
+    assert (a.float() - b.float()).abs().max().item() <= 3e-2 * a.float().abs().max().item()
+    token = a[:, -1].argmax(-1, keepdim=True)
+    a, b = (m.forward(token, c) for m, c in zip((bf, own), caches, strict=True))
+    assert (a.float() - b.float()).abs().max().item() <= 3e-2 * a.float().abs().max().item()
+
+
+def test_default_bfloat16_load_uses_the_fastest_bfloat16_products_here(smollm):
+    from metaloom.models import load
+
+    m = load("default", dtype="bfloat16", weights="dense").model
+    kind = PackedLinear if packing_available(torch.bfloat16, CPU) else Bf16Linear
+    assert isinstance(m.layers[0].gate_up, kind) and isinstance(m.lm_head, kind)
+    ids = smollm.tokenizer.encode("The capital of France is", add_special_tokens=False)
+    logits = m.forward(torch.tensor([ids]), m.new_cache(1, 16))[0, -1].float()
+    ref = smollm.model.forward(torch.tensor([ids]), smollm.model.new_cache(1, 16))[0, -1]
+    assert logits.argmax() == ref.argmax()
+    assert (logits - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+def _state(model: LlamaModel) -> dict[str, torch.Tensor]:
+    """transformers-named float32 weights of a plain `_tiny_model` (q, k, v and gate, up split)."""
+    c = model.config
+    hd, h, hk = c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    sd = {"model.embed_tokens.weight": model.embed, "model.norm.weight": model.norm}
+    for i, w in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        q, k, v = w.qkv.split([h * hd, hk * hd, hk * hd])  # type: ignore[union-attr]
+        gate, up = w.gate_up.chunk(2)  # type: ignore[union-attr]
+        sd |= {p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
+               p + "self_attn.o_proj.weight": w.o, p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+               p + "mlp.down_proj.weight": w.down, p + "input_layernorm.weight": w.attn_norm,
+               p + "post_attention_layernorm.weight": w.mlp_norm}
+    return sd  # type: ignore[return-value]

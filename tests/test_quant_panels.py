@@ -7,20 +7,42 @@ Error bound of the panel matmul (`_panel_excess`, `_k_excess`): per (row, output
 roundings), the sum times its scale and the offset c off S (S the (sub-)block's input sum, at
 most n - 1 roundings) are added with one rounding each, (sub-)blocks in order: |y - y_exact| <=
 (n + 2 blocks + 2) u sum_i (|scale q_i| + |c off|) |x_i| to first order, with c off = m (Q4_1),
--8 d (Q4_0), -16 d (Q5_0), -dmin m (Q4_K, n = 32), -32 d sc (Q6_K, n = 16)."""
+-8 d (Q4_0), -16 d (Q5_0), -dmin m (Q4_K, n = 32), -32 d sc (Q6_K, n = 16). The 8-lane paths
+sum a sub-block's even and odd elements in two chains added at its end (at most n roundings all
+the same); without fma (generic x86) each product and each scaling is rounded as well, so the
+bound doubles there (`_fma_factor`).
+
+Every test runs once per instruction-set path this CPU runs (the ``kernel_path`` fixture): the
+panel layout is the same bytes on every path, each path's matmul reads it."""
+
+import sys
 
 import numpy as np
 import pytest
 import torch
 
 from metaloom.errors import InvalidParameter
-from metaloom.models import quant
+from metaloom.models import isa, quant
 from metaloom.models.quant import QuantWeight, kernels, unpanel_numpy
 from tests.test_quant_kernels import U, random_blocks, reference, weight
 
 KERNELS = kernels().kernels
-PANELS = KERNELS is not None and KERNELS.panel_types != 0
-needs = pytest.mark.skipif(not PANELS, reason="no panel kernels here (they need AVX-512)")
+needs = pytest.mark.skipif(KERNELS is None, reason=f"no quant kernels here: {kernels().reason}")
+
+
+@pytest.fixture(autouse=True)
+def path_kernels(kernel_path, monkeypatch):
+    """KERNELS: the kernels of the path under test (`kernel_path`); every path has panels."""
+    k = kernels().kernels
+    if k is None:
+        pytest.skip(f"no quant kernels for {kernel_path}: {kernels().reason}")
+    assert k.isa == kernel_path and k.panel_types == sum(1 << t for t in quant.PANEL_TYPES)
+    monkeypatch.setattr(sys.modules[__name__], "KERNELS", k)
+    return k
+
+
+def _fma_factor() -> int:
+    return 1 if isa.has_fma(isa.chosen().name) else 2
 PANEL_TYPES = pytest.mark.parametrize("qtype", [2, 3, 6, 12, 14], ids=["Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K"])
 SMALL_TYPES = pytest.mark.parametrize("qtype", [2, 3, 6], ids=["Q4_0", "Q4_1", "Q5_0"])
 K_TYPES = (12, 14)
@@ -74,7 +96,7 @@ def _panel_excess(y: torch.Tensor, x: torch.Tensor, qtype: int, blocks: np.ndarr
     c = c.repeat_interleave(32, dim=1)  # [out, in]
     scale = x.double().abs() @ ((w - c).abs() + c.abs()).T
     exact = x.double() @ w.T
-    bound = 32 + 2 * nb + 2
+    bound = (32 + 2 * nb + 2) * _fma_factor()
     return ((y.double() - exact).abs() / (bound * U * scale + 1e-300)).max().item()
 
 
@@ -125,7 +147,7 @@ def _k_excess(y: torch.Tensor, x: torch.Tensor, qtype: int, blocks: np.ndarray, 
     scale = x.double().abs() @ ((w - c).abs() + c.abs()).T
     exact = x.double() @ w.T
     sub = 32 if qtype == 12 else 16
-    bound = sub + 2 * (w.shape[1] // sub) + 2
+    bound = (sub + 2 * (w.shape[1] // sub) + 2) * _fma_factor()
     return ((y.double() - exact).abs() / (bound * U * scale + 1e-300)).max().item()
 
 

@@ -86,6 +86,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "first of --dtypes), dense (dequantised, once per --dtypes entry)")
     p.add_argument("--llama-cpp", default=None, metavar="VENV",
                    help="decode: llama-cpp-python's venv for --peers llama.cpp (default: this interpreter's)")
+    p.add_argument("--llama-cpp-avx2", default=None, metavar="VENV",
+                   help="decode: a second llama-cpp-python venv built for AVX2 alone (GGML_NATIVE=OFF, GGML_AVX512=OFF), "
+                        "run beside the first with --peers llama.cpp: what an AVX2 user gets, on an AVX-512 machine")
+    p.add_argument("--isa", default="", metavar="PATHS",
+                   help="decode: run metaloom once per kernel path, comma-separated (avx512, avx2, neon, generic: "
+                        "METALOOM_ISA, with PyTorch's, oneDNN's and MKL's own capped alike); default: the best this CPU has")
     # speculative: drafters to compare (DEFAULT_DRAFTERS), the draft model, K, the prefix-cache case
     p.add_argument("--drafters", default="ngram,quantized,quantized-int4,jacobi,jacobi-lookup,heads,draft")
     p.add_argument("--draft-model", default=None, help="draft model (same tokenizer) for the draft-model drafter")

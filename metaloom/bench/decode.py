@@ -7,6 +7,12 @@ per dtype; llama.cpp (llama-cpp-python from ``--llama-cpp VENV``, on the GGUF fi
 vLLM (``--vllm VENV``, bfloat16, on the converted transformers folder) when ``--peers`` names
 them (default: transformers only). All get the same thread count and the same prompt token ids.
 
+Kernel paths: ``--isa avx2,avx512`` runs each metaloom row once per instruction-set path
+(``METALOOM_ISA``, `metaloom.models.isa`), with PyTorch's, oneDNN's and MKL's own dispatch capped
+at the same instruction set (`metaloom.models.isa.library_env`), so an AVX-512 machine measures
+what an AVX2 user gets; ``--llama-cpp-avx2 VENV`` adds llama.cpp built for AVX2 alone. Every row
+says which path its kernels ran.
+
 Cases: (1) batch-1 greedy, ``--new-tokens`` tokens from the chat-templated GREEDY_PROMPT;
 (2) ``--samples`` samples x ``--sample-tokens`` tokens from one ~300-token prompt at
 temperature 1, plain sampling (no top-k/top-p), the prompt prefilled once and shared by the
@@ -59,6 +65,17 @@ def options(args: argparse.Namespace) -> tuple[list[str], list[str], list[str]]:
     weights = _names("weights", getattr(args, "weights", "dense"), WEIGHTS)
     peers = _names("peers", args.peers if getattr(args, "peers_given", False) else DEFAULT_PEERS, PEERS)
     return dtypes, weights, peers
+
+
+def isa_paths(args: argparse.Namespace) -> list[str | None]:
+    """The kernel paths to run metaloom on (None: the process's own choice); a name that is no
+    path, or one this CPU lacks, is an `UnsupportedISA` before anything loads."""
+    from metaloom.models import isa
+
+    names = _names("isa", getattr(args, "isa", "") or "", isa.NAMES)
+    for name in names:
+        isa.resolve(name)
+    return list(names) or [None]
 
 
 def gguf_file(spec: str) -> str | None:
@@ -131,6 +148,7 @@ def systems(args: argparse.Namespace, folder: str, gguf: str | None, quant: str,
     import importlib.util
 
     import metaloom
+    from metaloom.models import isa
 
     dtypes, weights, peers = options(args)
     skipped: dict[str, str] = {}
@@ -138,12 +156,14 @@ def systems(args: argparse.Namespace, folder: str, gguf: str | None, quant: str,
     ours = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     common = {"model": args.model, "device": None if args.device == "auto" else args.device}
     out: list[SystemSpec] = []
-    if "native" in weights:
-        out.append(SystemSpec(f"metaloom native {dtypes[0]}", "metaloom", sys.executable,
-                              common | {"dtype": dtypes[0], "weights": "native"}, ours))
-    if "dense" in weights:
-        out += [SystemSpec(f"metaloom dense {d}", "metaloom", sys.executable, common | {"dtype": d, "weights": "dense"}, ours)
-                for d in dtypes]
+    for path in isa_paths(args):
+        env, tag = (ours, "") if path is None else (ours | {isa.ENV: path} | isa.library_env(path), f" [{path}]")
+        if "native" in weights:
+            out.append(SystemSpec(f"metaloom native {dtypes[0]}{tag}", "metaloom", sys.executable,
+                                  common | {"dtype": dtypes[0], "weights": "native"}, env))
+        if "dense" in weights:
+            out += [SystemSpec(f"metaloom dense {d}{tag}", "metaloom", sys.executable,
+                               common | {"dtype": d, "weights": "dense"}, env) for d in dtypes]
     if "transformers" in peers:
         out += [SystemSpec(f"transformers {d}", "transformers", sys.executable,
                            {"folder": folder, "dtype": d, "device": common["device"]}, ours) for d in dtypes]
@@ -154,11 +174,16 @@ def systems(args: argparse.Namespace, folder: str, gguf: str | None, quant: str,
         elif python == sys.executable and importlib.util.find_spec("llama_cpp") is None:
             skipped["llama.cpp"] = "no --llama-cpp VENV given and this interpreter has no llama_cpp"
         else:
+            builds = [(f"llama.cpp {quant}", python)]
+            if getattr(args, "llama_cpp_avx2", None):
+                builds.append((f"llama.cpp {quant} [avx2 build]", _venv_python(args.llama_cpp_avx2)))
             env = dict(os.environ)
             config = {"gguf": gguf, "extra_buffers": True}
-            plain = SystemSpec(f"llama.cpp {quant}", "llama.cpp", python, config | {"extra_buffers": False}, env)
-            out.append(SystemSpec(f"llama.cpp {quant}", "llama.cpp", python, config, env, fallback=plain,
-                                  fallback_note="its extra buffer types (AMX, repacked weights) crashed here; run without"))
+            for label, py in builds:
+                plain = SystemSpec(label, "llama.cpp", py, config | {"extra_buffers": False}, env)
+                out.append(SystemSpec(label, "llama.cpp", py, config, env, fallback=plain,
+                                      fallback_note="its extra buffer types (AMX, repacked weights) crashed here; "
+                                                    "run without"))
     if "vllm" in peers:
         if not getattr(args, "vllm", None):
             skipped["vllm"] = "no --vllm VENV given"
@@ -216,7 +241,7 @@ def bandwidth(rows: list[dict[str, Any]], native_bytes: int | None, copy_gbs: fl
         gbs = per_token * g["tokens"] / g["median_s"] / 1e9 if per_token and g.get("median_s") else None
         out[row["name"]] = {"weight_bytes_per_token": per_token, "gb_s": gbs,
                             "fraction_of_copy_bandwidth": gbs / copy_gbs if gbs else None,
-                            "step_path": row["info"].get("step_path")}
+                            "step_path": row["info"].get("step_path"), "isa": row["info"].get("isa")}
     return out
 
 
@@ -225,9 +250,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from metaloom.bench.timing import copy_bandwidth_gbs
+    from metaloom.models import isa
     from metaloom.models.load import pick_device, resolve
 
     options(args)  # bad names fail before anything loads
+    isa_paths(args)
     name, folder = resolve(args.model)
     gguf = gguf_file(args.model)
     native_bytes, quant = gguf_weight_bytes(gguf, _kept_types()) if gguf else (None, "")
@@ -243,6 +270,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "model": name, "gguf": gguf, "gguf_quantisation": quant or None,
         "machine": {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "threads": threads,
+                    "cpu": isa.cpu_name(), "cpu_features": isa.describe(isa.cpu_features()), "isa_paths": isa.runnable(),
                     "copy_bandwidth_gb_s": copy_gbs, "load_average_before": load_before,
                     "load_average_after": os.getloadavg()},
         "repeats": args.repeats, "warmup": 1,
@@ -260,7 +288,8 @@ def _f(x: float | None, spec: str, suffix: str = "") -> str:
 
 def format_report(report: dict[str, Any]) -> str:
     m = report["machine"]
-    lines = [f"{report['model']} ({report['gguf_quantisation'] or 'transformers folder'}) on {m['device']}: "
+    cpu = f" ({m['cpu']}: {m['cpu_features']}; kernel paths {', '.join(m['isa_paths'])})" if m.get("cpu") else ""
+    lines = [f"{report['model']} ({report['gguf_quantisation'] or 'transformers folder'}) on {m['device']}{cpu}: "
              f"{m['threads']} threads; copy bandwidth {m['copy_bandwidth_gb_s']:.1f} GB/s; load average "
              f"{m['load_average_before'][0]:.2f} before, {m['load_average_after'][0]:.2f} after; "
              f"median (min-max) of {report['repeats']} alternating rounds after 1 warm-up"]
@@ -283,7 +312,7 @@ def format_report(report: dict[str, Any]) -> str:
             continue
         lines.append(f"{name}: batch-1 greedy reads {b['weight_bytes_per_token'] / 1e6:.1f} MB of weights per token at "
                      f"{b['gb_s']:.1f} GB/s = {100 * b['fraction_of_copy_bandwidth']:.0f}% of copy bandwidth; "
-                     f"one-token steps: {b['step_path']}")
+                     f"one-token steps: {b['step_path']}" + (f"; kernel path {b['isa']}" if b.get("isa") else ""))
     for row in report["systems"]:
         if row["system"] != "metaloom" and row["info"]:
             lines.append(f"{row['name']}: " + ", ".join(f"{k} {v}" for k, v in row["info"].items()))

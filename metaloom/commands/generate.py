@@ -7,7 +7,7 @@ import dataclasses
 import json
 import sys
 
-from metaloom.commands.common import add_model_args, add_sampling_args, remote_generator, sampling_params
+from metaloom.commands.common import add_model_args, add_sampling_args, kernel_usage, remote_generator, sampling_params
 from metaloom.commands.constraint import add_constraint_args, constraint_spec
 from metaloom.commands.decoding import add_decoder_args, amateur_model, decoder_spec
 from metaloom.commands.speculative import add_speculative_args, check_speculative_args, speculative_option, speculative_report
@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     check_speculative_args(args)
     remote = remote_generator(args, {"speculative": args.speculative, "amateur-model": args.amateur_model})
     speculative = None
+    loaded = None
     if remote is not None:
         generator, name = remote, args.model
     else:
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                             | ({} if c.score is None else {"score": c.score})
                             | ({} if c.error is None else {"error": c.error}) for c in completions],
-            "usage": ledger.usage.to_dict(),
+            "usage": ledger.usage.to_dict() | kernel_usage(loaded),
         } | speculative_report(speculative, ledger.usage)))
     else:
         for i, c in enumerate(completions):

@@ -1,12 +1,16 @@
 """Compile a C kernel file on first use, cache the library, load it (shared by `fused` and
 `quant`).
 
-Why here and not a build step: the kernels are compiled with ``-march=native`` for the machine
-they run on (AVX-512 where it exists), which a wheel cannot ship. The machine's C compiler
-(``$CC``, else ``cc``, ``gcc`` or ``clang``) builds the library into
+Why here and not a build step: the kernels are compiled for the instruction set of the machine
+they run on, which a wheel cannot ship. Each file is built once per instruction-set path
+(`metaloom.models.isa`: avx512, avx2, neon, generic) with exactly that path's flags, never with
+``-march=native``, so a path forced lower (``METALOOM_ISA``) runs the code a smaller CPU runs.
+The machine's C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) builds the library into
 ``<cache>/kernels/<hash>/<name>.so`` (about a second), keyed by the source, the compiler, the
-flags and the CPU, so later processes just load it. Nothing here raises on a failed build: the
-caller gets the compiler's complaint as a reason and runs its PyTorch fallback.
+flags and the CPU, so later processes just load it. Nothing here raises on a failed build: a
+path the compiler cannot build (an old compiler without ``-mavx512bw``, say) falls to the next
+path this CPU runs, and the reason says so; with no path built the caller gets the compiler's
+complaint as a reason and runs its PyTorch fallback.
 
 OpenMP: ``-fopenmp`` links ``libgomp.so.1``. PyTorch's CPU wheel ships and has already loaded a
 library of that soname, so the kernels' parallel regions run on the same OpenMP runtime (and
@@ -27,12 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
 
+from metaloom.models import isa
 from metaloom.models.load import user_cache_dir
 
 FLAGS = ("-O3", "-fno-math-errno", "-shared", "-fPIC")
-# Tried in order: -march=native (AVX-512 here) with OpenMP; a compiler that does not know one of
-# them gets the next; the last is the plain baseline.
-ARCH_FLAGS = (("-march=native", "-fopenmp"), ("-fopenmp",), ("-march=native",), ())
 
 T = TypeVar("T")
 
@@ -44,6 +46,7 @@ class Built(Generic[T]):
 
     value: T | None
     reason: str
+    isa: str = ""  # the instruction-set path built ("" when none was)
 
 
 def compiler() -> str | None:
@@ -64,16 +67,24 @@ def cpu_signature() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def compile_library(cc: str, source: Path, out: Path, flags: tuple[str, ...] = FLAGS) -> str | None:
-    """Compile ``source`` into ``out`` (atomically: a temporary file renamed into place, so a
-    concurrent or interrupted build never leaves a half-written library to load); returns the
-    compiler's complaint, or None."""
+def attempts(isa_flags: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    """Flag sets tried in order for one path: tuned for this CPU (scheduling only: the
+    instruction set is the path's) with OpenMP; a compiler that does not know an extra gets the
+    next; the path's own flags are never dropped."""
+    return ((*isa_flags, "-mtune=native", "-fopenmp"), (*isa_flags, "-fopenmp"), isa_flags)
+
+
+def compile_library(cc: str, source: Path, out: Path, flags: tuple[str, ...] = FLAGS,
+                    isa_flags: tuple[str, ...] = ()) -> str | None:
+    """Compile ``source`` into ``out`` with the path's ``isa_flags`` (atomically: a temporary
+    file renamed into place, so a concurrent or interrupted build never leaves a half-written
+    library to load); returns the compiler's complaint, or None."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     error = ""
     try:
-        for arch in ARCH_FLAGS:
+        for arch in attempts(isa_flags):
             run = subprocess.run([cc, *arch, *flags, str(source), "-o", tmp, "-lm"],
                                  capture_output=True, text=True, timeout=300)
             if run.returncode == 0:
@@ -89,21 +100,43 @@ def compile_library(cc: str, source: Path, out: Path, flags: tuple[str, ...] = F
 
 
 def build_library(source: Path, bind: Callable[[ctypes.CDLL, Path], T], *, cache_dir: Path | None = None,
-                  cc: str | None = None, flags: tuple[str, ...] = FLAGS) -> Built[T]:
-    """Compile (or reuse) ``source`` and hand the loaded library to ``bind`` (which checks its
-    ABI version and declares argument types; an OSError or AttributeError from it is a reason).
-    Never raises."""
+                  cc: str | None = None, flags: tuple[str, ...] = FLAGS, path: str | None = None) -> Built[T]:
+    """Compile (or reuse) ``source`` for instruction-set ``path`` (None: `metaloom.models.isa.chosen`)
+    and hand the loaded library to ``bind`` (which checks its ABI version and declares argument
+    types; an OSError or AttributeError from it is a reason). A path the compiler cannot build
+    falls to the next one this CPU runs (``Built.isa`` says which was built, ``reason`` why the
+    others were not). Never raises, but for an `UnsupportedISA` when ``path`` is None and
+    ``METALOOM_ISA`` names a path this CPU lacks."""
     cc = cc or compiler()
     if cc is None:
         return Built(None, "no C compiler found (set CC, or install gcc or clang)")
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), cc.encode(), " ".join(flags).encode(),
-                                     platform.machine().encode(), cpu_signature().encode()])).hexdigest()[:16]
+    wanted = path or isa.chosen().name
+    if wanted not in isa.PATHS or isa.missing(isa.PATHS[wanted]):  # never load code that would not run here
+        lacks = ", ".join(isa.missing(isa.PATHS[wanted])) if wanted in isa.PATHS else "a path of that name"
+        return Built(None, f"this CPU cannot run the {wanted} path: it lacks {lacks}")
+    order = [wanted, *[p for p in isa.runnable() if isa.NAMES.index(p) > isa.NAMES.index(wanted)]]
+    failures: list[str] = []
+    for name in order:
+        built = _build_one(source, bind, cache_dir, cc, flags, name)
+        if built.value is not None:
+            note = f" ({'; '.join(failures)})" if failures else ""
+            return Built(built.value, built.reason + note, name)
+        failures.append(f"{name}: {built.reason}")
+    return Built(None, "; ".join(failures))
+
+
+def _build_one(source: Path, bind: Callable[[ctypes.CDLL, Path], T], cache_dir: Path | None, cc: str,
+               flags: tuple[str, ...], name: str) -> Built[T]:
+    isa_flags = isa.flags(name)
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), cc.encode(), " ".join(flags).encode(), name.encode(),
+                                     " ".join(isa_flags).encode(), platform.machine().encode(),
+                                     cpu_signature().encode()])).hexdigest()[:16]
     path = (cache_dir or Path(user_cache_dir("kernels"))) / key / (source.stem + ".so")
     if not path.exists():
-        error = compile_library(cc, source, path, flags)
+        error = compile_library(cc, source, path, flags, isa_flags)
         if error is not None:
-            return Built(None, f"compiling {source.name} with {cc} failed: {error}")
+            return Built(None, f"compiling {source.name} for {name} with {cc} failed: {error}")
     try:
-        return Built(bind(ctypes.CDLL(str(path)), path), str(path))
+        return Built(bind(ctypes.CDLL(str(path)), path), str(path), name)
     except (OSError, AttributeError) as exc:
         return Built(None, f"loading {path} failed: {exc}")

@@ -19,24 +19,32 @@
 #include <string.h>
 
 #define ABI_VERSION 3
-#define MAX_VECTORS 16 /* head_dim up to 256 */
 #define INLINE static inline __attribute__((always_inline))
 
-/* 16 lanes per vector: one AVX-512 register, two AVX2 or four NEON ones */
+/* W lanes per vector: one AVX-512 register; 8 on every other path, one AVX2 register or two NEON
+ * or SSE2 ones (GCC lowers a generic vector wider than the machine's registers through memory:
+ * 16 lanes on AVX2 kept the attention's query and output on the stack) */
+#ifdef __AVX512F__
 #define W 16
+#else
+#define W 8
+#endif
+#define MAX_VECTORS (256 / W) /* head_dim up to 256 */
 typedef float vec __attribute__((vector_size(4 * W)));
 typedef int32_t veci __attribute__((vector_size(4 * W)));
 typedef uint32_t vecu __attribute__((vector_size(4 * W)));
 typedef uint16_t vecb __attribute__((vector_size(2 * W)));
-typedef float half_vec __attribute__((vector_size(2 * W)));
 
 INLINE vec splat(float x) { return (vec){0} + x; }
 INLINE vec pick(veci mask, vec a, vec b) { return (vec)((mask & (veci)a) | (~mask & (veci)b)); }
+/* the lanes' sum in a fixed order: halves added until 8 lanes, then ((0+4)+(1+5))+((2+6)+(3+7)) */
 INLINE float hsum(vec v) {
-    half_vec a, b;
-    memcpy(&a, &v, sizeof a);
-    memcpy(&b, (const char *)&v + sizeof a, sizeof b);
-    a += b; /* 8 lanes */
+#if W == 16
+    float a[8];
+    for (int i = 0; i < 8; i++) a[i] = v[i] + v[i + 8];
+#else
+    const vec a = v;
+#endif
     return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
 }
 
@@ -190,10 +198,10 @@ INLINE void head_attend_n(const void *q, const void *K, const void *V, const int
 INLINE void head_attend(const void *q, const void *K, const void *V, const int64_t *slots, int64_t stride,
                         int64_t off, float *scores, void *out, int64_t oi, int64_t lo, int64_t pos, float scale,
                         int64_t nv, const int bf) {
-    switch (nv) { /* head_dim 64, 128, 256 unrolled; other multiples of 32 generic */
-    case 4: HEAD_ATTEND(4); break;
-    case 8: HEAD_ATTEND(8); break;
-    case 16: HEAD_ATTEND(16); break;
+    switch (nv * W) { /* head_dim 64, 128, 256 unrolled; other multiples of 32 generic */
+    case 64: HEAD_ATTEND(64 / W); break;
+    case 128: HEAD_ATTEND(128 / W); break;
+    case 256: HEAD_ATTEND(256 / W); break;
     default: HEAD_ATTEND((int)nv);
     }
 }

@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from metaloom.errors import UnsupportedModel
+from metaloom.models import isa
 from metaloom.models.cbuild import build_library
 from metaloom.models.config import LlamaConfig
 
@@ -58,6 +59,7 @@ class FusedKernels:
     lib: ctypes.CDLL
     path: str
     openmp: bool = False  # compiled with OpenMP: attention can split over threads
+    isa: str = ""  # the instruction-set path it was built for (metaloom.models.isa)
 
     def residual_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor,
                           y: torch.Tensor, eps: float) -> None:
@@ -125,16 +127,25 @@ def _bind(lib: ctypes.CDLL, path: Path) -> FusedKernels:
     return FusedKernels(lib, str(path), bool(lib.metaloom_fused_openmp()))
 
 
-def build(cache_dir: Path | None = None, compiler: str | None = None) -> Availability:
-    """Compile (or reuse) and load the kernels. Never raises: a failure is a reason."""
-    built = build_library(SOURCE, _bind, cache_dir=cache_dir, cc=compiler)
-    return Availability(built.value, built.reason)
+def build(cache_dir: Path | None = None, compiler: str | None = None, path: str | None = None) -> Availability:
+    """Compile (or reuse) and load the kernels for instruction-set ``path`` (None: the one
+    `metaloom.models.isa.chosen` names). Never raises, but for an `UnsupportedISA` when
+    ``METALOOM_ISA`` names a path this CPU lacks: a failure is a reason."""
+    built = build_library(SOURCE, _bind, cache_dir=cache_dir, cc=compiler, path=path)
+    value = None if built.value is None else replace(built.value, isa=built.isa)
+    return Availability(value, built.reason)
 
 
 @functools.cache
+def for_path(path: str) -> Availability:
+    """The kernels of one instruction-set path (built once per process, compiled once per machine)."""
+    return build(path=path)
+
+
 def kernels() -> Availability:
-    """This process's kernels (built once per process, compiled once per machine)."""
-    return build()
+    """The kernels of the path that runs now (`metaloom.models.isa.chosen`: ``METALOOM_ISA``,
+    else the best this CPU has)."""
+    return for_path(isa.chosen().name)
 
 
 def step_path(model: object) -> str:

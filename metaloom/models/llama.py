@@ -24,7 +24,7 @@ from metaloom.models.cache import KVPool, PagedKVCache
 from metaloom.models.config import LlamaConfig
 from metaloom.models.flops import forward_flops
 from metaloom.models.fused import PARALLEL_MIN_KEYS, FusedKernels, unsupported_reason
-from metaloom.models.packed import PackedLinear, pack
+from metaloom.models.packed import Bf16Linear, PackedLinear, own_bf16, pack
 from metaloom.models.protocols import KVCache
 from metaloom.models.rope import apply_rope, rope_tables
 
@@ -93,7 +93,7 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
 
 def plain_weight(w: Weight) -> Weight:
     """The plain tensor behind a packed weight; any other weight as it is."""
-    return w.weight if isinstance(w, PackedLinear) else w
+    return w.weight if isinstance(w, (PackedLinear, Bf16Linear)) else w
 
 
 def dense_weight(w: Weight) -> torch.Tensor:
@@ -220,6 +220,20 @@ class LlamaModel:
 
         def p(w: Weight) -> Weight:
             return pack(w) if isinstance(w, torch.Tensor) else w
+
+        layers = [replace(w, qkv=p(w.qkv), o=p(w.o), gate_up=p(w.gate_up), down=p(w.down)) for w in self.layers]
+        return LlamaModel(self.config, self.embed, layers, self.norm, p(self.lm_head), self.fused)
+
+    def own_bf16(self) -> LlamaModel:
+        """The same model with its bfloat16 linear weights multiplied by metaloom's own bfloat16
+        kernel (`metaloom.models.packed.Bf16Linear`: the same storage, no copy), for CPUs where
+        oneDNN has no bfloat16 kernels and PyTorch's are slower than float32."""
+        if type(self) is not LlamaModel:
+            raise UnsupportedModel(f"own_bf16 is for plain LlamaModel weights, not {type(self).__name__}")
+
+        def p(w: Weight) -> Weight:
+            ok = isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.shape[1] % 32 == 0
+            return own_bf16(w) if ok else w  # type: ignore[arg-type]  # a tensor, checked
 
         layers = [replace(w, qkv=p(w.qkv), o=p(w.o), gate_up=p(w.gate_up), down=p(w.down)) for w in self.layers]
         return LlamaModel(self.config, self.embed, layers, self.norm, p(self.lm_head), self.fused)

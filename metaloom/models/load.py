@@ -186,7 +186,8 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
       else dense;
     - ``pack``: also keep the linear weights in the CPU GEMM libraries' packed layouts
       (`metaloom.models.packed`); None packs on the CPU when the extra copies take under a
-      quarter of the machine's memory;
+      quarter of the machine's memory, and for bfloat16 on a CPU where oneDNN has no bfloat16
+      kernels multiplies by metaloom's own instead (`Bf16Linear`, the same storage);
     - ``fused``: take one-token decode steps through the fused CPU kernels
       (`metaloom.models.fused`, float32 and bfloat16); None uses them where they build and apply.
 
@@ -266,11 +267,12 @@ def _native(config: LlamaConfig, folder: str, dtype: torch.dtype, device: torch.
     """The native model; ``gguf_blocks``: keep that GGUF's quantised blocks (native weights)."""
     from metaloom.models.fused import kernels, unsupported_reason
     from metaloom.models.llama import LlamaModel
-    from metaloom.models.packed import extra_bytes, fits_in_memory, packing_available
+    from metaloom.models.packed import extra_bytes, fits_in_memory, own_bf16_available, packing_available
 
     # refuse before reading any weights
     if pack and not packing_available(dtype, device):
-        raise InvalidParameter("pack", pack, f"False here: no packed kernels for {dtype} on {device}")
+        why = " (oneDNN has no bfloat16 kernels for this CPU)" if dtype == torch.bfloat16 and device.type == "cpu" else ""
+        raise InvalidParameter("pack", pack, f"False here: no packed kernels for {dtype} on {device}{why}")
     why_not = unsupported_reason(config, dtype, device)
     fused_kernels = None
     if fused is not False and why_not is None:
@@ -285,7 +287,9 @@ def _native(config: LlamaConfig, folder: str, dtype: torch.dtype, device: torch.
 
         sd, kept = read_blocks(blocks_path(gguf_blocks, folder))
         model = LlamaModel.from_state_dict(config, sd, dtype=dtype, device=device, blocks=kept)  # type: ignore[arg-type]
-    if pack is None:
+    if pack is None and not packing_available(dtype, device) and own_bf16_available(dtype, device):
+        model = model.own_bf16()  # bfloat16 where oneDNN has no kernels for it: metaloom's own (faster than float32 there)
+    elif pack is None:
         pack = packing_available(dtype, device) and fits_in_memory(extra_bytes(model.linear_weight_bytes(), dtype))
     if pack:
         model = model.packed()

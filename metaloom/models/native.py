@@ -15,8 +15,8 @@ Q4_1 file holds 0.625 bytes per weight; dequantised to float32 it is 4 bytes, to
   always dense. The embedding stays quantised and is looked up row by row.
 - **Activations** are ``--dtype`` (float32 or bfloat16); the kernels accumulate in float32.
 - **The default** (``weights=None`` / ``auto``): whichever of native and dense decodes faster at
-  batch 1 on this machine, measured once per (GGUF file, dtype, CPU, thread count) when first
-  needed and recorded in ``choices/`` under the metaloom cache (`choose`).
+  batch 1 on this machine, measured once per (GGUF file, dtype, CPU, thread count, kernel path)
+  when first needed and recorded in ``choices/`` under the metaloom cache (`choose`).
 """
 
 from __future__ import annotations
@@ -110,9 +110,14 @@ class Choice:
 
 
 def choice_path(fingerprint: str, dtype: str) -> str:
+    """Where the choice for one GGUF and dtype is recorded: keyed by the CPU, the thread count,
+    PyTorch's version and the kernels' instruction-set path (a path forced lower measures its own
+    choice, so a machine never runs the mode that was faster on another path)."""
+    from metaloom.models import isa
     from metaloom.models.cbuild import cpu_signature
 
-    machine = hashlib.sha256(f"{cpu_signature()}\n{torch.get_num_threads()}\n{torch.__version__}".encode())
+    machine = hashlib.sha256(f"{cpu_signature()}\n{torch.get_num_threads()}\n{torch.__version__}\n"
+                             f"{isa.chosen().name}".encode())
     return os.path.join(user_cache_dir("choices"), f"{fingerprint}-{dtype}-{machine.hexdigest()[:12]}.json")
 
 

@@ -23,14 +23,26 @@ truth (quantised self-draft, speculator heads and `num_parameters` read it), so 
 two (float32) or one (bfloat16) extra copies of the linear weights; `load` packs only when that
 fits comfortably in memory. Results agree with the plain kernels to float rounding (the
 summation order differs), as the equivalence tests check.
+
+bfloat16 is packed only where oneDNN has bfloat16 kernels for this CPU (AVX-512 BW/VL/DQ, or
+AVX-NE-CONVERT; checked by asking oneDNN and by packing a small weight, not assumed): elsewhere
+(AVX2, NEON) its reorder raises, and PyTorch's own bfloat16 products are slower than float32
+(measured on an AVX2 Zen 3, 2 threads: `mv` over SmolLM2's gate_up 15 GB/s against 35 in
+float32, a 354-row `F.linear` 79 ms against 19). There a bfloat16 weight multiplies through
+metaloom's own kernel instead (`Bf16Linear`: quant.c's BF16 path, which widens each value by a
+shift and accumulates in float32, 20-30 GB/s per core), reading the same storage.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
 import torch
+
+from metaloom.models import isa
+from metaloom.models.quant import QuantWeight, kernels
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,12 +67,62 @@ class PackedLinear:
 
 
 def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether this PyTorch build has the packed kernels for ``dtype`` on ``device``."""
+    """Whether this PyTorch build has the packed kernels for ``dtype`` on ``device`` and this CPU
+    (bfloat16: `bf16_gemm`)."""
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return False
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return False
-    return dtype != torch.float32 or torch.backends.mkl.is_available()
+    if dtype == torch.bfloat16:
+        return bf16_gemm()
+    return torch.backends.mkl.is_available()
+
+
+def bf16_gemm() -> bool:
+    """Whether oneDNN multiplies bfloat16 natively here: it says so, the kernel path is avx512 (a
+    path forced lower stands for a CPU without it) or the CPU has AVX-NE-CONVERT, and packing a
+    small weight works."""
+    path = isa.chosen().name
+    return _bf16_gemm(path == "avx512" or "avx_ne_convert" in isa.cpu_features())
+
+
+@functools.cache
+def _bf16_gemm(cpu_has_it: bool) -> bool:
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    if not cpu_has_it or check is None or not check():
+        return False
+    try:  # checked, not assumed: the reorder is what raised on CPUs without the instructions
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 32, dtype=torch.bfloat16), 16)
+    except RuntimeError:
+        return False
+    return True
+
+
+@dataclass(frozen=True, eq=False)
+class Bf16Linear:
+    """y = x @ weight.T for a bfloat16 weight through metaloom's own bfloat16 kernel (quant.c's
+    BF16 type over the same storage: no copy), where oneDNN has none (see the module's note); a
+    `metaloom.models.llama.MatMul`. Products and sums in float32, one rounding of y to x's dtype."""
+
+    weight: torch.Tensor  # [out, in] bfloat16, row-major: the source of truth
+    blocks: QuantWeight  # the same bytes as ggml's BF16 type
+
+    def numel(self) -> int:
+        return self.weight.numel()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+def own_bf16_available(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `Bf16Linear` applies: bfloat16 on the CPU with metaloom's kernels built."""
+    return dtype == torch.bfloat16 and device.type == "cpu" and kernels().kernels is not None
+
+
+def own_bf16(weight: torch.Tensor) -> Bf16Linear:
+    """A [out, in] bfloat16 CPU weight (in a multiple of 32) through metaloom's own kernel."""
+    w = weight.contiguous()
+    return Bf16Linear(w, QuantWeight(30, w.view(torch.uint8), w.shape[1]))
 
 
 def pack(weight: torch.Tensor) -> PackedLinear:

@@ -44,17 +44,45 @@
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
+#ifdef __aarch64__
+#include <arm_neon.h>
+#endif
 
 #define ABI_VERSION 2
 #define INLINE static inline __attribute__((always_inline))
 #define UNROLL _Pragma("GCC unroll 16")
+/* Tiles (NO outputs x RMAX rows of x) sized to the register file: an accumulator is a vector of W
+ * lanes (below), AVX-512 has 32 registers and AVX2 16 (NEON 32 of half the width). Tiles: one row,
+ * T_ONE outputs; up to T_FEW_ROWS rows, T_FEW_NO outputs; more (up to MAX_CHUNK), T_PAIR_NO
+ * outputs, then one at a time. */
+#ifdef __AVX512F__
 #define MAX_CHUNK 8 /* rows of x per pass over the weight */
-#define MAX_ACC 16  /* accumulators of a tile (NO x RMAX), of 32 vector registers */
+#define MAX_ACC 16  /* accumulators of a tile (NO x RMAX) */
+#define T_ONE 8
+#define T_FEW_NO 4
+#define T_FEW_ROWS 4
+#define T_PAIR_NO 2
+#else /* 16 registers of 8 lanes (AVX2; NEON's 32 of 4 lanes alike) */
+#define MAX_CHUNK 8
+#define MAX_ACC 8
+#define T_ONE 4
+#define T_FEW_NO 4
+#define T_FEW_ROWS 2
+#define T_PAIR_NO 1
+#endif
 
 enum { F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14, BF16 = 30 };
 
-/* 16 lanes per vector: one AVX-512 register, two AVX2 or four NEON ones */
+/* W lanes per vector: one AVX-512 register; on every other path 8 lanes, one AVX2 register or two
+ * NEON or SSE2 ones (GCC lowers a generic vector wider than the machine's registers through
+ * memory: with 16 lanes on AVX2 every accumulator went to the stack and back each block, and a
+ * Q8_0 matvec ran at 4 GB/s on a Zen 3 core). NV vectors hold the 32 elements of a sub-block. */
+#ifdef __AVX512F__
 #define W 16
+#else
+#define W 8
+#endif
+#define NV (32 / W)
 typedef float vec __attribute__((vector_size(4 * W)));
 typedef int32_t veci __attribute__((vector_size(4 * W)));
 typedef uint32_t vecu __attribute__((vector_size(4 * W)));
@@ -62,38 +90,105 @@ typedef uint16_t vecu16 __attribute__((vector_size(2 * W)));
 typedef uint8_t bytes16 __attribute__((vector_size(16)));
 
 /* x in every lane (a broadcast: `(vec){0} + x` is an add, and turns -0 into +0) */
+#if W == 16
 INLINE vec splat(float x) { return (vec){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-/* a fixed order of 16 lanes' sum (lanes, not a memcpy: a memcpy out of an accumulator array
- * keeps GCC from holding the array in registers) */
-INLINE float hsum(vec v) {
-    float a0 = v[0] + v[8], a1 = v[1] + v[9], a2 = v[2] + v[10], a3 = v[3] + v[11];
-    float a4 = v[4] + v[12], a5 = v[5] + v[13], a6 = v[6] + v[14], a7 = v[7] + v[15];
+#else
+INLINE vec splat(float x) { return (vec){x, x, x, x, x, x, x, x}; }
+#endif
+/* A fixed order of 16 lanes' sum: lanes i and i + 8 first, then ((0+4)+(1+5))+((2+6)+(3+7)). With
+ * 8-lane vectors the 16 lanes are two vectors (lo, hi) and the first step is lo + hi, so every path
+ * sums 16 values in the same order (lanes, not a memcpy: a memcpy out of an accumulator array keeps
+ * GCC from holding the array in registers). */
+INLINE float hsum8(float a0, float a1, float a2, float a3, float a4, float a5, float a6, float a7) {
     return ((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7));
+}
+#if W == 16
+INLINE float hsum(vec v) {
+    return hsum8(v[0] + v[8], v[1] + v[9], v[2] + v[10], v[3] + v[11], v[4] + v[12], v[5] + v[13], v[6] + v[14],
+                 v[7] + v[15]);
+}
+#else
+INLINE float hsum(vec v) { return hsum8(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]); }
+#endif
+/* the sum of 16 values held as 16 / W vectors, in hsum's order */
+INLINE float sum16(const vec *v) {
+#if W == 16
+    return hsum(v[0]);
+#else
+    return hsum(v[0] + v[1]);
+#endif
 }
 INLINE uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 INLINE float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 INLINE uint16_t ld_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 INLINE uint32_t ld_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 INLINE bytes16 ld_b16(const uint8_t *p) { bytes16 v; memcpy(&v, p, 16); return v; }
-INLINE vec u8_to_vec(bytes16 b) { return __builtin_convertvector(__builtin_convertvector(b, veci), vec); }
 INLINE vec i32_to_vec(veci v) { return __builtin_convertvector(v, vec); }
-/* 16 int8 at p as int32 lanes (sign-extended through a zero extension: GCC 12 turns a
- * signed-char vector conversion into scalar code) */
-INLINE veci ld_s8x16(const uint8_t *p) {
-#ifdef __AVX512F__
-    return (veci)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
-#else
-    return (__builtin_convertvector(ld_b16(p), veci) ^ 0x80) - 0x80;
-#endif
+INLINE vec ldf(const float *p) {
+    vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
 }
-/* 16 bytes at p as int32 lanes */
-INLINE veci ld_u8x16(const uint8_t *p) {
-#ifdef __AVX512F__
-    return (veci)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-#else
-    return __builtin_convertvector(ld_b16(p), veci);
-#endif
+
+/* Widening into W int32 lanes: bytes W j .. W j + W - 1 of 16 (zx: zero-, sx: sign-extended), or
+ * W uint16 at p (zx16). With one instruction each on AVX-512, AVX2 and NEON: GCC turns a generic
+ * char or short vector conversion into a byte at a time through general registers there (a Q4_1
+ * matvec at 1 GB/s). */
+#if defined(__AVX512F__)
+INLINE veci zx(bytes16 b, int j) { (void)j; return (veci)_mm512_cvtepu8_epi32((__m128i)b); }
+INLINE veci sx(bytes16 b, int j) { (void)j; return (veci)_mm512_cvtepi8_epi32((__m128i)b); }
+INLINE vecu zx16(const uint8_t *p) { return (vecu)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)); }
+#elif defined(__AVX2__)
+INLINE veci sx8(const uint8_t *p) { return (veci)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+INLINE veci zx(bytes16 b, int j) { return (veci)_mm256_cvtepu8_epi32(j ? _mm_srli_si128((__m128i)b, 8) : (__m128i)b); }
+INLINE veci sx(bytes16 b, int j) { return (veci)_mm256_cvtepi8_epi32(j ? _mm_srli_si128((__m128i)b, 8) : (__m128i)b); }
+INLINE vecu zx16(const uint8_t *p) { return (vecu)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)); }
+#elif defined(__aarch64__)
+INLINE veci join4(uint32x4_t a, uint32x4_t b) {
+    veci v;
+    memcpy(&v, &a, 16);
+    memcpy((char *)&v + 16, &b, 16);
+    return v;
 }
+INLINE veci zx(bytes16 b, int j) {
+    uint8x16_t x = (uint8x16_t)b;
+    uint16x8_t h = j ? vmovl_high_u8(x) : vmovl_u8(vget_low_u8(x));
+    return join4(vmovl_u16(vget_low_u16(h)), vmovl_high_u16(h));
+}
+INLINE veci sx(bytes16 b, int j) {
+    int8x16_t x = (int8x16_t)b;
+    int16x8_t h = j ? vmovl_high_s8(x) : vmovl_s8(vget_low_s8(x));
+    return join4(vreinterpretq_u32_s32(vmovl_s16(vget_low_s16(h))), vreinterpretq_u32_s32(vmovl_high_s16(h)));
+}
+INLINE vecu zx16(const uint8_t *p) {
+    uint16x8_t h = vld1q_u16((const uint16_t *)p);
+    return (vecu)join4(vmovl_u16(vget_low_u16(h)), vmovl_high_u16(h));
+}
+INLINE veci sx8(const uint8_t *p) {
+    int16x8_t h = vmovl_s8(vld1_s8((const int8_t *)p));
+    return join4(vreinterpretq_u32_s32(vmovl_s16(vget_low_s16(h))), vreinterpretq_u32_s32(vmovl_high_s16(h)));
+}
+#else /* the portable path: whatever the compiler makes of it */
+typedef uint8_t bytes8 __attribute__((vector_size(8)));
+INLINE veci zx(bytes16 b, int j) {
+    bytes8 h;
+    memcpy(&h, (const char *)&b + 8 * j, 8);
+    return __builtin_convertvector(h, veci);
+}
+/* through a zero extension: GCC 12 turns a signed-char vector conversion into scalar code */
+INLINE veci sx(bytes16 b, int j) { return (zx(b, j) ^ 0x80) - 0x80; }
+INLINE vecu zx16(const uint8_t *p) {
+    vecu16 h;
+    memcpy(&h, p, sizeof h);
+    return __builtin_convertvector(h, vecu);
+}
+INLINE veci sx8(const uint8_t *p) {
+    bytes16 b = {0};
+    memcpy(&b, p, 8);
+    return sx(b, 0);
+}
+#endif
+
 #ifdef __AVX512F__
 /* tab[idx & 15] per lane (one vpermps): a 4-bit quant's 16 possible values, computed once per
  * block, replace a convert and a multiply per lane */
@@ -103,8 +198,8 @@ INLINE vec lookup2(veci idx, vec tab_lo, vec tab_hi, uint32_t high) {
     return (vec)_mm512_mask_permutexvar_ps(_mm512_permutexvar_ps((__m512i)idx, (__m512)tab_lo), (__mmask16)high,
                                            (__m512i)idx, (__m512)tab_hi);
 }
-#endif
 static const vec NIBBLE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#endif
 
 /* IEEE half -> float, exact (subnormals, infinities, NaN); M. Dukhan's FP16 library method */
 INLINE float f16_to_f32(uint16_t h) {
@@ -132,14 +227,18 @@ INLINE uint16_t f32_to_f16(float f) {
 #endif
 }
 
-/* 16 halves -> 16 floats, exact */
-INLINE vec f16x16_to_vec(const uint8_t *p) {
+/* W halves at p -> W floats, exact */
+INLINE vec f16_to_vec(const uint8_t *p) {
 #ifdef __AVX512F__
     return (vec)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__AVX2__) && defined(__F16C__)
+    return (vec)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__aarch64__)
+    float16x8_t h = vreinterpretq_f16_u16(vld1q_u16((const uint16_t *)p));
+    float32x4_t lo = vcvt_f32_f16(vget_low_f16(h)), hi = vcvt_high_f32_f16(h);
+    return (vec)join4(vreinterpretq_u32_f32(lo), vreinterpretq_u32_f32(hi));
 #else
-    vecu16 h;
-    memcpy(&h, p, sizeof h);
-    vecu w = __builtin_convertvector(h, vecu) << 16, sign = w & 0x80000000u, two_w = w + w;
+    vecu w = zx16(p) << 16, sign = w & 0x80000000u, two_w = w + w;
     vec normal = (vec)((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
     vec denormal = (vec)((two_w >> 17) | (126u << 23)) - 0.5f;
     veci small = (veci)(two_w < (1u << 27));
@@ -204,39 +303,50 @@ typedef struct {
 INLINE void prep(const int t, const uint8_t *b, kscales *k) {
     if (t == Q4_K) { /* 12 bytes: sc_j, m_j = low 6 bits of bytes j, j + 4 for j < 4; for j >= 4 the
                         nibbles of byte j + 4 with the top 2 bits of bytes j - 4, j on top */
+        const uint8_t *q = b + 4;
+        const float d = f16_to_f32(ld_u16(b)), dmin = f16_to_f32(ld_u16(b + 2));
+#if W == 16
         static const veci shift = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4};
         static const veci low = {63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15};
         static const veci high = {0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48};
         static const veci first = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
-        const uint8_t *q = b + 4;
         /* (lanes by element: __builtin_shufflevector needs GCC 12) */
         veci lo = {q[0], q[1], q[2], q[3], q[8], q[9], q[10], q[11], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11]};
         veci hi = {0, 0, 0, 0, q[0], q[1], q[2], q[3], 0, 0, 0, 0, q[4], q[5], q[6], q[7]};
         veci v = ((lo >> shift) & low) | (((hi >> 6) << 4) & high);
-        veci d = (veci)splat(f16_to_f32(ld_u16(b))), dmin = (veci)splat(f16_to_f32(ld_u16(b + 2)));
-        vec r = i32_to_vec(v) * (vec)((first & d) | (~first & dmin)); /* d for scales, dmin for mins */
+        vec r = i32_to_vec(v) * (vec)((first & (veci)splat(d)) | (~first & (veci)splat(dmin))); /* d: scales, dmin: mins */
         memcpy(k->s, &r, sizeof r);
+#else
+        for (int j = 0; j < 8; j++) { /* GGUF's get_scale_min_k4 */
+            int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
+            int mn = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+            k->s[j] = d * (float)sc;
+            k->s[8 + j] = dmin * (float)mn;
+        }
+#endif
     } else if (t == Q6_K) {
-        vec r = i32_to_vec(ld_s8x16(b + 192)) * f16_to_f32(ld_u16(b + 208));
-        memcpy(k->s, &r, sizeof r);
+        const float d = f16_to_f32(ld_u16(b + 208));
+        for (int j = 0; j < 16 / W; j++) {
+            vec r = i32_to_vec(sx(ld_b16(b + 192), j)) * d;
+            memcpy(k->s + W * j, &r, sizeof r);
+        }
     }
 }
 
-/* Sub-block `s` (elements 32s..32s+31 of the block at b) as exact float32 values: w0 holds
- * elements 0..15, w1 16..31. */
-INLINE void decode(const int t, const uint8_t *b, const kscales *k, const int s, vec *w0, vec *w1) {
+/* Sub-block `s` (elements 32s..32s+31 of the block at b) as exact float32 values: w[i] holds
+ * elements W i .. W i + W - 1. */
+INLINE void decode(const int t, const uint8_t *b, const kscales *k, const int s, vec *w) {
     switch (t) {
     case Q4_0: {
         vec d = bcast_f16(b);
 #ifdef __AVX512F__
-        veci q = ld_u8x16(b + 2);
+        veci q = (veci)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2)));
         vec tab = (NIBBLE - 8.0f) * d; /* exact: 11-bit d times a 4-bit integer */
-        *w0 = lookup(q, tab);
-        *w1 = lookup(q >> 4, tab);
+        w[0] = lookup(q, tab);
+        w[1] = lookup(q >> 4, tab);
 #else
-        bytes16 q = ld_b16(b + 2);
-        *w0 = i32_to_vec(__builtin_convertvector(q & 15, veci) - 8) * d;
-        *w1 = i32_to_vec(__builtin_convertvector(q >> 4, veci) - 8) * d;
+        bytes16 q = ld_b16(b + 2), lo = q & 15, hi = q >> 4;
+        UNROLL for (int i = 0; i < NV; i++) w[i] = i32_to_vec(zx(i < NV / 2 ? lo : hi, i % (NV / 2)) - 8) * d;
 #endif
         break;
     }
@@ -245,15 +355,14 @@ INLINE void decode(const int t, const uint8_t *b, const kscales *k, const int s,
         /* both halves in one conversion, then two broadcasts */
         __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)ld_u32(b)));
         vec d = (vec)_mm512_broadcastss_ps(dm), m = (vec)_mm512_broadcastss_ps(_mm_movehdup_ps(dm));
-        veci q = ld_u8x16(b + 4);
+        veci q = (veci)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 4)));
         vec tab = NIBBLE * d + m; /* d q is exact: one rounding, with or without an fma, as the reference */
-        *w0 = lookup(q, tab);
-        *w1 = lookup(q >> 4, tab);
+        w[0] = lookup(q, tab);
+        w[1] = lookup(q >> 4, tab);
 #else
         vec d = bcast_f16(b), m = bcast_f16(b + 2);
-        bytes16 q = ld_b16(b + 4);
-        *w0 = u8_to_vec(q & 15) * d + m;
-        *w1 = u8_to_vec(q >> 4) * d + m;
+        bytes16 q = ld_b16(b + 4), lo = q & 15, hi = q >> 4;
+        UNROLL for (int i = 0; i < NV; i++) w[i] = i32_to_vec(zx(i < NV / 2 ? lo : hi, i % (NV / 2))) * d + m;
 #endif
         break;
     }
@@ -261,34 +370,34 @@ INLINE void decode(const int t, const uint8_t *b, const kscales *k, const int s,
         vec d = bcast_f16(b);
         uint32_t qh = ld_u32(b + 2);
 #ifdef __AVX512F__
-        veci q = ld_u8x16(b + 6);
+        veci q = (veci)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 6)));
         vec lo = (NIBBLE - 16.0f) * d, hi = NIBBLE * d; /* 5th bit clear, set (two tables keep -0 exact) */
-        *w0 = lookup2(q, lo, hi, qh & 0xFFFF);
-        *w1 = lookup2(q >> 4, lo, hi, qh >> 16);
+        w[0] = lookup2(q, lo, hi, qh & 0xFFFF);
+        w[1] = lookup2(q >> 4, lo, hi, qh >> 16);
 #else
-        static const vecu lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-        bytes16 q = ld_b16(b + 6);
-        veci h0 = (veci)((((vecu){0} + qh) >> lane) & 1u) << 4;
-        veci h1 = (veci)((((vecu){0} + (qh >> 16)) >> lane) & 1u) << 4;
-        *w0 = i32_to_vec((__builtin_convertvector(q & 15, veci) | h0) - 16) * d;
-        *w1 = i32_to_vec((__builtin_convertvector(q >> 4, veci) | h1) - 16) * d;
+        static const vecu lane = {0, 1, 2, 3, 4, 5, 6, 7};
+        bytes16 q = ld_b16(b + 6), lo = q & 15, hi = q >> 4;
+        UNROLL for (int i = 0; i < NV; i++) {
+            veci h = (veci)((((vecu){0} + (qh >> (W * i))) >> lane) & 1u) << 4;
+            w[i] = i32_to_vec((zx(i < NV / 2 ? lo : hi, i % (NV / 2)) | h) - 16) * d;
+        }
 #endif
         break;
     }
     case Q8_0: {
         vec d = bcast_f16(b);
-        *w0 = i32_to_vec(ld_s8x16(b + 2)) * d;
-        *w1 = i32_to_vec(ld_s8x16(b + 18)) * d;
+        UNROLL for (int i = 0; i < NV; i++) w[i] = i32_to_vec(sx(ld_b16(b + 2 + 16 * (i / (NV / 2))), i % (NV / 2))) * d;
         break;
     }
     case Q4_K: { /* sub-block s: nibbles of bytes 32 (s / 2) .. + 31, low for even s, high for odd */
         const uint8_t *q = b + 16 + 32 * (s >> 1);
         vec sc = splat(k->s[s]), mn = splat(k->s[8 + s]);
 #ifdef __AVX512F__
-        veci lo = ld_u8x16(q), hi = ld_u8x16(q + 16);
+        veci lo = (veci)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+        veci hi = (veci)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
         vec tab = NIBBLE * sc - mn; /* sc q is exact: one rounding, as the reference's */
-        *w0 = lookup(s & 1 ? lo >> 4 : lo, tab);
-        *w1 = lookup(s & 1 ? hi >> 4 : hi, tab);
+        w[0] = lookup(s & 1 ? lo >> 4 : lo, tab);
+        w[1] = lookup(s & 1 ? hi >> 4 : hi, tab);
 #else
         bytes16 lo = ld_b16(q), hi = ld_b16(q + 16);
         if (s & 1) {
@@ -298,8 +407,7 @@ INLINE void decode(const int t, const uint8_t *b, const kscales *k, const int s,
             lo &= 15;
             hi &= 15;
         }
-        *w0 = u8_to_vec(lo) * sc - mn;
-        *w1 = u8_to_vec(hi) * sc - mn;
+        UNROLL for (int i = 0; i < NV; i++) w[i] = i32_to_vec(zx(i < NV / 2 ? lo : hi, i % (NV / 2))) * sc - mn;
 #endif
         break;
     }
@@ -312,38 +420,26 @@ INLINE void decode(const int t, const uint8_t *b, const kscales *k, const int s,
         lo = _mm256_and_si256(_mm256_srli_epi16(lo, 4 * (c >> 1)), _mm256_set1_epi8(15));
         hi = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hi, 2 * c), 4), _mm256_set1_epi8(48));
         __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32)); /* -32..31 */
-        *w0 = i32_to_vec((veci)_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))) * s0;
-        *w1 = i32_to_vec((veci)_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))) * s1;
+        w[0] = i32_to_vec((veci)_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))) * s0;
+        w[1] = i32_to_vec((veci)_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))) * s1;
 #else
         bytes16 l0 = ld_b16(ql), l1 = ld_b16(ql + 16), h0 = ld_b16(qh), h1 = ld_b16(qh + 16);
         l0 = (l0 >> (4 * (c >> 1))) & 15;
         l1 = (l1 >> (4 * (c >> 1))) & 15;
         l0 |= ((h0 >> (2 * c)) & 3) << 4;
         l1 |= ((h1 >> (2 * c)) & 3) << 4;
-        *w0 = i32_to_vec(__builtin_convertvector(l0, veci) - 32) * s0;
-        *w1 = i32_to_vec(__builtin_convertvector(l1, veci) - 32) * s1;
+        UNROLL for (int i = 0; i < NV; i++)
+            w[i] = i32_to_vec(zx(i < NV / 2 ? l0 : l1, i % (NV / 2)) - 32) * (i < NV / 2 ? s0 : s1);
 #endif
         break;
     }
     case F16:
-        *w0 = f16x16_to_vec(b);
-        *w1 = f16x16_to_vec(b + 32);
+        UNROLL for (int i = 0; i < NV; i++) w[i] = f16_to_vec(b + 2 * W * i);
         break;
-    case BF16: {
-        vecu16 lo, hi;
-        memcpy(&lo, b, sizeof lo);
-        memcpy(&hi, b + 32, sizeof hi);
-        *w0 = (vec)(__builtin_convertvector(lo, vecu) << 16);
-        *w1 = (vec)(__builtin_convertvector(hi, vecu) << 16);
+    case BF16:
+        UNROLL for (int i = 0; i < NV; i++) w[i] = (vec)(zx16(b + 2 * W * i) << 16);
         break;
     }
-    }
-}
-
-INLINE vec ldf(const float *p) {
-    vec v;
-    memcpy(&v, p, sizeof v);
-    return v;
 }
 
 /* ---- matmul -------------------------------------------------------------------------------- */
@@ -353,13 +449,27 @@ INLINE vec ldf(const float *p) {
 INLINE void sub_block(const int t, const uint8_t *row, int64_t rb, int64_t b, const kscales *k, int s, const float *xs,
                       vec *acc, const int NO, const int RMAX, int R) {
     UNROLL for (int o = 0; o < NO; o++) {
-        vec w0, w1;
-        decode(t, row + o * rb + b * block_bytes(t), &k[o], s, &w0, &w1);
-        UNROLL for (int r = 0; r < RMAX; r++) {
-            if (r < R) {
-                acc[o * RMAX + r] += w0 * ldf(xs + 32 * r);
-                acc[o * RMAX + r] += w1 * ldf(xs + 32 * r + 16);
+#if W == 8
+        if (t == Q8_0) { /* sum q x over the block (each product exact inside its fma), then one fma
+                            by d: 3 operations per 8 weights where d q, then q x took 4 */
+            const uint8_t *blk = row + o * rb + b * 34;
+            const vec d = bcast_f16(blk);
+            vec q[NV];
+            UNROLL for (int i = 0; i < NV; i++) q[i] = i32_to_vec(sx8(blk + 2 + 8 * i));
+            UNROLL for (int r = 0; r < RMAX; r++) {
+                if (r < R) {
+                    vec sum = q[0] * ldf(xs + 32 * r);
+                    UNROLL for (int i = 1; i < NV; i++) sum = q[i] * ldf(xs + 32 * r + W * i) + sum;
+                    acc[o * RMAX + r] = sum * d + acc[o * RMAX + r];
+                }
             }
+            continue;
+        }
+#endif
+        vec w[NV];
+        decode(t, row + o * rb + b * block_bytes(t), &k[o], s, w);
+        UNROLL for (int r = 0; r < RMAX; r++) {
+            if (r < R) UNROLL for (int i = 0; i < NV; i++) acc[o * RMAX + r] += w[i] * ldf(xs + 32 * r + W * i);
         }
     }
 }
@@ -407,24 +517,25 @@ INLINE void tile(const int t, const uint8_t *w, int64_t rb, int64_t nb, const fl
 typedef void (*tile_fn)(const uint8_t *w, int64_t rb, int64_t nb, const float *x, int64_t xsub, int64_t o0,
                         void *y, int64_t out, int ybf, int R);
 typedef struct {
-    tile_fn eight, one, quad, pair, any; /* NO x RMAX: 8 x 1, 1 x 1, 4 x 4, 2 x 8, 1 x 8 */
+    tile_fn eight, one, quad, pair, any; /* NO x RMAX: T_ONE x 1, 1 x 1, T_FEW_NO x T_FEW_ROWS,
+                                            T_PAIR_NO x MAX_CHUNK, 1 x MAX_CHUNK */
 } tile_set;
 
 #define TILE_ARGS                                                                                  \
     const uint8_t *w, int64_t rb, int64_t nb, const float *x, int64_t xsub, int64_t o0, void *y, int64_t out,     \
         int ybf, int R
-#define TILE(T, NO, RMAX)                                                                          \
+#define TILE(T, NAME, NO, RMAX)                                                                    \
     _Static_assert((NO) * (RMAX) <= MAX_ACC, "a tile's accumulators");                             \
-    static __attribute__((noinline)) void T##_##NO##x##RMAX(TILE_ARGS) {                            \
+    static __attribute__((noinline)) void T##_##NAME(TILE_ARGS) {                                  \
         tile(T, w, rb, nb, x, xsub, o0, y, out, ybf, NO, RMAX, R);                                 \
     }
 #define TILE_SET(T)                                                                                \
-    TILE(T, 8, 1)                                                                                  \
-    TILE(T, 1, 1)                                                                                  \
-    TILE(T, 4, 4)                                                                                  \
-    TILE(T, 2, 8)                                                                                  \
-    TILE(T, 1, 8)                                                                                  \
-    static const tile_set T##_tiles = {T##_8x1, T##_1x1, T##_4x4, T##_2x8, T##_1x8};
+    TILE(T, eight, T_ONE, 1)                                                                       \
+    TILE(T, one, 1, 1)                                                                             \
+    TILE(T, quad, T_FEW_NO, T_FEW_ROWS)                                                            \
+    TILE(T, pair, T_PAIR_NO, MAX_CHUNK)                                                            \
+    TILE(T, any, 1, MAX_CHUNK)                                                                     \
+    static const tile_set T##_tiles = {T##_eight, T##_one, T##_quad, T##_pair, T##_any};
 
 TILE_SET(Q4_0)
 TILE_SET(Q4_1)
@@ -454,15 +565,15 @@ static void chunk(const tile_set *ts, const uint8_t *w, int64_t rb, int64_t nb, 
                   int64_t out, int ybf, int64_t lo, int64_t hi, int R) {
     int64_t o = lo;
     if (R == 1) { /* batch 1: 8 outputs at a time for 8 chains */
-        for (; o + 8 <= hi; o += 8) ts->eight(w, rb, nb, x, xsub, o, y, out, ybf, 1);
+        for (; o + T_ONE <= hi; o += T_ONE) ts->eight(w, rb, nb, x, xsub, o, y, out, ybf, 1);
         for (; o < hi; o++) ts->one(w, rb, nb, x, xsub, o, y, out, ybf, 1);
         return;
     }
     /* NO outputs share each load of x: the rows of x come from L2 for long inputs, and that
      * traffic, not the fmas, was the limit with one output and 16 rows */
-    if (R <= 4)
-        for (; o + 4 <= hi; o += 4) ts->quad(w, rb, nb, x, xsub, o, y, out, ybf, R);
-    for (; o + 2 <= hi; o += 2) ts->pair(w, rb, nb, x, xsub, o, y, out, ybf, R);
+    if (R <= T_FEW_ROWS)
+        for (; o + T_FEW_NO <= hi; o += T_FEW_NO) ts->quad(w, rb, nb, x, xsub, o, y, out, ybf, R);
+    for (; o + T_PAIR_NO <= hi; o += T_PAIR_NO) ts->pair(w, rb, nb, x, xsub, o, y, out, ybf, R);
     for (; o < hi; o++) ts->any(w, rb, nb, x, xsub, o, y, out, ybf, R);
 }
 
@@ -555,7 +666,7 @@ int quant_matmul(int t, const uint8_t *w, int64_t out, int64_t in, const void *x
 #pragma omp parallel num_threads(threads)
         {
             int64_t lo, hi;
-            thread_share(out, 8, &lo, &hi); /* whole tiles of 8 rows */
+            thread_share(out, 8, &lo, &hi); /* whole tiles of T_ONE (8 or 4) outputs */
             if (lo < hi) matmul_part(t, w, in, xf, rows, y, out, ybf, lo, hi);
         }
     }
@@ -571,10 +682,9 @@ INLINE void dequantize_row(const int t, const uint8_t *row, int64_t nb, void *y,
         kscales k;
         prep(t, row + b * BB, &k);
         UNROLL for (int s = 0; s < QB / 32; s++) {
-            vec w0, w1;
-            decode(t, row + b * BB, &k, s, &w0, &w1);
-            st(y, b * QB + 32 * s, w0, ybf);
-            st(y, b * QB + 32 * s + 16, w1, ybf);
+            vec w[NV];
+            decode(t, row + b * BB, &k, s, w);
+            UNROLL for (int i = 0; i < NV; i++) st(y, b * QB + 32 * s + W * i, w[i], ybf);
         }
     }
 }
@@ -822,14 +932,8 @@ static void panel_part(int t, uint8_t *w, int64_t nb, uint8_t *p, int back, int6
         }
 }
 
-/* 1 << t for each type with a panel matmul in this build (AVX-512 only), 0 without */
-int quant_panel_types(void) {
-#ifdef __AVX512F__
-    return 1 << Q4_0 | 1 << Q4_1 | 1 << Q5_0 | 1 << Q4_K | 1 << Q6_K;
-#else
-    return 0;
-#endif
-}
+/* 1 << t for each type with a panel matmul in this build (every path has them) */
+int quant_panel_types(void) { return 1 << Q4_0 | 1 << Q4_1 | 1 << Q5_0 | 1 << Q4_K | 1 << Q6_K; }
 
 /* blocks [out, in / 32 * BB] -> panels (back = 0) or panels -> blocks (back = 1), the same
  * size. Returns 0; -1 not a panel type, `in` not a multiple of 32 or `out` of 16. */
@@ -846,36 +950,60 @@ int quant_panel(int t, uint8_t *blocks, int64_t out, int64_t in, uint8_t *panels
     return 0;
 }
 
+/* lane k of a quant word is converted as q 2^pshift(k). AVX-512 converts unsigned: only Q5_0's
+ * and Q6_K's lane 7 (5, 6 bits) is first shifted down 4 so that q 2^28 stays below 2^32; the
+ * portable kernel converts signed, so every lane 7 is shifted down (q 2^24 < 2^31). */
 #ifdef __AVX512F__
-/* lane k of a quant word is converted as q 2^pshift(k); Q5_0's lane 7 (5 bits) is first shifted
- * down 4 so that q 2^28 stays below 2^32 */
 INLINE int pshift(const int t, const int k) { return (t == Q5_0 || t == Q6_K) && k == 7 ? 24 : 4 * k; }
+#else
+INLINE int pshift(const int t, const int k) { (void)t; return k == 7 ? 24 : 4 * k; }
+#endif
 
 /* Per row of x, prepared once per call: xs [in] = x 2^-pshift(i % 8) (exact but below ~2^-98);
- * S [3 nb]: each 32 inputs' sum, then each 16 inputs' sum (in a fixed order: `hsum`, the 32 as
- * elements i and i + 16 first) */
+ * S [3 nb]: each 32 inputs' sum, then each 16 inputs' sum (in a fixed order, the same on every
+ * path: `sum16`, the 32 as elements i and i + 16 first) */
 static void panel_prep(int t, const void *x, int xbf, int64_t in, float *xs, float *S) {
     vec scale;
     const int64_t nb = in / 32;
     for (int i = 0; i < W; i++) scale[i] = ldexpf(1.0f, -pshift(t, i % 8));
     for (int64_t b = 0; b < nb; b++) {
-        vec v[2];
-        for (int h = 0; h < 2; h++) {
-            if (xbf) {
-                vecu16 raw;
-                memcpy(&raw, (const uint16_t *)x + 32 * b + 16 * h, sizeof raw);
-                v[h] = (vec)(__builtin_convertvector(raw, vecu) << 16);
-            } else {
-                v[h] = ldf((const float *)x + 32 * b + 16 * h);
-            }
-            vec scaled = v[h] * scale;
-            memcpy(xs + 32 * b + 16 * h, &scaled, sizeof scaled);
-            S[nb + 2 * b + h] = hsum(v[h]);
+        vec v[NV], both[16 / W];
+        for (int i = 0; i < NV; i++) {
+            v[i] = xbf ? (vec)(zx16((const uint8_t *)((const uint16_t *)x + 32 * b + W * i)) << 16)
+                       : ldf((const float *)x + 32 * b + W * i);
+            vec scaled = v[i] * scale;
+            memcpy(xs + 32 * b + W * i, &scaled, sizeof scaled);
         }
-        S[b] = hsum(v[0] + v[1]);
+        for (int h = 0; h < 2; h++) S[nb + 2 * b + h] = sum16(v + h * (NV / 2));
+        for (int i = 0; i < NV / 2; i++) both[i] = v[i] + v[i + NV / 2];
+        S[b] = sum16(both);
     }
 }
 
+/* A panel block holds SUBS(t) sub-blocks, each with its own scale: Q4_0/Q4_1/Q5_0 one of 32
+ * elements, Q4_K eight of 32, Q6_K sixteen of 16; a sub-block is GROUPS(t) words of 8 quants */
+INLINE int psubs(const int t) { return t == Q4_K ? 8 : t == Q6_K ? 16 : 1; }
+INLINE int pgroups(const int t) { return t == Q6_K ? 2 : 4; }
+
+/* every cache line of each of T panels' block b + 1, into L2 (prefetcht1): T streams of short
+ * blocks are more than the hardware prefetchers keep ahead of. Measured on 24 distinct 6 MB
+ * Q5_0 weights streamed from DRAM, 2 threads (Zen 4): 12 GB/s with no software prefetch or with
+ * prefetches into L1, 18 GB/s with this (distance 1, 2 or 3 blocks into L2 or L3: 16-18) */
+#ifndef PF_DIST
+#define PF_DIST 1
+#endif
+#ifndef PF_LOC
+#define PF_LOC 2
+#endif
+INLINE void pprefetch(const int t, const uint8_t *pw, int64_t pb, int64_t p0, int64_t b, int sb, const int T) {
+    /* spread over the block's sub-blocks: a K block is 36-53 lines a panel, too many at once */
+    const int BB16 = 16 * block_bytes(t), lines = (BB16 + 63) / 64, from = sb * lines / psubs(t),
+              to = (sb + 1) * lines / psubs(t);
+    UNROLL for (int tt = 0; tt < T; tt++) for (int l = from; l < to; l++)
+        __builtin_prefetch(pw + (p0 + tt) * pb + (b + PF_DIST) * BB16 + 64 * l, 0, PF_LOC);
+}
+
+#ifdef __AVX512F__
 /* The exact quant q 2^pshift(k) of element k of a group of 8, in each lane, from the lanes'
  * quant word V and (Q5_0, Q6_K) the group's hi word H */
 INLINE __m512i pquant(const int t, const int k, __m512i V, __m512i H) {
@@ -889,11 +1017,6 @@ INLINE __m512i pquant(const int t, const int k, __m512i V, __m512i H) {
     }
     return q;
 }
-
-/* A panel block holds SUBS(t) sub-blocks, each with its own scale: Q4_0/Q4_1/Q5_0 one of 32
- * elements, Q4_K eight of 32, Q6_K sixteen of 16; a sub-block is GROUPS(t) words of 8 quants */
-INLINE int psubs(const int t) { return t == Q4_K ? 8 : t == Q6_K ? 16 : 1; }
-INLINE int pgroups(const int t) { return t == Q6_K ? 2 : 4; }
 
 /* group v of sub-block sb of panel block P (number g): the quant word V, the hi word H (Q5_0,
  * Q6_K: shifted so that the group's bits sit at 4k + 4, and at 0 for k = 7) */
@@ -956,18 +1079,6 @@ INLINE void pscales(const int t, const uint8_t *P, int64_t g, int64_t b, int sb,
 /* the 8 quants of a group as exact floats q 2^pshift(k) */
 INLINE void pdecode(const int t, __m512i V, __m512i H, __m512 *f) {
     UNROLL for (int k = 0; k < 8; k++) f[k] = _mm512_cvtepu32_ps(pquant(t, k, V, H));
-}
-
-/* every cache line of each of T panels' block b + 1, into L2 (prefetcht1): T streams of short
- * blocks are more than the hardware prefetchers keep ahead of. Measured on 24 distinct 6 MB
- * Q5_0 weights streamed from DRAM, 2 threads (Zen 4): 12 GB/s with no software prefetch or with
- * prefetches into L1, 18 GB/s with this (distance 1, 2 or 3 blocks into L2 or L3: 16-18) */
-INLINE void pprefetch(const int t, const uint8_t *pw, int64_t pb, int64_t p0, int64_t b, int sb, const int T) {
-    /* spread over the block's sub-blocks: a K block is 36-53 lines a panel, too many at once */
-    const int BB16 = 16 * block_bytes(t), lines = (BB16 + 63) / 64, from = sb * lines / psubs(t),
-              to = (sb + 1) * lines / psubs(t);
-    UNROLL for (int tt = 0; tt < T; tt++) for (int l = from; l < to; l++)
-        __builtin_prefetch(pw + (p0 + tt) * pb + (b + 1) * BB16 + 64 * l, 0, 2);
 }
 
 /* One row of prepared x (xs, S) against panels p0..p0+T-1: per lane (output), each sub-block's
@@ -1091,6 +1202,210 @@ static void panel_chunk(int t, const uint8_t *pw, int64_t nb, const float *xs, c
     if (p + 2 <= hi) f[2](pw, nb, xs, S, in, p, y, out, ybf), p += 2;
     if (p < hi) f[3](pw, nb, xs, S, in, p, y, out, ybf);
 }
+#else /* ---- the panel matmul on every other path: vectors of 8 lanes ---------------------------- *
+ * One AVX2 register, two NEON or SSE2 ones (`vec`, W = 8 here). A panel group's 16 lanes are two
+ * halves (outputs 0-7 and 8-15) taken one after the other, with the same operations per lane in
+ * the same order as the AVX-512 kernel above; with FMA (AVX2, NEON) every `a * b + c` below is one
+ * fused multiply-add (GNU C contracts them), so the results are the AVX-512 kernel's bit for bit.
+ * Without FMA (the generic x86 path) each product is rounded before it is added: twice the
+ * rounding steps, which tests/test_quant_panels.py allows there. Lane k = 7 is shifted down 4
+ * (pshift 24, not 28): the conversion is signed here, and q 2^28 reaches 2^31. */
+_Static_assert(W == 8, "the portable panel kernel is written for 8 lanes");
+INLINE vecu ldu(const uint8_t *p) { vecu v; memcpy(&v, p, sizeof v); return v; }
+INLINE vec cvt8(vecu q) { return __builtin_convertvector((veci)q, vec); }
+
+/* the exact quant q 2^pshift(k) of element k of a group of 8, in each lane, from the lanes'
+ * quant word V and (Q5_0, Q6_K) the group's hi word H (as `pquant` above) */
+INLINE vec pquant8(const int t, const int k, vecu V, vecu H) {
+    const int e = pshift(t, k);
+    vecu q = k == 7 ? (V >> 4) & (15u << 24) : V & (15u << e);
+    if (t == Q5_0 || t == Q6_K) {
+        vecu h = k == 7 ? H << 28 : H;
+        q |= h & ((t == Q5_0 ? 1u : 3u) << (e + 4));
+    }
+    return cvt8(q);
+}
+
+/* half `h` (outputs 8h..8h+7) of group v of sub-block sb of panel block P (number g): V, H */
+INLINE void pwords8(const int t, const uint8_t *P, int64_t g, int sb, int v, int h, vecu *V, vecu *H) {
+    if (t == Q4_K) {
+        *V = ldu(P + 256 * sb + 64 * v + 32 * h);
+    } else if (t == Q6_K) {
+        const k6_at at = q6k_at(g);
+        *V = ldu(P + at.nib + 64 * (2 * sb + v) + 32 * h);
+        vecu hh = ldu(P + at.hi + 64 * sb + 32 * h);
+        *H = v ? hh >> 2 : hh;
+    } else {
+        *V = ldu(P + nib_at(t, g) + 64 * v + 32 * h);
+        if (t == Q5_0) *H = ldu(P + head_at(t, g) + 32 + 32 * h) >> (unsigned)v;
+    }
+}
+
+/* half h of sub-block sb's scale and offset (as `pscales` above) */
+INLINE void pscales8(const int t, const uint8_t *P, int64_t g, int64_t b, int sb, int64_t n32, int h, vec *scale,
+                     vec *off, float *c, int64_t *at) {
+    if (t == Q4_K) {
+        vec d = f16_to_vec(P + 2048 + 16 * h), dmin = f16_to_vec(P + 2080 + 16 * h);
+        vecu q0 = ldu(P + 2112 + 32 * h), q1 = ldu(P + 2176 + 32 * h), q2 = ldu(P + 2240 + 32 * h);
+        vecu sc, mn;
+        if (sb < 4) {
+            sc = (q0 >> (8 * sb)) & 63u;
+            mn = (q1 >> (8 * sb)) & 63u;
+        } else {
+            const int s = 8 * (sb - 4);
+            sc = ((q2 >> s) & 15u) | (((q0 >> (s + 6)) & 3u) << 4);
+            mn = ((q2 >> (s + 4)) & 15u) | (((q1 >> (s + 6)) & 3u) << 4);
+        }
+        *scale = d * cvt8(sc);
+        *off = dmin * cvt8(mn);
+        *c = -1.0f;
+        *at = 8 * b + sb;
+    } else if (t == Q6_K) {
+        const k6_at k6 = q6k_at(g);
+        vec d = f16_to_vec(P + k6.d + 16 * h);
+        veci sc = (veci)(ldu(P + k6.sc + 64 * (sb / 4) + 32 * h) << (24 - 8 * (sb % 4))) >> 24;
+        *scale = *off = d * __builtin_convertvector(sc, vec);
+        *c = -32.0f;
+        *at = n32 + 16 * b + sb;
+    } else {
+        const uint8_t *head = P + head_at(t, g);
+        *scale = f16_to_vec(head + 16 * h);
+        *off = t == Q4_1 ? f16_to_vec(head + 32 + 16 * h) : *scale;
+        *c = t == Q4_1 ? 1.0f : t == Q4_0 ? -8.0f : -16.0f;
+        *at = b;
+    }
+}
+
+/* One row of prepared x against panels p0..p0+T-1 (as `ptile` above, but for the order): per lane,
+ * a sub-block's even elements into one sum and its odd ones into another, added at its end: 4T
+ * chains of fmas. With 16 registers a tile holds few panels, and one chain per lane left the
+ * fma latency, not the decode, the limit (streaming Q4_1 from DRAM at 2 threads on a Zen 3:
+ * 8.4 GB/s with 2 panels and one chain, 10.4 with one panel and two). */
+INLINE void ptile(const int t, const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, int64_t p0,
+                  void *y, int64_t out, int ybf, const int T) {
+    const int BB16 = 16 * block_bytes(t), SUBS = psubs(t), GROUPS = pgroups(t), SE = 8 * GROUPS;
+    const int64_t pb = nb * BB16, n32 = in / 32;
+    (void)out;
+    vec acc[2 * T];
+    UNROLL for (int i = 0; i < 2 * T; i++) acc[i] = splat(0.0f);
+    for (int64_t b = 0; b < nb; b++) {
+        _Pragma("GCC unroll 1") for (int sb = 0; sb < SUBS; sb++) {
+            pprefetch(t, pw, pb, p0, b, sb, T);
+            vec sum[2][2 * T];
+            UNROLL for (int i = 0; i < 2 * T; i++) sum[0][i] = sum[1][i] = splat(0.0f);
+            UNROLL for (int v = 0; v < GROUPS; v++) {
+                const float *xv = xs + b * SUBS * SE + sb * SE + 8 * v;
+                vecu V[2 * T], H[2 * T];
+                UNROLL for (int i = 0; i < 2 * T; i++) {
+                    const int64_t g = (p0 + i / 2) * nb + b;
+                    H[i] = (vecu){0};
+                    pwords8(t, pw + g * BB16, g, sb, v, i % 2, &V[i], &H[i]);
+                }
+                UNROLL for (int k = 0; k < 8; k++) {
+                    const vec xk = splat(xv[k]);
+                    UNROLL for (int i = 0; i < 2 * T; i++) sum[k & 1][i] = pquant8(t, k, V[i], H[i]) * xk + sum[k & 1][i];
+                }
+            }
+            UNROLL for (int i = 0; i < 2 * T; i++) {
+                const int64_t g = (p0 + i / 2) * nb + b;
+                vec scale, off;
+                float c;
+                int64_t at;
+                pscales8(t, pw + g * BB16, g, b, sb, n32, i % 2, &scale, &off, &c, &at);
+                acc[i] = (sum[0][i] + sum[1][i]) * scale + acc[i];
+                acc[i] = off * splat(c * S[at]) + acc[i];
+            }
+        }
+    }
+    UNROLL for (int i = 0; i < 2 * T; i++) st(y, (p0 + i / 2) * 16 + 8 * (i % 2), acc[i], ybf);
+}
+
+/* R rows against panel p (as `prows` above, in `ptile`'s order: even and odd elements apart):
+ * each half-group's 8 quants decoded once for all rows */
+#define PANEL_ROWS 32
+static void prows(int t, const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, int64_t p, void *y,
+                  int64_t out, int ybf, int R) {
+    const int BB16 = 16 * block_bytes(t), SUBS = psubs(t), GROUPS = pgroups(t), SE = 8 * GROUPS;
+    const int64_t pb = nb * BB16, n32 = in / 32, stride = 3 * n32;
+    vec acc[2 * PANEL_ROWS], even[2 * PANEL_ROWS], odd[2 * PANEL_ROWS];
+    for (int r = 0; r < 2 * R; r++) acc[r] = splat(0.0f);
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t g = p * nb + b;
+        const uint8_t *P = pw + g * BB16;
+        for (int sb = 0; sb < SUBS; sb++) {
+            pprefetch(t, pw, pb, p, b, sb, 1);
+            for (int r = 0; r < 2 * R; r++) even[r] = odd[r] = splat(0.0f);
+            for (int v = 0; v < GROUPS; v++) {
+                const float *xv = xs + b * SUBS * SE + sb * SE + 8 * v;
+                for (int h = 0; h < 2; h++) {
+                    vecu V, H = (vecu){0};
+                    vec f[8];
+                    pwords8(t, P, g, sb, v, h, &V, &H);
+                    UNROLL for (int k = 0; k < 8; k++) f[k] = pquant8(t, k, V, H);
+                    for (int r = 0; r < R; r++) {
+                        vec e = even[2 * r + h], o = odd[2 * r + h];
+                        UNROLL for (int k = 0; k < 8; k += 2) {
+                            e = f[k] * splat(xv[r * in + k]) + e;
+                            o = f[k + 1] * splat(xv[r * in + k + 1]) + o;
+                        }
+                        even[2 * r + h] = e;
+                        odd[2 * r + h] = o;
+                    }
+                }
+            }
+            for (int h = 0; h < 2; h++) {
+                vec scale, off;
+                float c;
+                int64_t at;
+                pscales8(t, P, g, b, sb, n32, h, &scale, &off, &c, &at);
+                for (int r = 0; r < R; r++) {
+                    acc[2 * r + h] = (even[2 * r + h] + odd[2 * r + h]) * scale + acc[2 * r + h];
+                    acc[2 * r + h] = off * splat(c * S[r * stride + at]) + acc[2 * r + h];
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < 2; h++) st(y, r * out + p * 16 + 8 * h, acc[2 * r + h], ybf);
+}
+
+typedef void (*ptile_fn)(const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, int64_t p0,
+                         void *y, int64_t out, int ybf);
+#define PTILE(TY, T)                                                                               \
+    static __attribute__((noinline)) void p##TY##_##T(const uint8_t *pw, int64_t nb, const float *xs, const float *S,  \
+                                                      int64_t in, int64_t p0, void *y, int64_t out, int ybf) {       \
+        ptile(TY, pw, nb, xs, S, in, p0, y, out, ybf, T);                                          \
+    }
+#define PROWS(TY)                                                                                  \
+    static __attribute__((noinline)) void p##TY##_rows(const uint8_t *pw, int64_t nb, const float *xs, const float *S, \
+                                                       int64_t in, int64_t p, void *y, int64_t out, int ybf, int R) {  \
+        prows(TY, pw, nb, xs, S, in, p, y, out, ybf, R);                                           \
+    }
+/* one row: NP panels at a time (4 NP chains), then 1 for those left over. One panel (4 chains)
+ * was fastest streaming from DRAM on a Zen 3 for every type but Q4_K, whose sub-blocks' scales
+ * cost more per group and which took two (13.2 -> 14.4 GB/s; Q5_0 7.3 with one, 5.9 with two) */
+#define PTILE_SET(TY) PTILE(TY, 1) PROWS(TY)
+PTILE_SET(Q4_0)
+PTILE_SET(Q4_1)
+PTILE_SET(Q5_0)
+PTILE_SET(Q4_K)
+PTILE_SET(Q6_K)
+PTILE(Q4_K, 2)
+
+static void panel_chunk(int t, const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, void *y,
+                        int64_t out, int ybf, int64_t lo, int64_t hi, int R) {
+    int64_t p = lo;
+    if (R > 1) {
+        void (*rows)(const uint8_t *, int64_t, const float *, const float *, int64_t, int64_t, void *, int64_t, int, int) =
+            t == Q4_0 ? pQ4_0_rows : t == Q4_1 ? pQ4_1_rows : t == Q5_0 ? pQ5_0_rows : t == Q4_K ? pQ4_K_rows : pQ6_K_rows;
+        for (; p < hi; p++) rows(pw, nb, xs, S, in, p, y, out, ybf, R);
+        return;
+    }
+    if (t == Q4_K)
+        for (; p + 2 <= hi; p += 2) pQ4_K_2(pw, nb, xs, S, in, p, y, out, ybf);
+    ptile_fn one = t == Q4_0 ? pQ4_0_1 : t == Q4_1 ? pQ4_1_1 : t == Q5_0 ? pQ5_0_1 : t == Q4_K ? pQ4_K_1 : pQ6_K_1;
+    for (; p < hi; p++) one(pw, nb, xs, S, in, p, y, out, ybf);
+}
 #endif
 
 /* y [rows, out] = x [rows, in] W^T for W in the panel layout of type t (float32 or bfloat16 x
@@ -1099,7 +1414,6 @@ static void panel_chunk(int t, const uint8_t *pw, int64_t nb, const float *xs, c
 int quant_panel_matmul(int t, const uint8_t *pw, int64_t out, int64_t in, const void *x, int xbf, void *y, int ybf,
                        int64_t rows, int64_t threads) {
     if (!(quant_panel_types() >> t & 1) || in % block_elems(t) || out % 16 || out <= 0) return -1;
-#ifdef __AVX512F__
     int64_t nb = in / block_elems(t), n32 = in / 32, np = out / 16;
     float *xs = aligned_alloc(64, ((size_t)(rows * (in + 3 * n32)) * sizeof(float) + 63) / 64 * 64);
     if (!xs) return -2;
@@ -1119,8 +1433,4 @@ int quant_panel_matmul(int t, const uint8_t *pw, int64_t out, int64_t in, const 
     }
     free(xs);
     return 0;
-#else
-    (void)pw; (void)x; (void)xbf; (void)y; (void)ybf; (void)rows; (void)threads;
-    return -1;
-#endif
 }

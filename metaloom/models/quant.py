@@ -25,7 +25,9 @@ bfloat16) gives x W^T [..., out] in x's dtype:
   depend on the other rows or the threads;
 - more rows (for float32 x on panels, more than `PANEL_CROSSOVER_ROWS`): the weight dequantised
   to x's dtype (by the C kernel) and `F.linear`, where a
-  dense GEMM's arithmetic rate pays for dequantising (bfloat16 x: the weight rounds to bfloat16);
+  dense GEMM's arithmetic rate pays for dequantising (bfloat16 x: the weight rounds to bfloat16;
+  on a CPU where oneDNN has no bfloat16 GEMM, `metaloom.models.packed.bf16_gemm`, the product is
+  taken in float32 and rounded once, PyTorch's emulated bfloat16 GEMM being 4x slower there);
 - without a C compiler: the same values from PyTorch bit operations, then `F.linear` (slow, but
   the same results).
 
@@ -38,7 +40,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from metaloom.errors import InvalidParameter, UnsupportedModel
+from metaloom.models import isa
 from metaloom.models.cbuild import build_library
 
 SOURCE = Path(__file__).with_name("quant.c")
@@ -119,7 +122,8 @@ class QuantKernels:
     lib: ctypes.CDLL
     path: str
     openmp: bool = False  # compiled with OpenMP: threads > 1 splits outputs
-    panel_types: int = 0  # bit t set: type t has the panel layout's matmul in this build (AVX-512)
+    panel_types: int = 0  # bit t set: type t has the panel layout's matmul in this build
+    isa: str = ""  # the instruction-set path it was built for (metaloom.models.isa)
 
     def matmul(self, qtype: int, blocks: torch.Tensor, in_features: int, x: torch.Tensor, y: torch.Tensor,
                rows: int, threads: int = 1) -> None:
@@ -192,16 +196,25 @@ def _bind(lib: ctypes.CDLL, path: Path) -> QuantKernels:
     return QuantKernels(lib, str(path), bool(lib.metaloom_quant_openmp()), int(lib.quant_panel_types()))
 
 
-def build(cache_dir: Path | None = None, compiler: str | None = None) -> Availability:
-    """Compile (or reuse) and load the kernels. Never raises: a failure is a reason."""
-    built = build_library(SOURCE, _bind, cache_dir=cache_dir, cc=compiler)
-    return Availability(built.value, built.reason)
+def build(cache_dir: Path | None = None, compiler: str | None = None, path: str | None = None) -> Availability:
+    """Compile (or reuse) and load the kernels for instruction-set ``path`` (None: the one
+    `metaloom.models.isa.chosen` names). Never raises, but for an `UnsupportedISA` when
+    ``METALOOM_ISA`` names a path this CPU lacks: a failure is a reason."""
+    built = build_library(SOURCE, _bind, cache_dir=cache_dir, cc=compiler, path=path)
+    value = None if built.value is None else replace(built.value, isa=built.isa)
+    return Availability(value, built.reason)
 
 
 @functools.cache
+def for_path(path: str) -> Availability:
+    """The kernels of one instruction-set path (built once per process, compiled once per machine)."""
+    return build(path=path)
+
+
 def kernels() -> Availability:
-    """This process's kernels (built once per process, compiled once per machine)."""
-    return build()
+    """The kernels of the path that runs now (`metaloom.models.isa.chosen`: ``METALOOM_ISA``,
+    else the best this CPU has)."""
+    return for_path(isa.chosen().name)
 
 
 def _threads(nbytes: int) -> int:
@@ -467,6 +480,10 @@ class QuantWeight:
         if rows == 0:
             return x.new_empty((*shape[:-1], self.blocks.shape[0]))
         if rows > CROSSOVER_ROWS and (self.layout == "gguf" or x.dtype != torch.float32 or rows > PANEL_CROSSOVER_ROWS):
+            from metaloom.models.packed import bf16_gemm
+
+            if x.dtype == torch.bfloat16 and not bf16_gemm():  # PyTorch's bfloat16 GEMM is 4x slower than float32 here
+                return F.linear(x.float(), self.dequantize()).to(x.dtype)
             return F.linear(x, self.dequantize(x.dtype))
         k = self._kernels()
         if k is None:  # float32 products and sums, one rounding to x's dtype: the kernel's arithmetic

@@ -101,6 +101,7 @@ class MetaloomSystem:
             for name, c in cases.items()}
         model: Any = loaded.model
         self.info = {"step_path": step_path(model), "device": str(getattr(model, "device", "cpu")), "weights": weights,
+                     "isa": _kernel_path(),
                      "dense_weight_bytes": int(model.num_parameters() * loaded.dtype.itemsize)
                      if hasattr(model, "num_parameters") else None}
 
@@ -259,6 +260,16 @@ class VllmSystem:
     def run(self, case: str) -> int:
         out = self.llm.generate([self.prompts[case]], self.params[case], use_tqdm=False)
         return sum(len(o.token_ids) for o in out[0].outputs)
+
+
+def _kernel_path() -> str | None:
+    """The instruction-set path metaloom's C kernels run in this process (None: an older metaloom)."""
+    try:
+        from metaloom.models.quant import kernels
+    except ImportError:
+        return None
+    k = kernels().kernels
+    return getattr(k, "isa", None) or (None if k is not None else "none: " + kernels().reason)
 
 
 SYSTEMS: dict[str, Any] = {"fake": FakeSystem, "metaloom": MetaloomSystem, "transformers": TransformersSystem,
