@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test lint bench
+.PHONY: install demo test test-aarch64 lint bench
 
 # torch first and pinned (2.13.0 is the local CPU wheel; anything else pulls CUDA), then the
 # package with its test extra, then the packages whose declared dependencies are wrong for us,
@@ -30,6 +30,13 @@ test: install
 	$(BIN)/ruff check metaloom tests
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
+
+# the C kernels cross-compiled for aarch64 (neon and generic paths) and checked under qemu-aarch64
+# against numpy/gguf references: needs Debian's gcc-aarch64-linux-gnu and qemu-user
+test-aarch64: install
+	@command -v aarch64-linux-gnu-gcc >/dev/null || { echo "test-aarch64: aarch64-linux-gnu-gcc is missing (Debian: apt-get install gcc-aarch64-linux-gnu)" >&2; exit 1; }
+	@command -v qemu-aarch64 >/dev/null || { echo "test-aarch64: qemu-aarch64 is missing (Debian: apt-get install qemu-user)" >&2; exit 1; }
+	METALOOM_AARCH64=1 $(BIN)/python -m pytest -q tests/aarch64
 
 lint: install
 	$(BIN)/ruff check metaloom tests

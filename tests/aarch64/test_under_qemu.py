@@ -1,0 +1,201 @@
+"""The C kernels built for aarch64 (the neon path, with the dot-product extension, and the
+generic one: plain ARMv8-A) by Debian's cross-compiler and run under qemu-aarch64 through a small
+driver (tests/aarch64/driver.c), against the same numpy/gguf references and bounds as the x86
+suites: every quantised type's matmul, dequantisation and quantisation, the panel regrouping and
+panel matmul, the fused decode kernels, float32 and bfloat16.
+
+This checks exactness, not speed: qemu emulates. Run by ``make test-aarch64`` (and so by CI),
+not by ``make test``: it needs ``aarch64-linux-gnu-gcc`` (Debian's gcc-aarch64-linux-gnu) and
+``qemu-aarch64`` (qemu-user), and the module is skipped, saying which is missing, without them.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from metaloom.models import quant
+from metaloom.models.rope import rope_tables
+from tests.test_fused import _reference_attend
+from tests.test_quant_kernels import U, random_blocks, reference, weight
+from tests.test_quant_panels import _panel_excess, panel_reference
+
+ROOT = Path(__file__).resolve().parents[2]
+CC, QEMU, SYSROOT = "aarch64-linux-gnu-gcc", "qemu-aarch64", "/usr/aarch64-linux-gnu"
+MISSING = [f"{tool} (Debian package {pkg})" for tool, pkg in ((CC, "gcc-aarch64-linux-gnu"), (QEMU, "qemu-user"))
+           if shutil.which(tool) is None]
+pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"missing {', '.join(MISSING)}")
+# the paths an aarch64 CPU runs, with the flags metaloom.models.isa gives them there
+PATHS = {"neon": ("-march=armv8.2-a+dotprod",), "generic": ()}
+TYPES = sorted(quant.QTYPES)
+PANEL_TYPES = sorted(quant.PANEL_TYPES)
+
+
+@dataclass(frozen=True)
+class Out:
+    """An output buffer of ``shape`` and ``dtype`` for the driver to fill."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class InOut:
+    """A buffer the driver reads and writes back (the KV pool, a residual updated in place)."""
+
+    tensor: torch.Tensor
+
+
+class Driver:
+    """The kernels of one aarch64 build, called through qemu: `call` takes ints, floats, None,
+    input tensors, `Out` and `InOut` in the C function's order and returns (rc, outputs)."""
+
+    def __init__(self, exe: Path, work: Path) -> None:
+        self.exe, self.work, self.n = exe, work, 0
+
+    def call(self, fn: str, *args: object) -> tuple[int, list[torch.Tensor]]:
+        argv, outs = [], []
+        for a in args:
+            self.n += 1
+            path = self.work / f"buf{self.n}"
+            if isinstance(a, bool | int):
+                argv.append(f"i:{int(a)}")
+            elif isinstance(a, float):
+                argv.append(f"f:{a!r}")
+            elif a is None:
+                argv.append("null")
+            elif isinstance(a, torch.Tensor):
+                path.write_bytes(a.contiguous().view(torch.uint8).numpy().tobytes())
+                argv.append(f"in:{path}")
+            elif isinstance(a, Out):
+                nbytes = math.prod(a.shape) * a.dtype.itemsize
+                argv.append(f"out:{path}:{nbytes}")
+                outs.append((path, a.shape, a.dtype))
+            elif isinstance(a, InOut):
+                path.write_bytes(a.tensor.contiguous().view(torch.uint8).numpy().tobytes())
+                argv.append(f"io:{path}")
+                outs.append((path, tuple(a.tensor.shape), a.tensor.dtype))
+            else:
+                raise TypeError(type(a))
+        run = subprocess.run([QEMU, "-L", SYSROOT, str(self.exe), fn, *argv], capture_output=True, text=True,
+                             timeout=300)
+        assert run.returncode == 0, run.stderr
+        tensors = [torch.frombuffer(bytearray(p.read_bytes()), dtype=torch.uint8).view(dt).reshape(shape).clone()
+                   for p, shape, dt in outs]
+        return int(run.stdout.strip()), tensors
+
+
+@pytest.fixture(scope="module", params=sorted(PATHS))
+def driver(request, tmp_path_factory) -> Driver:
+    work = tmp_path_factory.mktemp(f"aarch64-{request.param}")
+    exe = work / "driver"
+    sources = [ROOT / "metaloom/models/quant.c", ROOT / "metaloom/models/fused.c", ROOT / "tests/aarch64/driver.c"]
+    build = subprocess.run([CC, "-O2", "-fno-math-errno", "-fopenmp", *PATHS[request.param], *map(str, sources), "-o",
+                            str(exe), "-lm"], capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr
+    return Driver(exe, work)
+
+
+def _bound(inputs: int, qtype: int) -> float:
+    """The GGUF-layout kernel's bound on 8 lanes with fma (tests/test_quant_kernels.py says why)."""
+    return (5 * inputs / 32 if qtype == 8 else inputs / 8) + 3
+
+
+def _excess(y: torch.Tensor, x: torch.Tensor, ref: np.ndarray, c: float) -> float:
+    w = torch.from_numpy(ref).double()
+    scale = x.double().abs() @ w.abs().T
+    return ((y.double() - x.double() @ w.T).abs() / (c * U * scale + 1e-300)).max().item()
+
+
+def _inputs(qtype: int) -> int:
+    return 768 if qtype in (12, 14) else 96
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # scales past float16, on purpose
+@pytest.mark.parametrize("qtype", TYPES, ids=[quant.QTYPES[t].name for t in TYPES])
+def test_matmul_dequantize_and_quantize(driver, qtype):
+    inputs = _inputs(qtype)
+    w, ref = weight(qtype, 37, inputs, seed=21)
+    for rows, threads in ((1, 1), (5, 2), (17, 1)):
+        x = torch.randn(rows, inputs, generator=torch.Generator().manual_seed(rows))
+        rc, (y,) = driver.call("quant_matmul", qtype, w.blocks, 37, inputs, x, 0, Out((rows, 37), torch.float32), 0,
+                               rows, threads)
+        assert rc == 0 and _excess(y, x, ref, _bound(inputs, qtype)) <= 1, (rows, threads)
+        _, (yb,) = driver.call("quant_matmul", qtype, w.blocks, 37, inputs, x.bfloat16(), 1,
+                               Out((rows, 37), torch.bfloat16), 1, rows, threads)
+        _, (yf,) = driver.call("quant_matmul", qtype, w.blocks, 37, inputs, x.bfloat16().float(), 0,
+                               Out((rows, 37), torch.float32), 0, rows, threads)
+        assert torch.equal(yb, yf.bfloat16())  # bfloat16 in and out: the same sums, rounded once
+    rc, (dense,) = driver.call("quant_dequantize", qtype, w.blocks, 37, inputs, None, 37, Out((37, inputs), torch.float32),
+                               0, 2)
+    assert rc == 0 and torch.equal(dense.view(torch.int32), torch.from_numpy(ref).view(torch.int32))
+    name = quant.QTYPES[qtype].name
+    if name in quant.QUANTIZERS:
+        import gguf
+
+        x = torch.randn(8, 96) * torch.logspace(-9, 6, 8).unsqueeze(1)
+        rc, (blocks,) = driver.call("quant_quantize", qtype, x, 0, 8, 96, Out((8, quant.QTYPES[qtype].row_bytes(96)),
+                                                                              torch.uint8), 1)
+        assert np.array_equal(blocks.numpy(), gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType[name]))
+
+
+@pytest.mark.parametrize("qtype", PANEL_TYPES, ids=[quant.QTYPES[t].name for t in PANEL_TYPES])
+def test_panel_regrouping_and_panel_matmul(driver, qtype):
+    inputs = 256 if qtype in (12, 14) else 96
+    blocks = random_blocks(qtype, 48, inputs, seed=22)
+    w = quant.QuantWeight(qtype, torch.from_numpy(blocks.copy()), inputs)
+    rc, (panels,) = driver.call("quant_panel", qtype, w.blocks, 48, inputs, Out(tuple(w.blocks.shape), torch.uint8), 0, 2)
+    assert rc == 0
+    expected = panel_reference(qtype, blocks) if qtype in (2, 3, 6) else w.panelled().blocks.numpy()
+    assert np.array_equal(panels.numpy(), expected)  # the same bytes as the layout says (and as on x86)
+    x = torch.randn(40, inputs, generator=torch.Generator().manual_seed(24))
+    x[0, 5] = 3e3  # an outlier input, as real activations have
+    first = []
+    for rows in (1, 3, 40):  # one row (the tile kernel), a few and many (the rows kernel)
+        rc, (y,) = driver.call("quant_panel_matmul", qtype, panels, 48, inputs, x[:rows], 0,
+                               Out((rows, 48), torch.float32), 0, rows, 2)
+        assert rc == 0 and _panel_excess(y, x[:rows], qtype, blocks, factor=1) <= 1, rows
+        first.append(y[0])
+    assert torch.equal(first[0], first[1]) and torch.equal(first[0], first[2])  # a row's result: alone or in a batch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_fused_decode_kernels(driver, dtype):
+    bf = int(dtype == torch.bfloat16)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    g = torch.Generator().manual_seed(23)
+    x = (torch.randn(3, 576, generator=g) * 3).to(dtype)
+    delta = torch.randn(3, 576, generator=g).to(dtype)
+    norm_w = (1 + 0.1 * torch.randn(576, generator=g)).to(dtype)
+    _, (x_after, y) = driver.call("residual_rms_norm", InOut(x), delta, norm_w, Out((3, 576), dtype), 3, 576, 1e-5, bf)
+    expected_x = x + delta
+    assert torch.equal(x_after, expected_x)
+    expected = torch.nn.functional.rms_norm(expected_x, (576,), norm_w, 1e-5)
+    assert (y.float() - expected.float()).abs().max() <= tol * expected.abs().max()
+    gate_up = (torch.randn(2, 128, generator=g) * 4).to(dtype)
+    _, (s,) = driver.call("silu_mul", gate_up, Out((2, 64), dtype), 2, 64, bf)
+    expected = torch.nn.functional.silu(gate_up[:, :64].float()) * gate_up[:, 64:].float()
+    assert (s.float() - expected).abs().max() <= tol * max(1.0, expected.abs().max().item())
+    heads, kv_heads, dim, rows, cap, slots = 6, 2, 64, 4, 40, 160
+    lengths = torch.tensor([0, 7, 33, 20])
+    cos, sin = rope_tables(dim, 10000.0, None, 64, dtype, torch.device("cpu"))
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    keys = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
+    values = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
+    table = torch.randperm(slots, generator=g)[:rows * cap].view(rows, cap).clone()
+    table[3, :20] = table[2, :20]
+    ref_keys, ref_values = keys.clone(), values.clone()
+    expected = _reference_attend(qkv, cos, sin, lengths, table, ref_keys, ref_values, heads, None)
+    rc, (k_after, v_after, out) = driver.call("rope_attend", qkv, cos, sin, lengths, table, cap, InOut(keys), InOut(values),
+                                              Out((rows, heads * dim), dtype), rows, heads, kv_heads, dim, 0, 2, bf)
+    assert rc == 0
+    assert (out.float() - expected.float()).abs().max() <= tol * max(1.0, expected.abs().max().item())
+    assert (k_after.float() - ref_keys.float()).abs().max() <= tol * max(1.0, ref_keys.abs().max().item())
+    assert torch.equal(v_after, ref_values)

@@ -1,0 +1,101 @@
+"""Instruction-set paths of the C kernels (`metaloom.models.isa`, `metaloom.models.cbuild`):
+which paths a CPU runs, ``METALOOM_ISA`` forcing one (a typed error naming what the CPU has when
+it cannot), the flags that build each, a compiler that lacks a path's flags falling to the next
+path with the reason, and the path reported where users see it."""
+
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from metaloom.errors import UnsupportedISA
+from metaloom.models import isa
+from metaloom.models.cbuild import build_library, compiler
+from metaloom.models.fused import SOURCE as FUSED_SOURCE
+from metaloom.models.fused import _bind as fused_bind
+
+AVX2_CPU = frozenset({"sse2", "avx", "avx2", "fma", "f16c"})
+AVX512_CPU = AVX2_CPU | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+METALOOM = os.path.join(os.path.dirname(sys.executable), "metaloom")
+
+
+def test_the_paths_a_cpu_runs_best_first():
+    assert isa.runnable("x86_64", AVX512_CPU) == ["avx512", "avx2", "generic"]
+    assert isa.runnable("x86_64", AVX2_CPU) == ["avx2", "generic"]
+    assert isa.runnable("x86_64", frozenset({"sse2", "avx"})) == ["generic"]  # Sandy Bridge: AVX but no AVX2
+    assert isa.runnable("x86_64", AVX512_CPU - {"avx512bw"}) == ["avx2", "generic"]  # Xeon Phi: F but not BW
+    assert isa.runnable("aarch64", frozenset({"asimd"})) == ["neon", "generic"]
+    assert isa.runnable("riscv64", frozenset()) == ["generic"]
+    assert isa.missing(isa.PATHS["avx512"], "x86_64", AVX2_CPU) == ["avx512bw", "avx512dq", "avx512f", "avx512vl"]
+    assert isa.missing(isa.PATHS["neon"], "x86_64", AVX512_CPU) == ["an aarch64 CPU (this one is x86_64)"]
+
+
+def test_each_path_is_built_with_its_own_flags_never_the_build_machines():
+    assert "-mavx512bw" in isa.flags("avx512") and "-mavx512f" not in isa.flags("avx2")
+    assert {"-mavx2", "-mfma", "-mf16c"} <= set(isa.flags("avx2"))
+    assert isa.flags("generic") == ()
+    assert isa.flags("neon", frozenset({"asimd"})) == ("-march=armv8-a",)
+    assert isa.flags("neon", frozenset({"asimd", "asimddp"})) == ("-march=armv8.2-a+dotprod",)
+    assert not any("native" in f for name in isa.NAMES for f in isa.flags(name))
+    assert isa.library_env("avx2").get("ATEN_CPU_CAPABILITY", "avx2") == "avx2"
+
+
+def test_metaloom_isa_selects_a_path_and_refuses_what_the_cpu_lacks():
+    best = isa.runnable()[0]
+    assert isa.resolve(None).name == best and isa.resolve("").name == best and isa.resolve(" AUTO ").name == best
+    assert isa.resolve("generic").name == "generic"
+    with pytest.raises(UnsupportedISA, match=r"'sse9' is not a kernel path: allowed avx512, avx2, neon, generic"):
+        isa.resolve("sse9")
+    lacking = next(name for name in isa.NAMES if name not in isa.runnable())
+    with pytest.raises(UnsupportedISA) as err:
+        isa.resolve(lacking)
+    message = str(err.value)
+    assert f"METALOOM_ISA={lacking}" in message and "lacks" in message and f"runs {', '.join(isa.runnable())}" in message
+    with isa.using("generic"):
+        assert isa.chosen().name == "generic"
+    assert isa.chosen().name == best or os.environ.get(isa.ENV)
+
+
+def test_a_forced_path_the_cpu_lacks_is_one_line_from_the_cli_and_nothing_runs():
+    lacking = next(name for name in isa.NAMES if name not in isa.runnable())
+    env = dict(os.environ, METALOOM_ISA=lacking)
+    out = subprocess.run([METALOOM, "generate", "Hi", "--max-tokens", "2"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert f"METALOOM_ISA={lacking}" in out.stderr and "lacks" in out.stderr
+
+
+def test_generate_json_says_which_path_ran():
+    path = isa.runnable()[-2] if len(isa.runnable()) > 1 else "generic"  # a path below the best where there is one
+    env = dict(os.environ, METALOOM_ISA=path)
+    out = subprocess.run([METALOOM, "generate", "Hi", "--max-tokens", "2", "--temperature", "0", "--json"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["usage"]["isa"] == path
+
+
+def _fake_cc(tmp_path, refuse: str) -> str:
+    """A compiler that fails whenever it is given ``refuse`` (a flag it does not know)."""
+    cc = tmp_path / "cc-without"
+    cc.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = "{refuse}" ] && echo "unknown option {refuse}" >&2 && exit 1; done\n'
+                  f'exec {compiler()} "$@"\n')
+    cc.chmod(cc.stat().st_mode | stat.S_IEXEC)
+    return str(cc)
+
+
+@pytest.mark.skipif(compiler() is None or "avx2" not in isa.runnable(), reason="needs a C compiler and an AVX2 CPU")
+def test_a_compiler_without_a_paths_flags_falls_to_the_next_path_and_says_so(tmp_path):
+    built = build_library(FUSED_SOURCE, fused_bind, cache_dir=tmp_path, cc=_fake_cc(tmp_path, "-mavx2"), path="avx2")
+    assert built.value is not None and built.isa == "generic"
+    assert "avx2:" in built.reason and "unknown option -mavx2" in built.reason
+
+
+@pytest.mark.skipif(compiler() is None, reason="needs a C compiler")
+def test_a_path_the_cpu_cannot_run_is_never_built_or_loaded(tmp_path):
+    lacking = next(name for name in isa.NAMES if name not in isa.runnable())
+    built = build_library(FUSED_SOURCE, fused_bind, cache_dir=tmp_path, path=lacking)
+    assert built.value is None and "cannot run" in built.reason
+    assert not list(tmp_path.rglob("*.so"))
