@@ -24,7 +24,7 @@ import torch
 from metaloom.models import quant
 from metaloom.models.rope import rope_tables
 from tests.test_fused import _reference_attend
-from tests.test_quant_kernels import U, random_blocks, reference, weight
+from tests.test_quant_kernels import U, random_blocks, weight
 from tests.test_quant_panels import _panel_excess, panel_reference
 
 ROOT = Path(__file__).resolve().parents[2]
