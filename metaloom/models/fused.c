@@ -18,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define ABI_VERSION 3
+#define ABI_VERSION 4
 #define INLINE static inline __attribute__((always_inline))
 
 /* W lanes per vector: one AVX-512 register; 8 on every other path, one AVX2 register or two NEON
@@ -267,4 +267,75 @@ int rope_attend(const void *qkv, const void *cs, const void *sn, const int64_t *
                 int64_t window, int64_t threads, int bf16) {
     if (bf16) return rope_attend_t(qkv, cs, sn, lengths, table, width, kc, vc, out, rows, h, hk, dim, window, threads, 1);
     return rope_attend_t(qkv, cs, sn, lengths, table, width, kc, vc, out, rows, h, hk, dim, window, threads, 0);
+}
+
+/* ---- every layer of a one-token step in one call ----------------------------------------------- *
+ * A batch-1 step of a small quantised model is a few hundred kernel calls of microseconds each;
+ * driven from Python each cost several microseconds more than its work (argument conversion, a
+ * tensor allocation, the model's loop), about a third of a SmolLM2 step on a Zen 3. When every
+ * linear weight of every layer is one the quantised kernels multiply (`metaloom.models.quant`),
+ * the model hands the whole stack of layers to `decode_layers`: the same kernels in the same order
+ * on the same buffers as its Python loop (`LlamaModel._step_fused`), so the results are the same
+ * bits. The matmuls are quant.c's own functions, reached through the pointers in each weight's
+ * descriptor (the two files are built as two libraries). */
+
+typedef int (*matmul_fn)(int t, const void *w, int64_t out, int64_t in, const void *x, int xbf, void *y, int ybf,
+                         int64_t rows, int64_t threads);
+
+typedef struct {
+    matmul_fn fn;     /* quant_matmul or quant_panel_matmul, for this weight's layout */
+    const void *w;    /* the blocks */
+    int64_t type;     /* ggml type id */
+    int64_t out, in;  /* the dense weight's shape */
+    int64_t parallel; /* 1: split over the step's threads (large enough), 0: one thread */
+    const void *bias; /* [out] in the activations' dtype, or NULL */
+} weight_desc;
+
+typedef struct {
+    const void *attn_norm, *mlp_norm; /* [d] */
+    weight_desc qkv, o, gate_up, down;
+} layer_desc;
+
+/* y [rows, out] += bias, rounded as PyTorch's add of two tensors of the activations' dtype */
+INLINE void add_bias_t(void *y, const void *bias, int64_t rows, int64_t out, const int bf) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i + W <= out; i += W) st(y, r * out + i, ld(y, r * out + i, bf) + ld(bias, i, bf), bf);
+}
+
+static int matmul(const weight_desc *w, const void *x, void *y, int64_t rows, int64_t threads, int bf16) {
+    int rc = w->fn((int)w->type, w->w, w->out, w->in, x, bf16, y, bf16, rows, w->parallel ? threads : 1);
+    if (rc == 0 && w->bias) {
+        if (bf16) add_bias_t(y, w->bias, rows, w->out, 1);
+        else add_bias_t(y, w->bias, rows, w->out, 0);
+    }
+    return rc;
+}
+
+/* Every layer of a one-token step, for `rows` rows (one new token each, at position lengths[r]):
+ *   x [rows, d]: the residual stream (the embeddings in; the stream before the last sublayer's
+ *   output is added, out), delta [rows, d]: that last output (the caller's final norm adds it);
+ *   y [rows, d], qkv [rows, (h + 2 hk) dim], attn [rows, h dim], gu [rows, 2 inter], act [rows,
+ *   inter]: scratch; keys[i], values[i]: layer i's KV pool [slots, hk, dim]; the rest as
+ *   `rope_attend` and `residual_rms_norm`. Returns 0, or the first failing kernel's code (a
+ *   matmul's -1 or -2 plus -10, rope_attend's -1 or -2). */
+int decode_layers(const layer_desc *layers, int64_t n_layers, void *x, void *delta, void *y, void *qkv, void *attn,
+                  void *gu, void *act, const void *cs, const void *sn, const int64_t *lengths, const int64_t *table,
+                  int64_t width, void *const *keys, void *const *values, int64_t rows, int64_t d, int64_t h,
+                  int64_t hk, int64_t dim, int64_t inter, int64_t window, int64_t attn_threads, int64_t threads,
+                  float eps, int bf16) {
+    for (int64_t i = 0; i < n_layers; i++) {
+        const layer_desc *l = layers + i;
+        int rc;
+        residual_rms_norm(x, i ? delta : NULL, l->attn_norm, y, rows, d, eps, bf16);
+        if ((rc = matmul(&l->qkv, y, qkv, rows, threads, bf16))) return rc - 10;
+        if ((rc = rope_attend(qkv, cs, sn, lengths, table, width, keys[i], values[i], attn, rows, h, hk, dim, window,
+                              attn_threads, bf16)))
+            return rc;
+        if ((rc = matmul(&l->o, attn, delta, rows, threads, bf16))) return rc - 10;
+        residual_rms_norm(x, delta, l->mlp_norm, y, rows, d, eps, bf16);
+        if ((rc = matmul(&l->gate_up, y, gu, rows, threads, bf16))) return rc - 10;
+        silu_mul(gu, act, rows, inter, bf16);
+        if ((rc = matmul(&l->down, act, delta, rows, threads, bf16))) return rc - 10;
+    }
+    return 0;
 }

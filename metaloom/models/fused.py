@@ -41,7 +41,7 @@ from metaloom.models.cbuild import build_library
 from metaloom.models.config import LlamaConfig
 
 SOURCE = Path(__file__).with_name("fused.c")
-ABI_VERSION = 3  # must match fused.c
+ABI_VERSION = 4  # must match fused.c
 # From this many (row, cached key) pairs per step, fused.c's attention splits over PyTorch's
 # threads (OpenMP); below it, one thread (a parallel region costs microseconds per layer).
 PARALLEL_MIN_KEYS = 2048
@@ -124,6 +124,9 @@ def _bind(lib: ctypes.CDLL, path: Path) -> FusedKernels:
     lib.rope_attend.argtypes = [_P, _P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int]
     lib.rope_attend.restype = ctypes.c_int
     lib.metaloom_fused_openmp.restype = ctypes.c_int
+    lib.decode_layers.argtypes = [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I,
+                                  _I, _I, _I, ctypes.c_float, ctypes.c_int]  # see metaloom.models.stack
+    lib.decode_layers.restype = ctypes.c_int
     return FusedKernels(lib, str(path), bool(lib.metaloom_fused_openmp()))
 
 
@@ -151,7 +154,8 @@ def kernels() -> Availability:
 def step_path(model: object) -> str:
     """How ``model`` takes one-token steps, for reports: the fused kernels, or why not."""
     if getattr(model, "fused", None) is not None:
-        return "fused kernels"
+        plan = getattr(model, "_plan", None)
+        return "fused kernels, every layer in one call" if callable(plan) and plan(1) is not None else "fused kernels"
     config, embed = getattr(model, "config", None), getattr(model, "embed", None)
     if not isinstance(config, LlamaConfig) or not isinstance(embed, torch.Tensor):
         return f"PyTorch ops: {type(model).__name__} is not the native model"

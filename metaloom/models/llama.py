@@ -27,6 +27,8 @@ from metaloom.models.fused import PARALLEL_MIN_KEYS, FusedKernels, unsupported_r
 from metaloom.models.packed import Bf16Linear, PackedLinear, own_bf16, pack
 from metaloom.models.protocols import KVCache
 from metaloom.models.rope import apply_rope, rope_tables
+from metaloom.models.stack import Plan, pointers
+from metaloom.models.stack import plan as stack_plan
 
 
 class MatMul(Protocol):
@@ -158,6 +160,7 @@ class LlamaModel:
         self.norm = norm
         self.lm_head = panelled(lm_head)
         self.dtype = norm.dtype
+        self._plans: dict[str, Plan | None] = {}  # metaloom.models.stack, per quantised-kernel library
         self._cos, self._sin = rope_tables(config.head_dim, config.rope_theta, config.rope_scaling_dict,
                                            config.max_position_embeddings, self.dtype, norm.device)
 
@@ -376,8 +379,22 @@ class LlamaModel:
         # split attention over threads only when there is enough of it (each parallel region
         # costs a few microseconds, 2 per layer)
         threads = torch.get_num_threads() if b * (int(lengths.max()) + 1) >= PARALLEL_MIN_KEYS else 1
+        plan = self._plan(b)
         delta = None  # the last sublayer's output, added to x by the next norm
-        for i, w in enumerate(self.layers):
+        if plan is not None:  # every layer in one call: the same kernels, in the same order (metaloom.models.stack)
+            delta = torch.empty_like(x)
+            qkv = x.new_empty(b, (h + 2 * c.num_key_value_heads) * c.head_dim)
+            gu = x.new_empty(b, 2 * c.intermediate_size)
+            rc = k.lib.decode_layers(plan.layers, plan.count, x.data_ptr(), delta.data_ptr(), y.data_ptr(),
+                                     qkv.data_ptr(), attn.data_ptr(), gu.data_ptr(),
+                                     act.data_ptr(), self._cos.data_ptr(), self._sin.data_ptr(), lengths.data_ptr(),
+                                     table.data_ptr(), table.shape[1], pointers(pool.keys), pointers(pool.values), b,
+                                     c.hidden_size, h, c.num_key_value_heads, c.head_dim, c.intermediate_size,
+                                     c.sliding_window or 0, threads, torch.get_num_threads(), c.rms_norm_eps,
+                                     self.dtype == torch.bfloat16)
+            if rc:
+                raise RuntimeError(f"decode_layers failed with code {rc}")  # the plan's shapes were checked: a bug
+        for i, w in enumerate(self.layers if plan is None else ()):
             k.residual_rms_norm(x, delta, w.attn_norm, y, c.rms_norm_eps)
             qkv = linear(y, w.qkv, w.qkv_bias).contiguous()
             k.rope_attend(qkv, self._cos, self._sin, lengths, table, pool.keys[i], pool.values[i], attn, h,
@@ -388,6 +405,18 @@ class LlamaModel:
         k.residual_rms_norm(x, delta, self.norm, y, c.rms_norm_eps)
         cache.advance(valid)
         return y[:, None]
+
+    def _plan(self, rows: int) -> Plan | None:
+        """The one-call plan of this model's layers for the quantised kernels running now, or None
+        (a weight they do not multiply, no kernels, or more rows than they take)."""
+        from metaloom.models.quant import CROSSOVER_ROWS, kernels
+
+        qk = kernels().kernels
+        if qk is None or rows > CROSSOVER_ROWS:
+            return None
+        if qk.path not in self._plans:
+            self._plans[qk.path] = stack_plan(self.layers, qk, self.dtype)
+        return self._plans[qk.path]
 
     def _mask(self, positions: torch.Tensor, keys_len: int, uniform: bool) -> tuple[torch.Tensor | None, bool]:
         """Boolean mask [B, 1, T, S] (True = attend), or (None, is_causal) when SDPA's built-in

@@ -985,22 +985,27 @@ static void panel_prep(int t, const void *x, int xbf, int64_t in, float *xs, flo
 INLINE int psubs(const int t) { return t == Q4_K ? 8 : t == Q6_K ? 16 : 1; }
 INLINE int pgroups(const int t) { return t == Q6_K ? 2 : 4; }
 
-/* every cache line of each of T panels' block b + 1, into L2 (prefetcht1): T streams of short
- * blocks are more than the hardware prefetchers keep ahead of. Measured on 24 distinct 6 MB
- * Q5_0 weights streamed from DRAM, 2 threads (Zen 4): 12 GB/s with no software prefetch or with
- * prefetches into L1, 18 GB/s with this (distance 1, 2 or 3 blocks into L2 or L3: 16-18) */
-#ifndef PF_DIST
-#define PF_DIST 1
+/* every cache line of each of T panels' block b + dist, into L2 (prefetcht1): T streams of short
+ * blocks are more than the hardware prefetchers keep ahead of. On AVX-512 one block ahead:
+ * measured on 24 distinct 6 MB Q5_0 weights streamed from DRAM, 2 threads (Zen 4): 12 GB/s with
+ * no software prefetch or with prefetches into L1, 18 GB/s with this (distance 1, 2 or 3 blocks
+ * into L2 or L3: 16-18). The 8-lane paths take a panel's blocks more slowly, and gain from
+ * reaching further: about 4 KB ahead (Zen 3, 2 threads, SmolLM2's Q4_1 layers streamed from
+ * DRAM: 13.4 GB/s one block ahead, 14-15.7 at 2-8 KB; Q4_K and Q6_K best at 2 blocks) */
+INLINE int pdist(const int t) {
+#ifdef __AVX512F__
+    (void)t;
+    return 1;
+#else
+    return (4096 + 16 * block_bytes(t) - 1) / (16 * block_bytes(t));
 #endif
-#ifndef PF_LOC
-#define PF_LOC 2
-#endif
+}
 INLINE void pprefetch(const int t, const uint8_t *pw, int64_t pb, int64_t p0, int64_t b, int sb, const int T) {
     /* spread over the block's sub-blocks: a K block is 36-53 lines a panel, too many at once */
     const int BB16 = 16 * block_bytes(t), lines = (BB16 + 63) / 64, from = sb * lines / psubs(t),
               to = (sb + 1) * lines / psubs(t);
     UNROLL for (int tt = 0; tt < T; tt++) for (int l = from; l < to; l++)
-        __builtin_prefetch(pw + (p0 + tt) * pb + (b + PF_DIST) * BB16 + 64 * l, 0, PF_LOC);
+        __builtin_prefetch(pw + (p0 + tt) * pb + (b + pdist(t)) * BB16 + 64 * l, 0, 2);
 }
 
 #ifdef __AVX512F__

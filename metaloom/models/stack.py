@@ -1,0 +1,92 @@
+"""Every layer of a one-token decode step in one C call (`fused.c`'s ``decode_layers``), for a
+model whose linear weights are all ones the quantised kernels multiply.
+
+Why: a batch-1 step of SmolLM2-135M is 30 layers x (3 fused kernels + 4 matmuls). Driven from
+Python, each of those ~210 calls costs several microseconds besides its work (ctypes argument
+conversion, an output tensor, the model's loop); on an AVX2 Zen 3 that was about a third of a
+step (3.3 of ~9 ms, measured by replacing every kernel with a no-op). ``decode_layers`` runs the
+same kernels, in the same order, on the same buffers as `LlamaModel._step_fused`'s loop, so its
+results are the same bits (tests/test_stack.py); the quantised matmuls are reached through
+function pointers into quant.c's library, which the plan (`plan`) holds per layer beside each
+weight's blocks, type and shape.
+
+A plan is made once per model and quantised-kernel library (each instruction-set path has its
+own), and applies when every layer's q/k/v, o, gate/up and down weight is a `QuantWeight` (any
+type, GGUF or panel layout) or a `Bf16Linear` whose inputs the kernels can walk; otherwise the
+model keeps its Python loop. The step's rows must be at most `metaloom.models.quant.CROSSOVER_ROWS`
+(the Python loop's `QuantWeight` calls hand larger batches to a dense GEMM instead).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from metaloom.models.quant import PARALLEL_MIN_BYTES, QTYPES, QuantKernels, QuantWeight
+
+
+class WeightDesc(ctypes.Structure):
+    _fields_ = [("fn", ctypes.c_void_p), ("w", ctypes.c_void_p), ("type", ctypes.c_int64), ("out", ctypes.c_int64),
+                ("in_", ctypes.c_int64), ("parallel", ctypes.c_int64), ("bias", ctypes.c_void_p)]
+
+
+class LayerDesc(ctypes.Structure):
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("qkv", WeightDesc), ("o", WeightDesc),
+                ("gate_up", WeightDesc), ("down", WeightDesc)]
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """The layers' descriptors for one quantised-kernel library; ``keep`` holds every tensor whose
+    memory they point into (the model holds them too: this is belt and braces)."""
+
+    layers: Any  # ctypes array of LayerDesc
+    count: int
+    keep: tuple[torch.Tensor, ...]
+
+
+def _blocks(w: object) -> QuantWeight | None:
+    from metaloom.models.packed import Bf16Linear
+
+    q = w.blocks if isinstance(w, Bf16Linear) else w
+    if not isinstance(q, QuantWeight) or q.in_features % QTYPES[q.qtype].kernel_block:
+        return None
+    return q
+
+
+def plan(layers: list[Any], kernels: QuantKernels, dtype: torch.dtype) -> Plan | None:
+    """Descriptors of ``layers`` (`metaloom.models.llama.LayerWeights`) for ``kernels``, or None
+    where a weight is not one the kernels multiply (the model keeps its Python loop)."""
+    keep: list[torch.Tensor] = []
+    fns = {"panel": ctypes.cast(kernels.lib.quant_panel_matmul, ctypes.c_void_p).value,
+           "gguf": ctypes.cast(kernels.lib.quant_matmul, ctypes.c_void_p).value}
+
+    def weight(w: object, bias: torch.Tensor | None = None) -> WeightDesc | None:
+        q = _blocks(w)
+        if q is None:
+            return None
+        keep.append(q.blocks)
+        if bias is not None:
+            bias = bias.to(dtype).contiguous()
+            keep.append(bias)
+        return WeightDesc(fns[q.layout], q.blocks.data_ptr(), q.qtype, q.out_features, q.in_features,
+                          int(q.nbytes >= PARALLEL_MIN_BYTES), None if bias is None else bias.data_ptr())
+
+    descs = []
+    for layer in layers:
+        parts = [weight(layer.qkv, layer.qkv_bias), weight(layer.o), weight(layer.gate_up), weight(layer.down)]
+        norms = (layer.attn_norm, layer.mlp_norm)
+        if any(p is None for p in parts) or any(n.dtype != dtype or not n.is_contiguous() for n in norms):
+            return None
+        keep += [layer.attn_norm, layer.mlp_norm]
+        descs.append(LayerDesc(layer.attn_norm.data_ptr(), layer.mlp_norm.data_ptr(), *parts))
+    return Plan((LayerDesc * len(descs))(*descs), len(descs), tuple(keep))
+
+
+def pointers(tensors: list[torch.Tensor]) -> Any:
+    """A C array of the tensors' data pointers (the KV pool's per-layer keys or values, which the
+    pool may have reallocated since the last step)."""
+    return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
