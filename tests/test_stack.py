@@ -11,7 +11,7 @@ import torch
 
 from metaloom.models import fused, load, quant
 from metaloom.models.config import LlamaConfig
-from metaloom.models.llama import LlamaModel
+from metaloom.models.llama import Concat, LlamaModel
 from metaloom.models.packed import Bf16Linear
 
 pytestmark = pytest.mark.usefixtures("kernel_path")
@@ -87,7 +87,8 @@ def test_one_call_equals_the_python_loop_bit_for_bit_on_native_weights(native32,
 
 def test_one_call_with_own_bfloat16_products_and_a_qkv_bias(monkeypatch):
     """A tiny Qwen-like model (q/k/v bias), its weights as metaloom's own bfloat16 products
-    (`Bf16Linear`), and as quantised Q8_0 / Q4_1 blocks (GGUF layout and panels)."""
+    (`Bf16Linear`), and as quantised Q8_0 / Q4_1 blocks (GGUF layout and panels), and q/k/v of
+    two types (a `Concat`: each part's outputs side by side, one row or three)."""
     torch.manual_seed(0)
     cfg = LlamaConfig.from_hf({"model_type": "qwen2", "vocab_size": 101, "hidden_size": 128, "intermediate_size": 256,
                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -105,10 +106,14 @@ def test_one_call_with_own_bfloat16_products_and_a_qkv_bias(monkeypatch):
             sd[f"model.layers.{i}.{norm}.weight"] = 1 + 0.1 * torch.randn(128)
     own = LlamaModel.from_state_dict(cfg, sd, dtype=torch.bfloat16).own_bf16()
     assert isinstance(own.layers[0].qkv, Bf16Linear) and own.layers[0].qkv_bias is not None
-    for qtype in ("Q8_0", "Q4_1"):
-        blocks = {k: quant.quantize(v, qtype) for k, v in sd.items() if k.endswith("proj.weight")}
+    for qtype in ("Q8_0", "Q4_1", "mixed"):  # mixed: v in Q8_0 beside q and k in Q4_1, as GGUFs do
+        blocks = {k: quant.quantize(v, "Q8_0" if qtype == "mixed" and "v_proj" in k else qtype.replace("mixed", "Q4_1"))
+                  for k, v in sd.items() if k.endswith("proj.weight")}
         native = LlamaModel.from_state_dict(cfg, sd, dtype=torch.float32, blocks=blocks)
-        assert native.layers[0].qkv.layout == ("panel" if qtype == "Q4_1" else "gguf")
+        if qtype == "mixed":
+            assert isinstance(native.layers[0].qkv, Concat) and len(native.layers[0].qkv.parts) == 3
+        else:
+            assert native.layers[0].qkv.layout == ("panel" if qtype == "Q4_1" else "gguf")
         for model in (_on_path(own), _on_path(native)):
             assert model._plan(1) is not None
             ours = _batched(model, [1, 2, 3, 4], 3, False, monkeypatch)

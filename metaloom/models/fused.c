@@ -283,12 +283,21 @@ typedef int (*matmul_fn)(int t, const void *w, int64_t out, int64_t in, const vo
                          int64_t rows, int64_t threads);
 
 typedef struct {
-    matmul_fn fn;     /* quant_matmul or quant_panel_matmul, for this weight's layout */
+    matmul_fn fn;     /* quant_matmul or quant_panel_matmul, for this part's layout */
     const void *w;    /* the blocks */
     int64_t type;     /* ggml type id */
     int64_t out, in;  /* the dense weight's shape */
     int64_t parallel; /* 1: split over the step's threads (large enough), 0: one thread */
-    const void *bias; /* [out] in the activations' dtype, or NULL */
+} part_desc;
+
+#define MAX_PARTS 3 /* q, k and v of three types */
+
+/* A linear weight: one part, or parts of different types stacked along the outputs (a GGUF may
+ * keep v in Q8_0 beside q and k in Q5_0: `metaloom.models.llama.Concat`), and an optional bias */
+typedef struct {
+    part_desc part[MAX_PARTS];
+    int64_t parts, out; /* out: the parts' outputs together */
+    const void *bias;   /* [out] in the activations' dtype, or NULL */
 } weight_desc;
 
 typedef struct {
@@ -302,13 +311,34 @@ INLINE void add_bias_t(void *y, const void *bias, int64_t rows, int64_t out, con
         for (int64_t i = 0; i + W <= out; i += W) st(y, r * out + i, ld(y, r * out + i, bf) + ld(bias, i, bf), bf);
 }
 
+/* y [rows, w->out] = x W^T (+ bias). Parts write their outputs side by side: straight into y for
+ * one row, through a scratch buffer and a copy per row for more (each part's kernel writes rows
+ * of its own width), as torch.cat of the parts' products does. */
 static int matmul(const weight_desc *w, const void *x, void *y, int64_t rows, int64_t threads, int bf16) {
-    int rc = w->fn((int)w->type, w->w, w->out, w->in, x, bf16, y, bf16, rows, w->parallel ? threads : 1);
-    if (rc == 0 && w->bias) {
+    const size_t elem = bf16 ? 2 : 4;
+    int64_t at = 0;
+    for (int64_t p = 0; p < w->parts; p++) {
+        const part_desc *q = w->part + p;
+        int64_t nt = q->parallel ? threads : 1;
+        if (w->parts == 1 || rows == 1) {
+            int rc = q->fn((int)q->type, q->w, q->out, q->in, x, bf16, (char *)y + at * elem, bf16, rows, nt);
+            if (rc) return rc;
+        } else {
+            char *tmp = malloc((size_t)(rows * q->out) * elem);
+            if (!tmp) return -2;
+            int rc = q->fn((int)q->type, q->w, q->out, q->in, x, bf16, tmp, bf16, rows, nt);
+            for (int64_t r = 0; rc == 0 && r < rows; r++)
+                memcpy((char *)y + (r * w->out + at) * elem, tmp + r * q->out * elem, (size_t)q->out * elem);
+            free(tmp);
+            if (rc) return rc;
+        }
+        at += q->out;
+    }
+    if (w->bias) {
         if (bf16) add_bias_t(y, w->bias, rows, w->out, 1);
         else add_bias_t(y, w->bias, rows, w->out, 0);
     }
-    return rc;
+    return 0;
 }
 
 /* Every layer of a one-token step, for `rows` rows (one new token each, at position lengths[r]):

@@ -12,9 +12,10 @@ weight's blocks, type and shape.
 
 A plan is made once per model and quantised-kernel library (each instruction-set path has its
 own), and applies when every layer's q/k/v, o, gate/up and down weight is a `QuantWeight` (any
-type, GGUF or panel layout) or a `Bf16Linear` whose inputs the kernels can walk; otherwise the
-model keeps its Python loop. The step's rows must be at most `metaloom.models.quant.CROSSOVER_ROWS`
-(the Python loop's `QuantWeight` calls hand larger batches to a dense GEMM instead).
+type, GGUF or panel layout), a `Bf16Linear` whose inputs the kernels can walk, or a `Concat` of up
+to three such parts (q, k, v of different types); otherwise the model keeps its Python loop.
+The step's rows must be at most `metaloom.models.quant.CROSSOVER_ROWS` (the Python loop's
+`QuantWeight` calls hand larger batches to a dense GEMM instead).
 """
 
 from __future__ import annotations
@@ -27,10 +28,17 @@ import torch
 
 from metaloom.models.quant import PARALLEL_MIN_BYTES, QTYPES, QuantKernels, QuantWeight
 
+MAX_PARTS = 3  # fused.c's: q, k and v of three types
+
+
+class PartDesc(ctypes.Structure):
+    _fields_ = [("fn", ctypes.c_void_p), ("w", ctypes.c_void_p), ("type", ctypes.c_int64), ("out", ctypes.c_int64),
+                ("in_", ctypes.c_int64), ("parallel", ctypes.c_int64)]
+
 
 class WeightDesc(ctypes.Structure):
-    _fields_ = [("fn", ctypes.c_void_p), ("w", ctypes.c_void_p), ("type", ctypes.c_int64), ("out", ctypes.c_int64),
-                ("in_", ctypes.c_int64), ("parallel", ctypes.c_int64), ("bias", ctypes.c_void_p)]
+    _fields_ = [("part", PartDesc * MAX_PARTS), ("parts", ctypes.c_int64), ("out", ctypes.c_int64),
+                ("bias", ctypes.c_void_p)]
 
 
 class LayerDesc(ctypes.Structure):
@@ -65,15 +73,22 @@ def plan(layers: list[Any], kernels: QuantKernels, dtype: torch.dtype) -> Plan |
            "gguf": ctypes.cast(kernels.lib.quant_matmul, ctypes.c_void_p).value}
 
     def weight(w: object, bias: torch.Tensor | None = None) -> WeightDesc | None:
-        q = _blocks(w)
-        if q is None:
+        from metaloom.models.llama import Concat
+
+        blocks = [_blocks(p) for p in (w.parts if isinstance(w, Concat) else (w,))]
+        if not 1 <= len(blocks) <= MAX_PARTS or any(q is None for q in blocks):
             return None
-        keep.append(q.blocks)
+        parts = (PartDesc * MAX_PARTS)()
+        for i, q in enumerate(blocks):
+            assert q is not None  # checked above
+            keep.append(q.blocks)
+            parts[i] = PartDesc(fns[q.layout], q.blocks.data_ptr(), q.qtype, q.out_features, q.in_features,
+                                int(q.nbytes >= PARALLEL_MIN_BYTES))
         if bias is not None:
             bias = bias.to(dtype).contiguous()
             keep.append(bias)
-        return WeightDesc(fns[q.layout], q.blocks.data_ptr(), q.qtype, q.out_features, q.in_features,
-                          int(q.nbytes >= PARALLEL_MIN_BYTES), None if bias is None else bias.data_ptr())
+        return WeightDesc(parts, len(blocks), sum(q.out_features for q in blocks if q is not None),
+                          None if bias is None else bias.data_ptr())
 
     descs = []
     for layer in layers:
