@@ -24,6 +24,18 @@ def kernel_path(request):
         yield request.param
 
 
+@pytest.fixture
+def path_kernels(kernel_path, request, monkeypatch):
+    """For a kernel suite (a module whose KERNELS_OF gives its library: fused's or quant's
+    `kernels`): its KERNELS set to the kernels of the path under test, built for exactly it."""
+    available = request.module.KERNELS_OF()
+    if available.kernels is None:
+        pytest.skip(f"no kernels for {kernel_path}: {available.reason}")
+    assert available.kernels.isa == kernel_path
+    monkeypatch.setattr(request.module, "KERNELS", available.kernels)
+    return available.kernels
+
+
 @pytest.fixture(scope="session")
 def smollm():
     """The real default model (SmolLM2-135M-Instruct), float32, native backend, its GGUF

@@ -5,7 +5,6 @@ path this CPU runs (the ``kernel_path`` fixture)."""
 
 import math
 import os
-import sys
 from dataclasses import astuple
 
 import pytest
@@ -22,16 +21,8 @@ CPU = torch.device("cpu")
 KERNELS = kernels().kernels
 needs = pytest.mark.skipif(KERNELS is None, reason=f"no fused kernels here: {kernels().reason}")
 
-
-@pytest.fixture(autouse=True)
-def path_kernels(kernel_path, monkeypatch):
-    """KERNELS: the fused kernels of the path under test (`kernel_path`), built for exactly it."""
-    k = kernels().kernels
-    if k is None:
-        pytest.skip(f"no fused kernels for {kernel_path}: {kernels().reason}")
-    assert k.isa == kernel_path
-    monkeypatch.setattr(sys.modules[__name__], "KERNELS", k)
-    return k
+KERNELS_OF = kernels  # the library under test, for the path_kernels fixture (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("path_kernels")
 
 
 def _g(seed: int) -> torch.Generator:

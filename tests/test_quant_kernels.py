@@ -17,7 +17,6 @@ sum |W x|.) PyTorch's F.linear, of unknown order, gets the order-free bound (in 
 import math
 import os
 import struct
-import sys
 from types import SimpleNamespace
 
 import gguf
@@ -34,16 +33,8 @@ AVAILABLE = kernels()
 KERNELS = AVAILABLE.kernels
 needs = pytest.mark.skipif(KERNELS is None, reason=f"no quant kernels here: {AVAILABLE.reason}")
 
-
-@pytest.fixture(autouse=True)
-def path_kernels(kernel_path, monkeypatch):
-    """KERNELS: the kernels of the path under test (`kernel_path`), built for exactly that path."""
-    k = kernels().kernels
-    if k is None:
-        pytest.skip(f"no quant kernels for {kernel_path}: {kernels().reason}")
-    assert k.isa == kernel_path
-    monkeypatch.setattr(sys.modules[__name__], "KERNELS", k)
-    return k
+KERNELS_OF = kernels  # the library under test, for the path_kernels fixture (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("path_kernels")
 U = 2.0**-24
 K_TYPES = (12, 14)
 QWEN = os.environ.get("METALOOM_QWEN_GGUF", "/work/models/qwen2.5-coder-0.5b.gguf")  # a benchmark model, not in CI

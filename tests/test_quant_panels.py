@@ -15,7 +15,6 @@ bound doubles there (`_fma_factor`).
 Every test runs once per instruction-set path this CPU runs (the ``kernel_path`` fixture): the
 panel layout is the same bytes on every path, each path's matmul reads it."""
 
-import sys
 
 import numpy as np
 import pytest
@@ -29,16 +28,12 @@ from tests.test_quant_kernels import U, random_blocks, reference, weight
 KERNELS = kernels().kernels
 needs = pytest.mark.skipif(KERNELS is None, reason=f"no quant kernels here: {kernels().reason}")
 
+KERNELS_OF = kernels  # the library under test, for the path_kernels fixture (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("path_kernels")
 
-@pytest.fixture(autouse=True)
-def path_kernels(kernel_path, monkeypatch):
-    """KERNELS: the kernels of the path under test (`kernel_path`); every path has panels."""
-    k = kernels().kernels
-    if k is None:
-        pytest.skip(f"no quant kernels for {kernel_path}: {kernels().reason}")
-    assert k.isa == kernel_path and k.panel_types == sum(1 << t for t in quant.PANEL_TYPES)
-    monkeypatch.setattr(sys.modules[__name__], "KERNELS", k)
-    return k
+
+def test_every_path_has_the_panel_matmul_for_every_panel_type(kernel_path):
+    assert KERNELS.panel_types == sum(1 << t for t in quant.PANEL_TYPES), kernel_path
 
 
 def _fma_factor() -> int:

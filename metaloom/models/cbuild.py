@@ -99,12 +99,12 @@ def compile_library(cc: str, source: Path, out: Path, flags: tuple[str, ...] = F
             os.unlink(tmp)
 
 
-def build_library(source: Path, bind: Callable[[ctypes.CDLL, Path], T], *, cache_dir: Path | None = None,
+def build_library(source: Path, bind: Callable[[ctypes.CDLL, Path, str], T], *, cache_dir: Path | None = None,
                   cc: str | None = None, flags: tuple[str, ...] = FLAGS, path: str | None = None) -> Built[T]:
     """Compile (or reuse) ``source`` for instruction-set ``path`` (None: `metaloom.models.isa.chosen`)
-    and hand the loaded library to ``bind`` (which checks its ABI version and declares argument
-    types; an OSError or AttributeError from it is a reason). A path the compiler cannot build
-    falls to the next one this CPU runs (``Built.isa`` says which was built, ``reason`` why the
+    and hand the loaded library, its file and the path it was built for to ``bind`` (which checks
+    its ABI version and declares argument types; an OSError or AttributeError from it is a reason).
+    A path the compiler cannot build falls to the next one this CPU runs (``Built.isa`` says which was built, ``reason`` why the
     others were not). Never raises, but for an `UnsupportedISA` when ``path`` is None and
     ``METALOOM_ISA`` names a path this CPU lacks."""
     cc = cc or compiler()
@@ -125,7 +125,7 @@ def build_library(source: Path, bind: Callable[[ctypes.CDLL, Path], T], *, cache
     return Built(None, "; ".join(failures))
 
 
-def _build_one(source: Path, bind: Callable[[ctypes.CDLL, Path], T], cache_dir: Path | None, cc: str,
+def _build_one(source: Path, bind: Callable[[ctypes.CDLL, Path, str], T], cache_dir: Path | None, cc: str,
                flags: tuple[str, ...], name: str) -> Built[T]:
     isa_flags = isa.flags(name)
     key = hashlib.sha256(b"\0".join([source.read_bytes(), cc.encode(), " ".join(flags).encode(), name.encode(),
@@ -137,6 +137,6 @@ def _build_one(source: Path, bind: Callable[[ctypes.CDLL, Path], T], cache_dir: 
         if error is not None:
             return Built(None, f"compiling {source.name} for {name} with {cc} failed: {error}")
     try:
-        return Built(bind(ctypes.CDLL(str(path)), path), str(path), name)
+        return Built(bind(ctypes.CDLL(str(path)), path, name), str(path), name)
     except (OSError, AttributeError) as exc:
         return Built(None, f"loading {path} failed: {exc}")

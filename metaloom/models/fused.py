@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -113,7 +113,7 @@ def unsupported_reason(config: LlamaConfig, dtype: torch.dtype, device: torch.de
     return None
 
 
-def _bind(lib: ctypes.CDLL, path: Path) -> FusedKernels:
+def _bind(lib: ctypes.CDLL, path: Path, isa: str = "") -> FusedKernels:
     lib.metaloom_fused_abi.restype = ctypes.c_int
     if lib.metaloom_fused_abi() != ABI_VERSION:
         raise OSError(f"{path} has ABI {lib.metaloom_fused_abi()}, expected {ABI_VERSION}")
@@ -127,7 +127,7 @@ def _bind(lib: ctypes.CDLL, path: Path) -> FusedKernels:
     lib.decode_layers.argtypes = [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I,
                                   _I, _I, _I, ctypes.c_float, ctypes.c_int]  # see metaloom.models.stack
     lib.decode_layers.restype = ctypes.c_int
-    return FusedKernels(lib, str(path), bool(lib.metaloom_fused_openmp()))
+    return FusedKernels(lib, str(path), bool(lib.metaloom_fused_openmp()), isa)
 
 
 def build(cache_dir: Path | None = None, compiler: str | None = None, path: str | None = None) -> Availability:
@@ -135,8 +135,7 @@ def build(cache_dir: Path | None = None, compiler: str | None = None, path: str 
     `metaloom.models.isa.chosen` names). Never raises, but for an `UnsupportedISA` when
     ``METALOOM_ISA`` names a path this CPU lacks: a failure is a reason."""
     built = build_library(SOURCE, _bind, cache_dir=cache_dir, cc=compiler, path=path)
-    value = None if built.value is None else replace(built.value, isa=built.isa)
-    return Availability(value, built.reason)
+    return Availability(built.value, built.reason)
 
 
 @functools.cache

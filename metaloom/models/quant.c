@@ -14,25 +14,27 @@
  * regrouped into panels (the last part of this file), which decode reads 1.2-1.7x as fast.
  *
  * Work: rows of x in chunks of up to MAX_CHUNK = 8, each chunk one pass over the weight; a pass
- * walks tiles of NO outputs (8 for one row of x, 4 or 2 for more: NO outputs share each load of
- * x, NO x rows accumulators fill half the vector registers), decoding each block once per tile.
- * Threads (OpenMP) take contiguous ranges of outputs.
+ * walks tiles of NO outputs (for one row of x 8 on AVX-512, 4 elsewhere; fewer for more rows: NO
+ * outputs share each load of x, NO x rows accumulators fill half the vector registers), decoding
+ * each block once per tile. Threads (OpenMP) take contiguous ranges of outputs.
  *
- * Summation order, per (x row, output): one 16-lane accumulator over the blocks in order, two
- * fused multiply-adds per 32 elements, then a fixed horizontal sum. It does not depend on how
- * many rows are in the call, which chunk or tile a row lands in, or the thread count: a row's
- * result is the same alone or in a batch (speculative verification can compare with plain
- * steps exactly).
+ * Summation order, per (x row, output): one W-lane accumulator (W = 16 on AVX-512, 8 elsewhere)
+ * over the blocks in order, one fused multiply-add per W elements (8 lanes, Q8_0: each block's
+ * products summed afresh, then one fma by its scale), then a fixed horizontal sum. It does not
+ * depend on how many rows are in the call, which chunk or tile a row lands in, or the thread
+ * count: a row's result is the same alone or in a batch (speculative verification can compare
+ * with plain steps exactly). The paths sum in different orders, each within the same bound.
  *
  * Types (ggml ids): F16=1, Q4_0=2, Q4_1=3, Q5_0=6, Q8_0=8, Q4_K=12, Q6_K=14, BF16=30. F16 and
  * BF16 are raw values; here they are walked in "blocks" of 32 (64 bytes), so `in` must be a
  * multiple of 32 for every type (256 for the K types). quant.py checks before calling.
  *
  * Vectors are GCC/Clang vector extensions, so this compiles on any target those compilers know;
- * `#ifdef __AVX512F__` fast paths (same results, bit for bit: tests/test_quant_kernels.py builds
- * both) replace some decoders on x86. A 4-bit quant's 16 possible values are computed once per
- * block and looked up per lane (vpermps), where converting and scaling each lane costs more: on
- * Zen 4 the decode, not memory, bounds a 4-bit matvec on one core.
+ * it is built once per instruction-set path (metaloom/models/isa.py: avx512, avx2, neon,
+ * generic), and `#ifdef` blocks give each path its own widening instructions and, on AVX-512,
+ * its own decoders: a 4-bit quant's 16 possible values are computed once per block and looked up
+ * per lane (vpermps), where converting and scaling each lane costs more (on Zen 4 the decode, not
+ * memory, bounds a 4-bit matvec on one core). Every path's decoded values are gguf's, bit for bit.
  */
 #include <math.h>
 #include <stdint.h>
@@ -1011,6 +1013,21 @@ INLINE void pprefetch(const int t, const uint8_t *pw, int64_t pb, int64_t p0, in
         __builtin_prefetch(pw + (p0 + tt) * pb + (b + pdist(t)) * BB16 + 64 * l, 0, 2);
 }
 
+/* Each (type, tile) of the panel kernels below is a function of its own (`ptile`, `prows` are
+ * each path's), as the GGUF-layout tiles are */
+typedef void (*ptile_fn)(const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, int64_t p0,
+                         void *y, int64_t out, int ybf);
+#define PTILE(TY, T)                                                                               \
+    static __attribute__((noinline)) void p##TY##_##T(const uint8_t *pw, int64_t nb, const float *xs, const float *S,  \
+                                                      int64_t in, int64_t p0, void *y, int64_t out, int ybf) {       \
+        ptile(TY, pw, nb, xs, S, in, p0, y, out, ybf, T);                                          \
+    }
+#define PROWS(TY)                                                                                  \
+    static __attribute__((noinline)) void p##TY##_rows(const uint8_t *pw, int64_t nb, const float *xs, const float *S, \
+                                                       int64_t in, int64_t p, void *y, int64_t out, int ybf, int R) {  \
+        prows(TY, pw, nb, xs, S, in, p, y, out, ybf, R);                                           \
+    }
+
 #ifdef __AVX512F__
 /* The exact quant q 2^pshift(k) of element k of a group of 8, in each lane, from the lanes'
  * quant word V and (Q5_0, Q6_K) the group's hi word H */
@@ -1170,18 +1187,6 @@ static void prows(int t, const uint8_t *pw, int64_t nb, const float *xs, const f
     for (int r = 0; r < R; r++) st(y, r * out + p * 16, (vec)acc[r], ybf);
 }
 
-typedef void (*ptile_fn)(const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, int64_t p0,
-                         void *y, int64_t out, int ybf);
-#define PTILE(TY, T)                                                                               \
-    static __attribute__((noinline)) void p##TY##_##T(const uint8_t *pw, int64_t nb, const float *xs, const float *S,  \
-                                                      int64_t in, int64_t p0, void *y, int64_t out, int ybf) {       \
-        ptile(TY, pw, nb, xs, S, in, p0, y, out, ybf, T);                                          \
-    }
-#define PROWS(TY)                                                                                  \
-    static __attribute__((noinline)) void p##TY##_rows(const uint8_t *pw, int64_t nb, const float *xs, const float *S, \
-                                                       int64_t in, int64_t p, void *y, int64_t out, int ybf, int R) {  \
-        prows(TY, pw, nb, xs, S, in, p, y, out, ybf, R);                                           \
-    }
 /* one row: 8 panels at a time (8 independent fma chains), then 4, 2, 1 for those left over (one
  * chain waits on the fma latency); more rows: `prows`, panel by panel */
 #define PTILE_SET(TY)                                                                              \
@@ -1193,16 +1198,10 @@ PTILE_SET(Q5_0)
 PTILE_SET(Q4_K)
 PTILE_SET(Q6_K)
 
-/* panels lo..hi of R <= PANEL_ROWS prepared rows */
-static void panel_chunk(int t, const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, void *y,
-                        int64_t out, int ybf, int64_t lo, int64_t hi, int R) {
+/* panels lo..hi of one prepared row */
+static void panel_row(int t, const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, void *y,
+                      int64_t out, int ybf, int64_t lo, int64_t hi) {
     int64_t p = lo;
-    if (R > 1) {
-        void (*rows)(const uint8_t *, int64_t, const float *, const float *, int64_t, int64_t, void *, int64_t, int, int) =
-            t == Q4_0 ? pQ4_0_rows : t == Q4_1 ? pQ4_1_rows : t == Q5_0 ? pQ5_0_rows : t == Q4_K ? pQ4_K_rows : pQ6_K_rows;
-        for (; p < hi; p++) rows(pw, nb, xs, S, in, p, y, out, ybf, R);
-        return;
-    }
     const ptile_fn *f = t == Q4_0 ? pQ4_0_tiles : t == Q4_1 ? pQ4_1_tiles : t == Q5_0 ? pQ5_0_tiles
                       : t == Q4_K ? pQ4_K_tiles : pQ6_K_tiles;
     for (; p + 8 <= hi; p += 8) f[0](pw, nb, xs, S, in, p, y, out, ybf);
@@ -1212,12 +1211,13 @@ static void panel_chunk(int t, const uint8_t *pw, int64_t nb, const float *xs, c
 }
 #else /* ---- the panel matmul on every other path: vectors of 8 lanes ---------------------------- *
  * One AVX2 register, two NEON or SSE2 ones (`vec`, W = 8 here). A panel group's 16 lanes are two
- * halves (outputs 0-7 and 8-15) taken one after the other, with the same operations per lane in
- * the same order as the AVX-512 kernel above; with FMA (AVX2, NEON) every `a * b + c` below is one
- * fused multiply-add (GNU C contracts them), so the results are the AVX-512 kernel's bit for bit.
- * Without FMA (the generic x86 path) each product is rounded before it is added: twice the
- * rounding steps, which tests/test_quant_panels.py allows there. Lane k = 7 is shifted down 4
- * (pshift 24, not 28): the conversion is signed here, and q 2^28 reaches 2^31. */
+ * halves (outputs 0-7 and 8-15) taken one after the other, each quant exact as in the AVX-512
+ * kernel above; with FMA (AVX2, NEON) every `a * b + c` below is one fused multiply-add (GNU C
+ * contracts them), so each product q x is exact inside it, as there. The order differs (`ptile`
+ * says how), within the same bound. Without FMA (the generic x86 path) each product is rounded
+ * before it is added: twice the rounding steps, which tests/test_quant_panels.py allows there.
+ * Lane k = 7 is shifted down 4 (pshift 24, not 28): the conversion is signed here, and q 2^28
+ * reaches 2^31. */
 _Static_assert(W == 8, "the portable panel kernel is written for 8 lanes");
 INLINE vecu ldu(const uint8_t *p) { vecu v; memcpy(&v, p, sizeof v); return v; }
 INLINE vec cvt8(vecu q) { return __builtin_convertvector((veci)q, vec); }
@@ -1388,18 +1388,6 @@ static void prows(int t, const uint8_t *pw, int64_t nb, const float *xs, const f
         for (int h = 0; h < 2; h++) st(y, r * out + p * 16 + 8 * h, acc[2 * r + h], ybf);
 }
 
-typedef void (*ptile_fn)(const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, int64_t p0,
-                         void *y, int64_t out, int ybf);
-#define PTILE(TY, T)                                                                               \
-    static __attribute__((noinline)) void p##TY##_##T(const uint8_t *pw, int64_t nb, const float *xs, const float *S,  \
-                                                      int64_t in, int64_t p0, void *y, int64_t out, int ybf) {       \
-        ptile(TY, pw, nb, xs, S, in, p0, y, out, ybf, T);                                          \
-    }
-#define PROWS(TY)                                                                                  \
-    static __attribute__((noinline)) void p##TY##_rows(const uint8_t *pw, int64_t nb, const float *xs, const float *S, \
-                                                       int64_t in, int64_t p, void *y, int64_t out, int ybf, int R) {  \
-        prows(TY, pw, nb, xs, S, in, p, y, out, ybf, R);                                           \
-    }
 /* one row: NP panels at a time (4 NP chains), then 1 for those left over. One panel (4 chains)
  * was fastest streaming from DRAM on a Zen 3 for every type but Q4_K, whose sub-blocks' scales
  * cost more per group and which took two (13.2 -> 14.4 GB/s; Q5_0 7.3 with one, 5.9 with two) */
@@ -1411,21 +1399,27 @@ PTILE_SET(Q4_K)
 PTILE_SET(Q6_K)
 PTILE(Q4_K, 2)
 
-static void panel_chunk(int t, const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, void *y,
-                        int64_t out, int ybf, int64_t lo, int64_t hi, int R) {
+static void panel_row(int t, const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, void *y,
+                      int64_t out, int ybf, int64_t lo, int64_t hi) {
     int64_t p = lo;
-    if (R > 1) {
-        void (*rows)(const uint8_t *, int64_t, const float *, const float *, int64_t, int64_t, void *, int64_t, int, int) =
-            t == Q4_0 ? pQ4_0_rows : t == Q4_1 ? pQ4_1_rows : t == Q5_0 ? pQ5_0_rows : t == Q4_K ? pQ4_K_rows : pQ6_K_rows;
-        for (; p < hi; p++) rows(pw, nb, xs, S, in, p, y, out, ybf, R);
-        return;
-    }
     if (t == Q4_K)
         for (; p + 2 <= hi; p += 2) pQ4_K_2(pw, nb, xs, S, in, p, y, out, ybf);
     ptile_fn one = t == Q4_0 ? pQ4_0_1 : t == Q4_1 ? pQ4_1_1 : t == Q5_0 ? pQ5_0_1 : t == Q4_K ? pQ4_K_1 : pQ6_K_1;
     for (; p < hi; p++) one(pw, nb, xs, S, in, p, y, out, ybf);
 }
 #endif
+
+/* panels lo..hi of R <= PANEL_ROWS prepared rows: one row through the tiles, more panel by panel */
+static void panel_chunk(int t, const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, void *y,
+                        int64_t out, int ybf, int64_t lo, int64_t hi, int R) {
+    if (R == 1) {
+        panel_row(t, pw, nb, xs, S, in, y, out, ybf, lo, hi);
+        return;
+    }
+    void (*rows)(const uint8_t *, int64_t, const float *, const float *, int64_t, int64_t, void *, int64_t, int, int) =
+        t == Q4_0 ? pQ4_0_rows : t == Q4_1 ? pQ4_1_rows : t == Q5_0 ? pQ5_0_rows : t == Q4_K ? pQ4_K_rows : pQ6_K_rows;
+    for (int64_t p = lo; p < hi; p++) rows(pw, nb, xs, S, in, p, y, out, ybf, R);
+}
 
 /* y [rows, out] = x [rows, in] W^T for W in the panel layout of type t (float32 or bfloat16 x
  * and y, as quant_matmul). Returns 0; -1 a type without panels in this build, `in` not a

@@ -17,12 +17,13 @@ bfloat16) gives x W^T [..., out] in x's dtype:
   reference to float32 rounding, and a row's result does not depend on the other rows in the
   call or on the thread count;
 - a model's Q4_0, Q4_1, Q5_0, Q4_K and Q6_K weights are regrouped when it is built
-  (`QuantWeight.panelled`: 16 outputs side by side, the same bytes) where the kernels are
-  compiled with AVX-512: the panel kernel reads them 1.2-1.7x as fast per core (quant.c says
-  why). It sums each (sub-)block's exact products q x first, then scales by the (sub-)block's
-  scale and adds its offset term (m, -8 d, -16 d, -dmin m or -32 d scale times the (sub-)block's
-  input sum): the same float32 rounding level in another order, and again a row's result does not
-  depend on the other rows or the threads;
+  (`QuantWeight.panelled`: 16 outputs side by side, the same bytes, on every kernel path): the
+  panel kernel reads them 1.2-1.7x as fast per core on AVX-512 and about 2x on AVX2 (Zen 3),
+  where widening GGUF's bytes into lanes costs more still (quant.c says why). It sums each
+  (sub-)block's exact products q x first, then scales by the (sub-)block's scale and adds its
+  offset term (m, -8 d, -16 d, -dmin m or -32 d scale times the (sub-)block's input sum): the
+  same float32 rounding level in another order, and again a row's result does not depend on the
+  other rows or the threads;
 - more rows (for float32 x on panels, more than `PANEL_CROSSOVER_ROWS`): the weight dequantised
   to x's dtype (by the C kernel) and `F.linear`, where a
   dense GEMM's arithmetic rate pays for dequantising (bfloat16 x: the weight rounds to bfloat16;
@@ -40,7 +41,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -177,7 +178,7 @@ class Availability:
     reason: str  # why not, or where the library is
 
 
-def _bind(lib: ctypes.CDLL, path: Path) -> QuantKernels:
+def _bind(lib: ctypes.CDLL, path: Path, isa: str = "") -> QuantKernels:
     lib.metaloom_quant_abi.restype = ctypes.c_int
     if lib.metaloom_quant_abi() != ABI_VERSION:
         raise OSError(f"{path} has ABI {lib.metaloom_quant_abi()}, expected {ABI_VERSION}")
@@ -193,7 +194,7 @@ def _bind(lib: ctypes.CDLL, path: Path) -> QuantKernels:
     lib.quant_panel_matmul.argtypes = [_C, _P, _I, _I, _P, _C, _P, _C, _I, _I]
     lib.quant_panel_matmul.restype = ctypes.c_int
     lib.quant_panel_types.restype = ctypes.c_int
-    return QuantKernels(lib, str(path), bool(lib.metaloom_quant_openmp()), int(lib.quant_panel_types()))
+    return QuantKernels(lib, str(path), bool(lib.metaloom_quant_openmp()), int(lib.quant_panel_types()), isa)
 
 
 def build(cache_dir: Path | None = None, compiler: str | None = None, path: str | None = None) -> Availability:
@@ -201,8 +202,7 @@ def build(cache_dir: Path | None = None, compiler: str | None = None, path: str 
     `metaloom.models.isa.chosen` names). Never raises, but for an `UnsupportedISA` when
     ``METALOOM_ISA`` names a path this CPU lacks: a failure is a reason."""
     built = build_library(SOURCE, _bind, cache_dir=cache_dir, cc=compiler, path=path)
-    value = None if built.value is None else replace(built.value, isa=built.isa)
-    return Availability(value, built.reason)
+    return Availability(built.value, built.reason)
 
 
 @functools.cache
@@ -437,7 +437,7 @@ class QuantWeight:
 
     def panelled(self) -> QuantWeight:
         """This weight in the panel layout where this machine's kernels have it (Q4_0, Q4_1,
-        Q5_0, Q4_K, Q6_K with AVX-512, out a multiple of 16), else itself. Why: in GGUF's layout a block's
+        Q5_0, Q4_K, Q6_K, out a multiple of 16, the kernels built), else itself. Why: in GGUF's layout a block's
         quants lie along the input, and widening them into vector lanes costs more than reading
         them (see quant.c); with 16 outputs in the 16 lanes a 4-bit matvec runs about twice as
         fast per core. A regrouping of the same bytes: nothing is requantised."""
