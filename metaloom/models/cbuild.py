@@ -40,6 +40,42 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
+class Availability(Generic[T]):
+    """A kernel library of one instruction-set path (``kernels``), or None and ``reason`` why
+    not (else where the library is)."""
+
+    kernels: T | None
+    reason: str
+
+
+class KernelLibrary(Generic[T]):
+    """One C file's kernels: compiled per instruction-set path on first use (cached on disk),
+    loaded once per process and path; ``current()`` is the path that runs now
+    (`metaloom.models.isa.chosen`: ``METALOOM_ISA``, else the best this CPU has)."""
+
+    def __init__(self, source: Path, bind: Callable[[ctypes.CDLL, Path, str], T]) -> None:
+        self.source, self.bind = source, bind
+        self._loaded: dict[str, Availability[T]] = {}
+
+    def build(self, cache_dir: Path | None = None, compiler: str | None = None,
+              path: str | None = None) -> Availability[T]:
+        """Compile (or reuse) and load the kernels for ``path`` (None: the one that runs now).
+        Never raises, but for an `UnsupportedISA` when ``METALOOM_ISA`` names a path this CPU
+        lacks: a failure is a reason."""
+        built = build_library(self.source, self.bind, cache_dir=cache_dir, cc=compiler, path=path)
+        return Availability(built.value, built.reason)
+
+    def for_path(self, path: str) -> Availability[T]:
+        """The kernels of one path, built once per process (compiled once per machine)."""
+        if path not in self._loaded:
+            self._loaded[path] = self.build(path=path)
+        return self._loaded[path]
+
+    def current(self) -> Availability[T]:
+        return self.for_path(isa.chosen().name)
+
+
+@dataclass(frozen=True)
 class Built(Generic[T]):
     """A loaded library bound by the caller (``value``), or None and why (``reason``); on
     success ``reason`` is the library's path."""

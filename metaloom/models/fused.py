@@ -29,15 +29,13 @@ Without a compiler the model runs the PyTorch ops and `kernels()` says why.
 from __future__ import annotations
 
 import ctypes
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from metaloom.errors import UnsupportedModel
-from metaloom.models import isa
-from metaloom.models.cbuild import build_library
+from metaloom.models import cbuild
 from metaloom.models.config import LlamaConfig
 
 SOURCE = Path(__file__).with_name("fused.c")
@@ -91,10 +89,7 @@ class FusedKernels:
             raise UnsupportedModel(f"fused attention refused head_dim {dim} (at most {MAX_HEAD_DIM})")
 
 
-@dataclass(frozen=True)
-class Availability:
-    kernels: FusedKernels | None
-    reason: str  # why not, or where the library is
+Availability = cbuild.Availability  # of FusedKernels: the kernels of one path, or why not
 
 
 def unsupported_reason(config: LlamaConfig, dtype: torch.dtype, device: torch.device) -> str | None:
@@ -130,24 +125,10 @@ def _bind(lib: ctypes.CDLL, path: Path, isa: str = "") -> FusedKernels:
     return FusedKernels(lib, str(path), bool(lib.metaloom_fused_openmp()), isa)
 
 
-def build(cache_dir: Path | None = None, compiler: str | None = None, path: str | None = None) -> Availability:
-    """Compile (or reuse) and load the kernels for instruction-set ``path`` (None: the one
-    `metaloom.models.isa.chosen` names). Never raises, but for an `UnsupportedISA` when
-    ``METALOOM_ISA`` names a path this CPU lacks: a failure is a reason."""
-    built = build_library(SOURCE, _bind, cache_dir=cache_dir, cc=compiler, path=path)
-    return Availability(built.value, built.reason)
-
-
-@functools.cache
-def for_path(path: str) -> Availability:
-    """The kernels of one instruction-set path (built once per process, compiled once per machine)."""
-    return build(path=path)
-
-
-def kernels() -> Availability:
-    """The kernels of the path that runs now (`metaloom.models.isa.chosen`: ``METALOOM_ISA``,
-    else the best this CPU has)."""
-    return for_path(isa.chosen().name)
+LIBRARY = cbuild.KernelLibrary(SOURCE, _bind)
+build = LIBRARY.build  # (cache_dir, compiler, path): compile (or reuse) and load; a failure is a reason
+for_path = LIBRARY.for_path  # one instruction-set path's kernels, loaded once per process
+kernels = LIBRARY.current  # the kernels of the path that runs now (metaloom.models.isa.chosen)
 
 
 def step_path(model: object) -> str:

@@ -50,8 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from metaloom.errors import InvalidParameter, UnsupportedModel
-from metaloom.models import isa
-from metaloom.models.cbuild import build_library
+from metaloom.models import cbuild
 
 SOURCE = Path(__file__).with_name("quant.c")
 ABI_VERSION = 2  # must match quant.c
@@ -172,10 +171,7 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"{what} refused its arguments (code {rc})")
 
 
-@dataclass(frozen=True)
-class Availability:
-    kernels: QuantKernels | None
-    reason: str  # why not, or where the library is
+Availability = cbuild.Availability  # of QuantKernels: the kernels of one path, or why not
 
 
 def _bind(lib: ctypes.CDLL, path: Path, isa: str = "") -> QuantKernels:
@@ -197,24 +193,10 @@ def _bind(lib: ctypes.CDLL, path: Path, isa: str = "") -> QuantKernels:
     return QuantKernels(lib, str(path), bool(lib.metaloom_quant_openmp()), int(lib.quant_panel_types()), isa)
 
 
-def build(cache_dir: Path | None = None, compiler: str | None = None, path: str | None = None) -> Availability:
-    """Compile (or reuse) and load the kernels for instruction-set ``path`` (None: the one
-    `metaloom.models.isa.chosen` names). Never raises, but for an `UnsupportedISA` when
-    ``METALOOM_ISA`` names a path this CPU lacks: a failure is a reason."""
-    built = build_library(SOURCE, _bind, cache_dir=cache_dir, cc=compiler, path=path)
-    return Availability(built.value, built.reason)
-
-
-@functools.cache
-def for_path(path: str) -> Availability:
-    """The kernels of one instruction-set path (built once per process, compiled once per machine)."""
-    return build(path=path)
-
-
-def kernels() -> Availability:
-    """The kernels of the path that runs now (`metaloom.models.isa.chosen`: ``METALOOM_ISA``,
-    else the best this CPU has)."""
-    return for_path(isa.chosen().name)
+LIBRARY = cbuild.KernelLibrary(SOURCE, _bind)
+build = LIBRARY.build  # (cache_dir, compiler, path): compile (or reuse) and load; a failure is a reason
+for_path = LIBRARY.for_path  # one instruction-set path's kernels, loaded once per process
+kernels = LIBRARY.current  # the kernels of the path that runs now (metaloom.models.isa.chosen)
 
 
 def _threads(nbytes: int) -> int:
