@@ -202,6 +202,29 @@ def test_systems_from_arguments(tmp_path):
     assert vllm.env is not None and vllm.env["VLLM_TARGET_DEVICE"] == "cpu" and vllm.env["HF_HUB_OFFLINE"] == "1"
 
 
+def test_kernel_paths_give_a_row_each_with_the_path_forced_and_the_libraries_capped(tmp_path):
+    from metaloom.errors import UnsupportedISA
+    from metaloom.models import isa
+
+    paths = isa.runnable()
+    args = parse("--peers", "llama.cpp", "--weights", "native", "--dtypes", "float32", "--isa", ",".join(paths),
+                 "--llama-cpp", str(tmp_path / "l"), "--llama-cpp-avx2", str(tmp_path / "l2"))
+    specs, _ = systems(args, "/folder", "/m.gguf", "Q4_1", 2)
+    ours = [s for s in specs if s.system == "metaloom"]
+    assert [s.name for s in ours] == [f"metaloom native float32 [{p}]" for p in paths]
+    for spec, path in zip(ours, paths, strict=True):
+        assert spec.env is not None and spec.env[isa.ENV] == path
+        assert all(spec.env[k] == v for k, v in isa.library_env(path).items())
+    llama = [s for s in specs if s.system == "llama.cpp"]
+    assert [s.name for s in llama] == ["llama.cpp Q4_1", "llama.cpp Q4_1 [avx2 build]"]
+    assert llama[1].python == str(tmp_path / "l2" / "bin" / "python")
+    with pytest.raises(InvalidParameter, match="isa"):
+        systems(parse("--isa", "sse9"), "/folder", None, "", 2)
+    lacking = next(name for name in isa.NAMES if name not in paths)
+    with pytest.raises(UnsupportedISA, match=lacking):
+        systems(parse("--isa", lacking), "/folder", None, "", 2)
+
+
 def test_native_weight_bytes_are_the_linear_layers_and_head_as_stored(tmp_path):
     import gguf
     import numpy as np

@@ -293,17 +293,18 @@ def format_report(report: dict[str, Any]) -> str:
              f"{m['threads']} threads; copy bandwidth {m['copy_bandwidth_gb_s']:.1f} GB/s; load average "
              f"{m['load_average_before'][0]:.2f} before, {m['load_average_after'][0]:.2f} after; "
              f"median (min-max) of {report['repeats']} alternating rounds after 1 warm-up"]
+    wide = max([28, *(len(row["name"]) + 1 for row in report["systems"])])
     for case, c in report["cases"].items():
         lines += ["", c["label"],
-                  f"{'system':<28} {'tok/s':>8} {'(min-max)':>15} {'median s':>9} {'vs llama.cpp':>13} {'vs ml f32':>10}"]
+                  f"{'system':<{wide}} {'tok/s':>8} {'(min-max)':>15} {'median s':>9} {'vs llama.cpp':>13} {'vs ml f32':>10}"]
         for row in report["systems"]:
             r = row["results"][case]
             if r.get("error"):
-                lines.append(f"{row['name']:<28} error: {r['error']}")
+                lines.append(f"{row['name']:<{wide}} error: {r['error']}")
                 continue
             span = f"({_f(r.get('tok_s_min'), '.1f')}-{_f(r.get('tok_s_max'), '.1f')})"
             ratios = r["ratios"]
-            lines.append(f"{row['name']:<28} {_f(r.get('tok_s'), '8.1f')} {span:>15} {_f(r.get('median_s'), '9.3f')} "
+            lines.append(f"{row['name']:<{wide}} {_f(r.get('tok_s'), '8.1f')} {span:>15} {_f(r.get('median_s'), '9.3f')} "
                          f"{_f(ratios['llama.cpp'], '12.2f', 'x'):>13} {_f(ratios['metaloom_float32'], '9.2f', 'x'):>10}")
     if report["achieved_weight_bandwidth"]:
         lines.append("")
