@@ -47,6 +47,12 @@ from metaloom.score.answers import MathAnswer, classes
     ("The answer is 10%", "10"),
     ("The answer is unclear. Anyway 5 apples.", "5"),
     ("nothing here", None),
+    # arithmetic outside a boxed or stated answer is working, never evaluated into a value no
+    # sample wrote (it used to give 42 for both)
+    ("17 + 25 represents a mix of both numbers.", None),
+    ("17 + 25 = 32, so the sum of 17 + 25", "32"),  # its last equation's written result
+    ("We need 6 * 7 first", None),
+    ("12 = 3 * 4 and then 17 + 25", None),  # no equation here ends in a number
 ])
 def test_math_answer_is_the_final_value(text, answer):
     assert MathAnswer().extract(text) == answer
@@ -65,6 +71,14 @@ def test_math_answer_is_the_final_value(text, answer):
 def test_math_answers_compare_by_value(a, b, same):
     assert MathAnswer().same(a, b) is same
     assert MathAnswer().same(b, a) is same
+
+
+def test_a_vote_counts_only_answers_the_samples_wrote():
+    m = MathAnswer()
+    texts = ["17 + 25 = 32 ... 17 + 25", "17 + 25 represents a mix of both numbers.", "The answer is 42."]
+    answers = [m.extract(t) for t in texts]
+    assert answers == ["32", None, "42"]
+    assert classes(answers, m) == [0, None, 1]  # 42 has one vote, not two
 
 
 def test_equations_vote_with_their_values():

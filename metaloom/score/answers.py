@@ -56,6 +56,8 @@ _NUM = r"[-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+)"
 _FRAC_ARG = rf"(?:\{{\s*{_NUM}\s*\}}|\d)"
 _LITERAL = re.compile(rf"{_NUM}(?:\s*/\s*{_NUM})?|[-+]?\\[dt]?frac\s*{_FRAC_ARG}\s*{_FRAC_ARG}")
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+# "= 32": the written result of an equation (a number, not arithmetic, after the sign)
+_STATED = re.compile(rf"(?<![<>!=:])=(?!=)\s*({_NUM})(?!\s*[-+*/^\d])")
 
 
 def _last_boxed(text: str) -> str | None:
@@ -93,8 +95,12 @@ class MathAnswer:
     Where to look, first found wins: the last ``\\boxed{}``; the sentence after the last
     "the answer is" / "answer:" / "####"; the last expression in the text. An equation's
     answer is its last side (``\\boxed{42 - 15 = 27}`` -> ``27``, ``x = \\frac{3}{4}`` ->
-    ``\\frac{3}{4}``). A number comes out as written (``1,234.50``, ``-3/4``), arithmetic on
-    numbers as its value (``\\boxed{42 - 15}`` -> ``27``), anything else as the LaTeX or text."""
+    ``\\frac{3}{4}``). A number comes out as written (``1,234.50``, ``-3/4``), anything else
+    as the LaTeX or text. Arithmetic on numbers is evaluated only where the text gives it as its
+    final result, boxed or after an answer phrase (``\\boxed{42 - 15}`` -> ``27``): found
+    anywhere else it is working, not an answer (``17 + 25 represents a mix`` states no
+    answer; ``17 + 25 = 32 ... 17 + 25`` states 32, its last equation's result), so the
+    extractor never votes for a value no sample wrote."""
 
     name: str = "math"
 
@@ -107,12 +113,15 @@ class MathAnswer:
             side = _last_side(_MATH_DELIMITERS.sub(" ", span).strip(" \t*"))
             if side:  # LaTeX stays LaTeX once its delimiters are gone
                 spans.append(f"${side}$" if _MATH_DELIMITERS.search(span) else side)
-        spans.append(text)
         for span in spans:
             found = _parse(span)
             if found is not None:
                 return found
-        return None
+        found = _parse(text, evaluate=False)
+        if found is not None:
+            return found
+        stated = _STATED.findall(_MATH_DELIMITERS.sub(" ", text))  # an equation's written result, if any
+        return _THOUSANDS.sub("", stated[-1].rstrip(",.")) if stated else None
 
     def same(self, a: str, b: str) -> bool:
         if a == b:
@@ -128,8 +137,9 @@ def _parse_answer(answer: str) -> list:
     return mv.parse(f"${answer}$", parsing_timeout=t) or mv.parse(answer, parsing_timeout=t)
 
 
-def _parse(span: str) -> str | None:
-    """The canonical answer math-verify finds in ``span``, or ``None``."""
+def _parse(span: str, evaluate: bool = True) -> str | None:
+    """The canonical answer math-verify finds in ``span``, or ``None``; ``evaluate=False``: also
+    ``None`` where that answer is arithmetic on numbers (working, not a stated result)."""
     mv = _math_verify()
     parsed = mv.parse(span, parsing_timeout=_timeout())
     if not parsed:
@@ -141,7 +151,10 @@ def _parse(span: str) -> str | None:
         reparsed = _parse_answer(side)
         value = reparsed[0] if reparsed else side
     percent = "%" in raw or re.search(re.escape(raw) + r"\s*\\?%", span) is not None
-    return raw if percent else _canonical(value, raw)
+    if percent:
+        return raw
+    canonical = _canonical(value, raw)
+    return canonical if evaluate or canonical == raw else None
 
 
 def _canonical(value: object, raw: str) -> str:
