@@ -353,7 +353,9 @@ def test_a_strategy_budget_stops_and_keeps_the_work(served):
 # --- errors in OpenAI's shape ----------------------------------------------------------------------
 
 def _post(served, body, headers=None, path="/v1/chat/completions"):
-    return httpx.post(served.url + path, json=body, headers=headers or {}, timeout=60)
+    # JSON with ASCII escapes, as most clients send it: a lone surrogate travels as "\ud800"
+    return httpx.post(served.url + path, content=json.dumps(body), headers={"content-type": "application/json", **(headers or {})},
+                      timeout=60)
 
 
 @pytest.mark.parametrize(("body", "status", "param"), [
@@ -372,6 +374,18 @@ def _post(served, body, headers=None, path="/v1/chat/completions"):
     ({"model": "gpt-9", "messages": _chat("x")}, 404, "model"),
     ({"model": "default", "messages": _chat("x"), "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ({"model": "default", "messages": _chat("x"), "top_logprobs": 2}, 400, "top_logprobs"),
+    # were accepted (pydantic coerced them) or a 500 (issue 30)
+    ({"model": "default", "messages": _chat("x"), "stream": "yes"}, 400, "stream"),
+    ({"model": "default", "messages": _chat("x"), "n": "4"}, 400, "n"),
+    ({"model": "default", "messages": _chat("x"), "logit_bias": {"5": 500}}, 400, "logit_bias[5]"),
+    ({"model": "default", "messages": _chat("x"), "max_tokens": 8, "max_completion_tokens": 16}, 400,
+     "max_completion_tokens"),
+    ({"model": "default", "messages": _chat("x"), "seed": 2**63}, 400, "seed"),
+    ({"model": "default", "messages": _chat("x"), "seed": -(2**70)}, 400, "seed"),
+    ({"model": "default", "messages": _chat("x\ud800")}, 400, "messages[0].content"),
+    ({"model": "default", "messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}, 400,
+     "messages[0].content[0].text"),
+    ({"model": "default", "messages": _chat("x"), "stop": ["\ud83d"]}, 400, "stop[0]"),
 ])
 def test_bad_requests_get_openai_errors_naming_the_field(served, body, status, param):
     r = _post(served, body)
@@ -387,11 +401,29 @@ def test_bad_requests_get_openai_errors_naming_the_field(served, body, status, p
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # nothing to generate is only a scoring call with echo
     ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
     ({"prompt": "x", "echo": True, "metaloom": {"strategy": "majority_vote"}}, "echo"),
+    ({"prompt": "a\ud800b"}, "prompt"),
+    ({"prompt": ["ok", "\ud800"]}, "prompt[1]"),
 ])
 def test_bad_completions_requests_name_the_field(served, body, param):
     r = _post(served, {"model": "default", **body}, path="/v1/completions")
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_a_lone_surrogate_to_tokenize_is_a_400_naming_the_field(served):
+    for body, param in (({"prompt": "\ud800"}, "prompt"), ({"messages": _chat("\ud800")}, "messages[0].content")):
+        r = _post(served, body, path="/tokenize")
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param
+
+
+def test_the_server_still_takes_what_openai_clients_send(served):
+    """Strict types refuse strings for numbers, not the numbers JSON has: an integer temperature,
+    stop as a list, both max_tokens fields when they agree, a valid surrogate pair (an emoji)."""
+    r = _post(served, {"model": "default", "messages": _chat("Say hi \ud83d\ude00"), "temperature": 0, "max_tokens": 4,
+                       "max_completion_tokens": 4, "stop": ["\n\n"], "seed": 2**63 - 1, "logit_bias": {"5": -100}})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 4
 
 
 def test_an_oversized_body_is_413(served):

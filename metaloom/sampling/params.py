@@ -103,6 +103,8 @@ class SamplingParams:
             raise InvalidParameter("n", self.n, ">= 1")
         if self.seed is not None:
             _integer("seed", self.seed)
+            if not -(2**63) <= self.seed < 2**63:  # what a torch.Generator takes
+                raise InvalidParameter("seed", self.seed, "an integer in the int64 range [-2^63, 2^63)")
         if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidParameter("stop", self.stop, "a tuple of non-empty strings")
         _integer("top_logprobs", self.top_logprobs)
@@ -199,6 +201,10 @@ class SamplingParams:
         for key in _OPENAI_SCALARS:
             if body.get(key) is not None:
                 kwargs[key] = body[key]
+        both = [body.get(k) for k in ("max_tokens", "max_completion_tokens")]
+        if None not in both and both[0] != both[1]:  # one would be dropped in silence
+            raise InvalidParameter("max_completion_tokens", both[1],
+                                   f"not set beside a different max_tokens ({both[0]}): one of them")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is not None:
             kwargs["max_tokens"] = max_tokens
@@ -212,6 +218,9 @@ class SamplingParams:
                 kwargs["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
             except (TypeError, ValueError, AttributeError) as exc:
                 raise InvalidParameter("logit_bias", bias, "a map from token id to number") from exc
+            for token, value in kwargs["logit_bias"].items():  # OpenAI's range (the CLI takes any finite bias)
+                if not -100 <= value <= 100:
+                    raise InvalidParameter(f"logit_bias[{token}]", value, "a bias in [-100, 100]")
         return cls(**kwargs)
 
 

@@ -171,6 +171,7 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
             resolve_model(body.model, ids, None)  # 404 for a model not served
         if (body.prompt is None) == (body.messages is None):
             raise InvalidParameter("prompt", body.prompt, "exactly one of prompt and messages")
+        protocol.valid_text(body.model_dump(exclude_none=True), "")
         tokenizer = generator.tokenizer
         if body.messages is not None:
             text = tokenizer.apply_chat_template(list(protocol.messages(body.messages)),

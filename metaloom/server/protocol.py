@@ -12,7 +12,10 @@ OpenAI's under the names vLLM uses (``top_k``, ``min_p``, ``repetition_penalty``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import operator
+import types
 import typing
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -33,14 +36,14 @@ REFUSED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     # vLLM's: in every chunk, that choice's tokens so far (a client that stops early knows its cost)
     continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
@@ -48,7 +51,7 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -77,16 +80,28 @@ class StrategyOptions(BaseModel):
 # every SamplingParams field OpenAI does not define, under its own name (vLLM's where vLLM has one)
 _OPENAI_SAMPLING = {"temperature", "top_p", "n", "seed", "stop", "presence_penalty", "frequency_penalty", "logit_bias",
                     "max_tokens", "top_logprobs"}
+def _json_hint(hint: Any) -> Any:
+    """A dataclass field's type as a JSON body carries it: tuples arrive as lists (the bodies are
+    validated strictly, so "4" is no integer and "yes" no boolean, and a strict tuple takes no list)."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return list[args[0]]  # type: ignore[valid-type]
+    if args and typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return functools.reduce(operator.or_, [_json_hint(a) for a in args])
+    return hint
+
+
 _HINTS = typing.get_type_hints(SamplingParams)
-_EXTRA_SAMPLING: dict[str, Any] = {f.name: (_HINTS[f.name] | None, None) for f in dataclasses.fields(SamplingParams)
-                   if f.name not in _OPENAI_SAMPLING}
+_EXTRA_SAMPLING: dict[str, Any] = {f.name: (_json_hint(_HINTS[f.name]) | None, None)
+                                   for f in dataclasses.fields(SamplingParams) if f.name not in _OPENAI_SAMPLING}
 _DECODER_HINTS = typing.get_type_hints(DecoderOptions)
-_DECODER_FIELDS: dict[str, Any] = {f.name: (_DECODER_HINTS[f.name] | None, None) for f in dataclasses.fields(DecoderOptions)}
+_DECODER_FIELDS: dict[str, Any] = {f.name: (_json_hint(_DECODER_HINTS[f.name]) | None, None)
+                                   for f in dataclasses.fields(DecoderOptions)}
 _REFUSED_FIELDS: dict[str, Any] = {name: (Any, None) for name in REFUSED}
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
     model: str
     n: int | None = None
     max_tokens: int | None = None
@@ -149,6 +164,9 @@ def sampling_params(body: BaseModel, *, chat: bool) -> SamplingParams:
         raise InvalidParameter("n", data["n"], f"at most {MAX_N} samples per request")
     if chat:
         if data.get("max_completion_tokens") is not None:
+            if data.get("max_tokens", data["max_completion_tokens"]) != data["max_completion_tokens"]:
+                raise InvalidParameter("max_completion_tokens", data["max_completion_tokens"],
+                                       f"not set beside a different max_tokens ({data['max_tokens']}): one of them")
             data["max_tokens"] = data["max_completion_tokens"]
         if data.get("top_logprobs") is not None:
             _top_count("top_logprobs", data["top_logprobs"])
@@ -254,7 +272,24 @@ def decoder(body: BaseModel, params: SamplingParams) -> tuple[SamplingParams, An
     return build_decoder(b.decoder, params, options)
 
 
+def valid_text(value: Any, name: str) -> None:
+    """Every string in ``value`` (a body, or one field of it) is Unicode text: a lone UTF-16
+    surrogate (``"\\ud800"``, which JSON can carry and no tokenizer encodes) is an
+    `InvalidParameter` naming where it is."""
+    if isinstance(value, str):
+        if any("\ud800" <= c <= "\udfff" for c in value):
+            raise InvalidParameter(name, value.encode("utf-8", "backslashreplace").decode()[:80],
+                                   "valid Unicode text (no unpaired UTF-16 surrogate)")
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            valid_text(v, f"{name}.{k}" if name else str(k))
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            valid_text(v, f"{name}[{i}]")
+
+
 def chat_request(body: BaseModel) -> Request:
+    valid_text(body.model_dump(exclude_none=True, by_alias=True), "")
     _refuse_unsupported(body)
     params = sampling_params(body, chat=True)
     params, spec = decoder(body, params)
@@ -265,6 +300,7 @@ def chat_request(body: BaseModel) -> Request:
 
 def completion_requests(body: BaseModel) -> list[Request]:
     """One request per prompt (a list of prompts is a batch; token-id lists are exact prompts)."""
+    valid_text(body.model_dump(exclude_none=True, by_alias=True), "")
     _refuse_unsupported(body)
     params = sampling_params(body, chat=False)
     params, spec = decoder(body, params)
@@ -311,7 +347,7 @@ def _text(value: Any) -> str:
 class TokenizeBody(BaseModel):
     """vLLM's ``POST /tokenize``: a text prompt, or chat messages through the chat template."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
