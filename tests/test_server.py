@@ -354,8 +354,8 @@ def test_a_strategy_budget_stops_and_keeps_the_work(served):
 
 def _post(served, body, headers=None, path="/v1/chat/completions"):
     # JSON with ASCII escapes, as most clients send it: a lone surrogate travels as "\ud800"
-    return httpx.post(served.url + path, content=json.dumps(body), headers={"content-type": "application/json", **(headers or {})},
-                      timeout=60)
+    return httpx.post(served.url + path, content=json.dumps(body),
+                      headers={"content-type": "application/json", **(headers or {})}, timeout=60)
 
 
 @pytest.mark.parametrize(("body", "status", "param"), [
