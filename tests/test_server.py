@@ -467,6 +467,34 @@ def test_auth_on_and_off(secured, served):
     assert httpx.get(secured.url + "/health").status_code == 200  # health and metrics stay open
 
 
+def test_every_route_but_health_and_metrics_needs_the_key(secured):
+    """From the app's own route table, so a route added without the auth dependency fails here."""
+    from starlette.routing import Route
+
+    open_routes = {"/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+    checked = []
+    for route in secured.app.routes:
+        if not isinstance(route, Route) or route.path in open_routes:
+            continue
+        path = route.path.replace("{model_id:path}", "default")
+        for method in sorted(route.methods or ()):
+            if method in ("HEAD", "OPTIONS"):
+                continue
+            r = httpx.request(method, secured.url + path, json={"model": "default"}, timeout=30)
+            assert r.status_code == 401, (method, route.path, r.status_code)
+            checked.append(route.path)
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize"} <= set(checked)
+
+
+def test_models_retrieve_a_served_id_and_404_another(served):
+    client = served.client()
+    assert client.models.retrieve("default").id == "default"
+    alias = "majority_vote@n=4:default"
+    assert client.models.retrieve(alias).id == alias
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+
+
 def test_metrics_count_requests_and_tokens(served):
     before = httpx.get(served.url + "/metrics").text
     served.client().chat.completions.create(model="default", messages=_chat("Hi"), max_tokens=5, temperature=0)

@@ -159,10 +159,18 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
         metrics.running.set(s.running_rows)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def model_card(model_id: str) -> dict[str, Any]:
+        return {"id": model_id, "object": "model", "created": 0, "owned_by": "metaloom", "root": generator.loaded.name}
+
     @app.get("/v1/models", dependencies=[Depends(authorised)])
     def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": ids[0], "object": "model", "created": 0, "owned_by": "metaloom",
-                                            "root": generator.loaded.name}]}
+        return {"object": "list", "data": [model_card(ids[0])]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorised)])
+    def model(model_id: str) -> dict[str, Any]:
+        """OpenAI's retrieve: a served id, or a strategy alias of one (STRATEGY@param=v,...:ID); 404 else."""
+        resolve_model(model_id, ids, None)
+        return model_card(model_id)
 
     @app.post("/tokenize", dependencies=[Depends(authorised)])
     def tokenize(body: protocol.TokenizeBody) -> dict[str, Any]:
