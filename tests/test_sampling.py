@@ -62,10 +62,23 @@ def test_top_p_keeps_smallest_nucleus():
     assert torch.equal(P.top_p(x, torch.tensor([1.0])), x)
 
 
+def test_top_p_stops_at_the_token_whose_mass_reaches_p_exactly():
+    """Masses exactly representable in float32 (softmax of their logs gives them back bit for
+    bit): 0.5 + 0.25 reaches p = 0.75 exactly, so the nucleus is two tokens; a `>` for `>=`
+    keeps three."""
+    x = torch.tensor([[0.5, 0.25, 0.125, 0.125]]).log()
+    assert torch.softmax(x, -1).tolist() == [[0.5, 0.25, 0.125, 0.125]]
+    assert torch.isfinite(P.top_p(x, torch.tensor([0.75]))).tolist() == [[True, True, False, False]]
+    assert torch.isfinite(P.top_p(x, torch.tensor([0.875]))).tolist() == [[True, True, True, False]]
+    assert torch.isfinite(P.top_p(x, torch.tensor([0.5]))).tolist() == [[True, False, False, False]]
+
+
 def test_min_p_scales_with_top_probability():
-    probs = torch.tensor([[0.6, 0.25, 0.1, 0.05]])
-    out = P.min_p(probs.log(), torch.tensor([0.2]))  # threshold 0.12
-    assert torch.isfinite(out).tolist() == [[True, True, False, False]]
+    """A threshold relative to the top probability, not absolute: p = 0.3 of a top 0.4 is 0.12,
+    which keeps 0.2 (an absolute 0.3 would not)."""
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+    out = P.min_p(probs.log(), torch.tensor([0.3]))
+    assert torch.isfinite(out).tolist() == [[True, True, True, False]]
 
 
 def test_repetition_penalty_ctrl_rule():
