@@ -277,6 +277,32 @@ def test_particle_filtering_ess_threshold_skips_resampling() -> None:
     assert sorted(c.text for c in result.candidates) == ["a\n\na1", "b\n\nb1"]
 
 
+def test_particle_filtering_answers_from_the_final_population_only() -> None:
+    """A particle that finished in round 0 and was not drawn at resampling is out of the
+    population: no candidate, no vote (it used to stay a candidate and vote)."""
+    from metaloom.score.answers import LastNumber
+
+    table = {"Q": ["7", "b\n\n"], "Qb\n\n": ["5", "5"]}
+    scores = {"7": 0.01, "b": 0.99, "5": 0.9}
+    result = ParticleFiltering(step_scorer=ScriptedStepScorer(scores), n=2, params=P, select="vote",
+                               extractor=LastNumber()).run("Q", Counting(table), ledger=Ledger())
+    nodes = by_text(tree_of(result))
+    assert nodes["7"]["finish"] is not None and nodes["7"]["state"] == "pruned"
+    assert sorted(c.text for c in result.candidates) == ["b\n\n5", "b\n\n5"]
+    assert "7" not in result.answers and result.best == "b\n\n5"
+
+
+def test_particle_filtering_does_not_resample_equal_weights() -> None:
+    """All particles scored alike: ESS = n, nothing to resample even at the default threshold (a
+    rule that resampled anyway would duplicate and drop particles at random)."""
+    table = {"Q": ["a\n\n", "b\n\n", "c\n\n"], "Qa\n\n": ["a1"], "Qb\n\n": ["b1"], "Qc\n\n": ["c1"]}
+    scores = {"a": 0.6, "b": 0.6, "c": 0.6, "a1": 0.6, "b1": 0.6, "c1": 0.6}
+    result = ParticleFiltering(step_scorer=ScriptedStepScorer(scores), n=3, params=P).run(
+        "Q", Counting(table), ledger=Ledger())
+    assert not [e for e in result.trace if e.kind == "resample"]
+    assert sorted(c.text for c in result.candidates) == ["a\n\na1", "b\n\nb1", "c\n\nc1"]
+
+
 def test_budget_stop_keeps_the_best_finished_solution() -> None:
     gen = Counting(BEAM_TABLE)
     # round 0 costs 8 output tokens (4 steps of "x" + "\n\n"), round 1 another 8; the first token of

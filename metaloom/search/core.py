@@ -249,7 +249,8 @@ class Search:
         return [n for n in nodes if n.state == "open" and not n.finished]
 
     def finished(self) -> list[Node]:
-        return [n for n in self.tree.nodes if n.finished and n.finish != "budget"]
+        """The finished solutions still in the search (a pruned one is not a candidate)."""
+        return [n for n in self.tree.nodes if n.finished and n.finish != "budget" and n.state != "pruned"]
 
     def finalize(self) -> None:
         """Record the finished solutions as candidates, choose the answer, put the tree in

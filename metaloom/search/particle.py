@@ -11,7 +11,9 @@ Doucet & Johansen 2009): below ``ess_threshold · n`` the particles are resample
 multinomially (the paper's rule) and the ones not drawn are pruned. The paper resamples at
 every step; ``ess_threshold = 1`` (the default) does too, except when the weights are all
 equal. A finished particle stays in the population (it can be drawn again, never
-expanded); the search ends when every particle has finished. Draws come from
+expanded) until a resampling does not draw it; the search ends when every particle has
+finished, and the answer is chosen from the final population only (a finished particle that
+was dropped is no candidate and casts no vote). Draws come from
 ``params.seed`` (reproducible when seeded).
 """
 
@@ -88,7 +90,7 @@ class ParticleFiltering(SearchConfig):
             if size < self.ess_threshold * self.n - 1e-9:
                 drawn = resample(w, rng)
                 chosen = [particles[i] for i in drawn]
-                s.tree.prune([p for p in particles if p not in chosen])
+                s.tree.prune([p for p in particles if p not in chosen], finished_too=True)
                 s.run.event("resample", step=step, ess=size, weights=w, drawn=[p.id for p in chosen])
                 particles = chosen
             live = [p for p in particles if not p.finished]

@@ -99,9 +99,13 @@ class Tree:
         return Completion("".join(n.text for n in path), tuple(t for n in path for t in n.token_ids),
                           tuple(lp for n in path for lp in n.logprobs), finish)
 
-    def prune(self, nodes: list[Node]) -> None:
+    def prune(self, nodes: list[Node], *, finished_too: bool = False) -> None:
+        """Mark ``nodes`` pruned: open ones are not expanded; with ``finished_too`` finished ones
+        are no candidates either (a finished particle that resampling did not draw: particle
+        filtering answers from its final population only). Other searches keep every finished
+        solution they met as a candidate."""
         for n in nodes:
-            if n.state == "open":
+            if n.state == "open" or (finished_too and n.state == "finished"):
                 n.state = "pruned"
 
     def to_dict(self, **info: Any) -> dict[str, Any]:
