@@ -115,6 +115,7 @@ def test_rebase_widths_hand_worked() -> None:
     assert rebase_widths([0.5, 0.5], 4, 0.1) == [2, 2]
     assert rebase_widths([0.9, 0.1], 4, 100.0) == [2, 2]  # a high temperature spreads the budget
     assert rebase_widths([0.2, 0.1, 0.0], 1, 1.0) == [1, 0, 0]  # nothing rounds up: the best gets one
+    assert rebase_widths([0.1, 0.2, 0.0], 1, 1.0) == [0, 1, 0]  # the best, not the first
     assert rebase_widths([0.3], 0, 0.1) == [0]
 
 
