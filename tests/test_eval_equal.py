@@ -37,6 +37,15 @@ def test_bracket_interpolates_in_log_cost_and_never_extrapolates():
     assert bracket([1.0, 2.0], 0.0) is None and bracket([], 1.0) is None
 
 
+def test_a_cost_at_either_end_of_the_curve_is_on_it():
+    costs = [1e12, 2e12, 4e12]
+    assert bracket(costs, 4e12) == (2, 2, 0.0) and bracket(costs, 1e12) == (0, 0, 0.0)
+    # the same FLOPs, its mean summed in another order: an ulp off is the same point, not beyond
+    assert bracket(costs, math.nextafter(4e12, math.inf)) == (2, 2, 0.0)
+    assert bracket(costs, math.nextafter(1e12, 0.0)) == (0, 0, 0.0)
+    assert bracket(costs, 4e12 * 1.001) is None  # a real step past it still is
+
+
 def test_a_search_is_read_against_the_curve_at_its_own_cost():
     search = point("step_beam_search@n=8", None, [1.0, 1.0, 0.0, 0.0], [2 ** 1.25] * 4)
     [row] = at_equal_compute([*CURVE, search], bootstrap=200)

@@ -24,10 +24,21 @@ import numpy as np
 from metaloom.eval.analysis.curves import Point, interval
 
 
+# costs this close (relative) are one cost: a search charged exactly the FLOPs of the curve's last
+# point had its mean summed in another order and came out an ulp above it, "beyond the curve"
+SAME_COST = 1e-9
+
+
 def bracket(costs: Sequence[float], cost: float) -> tuple[int, int, float] | None:
     """Indices (i, j) into ascending ``costs`` with costs[i] <= cost <= costs[j], and the weight
-    w of j in log cost; None when ``cost`` is outside [costs[0], costs[-1]] or not positive."""
-    if not costs or not cost > 0 or costs[0] <= 0 or cost < costs[0] or cost > costs[-1]:
+    w of j in log cost; None when ``cost`` is outside [costs[0], costs[-1]] or not positive. A
+    cost within `SAME_COST` (relative) of a curve point is that point's."""
+    if not costs or not cost > 0 or costs[0] <= 0:
+        return None
+    for k, c in enumerate(costs):
+        if abs(cost - c) <= SAME_COST * c:
+            return k, k, 0.0
+    if cost < costs[0] or cost > costs[-1]:
         return None
     for j in range(len(costs)):
         if costs[j] >= cost:
