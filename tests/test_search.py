@@ -304,6 +304,22 @@ def test_particle_filtering_does_not_resample_equal_weights() -> None:
     assert sorted(c.text for c in result.candidates) == ["a\n\na1", "b\n\nb1", "c\n\nc1"]
 
 
+def test_a_budget_stop_before_scoring_says_unscored_and_the_trace_ends_with_the_tree() -> None:
+    """The scorer's budget runs out in round 0: the finished solutions were never scored, so
+    their scores are unscored (NaN, null in JSON), not 0.0; the trace's last event is the tree
+    (the budget event, and the interrupted round's, before it: it used to end `tree, budget`)."""
+    import json
+    import math
+
+    result = StepBeamSearch(step_scorer=ScriptedStepScorer(BEAM_SCORES), n=4, beam_width=2, params=P).run(
+        "Q", Counting(BEAM_TABLE), ledger=Ledger(budget=Budget(scorer_calls=1)))
+    assert result.stopped_reason == "budget" and result.candidates
+    assert all(math.isnan(s) for s in result.scores)
+    assert json.loads(json.dumps(result.to_dict()))["scores"] == [None] * len(result.candidates)
+    kinds = [e.kind for e in result.trace]
+    assert kinds[-1] == "tree" and kinds.count("budget") == 1
+
+
 def test_budget_stop_keeps_the_best_finished_solution() -> None:
     gen = Counting(BEAM_TABLE)
     # round 0 costs 8 output tokens (4 steps of "x" + "\n\n"), round 1 another 8; the first token of

@@ -64,7 +64,8 @@ def guarded(ledger: Ledger, body: Callable[[Run], None], on_budget: Callable[[Ru
     try:
         body(run)
     except BudgetExceeded as exc:
-        run.event("budget", field=exc.field, limit=exc.limit, value=exc.would_be)
+        if not any(e.kind == "budget" for e in run.events):  # a search records it before its tree
+            budget_event(run, exc)
         if run.best_index is None and run.candidates:
             if on_budget is not None:
                 on_budget(run)
@@ -76,6 +77,11 @@ def guarded(ledger: Ledger, body: Callable[[Run], None], on_budget: Callable[[Ru
         exc.partial = run.result("scorer_failed")  # the outermost strategy's view wins
         raise
     return run.result()
+
+
+def budget_event(run: Run, exc: BudgetExceeded) -> None:
+    """The trace's record of a budget stop: which limit, its value, what it would have become."""
+    run.event("budget", field=exc.field, limit=exc.limit, value=exc.would_be)
 
 
 def check_budget(ledger: Ledger) -> None:

@@ -64,7 +64,7 @@ class Result:
             "candidates": [{"text": c.text, "tokens": len(c.token_ids),
                             "logprob": c.logprob if math.isfinite(c.logprob) else None,  # strict JSON has no NaN
                             "finish_reason": c.finish_reason} for c in self.candidates],
-            "scores": list(self.scores),
+            "scores": [s if math.isfinite(s) else None for s in self.scores],  # None: unscored
             "answers": list(self.answers),
             "usage": self.usage.to_dict(),
             "trace": [e.to_dict() for e in self.trace],

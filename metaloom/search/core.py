@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from metaloom.errors import BudgetExceeded, InvalidParameter, ScorerFailed
 from metaloom.generator.types import Completion, Generator, Request
 from metaloom.ledger import Ledger, Usage
-from metaloom.meta.helpers import Run, component, ensure, guarded, positive, render, reseed, select_top
+from metaloom.meta.helpers import Run, budget_event, component, ensure, guarded, positive, render, reseed, select_top
 from metaloom.meta.helpers import score as helpers_score
 from metaloom.meta.types import Result
 from metaloom.meta.voting import decide
@@ -267,15 +267,17 @@ class Search:
         for n in done:
             c = self.tree.completion(n)
             run.candidates.append(dataclasses.replace(c, finish_reason="budget") if partial and self.stop == "budget" else c)
-        run.scores.extend(n.score if n.score is not None else 0.0 for n in done)
+        # a solution the budget stopped before it was scored is unscored (NaN; null in JSON), not 0.0
+        run.scores.extend(n.score if n.score is not None else math.nan for n in done)
         if cfg.extractor is not None:
             run.answers.extend(cfg.extractor.extract(c.text) for c in run.candidates)
         best: Node | None = None
         if done:
+            known = [s if not math.isnan(s) else -math.inf for s in run.scores]  # unscored ranks last
             if cfg.select == "score" or cfg.extractor is None:
-                run.best_index = select_top(run.scores)[0]
+                run.best_index = select_top(known)[0]
             else:
-                weights = run.scores if cfg.select == "weighted_vote" else [1.0] * len(done)
+                weights = [max(s, 0.0) for s in known] if cfg.select == "weighted_vote" else [1.0] * len(done)
                 decide(run, run.answers, weights, cfg.extractor)
             if run.best_index is not None:
                 best = done[run.best_index]
@@ -299,8 +301,9 @@ def run_search(config: SearchConfig, name: str, prompt: Prompt, generator: Gener
         search = Search(config, name, run, generator, prompt)
         try:
             body(search)
-        except BudgetExceeded:
+        except BudgetExceeded as exc:
             search.stop = "budget"
+            budget_event(run, exc)  # before the tree: the trace ends with the tree, as on a normal finish
             search.finalize()
             raise
         except ScorerFailed:

@@ -23,7 +23,6 @@ import numpy as np
 
 from metaloom.eval.analysis.curves import Point, interval
 
-
 # costs this close (relative) are one cost: a search charged exactly the FLOPs of the curve's last
 # point had its mean summed in another order and came out an ulp above it, "beyond the curve"
 SAME_COST = 1e-9
