@@ -320,6 +320,27 @@ def test_a_budget_stop_before_scoring_says_unscored_and_the_trace_ends_with_the_
     assert kinds[-1] == "tree" and kinds.count("budget") == 1
 
 
+def test_a_solution_cut_by_the_token_limit_is_not_chosen_over_one_that_ended() -> None:
+    """Without a final scorer, a step score says the steps were good, not that the solution
+    answered: "b" runs into the solution's token limit with a perfect step score, "a" ends on
+    its own with a lower one; "a" is the answer. With an outcome verifier its score decides."""
+    from metaloom.sampling.params import SamplingParams
+    from metaloom.testing.scripted import ScriptedScorer
+
+    table = {"Q": ["a", "b\n\n"], "Qb\n\n": ["b runs on and on and on and on and on and on"]}
+    scores = {"a": 0.6, "b": 0.9}  # the cut step, whatever its text: 1.0 (the default)
+    params = SamplingParams(temperature=0.8, max_tokens=6, seed=1)
+    result = StepBeamSearch(step_scorer=ScriptedStepScorer(scores, default=1.0), n=2, beam_width=2,
+                            params=params).run("Q", Counting(table), ledger=Ledger())
+    finishes = {n["text"]: (n["finish"], n["score"]) for n in tree_of(result)["nodes"]}
+    assert finishes["a"] == ("eos", 0.6) and finishes["b runs on and"] == ("length", 1.0)
+    assert result.best == "a"
+    verified = StepBeamSearch(step_scorer=ScriptedStepScorer(scores, default=1.0), n=2, beam_width=2, params=params,
+                              final_scorer=ScriptedScorer(fn=lambda t: 0.9 if t.startswith("b") else 0.2)).run(
+        "Q", Counting(table), ledger=Ledger())
+    assert verified.best == "b\n\nb runs on and"
+
+
 def test_budget_stop_keeps_the_best_finished_solution() -> None:
     gen = Counting(BEAM_TABLE)
     # round 0 costs 8 output tokens (4 steps of "x" + "\n\n"), round 1 another 8; the first token of

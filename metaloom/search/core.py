@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from metaloom.errors import BudgetExceeded, InvalidParameter, ScorerFailed
 from metaloom.generator.types import Completion, Generator, Request
 from metaloom.ledger import Ledger, Usage
-from metaloom.meta.helpers import Run, budget_event, component, ensure, guarded, positive, render, reseed, select_top
+from metaloom.meta.helpers import Run, budget_event, component, ensure, guarded, positive, render, reseed
 from metaloom.meta.helpers import score as helpers_score
 from metaloom.meta.types import Result
 from metaloom.meta.voting import decide
@@ -275,7 +275,12 @@ class Search:
         if done:
             known = [s if not math.isnan(s) else -math.inf for s in run.scores]  # unscored ranks last
             if cfg.select == "score" or cfg.extractor is None:
-                run.best_index = select_top(known)[0]
+                # without an outcome verifier a path score says how good the steps were, not that
+                # the solution answered: one cut by the token or step limit ranks below every one
+                # that ended on its own (a truncated game24 step with one valid operation scored
+                # 1.0 and was chosen over real answers)
+                ended = [cfg.final_scorer is not None or n.finish == "eos" for n in done]
+                run.best_index = min(range(len(done)), key=lambda i: (not ended[i], -known[i], i))
             else:
                 weights = [max(s, 0.0) for s in known] if cfg.select == "weighted_vote" else [1.0] * len(done)
                 decide(run, run.answers, weights, cfg.extractor)
