@@ -129,6 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             records = complete_only(records, [s for s in json.load(f)["strategies"] if kept(s)])
     a = analyze(records)
     print(f"# {args.dir}: {len(a['problems'])} problems, {len(a['strategies'])} strategies\n")
+    print("Accuracy (as in `metaloom eval`'s summary and its report): a sampling strategy's is its expected accuracy "
+          "over the order of its samples (a vote's tie goes to the answer seen first); any other's is what it answered.\n")
     for title, part in (("Strategies at full size", strategies_table), ("Curves", curves_table),
                         ("At equal compute (FLOPs)", equal_table), ("Compute-optimal, held-out half", selection_table),
                         ("Scorers: ranking their own candidates (problems with right and wrong ones)", scorers_table)):

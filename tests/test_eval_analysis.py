@@ -476,3 +476,20 @@ def test_ranking_averages_over_mixed_problems_only():
     assert row == {"strategy": spec, "problems": 3, "mixed": 2, "auroc": 0.5, "accuracy": 0.5,
                    "random": pytest.approx((1 / 3 + 1 / 3) / 2)}
     assert analyze(records)["scorers"] == [row]
+
+
+def test_the_eval_summary_and_the_report_tables_define_accuracy_alike():
+    """A 1:1 tie between a right and a wrong answer: the run's own order picked the right one
+    (its record says correct), but over the order of the samples the vote is right half the
+    time. `metaloom eval`'s summary and the analysis (report, run_tables) both say 0.5: one
+    definition (they said 1.0 and 0.5, the runs/game24 2.5% against 1.2%)."""
+    from metaloom.commands.evaluate import summary
+
+    tie = replace(vote_record([0, 1], correct=[True, False]), problem="p", strategy="majority_vote@n=2", correct=True)
+    alone = single("p", "greedy", True)
+    rows = summary([tie, alone], ("majority_vote@n=2", "greedy"))
+    # 200 random orders: within 5 standard deviations (sqrt(0.25 / 200) each) of 1/2, far from 1
+    assert rows["majority_vote@n=2"]["accuracy"] == pytest.approx(0.5, abs=5 * (0.25 / 200) ** 0.5)
+    assert rows["greedy"]["accuracy"] == 1.0
+    [top] = [p for p in points([tie]) if p.label == "majority_vote@n=2"]
+    assert top.accuracy() == rows["majority_vote@n=2"]["accuracy"]  # the same orders: the same figure

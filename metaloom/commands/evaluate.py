@@ -70,14 +70,24 @@ def setup_of(args: argparse.Namespace) -> Any:
 
 
 def summary(records: list[Any], specs: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    """Per spec: problems, accuracy, mean output tokens, FLOPs and seconds, errors."""
+    """Per spec: problems, accuracy, mean output tokens, FLOPs and seconds, errors. Accuracy is
+    defined as in the report and `scripts/run_tables.py` (`metaloom.eval.analysis`): a sampling
+    strategy's is its expected accuracy over the order of its samples (a vote's tie goes to the
+    answer seen first, and which one that is depends on the order), not the one order the run
+    happened to draw; any other strategy's is what it answered."""
+    from metaloom.eval.analysis.subsample import outcome
+    from metaloom.eval.records import POOLED
+    from metaloom.meta.spec import parse_spec
+
     out: dict[str, dict[str, Any]] = {}
     for spec in specs:
         rs = [r for r in records if r.strategy == spec]
         if not rs:
             continue
         n = len(rs)
-        out[spec] = {"problems": n, "accuracy": sum(r.correct for r in rs) / n,
+        pooled = parse_spec(spec).name in POOLED
+        correct = [outcome(r, len(r.candidates) if pooled and r.candidates else None).correct for r in rs]
+        out[spec] = {"problems": n, "accuracy": sum(correct) / n,
                      "output_tokens": sum(int(r.usage.get("output_tokens") or 0) for r in rs) / n,
                      "flops": sum(float(r.usage.get("flops") or 0.0) for r in rs) / n,
                      # the ledger's seconds: what the run cost (a replayed draw took no wall time here)
