@@ -445,3 +445,20 @@ def test_the_progress_bar_counts_runs_accuracy_tokens_and_flops(task_file, tmp_p
     bar.close()
     assert stats == "problems 2 · accuracy 50.0% · 40 tokens · 3.0 TFLOP"
     assert bar.progress.tasks[0].completed == 2 and bar.progress.tasks[0].total == 4
+
+
+def test_a_second_run_into_a_folder_being_written_is_refused_naming_the_holder(task_file, tmp_path):
+    """The first run holds DIR/.lock: a second one into the same --out stops before it runs a
+    pair (two used to run every pair twice), saying which process holds it; after the first,
+    the folder is free again and the lock file does not count as foreign content."""
+    from metaloom.eval.lock import SweepLocked, sweep_lock
+
+    out = str(tmp_path / "sweep")
+    sweep = plan_sweep(setup_for(task_file), ["greedy"], out)
+    with sweep_lock(out):
+        with pytest.raises(SweepLocked, match=rf"pid {os.getpid()} on .*, since "):
+            run_sweep(sweep)
+        assert not os.path.exists(os.path.join(out, RECORDS))
+    assert len(run_sweep(sweep)) == 3 and len(lines(out)) == 3
+    assert len(run_sweep(plan_sweep(setup_for(task_file), ["greedy"], out))) == 3  # reopened: nothing new to run
+    assert len(lines(out)) == 3

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metaloom.errors import InvalidParameter, MetaloomError
+from metaloom.eval.lock import LOCK, sweep_lock
 from metaloom.eval.pool import attribute, candidates_of, model_row_flops, selection_of
 from metaloom.eval.records import CONFIG, POOLED, POOLS, RECORDS, TRACES, Record, read_records
 from metaloom.eval.tasks.base import Problem, Task
@@ -298,6 +299,16 @@ def _differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def refuse_foreign(out: str, *, force: bool = False) -> None:
+    """A folder `metaloom eval` did not write (files, no config) is refused unless ``force``."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise InvalidParameter("out", out, "a directory (this is a file)")
+    if (os.path.isdir(out) and set(os.listdir(out)) - {LOCK} and not force
+            and not os.path.exists(os.path.join(out, CONFIG))):
+        raise InvalidParameter("out", out, f"an empty or new directory, or one `metaloom eval` wrote (no {CONFIG} "
+                               "here); --force uses it anyway")
+
+
 def prepare_out(sweep: Sweep, *, force: bool = False) -> dict[tuple[str, str], Record]:
     """Create or reopen ``sweep.out``: the records already there, by key. A directory from a
     different task, model or sampling setup is refused (``force``: start it afresh); new
@@ -319,9 +330,8 @@ def prepare_out(sweep: Sweep, *, force: bool = False) -> dict[tuple[str, str], R
             raise InvalidParameter("out", out, "a directory of the same configuration, or --force to start it afresh "
                                    f"(it differs: {'; '.join(diff[:5])})")
         config["strategies"] = list(dict.fromkeys([*old.get("strategies", []), *config["strategies"]]))
-    elif os.path.isdir(out) and os.listdir(out) and not force and not os.path.exists(config_path):
-        raise InvalidParameter("out", out, f"an empty or new directory, or one `metaloom eval` wrote (no {CONFIG} "
-                               "here); --force uses it anyway")
+    else:
+        refuse_foreign(out, force=force)
     if force:
         for name in (RECORDS, CONFIG):
             if os.path.exists(os.path.join(out, name)):
@@ -435,7 +445,15 @@ def local_executor(setup: Setup, jobs: Sequence[Job], emit: Callable[[Outcome], 
 
 def run_sweep(sweep: Sweep, *, executor: Executor = local_executor, force: bool = False,
               progress: Callable[[Iterable[Record], int], Any] | None = None) -> list[Record]:
-    """Run what ``sweep.out`` does not hold yet; returns every record of the sweep's specs."""
+    """Run what ``sweep.out`` does not hold yet; returns every record of the sweep's specs. The
+    folder is locked for the run (`metaloom.eval.lock`): a second run into it is refused."""
+    refuse_foreign(sweep.out, force=force)  # before the lock file is made in a folder that is not ours
+    with sweep_lock(sweep.out):
+        return _run_sweep(sweep, executor=executor, force=force, progress=progress)
+
+
+def _run_sweep(sweep: Sweep, *, executor: Executor, force: bool,
+               progress: Callable[[Iterable[Record], int], Any] | None) -> list[Record]:
     done = prepare_out(sweep, force=force)
     jobs = pending(sweep, done)
     writer = Writer(sweep.out, done)
