@@ -131,7 +131,10 @@ def probe(address: str, timeout: float) -> None:
     except OSError as exc:  # refused, unreachable, timed out
         why = f"no answer within {timeout:g}s: {exc}"
     if why is not None:
-        raise InvalidParameter("ray_address", address, f"the address of a running Ray cluster ({host}:{port}: {why})")
+        # the address as given first: Ray canonicalises localhost to this node's own address
+        reached = f"{host}:{port}"
+        where = address if reached in (address, address.removeprefix("ray://")) else f"{address}, reached as {reached}"
+        raise InvalidParameter("ray_address", address, f"the address of a running Ray cluster ({where}: {why})")
 
 
 # ----------------------------------------------------------------------------------- cluster
