@@ -224,3 +224,15 @@ def test_cli_json_run_on_the_default_model(capsys):
     assert out["usage"]["scorer_calls"] == 1 and 2 <= out["usage"]["output_tokens"] <= 16
     assert [e["kind"] for e in out["trace"]] == ["sample", "score", "select"]
     assert out["answers"] == [LastNumber().extract(c["text"]) for c in out["candidates"]]  # the extractor named
+
+
+def test_a_search_that_never_saw_its_delimiter_warns_on_stderr(capsys):
+    """Its steps all ran to the step token limit: said on stderr, not only in the trace."""
+    argv = ["run", "--strategy", "step_beam_search", "--strategy.n", "2", "--strategy.beam_width", "2",
+            "--strategy.step_scorer", "countdown", "--strategy.delimiter", "@@never@@", "--strategy.step_tokens", "3",
+            "--strategy.max_depth", "2", "--max-tokens", "6", "--seed", "0", "--json",
+            "Using all the numbers 3, 5, 7, create an expression that equals 15."]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "no_delimiter" in [e["kind"] for e in json.loads(captured.out)["trace"]]
+    assert "warning: no step ended with the delimiter" in captured.err

@@ -346,3 +346,11 @@ def test_a_large_tree_renders_whole():
             "rounds": [{"round": r, "expanded": [r], "children": 50, "usage": {"output_tokens": 1500}} for r in range(60)]}
     text = render_text(tree)
     assert len(text.splitlines()) == 2 + 3000 + 60 + 4
+
+
+def test_a_search_that_never_saw_its_delimiter_says_so_in_the_header(tmp_path, capsys):
+    """It used to be a trace event only: `metaloom tree` showed nothing."""
+    _, lines = tree_cli(capsys, write(tmp_path, {**tree_event(), "delimiter_seen": False}))
+    assert lines[2].startswith('warning: no step ended with the delimiter "⏎⏎"') and "step token limit" in lines[2]
+    _, lines = tree_cli(capsys, write(tmp_path, {**tree_event(), "delimiter_seen": True}))
+    assert not any(line.startswith("warning") for line in lines)

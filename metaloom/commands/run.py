@@ -178,6 +178,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
+    for e in result.trace:  # a search that never saw its delimiter: said where it is seen, not only traced
+        if e.kind == "no_delimiter":
+            print("warning: " + str(e.data.get("detail", "no step ended with the delimiter"))
+                  + f" (delimiter {e.data.get('delimiter')})", file=sys.stderr)
     if args.json:
         print(json.dumps({"model": name, "strategy": args.strategy, **result.to_dict()}))
         return 0

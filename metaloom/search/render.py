@@ -406,7 +406,16 @@ def header(tree: Mapping[str, Any], context: Mapping[str, Any] | None = None) ->
     out = Text(no_wrap=True, overflow="ellipsis")
     out.append(_clean(" · ".join(first)), style="bold")
     out.append("\n" + _clean(second))
+    if tree.get("delimiter_seen") is False and len(index.nodes) > 1:
+        said = ", ".join(f'"{one_line(d, 20)}"' for d in (delimiter if isinstance(delimiter, list) else [delimiter])) \
+            if delimiter else "?"
+        out.append("\n" + _clean(NO_DELIMITER.format(said)), style="bold yellow")
     return out
+
+
+# a search whose steps never ended on the delimiter searched over step-token-limit fragments
+NO_DELIMITER = ("warning: no step ended with the delimiter {}: each step ran to the step token limit "
+                "(--strategy.delimiter, or --strategy.step_tokens)")
 
 
 GUIDES = ("├── ", "└── ", "│   ", "    ")  # rich's own tree guides: fork, last, continue, space
