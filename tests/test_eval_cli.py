@@ -40,6 +40,15 @@ def test_select_prints_a_spec_run_and_the_server_accept(tmp_path):
     assert chosen["heldout_accuracy"] == 1.0
     assert chosen["serve_model"] == chosen["strategy"] + ":default"
     assert f"--strategy '{chosen['strategy']}'" in chosen["run"]
+    # with the sweep's setup, the line carries what changes the generations (it used to drop them)
+    import dataclasses
+    import shlex
+
+    setup = dataclasses.replace(sweep.setup, dtype="bfloat16", weights="native", max_tokens=64)
+    line = shlex.split(select(records, "default", None, 0, setup)["run"])
+    assert line[:4] == ["metaloom", "run", "--strategy", chosen["strategy"]] and line[-1] == "PROMPT"
+    flags = dict(zip(line[4:-1:2], line[5:-1:2], strict=True))
+    assert flags == {"--model": "default", "--dtype": "bfloat16", "--weights": "native", "--max-tokens": "64"}
     import argparse
 
     from metaloom.commands.run import strategy_config

@@ -105,7 +105,26 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def select(records: list[Any], model: str, budget: float | None, seed: int) -> dict[str, Any]:
+def run_line(spec: str, setup: Any) -> str:
+    """The `metaloom run` command that runs ``spec`` as the sweep ran it: its model, and every
+    setting of the sweep that changes what the strategy generates (dtype, weights, device,
+    backend, max tokens, temperature, a remote server)."""
+    import shlex
+
+    parts = ["metaloom", "run", "--strategy", spec, "--model", setup.model]
+    defaults = {"dtype": "float32", "device": "auto", "backend": "auto", "weights": "auto"}
+    for name, default in defaults.items():
+        value = getattr(setup, name)
+        if value != default:
+            parts += [f"--{name.replace('_', '-')}", str(value)]
+    for name in ("max_tokens", "temperature", "base_url"):
+        value = getattr(setup, name)
+        if value is not None:
+            parts += [f"--{name.replace('_', '-')}", str(value)]
+    return " ".join(shlex.quote(p) for p in parts) + " PROMPT"
+
+
+def select(records: list[Any], model: str, budget: float | None, seed: int, setup: Any = None) -> dict[str, Any]:
     """The compute-optimal choice at ``budget`` (default: the largest analysed) as a spec that
     `metaloom run --strategy` and the server's model aliases take: the best single strategy
     chosen on the selection half (one spec needs no difficulty probe), with the per-bin
@@ -127,7 +146,8 @@ def select(records: list[Any], model: str, budget: float | None, seed: int) -> d
         raise InvalidParameter("select-budget", budget, exc.allowed) from exc
     return {"budget": row["budget"], "budget_metric": metric, "strategy": spec, "per_bin": row.get("choices", {}),
             "heldout_accuracy": row.get("best_single"), "compute_optimal_accuracy": row.get("accuracy"),
-            "run": f"metaloom run --strategy '{spec}' --model {model} PROMPT", "serve_model": f"{spec}:{model}"}
+            "run": run_line(spec, setup) if setup is not None else f"metaloom run --strategy '{spec}' --model {model} PROMPT",
+            "serve_model": f"{spec}:{model}"}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -144,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     bar = None if args.no_progress else SweepProgress
     records = run_sweep(sweep, executor=executor, force=args.force, progress=bar)
     rows = summary(records, sweep.specs)
-    chosen = select(records, args.model, args.select_budget, args.seed) if args.select else None
+    chosen = select(records, args.model, args.select_budget, args.seed, sweep.setup) if args.select else None
     if args.json:
         print(json.dumps({"out": args.out, "summary": rows, **({"select": chosen} if chosen else {})}))
         return 0
