@@ -275,6 +275,26 @@ def test_a_client_that_goes_away_frees_its_rows(served):
     assert sched.stats().running_rows == 0  # cancelled long before its 2,000 tokens
 
 
+def test_a_cancelled_streams_tokens_are_counted_in_the_metrics(served):
+    """The rows a client abandoned generated tokens all the same: they are in
+    metaloom_completion_tokens_total (they were missing)."""
+    def completed() -> float:
+        text = httpx.get(served.url + "/metrics").text
+        return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                   if ln.startswith("metaloom_completion_tokens_total "))
+
+    before = completed()
+    with httpx.stream("POST", served.url + "/v1/chat/completions", timeout=60,
+                      json={"model": "default", "messages": _chat("Write a long story."), "max_tokens": 2000,
+                            "temperature": 0.8, "ignore_eos": True, "stream": True}) as response:
+        lines = response.iter_lines()
+        got = [line for line in (next(lines) for _ in range(12)) if line.startswith("data: ")]
+    deadline = time.monotonic() + 20
+    while completed() == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert completed() - before >= len(got) - 1  # at least the tokens it streamed before going away
+
+
 # --- strategies per request ----------------------------------------------------------------------
 
 def test_a_strategy_by_model_alias_and_by_metaloom_object(served):

@@ -343,7 +343,7 @@ class _Call:
         finally:
             for t in tickets:
                 t.cancel()  # a no-op for finished ones; frees the rows of a client gone away
-        self._observe(ledger.usage, tickets)
+            self._observe(ledger.usage, tickets)  # what was generated, for a client gone away too
         choices = [self._choice(i * n + j, c, i) for i in range(len(requests)) for j, c in enumerate(results[i])]
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage_block(ledger.usage)}
@@ -359,6 +359,7 @@ class _Call:
 
     async def _stream_plain(self, inbox: asyncio.Queue[Any], tickets: list[Any], ledger: Ledger, n: int,
                             include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+        observed = False
         try:
             if self.chat:
                 for j in range(n):
@@ -387,12 +388,15 @@ class _Call:
                     out["usage"] = {"prompt_tokens": prompt, "completion_tokens": sent[index],
                                     "total_tokens": prompt + sent[index]}
                 yield out
+            observed = True
             self._observe(ledger.usage, tickets)
             if include_usage:
                 yield self._usage_chunk(ledger.usage)
         finally:
             for t in tickets:
                 t.cancel()
+            if not observed:  # a stream the client closed: its tokens were generated all the same
+                self._observe(ledger.usage, tickets)
 
     # --- strategies -----------------------------------------------------------------------------
     async def strategy(self, call: StrategyCall, request: Any, stream: bool, include_usage: bool) -> Any:
