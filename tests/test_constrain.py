@@ -100,6 +100,8 @@ def test_stream_honours_the_constraint(smollm_generator):
     ConstraintSpec.json_schema({"type": "object", "required": ["a"], "additionalProperties": False}),
     ConstraintSpec.lark("start: foo"),
     ConstraintSpec.lark("start: (\"a\""),
+    ConstraintSpec.lark('start: "a" start'),  # no finite string: llguidance accepted it and failed mid-generation
+    ConstraintSpec.lark('start: b\nb: "q" b | "r" c\nc: c "s"'),
 ])
 def test_invalid_or_unsatisfiable_grammar_is_typed_error_before_any_forward(smollm_generator, spec):
     ledger = Ledger()

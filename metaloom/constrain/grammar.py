@@ -14,7 +14,8 @@ With a healing ``prefix`` (token healing, `metaloom.decode.healing`) the grammar
 token bytes across the boundary, so one token may finish the prefix and begin the grammar's
 text (``"://"`` after a removed ``":"``).
 
-A grammar that llguidance rejects, or whose first mask allows no text and no end, raises
+A grammar that llguidance rejects, whose first mask allows no text and no end, or (Lark) whose
+start rule can never finish (`metaloom.constrain.productive`: ``start: "a" start``), raises
 `InvalidGrammar` here, before any model call.
 """
 
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from metaloom.constrain.productive import unfinishable
 from metaloom.constrain.spec import ConstraintSpec
 from metaloom.constrain.vocab import Vocabulary, llguidance
 from metaloom.errors import InvalidGrammar, InvalidParameter
@@ -68,6 +70,10 @@ class CompiledGrammar:
         self.spec = spec
         self.vocab = vocab
         self.prefix = prefix
+        if spec.kind == "lark" and isinstance(spec.source, str) and (stuck := unfinishable(spec.source)) is not None:
+            also = f" (nor can {', '.join(stuck[1:])})" if len(stuck) > 1 else ""
+            raise InvalidGrammar("lark", f"no finite text satisfies it: rule {stuck[0]!r} can never finish, every "
+                                 f"alternative needing a rule that cannot{also}")
         self.text = grammar_text(spec, prefix)
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(self.text, vocab.ll)
         if is_error:
