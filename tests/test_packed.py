@@ -13,6 +13,7 @@ from metaloom.models import isa
 from metaloom.models.config import LlamaConfig
 from metaloom.models.llama import LlamaModel, dense_weight, plain_weight
 from metaloom.models.packed import Bf16Linear, PackedLinear, bf16_gemm, own_bf16, pack, packing_available
+from metaloom.testing.tiny import random_weights
 
 CPU = torch.device("cpu")
 needs = pytest.mark.skipif(not packing_available(torch.float32, CPU), reason="this torch build has no MKL/oneDNN")
@@ -39,20 +40,10 @@ def test_packed_product_equals_plain(dtype, tol, rows):
 
 
 def _tiny_model() -> LlamaModel:
-    torch.manual_seed(0)
     cfg = LlamaConfig.from_hf({"model_type": "llama", "vocab_size": 101, "hidden_size": 64, "intermediate_size": 96,
                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                                "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": True})
-    sd = {"model.embed_tokens.weight": torch.randn(101, 64), "model.norm.weight": 1 + 0.1 * torch.randn(64)}
-    shapes = {"self_attn.q_proj": (64, 64), "self_attn.k_proj": (32, 64), "self_attn.v_proj": (32, 64),
-              "self_attn.o_proj": (64, 64), "mlp.gate_proj": (96, 64), "mlp.up_proj": (96, 64),
-              "mlp.down_proj": (64, 96)}
-    for i in range(2):
-        for name, shape in shapes.items():
-            sd[f"model.layers.{i}.{name}.weight"] = torch.randn(shape) / shape[1] ** 0.5
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            sd[f"model.layers.{i}.{norm}.weight"] = 1 + 0.1 * torch.randn(64)
-    return LlamaModel.from_state_dict(cfg, sd)
+    return LlamaModel.from_state_dict(cfg, random_weights(cfg, seed=0))
 
 
 @needs
@@ -132,7 +123,7 @@ def test_own_bfloat16_product_is_the_float32_product_rounded_once(rows):
 
 def test_own_bfloat16_model_matches_the_plain_bfloat16_model():
     plain = _tiny_model()
-    bf = LlamaModel.from_state_dict(plain.config, _state(plain), dtype=torch.bfloat16)
+    bf = LlamaModel.from_state_dict(plain.config, random_weights(plain.config, seed=0), dtype=torch.bfloat16)
     own = bf.own_bf16()
     assert isinstance(own.layers[0].gate_up, Bf16Linear) and isinstance(own.lm_head, Bf16Linear)
     assert plain_weight(own.lm_head) is bf.embed and own.num_parameters() == bf.num_parameters()
@@ -156,19 +147,3 @@ def test_default_bfloat16_load_uses_the_fastest_bfloat16_products_here(smollm):
     ref = smollm.model.forward(torch.tensor([ids]), smollm.model.new_cache(1, 16))[0, -1]
     assert logits.argmax() == ref.argmax()
     assert (logits - ref).abs().max() <= 0.05 * ref.abs().max()
-
-
-def _state(model: LlamaModel) -> dict[str, torch.Tensor]:
-    """transformers-named float32 weights of a plain `_tiny_model` (q, k, v and gate, up split)."""
-    c = model.config
-    hd, h, hk = c.head_dim, c.num_attention_heads, c.num_key_value_heads
-    sd = {"model.embed_tokens.weight": model.embed, "model.norm.weight": model.norm}
-    for i, w in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        q, k, v = w.qkv.split([h * hd, hk * hd, hk * hd])  # type: ignore[union-attr]
-        gate, up = w.gate_up.chunk(2)  # type: ignore[union-attr]
-        sd |= {p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
-               p + "self_attn.o_proj.weight": w.o, p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-               p + "mlp.down_proj.weight": w.down, p + "input_layernorm.weight": w.attn_norm,
-               p + "post_attention_layernorm.weight": w.mlp_norm}
-    return sd  # type: ignore[return-value]

@@ -13,6 +13,7 @@ from metaloom.models import fused, load, quant
 from metaloom.models.config import LlamaConfig
 from metaloom.models.llama import Concat, LlamaModel
 from metaloom.models.packed import Bf16Linear
+from metaloom.testing.tiny import random_weights
 
 pytestmark = pytest.mark.usefixtures("kernel_path")
 
@@ -89,21 +90,10 @@ def test_one_call_with_own_bfloat16_products_and_a_qkv_bias(monkeypatch):
     """A tiny Qwen-like model (q/k/v bias), its weights as metaloom's own bfloat16 products
     (`Bf16Linear`), and as quantised Q8_0 / Q4_1 blocks (GGUF layout and panels), and q/k/v of
     two types (a `Concat`: each part's outputs side by side, one row or three)."""
-    torch.manual_seed(0)
     cfg = LlamaConfig.from_hf({"model_type": "qwen2", "vocab_size": 101, "hidden_size": 128, "intermediate_size": 256,
                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                                "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": True})
-    sd = {"model.embed_tokens.weight": torch.randn(101, 128), "model.norm.weight": 1 + 0.1 * torch.randn(128)}
-    shapes = {"self_attn.q_proj": (128, 128), "self_attn.k_proj": (64, 128), "self_attn.v_proj": (64, 128),
-              "self_attn.o_proj": (128, 128), "mlp.gate_proj": (256, 128), "mlp.up_proj": (256, 128),
-              "mlp.down_proj": (128, 256)}
-    for i in range(2):
-        for name, shape in shapes.items():
-            sd[f"model.layers.{i}.{name}.weight"] = torch.randn(shape) / shape[1] ** 0.5
-        for n in "qkv":
-            sd[f"model.layers.{i}.self_attn.{n}_proj.bias"] = torch.randn(shapes[f"self_attn.{n}_proj"][0])
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            sd[f"model.layers.{i}.{norm}.weight"] = 1 + 0.1 * torch.randn(128)
+    sd = random_weights(cfg, seed=0)
     own = LlamaModel.from_state_dict(cfg, sd, dtype=torch.bfloat16).own_bf16()
     assert isinstance(own.layers[0].qkv, Bf16Linear) and own.layers[0].qkv_bias is not None
     for qtype in ("Q8_0", "Q4_1", "mixed"):  # mixed: v in Q8_0 beside q and k in Q4_1, as GGUFs do

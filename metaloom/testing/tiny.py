@@ -29,3 +29,29 @@ def tiny_llama(vocab: int = 26, seed: int = 0) -> LoadedModel:
         sd[f"model.layers.{i}.post_attention_layernorm.weight"] = torch.ones(32)
     model = LlamaModel.from_state_dict(config, sd)
     return LoadedModel(model=model, tokenizer=CharTokenizer(vocab), name="tiny", folder="", dtype=torch.float32)
+
+
+def random_weights(config: LlamaConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """transformers-named random weights for ``config``: linear weights N(0, 1/in), norms near 1,
+    q/k/v biases where the config has them, an ``lm_head`` where its embeddings are not tied."""
+    g = torch.Generator().manual_seed(seed)
+    c = config
+    d, hd = c.hidden_size, c.head_dim
+    sd = {"model.embed_tokens.weight": torch.randn(c.vocab_size, d, generator=g),
+          "model.norm.weight": 1 + 0.1 * torch.randn(d, generator=g)}
+    if not c.tie_word_embeddings:
+        sd["lm_head.weight"] = torch.randn(c.vocab_size, d, generator=g) / d ** 0.5
+    shapes = {"self_attn.q_proj": (c.num_attention_heads * hd, d), "self_attn.k_proj": (c.num_key_value_heads * hd, d),
+              "self_attn.v_proj": (c.num_key_value_heads * hd, d), "self_attn.o_proj": (d, c.num_attention_heads * hd),
+              "mlp.gate_proj": (c.intermediate_size, d), "mlp.up_proj": (c.intermediate_size, d),
+              "mlp.down_proj": (d, c.intermediate_size)}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for name, shape in shapes.items():
+            sd[p + name + ".weight"] = torch.randn(*shape, generator=g) / shape[1] ** 0.5
+        if c.attention_bias:
+            for n in "qkv":
+                sd[p + f"self_attn.{n}_proj.bias"] = torch.randn(shapes[f"self_attn.{n}_proj"][0], generator=g)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            sd[p + norm + ".weight"] = 1 + 0.1 * torch.randn(d, generator=g)
+    return sd
