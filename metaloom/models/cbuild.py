@@ -94,10 +94,10 @@ def compiler() -> str | None:
 
 
 def cpu_signature() -> str:
-    """What -march=native depends on: the CPU model and its feature flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    """What a build depends on besides its path's flags (``-mtune=native``; and the recorded
+    `--weights auto` choices): the CPU model and its feature flags."""
+    text = isa.cpuinfo()
+    if not text:
         return platform.processor() or platform.machine()
     lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features", "CPU part"))]
     return "\n".join(sorted(set(lines)))

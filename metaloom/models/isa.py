@@ -69,30 +69,36 @@ def machine() -> str:
 
 
 @functools.cache
+def cpuinfo() -> str:
+    """/proc/cpuinfo as the OS reports it ("" where there is none: macOS, Windows)."""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def _field(keys: tuple[str, ...]) -> str | None:
+    """The first /proc/cpuinfo value under one of ``keys``."""
+    for line in cpuinfo().splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in keys:
+            return value.strip()
+    return None
+
+
+@functools.cache
 def cpu_features() -> frozenset[str]:
     """The CPU's feature flags as the OS reports them (x86 ``flags``, aarch64 ``Features`` of
     /proc/cpuinfo); on an aarch64 without /proc (macOS) NEON, which every aarch64 CPU has."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        text = ""
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
+    found = _field(("flags", "Features"))
+    if found is not None:
+        return frozenset(found.split())
     return frozenset({"asimd"}) if machine() == "aarch64" else frozenset()
 
 
 def cpu_name() -> str:
     """The CPU's model name, for messages and reports."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("model name", "Model", "cpu model"):
-                return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or machine()
+    return _field(("model name", "Model", "cpu model")) or platform.processor() or machine()
 
 
 def missing(path: IsaPath, arch: str | None = None, features: frozenset[str] | None = None) -> list[str]:
@@ -166,26 +172,21 @@ _current: list[IsaPath] = []  # the path this process runs, resolved on first us
 
 def chosen() -> IsaPath:
     """The path the kernels run: ``METALOOM_ISA`` if set, else the best this CPU has; read once per
-    process (the matmuls ask for it on every call, a few hundred times a token), `use` changes it."""
+    process (the matmuls ask for it on every call, a few hundred times a token); `using` changes it
+    for a block."""
     if not _current:
         _current.append(resolve(os.environ.get(ENV)))
     return _current[0]
 
 
-def use(name: str | None) -> IsaPath:
-    """Run path ``name`` from now on in this process (None: ``METALOOM_ISA`` or the best again),
-    as tests and benchmarks do to compare paths in one process; an `UnsupportedISA` as `resolve`."""
-    path = resolve(os.environ.get(ENV) if name is None else name)
-    _current[:] = [path]
-    return path
-
-
 @contextlib.contextmanager
 def using(name: str) -> Iterator[IsaPath]:
-    """Run path ``name`` inside the block, the previous path after it (tests of every path)."""
+    """Run path ``name`` inside the block, the previous path after it, as tests and benchmarks
+    do to compare paths in one process; an `UnsupportedISA` as `resolve`."""
     previous = chosen()
+    _current[:] = [resolve(name)]
     try:
-        yield use(name)
+        yield _current[0]
     finally:
         _current[:] = [previous]
 

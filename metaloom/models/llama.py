@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from metaloom.errors import ContextWindowExceeded, InvalidParameter, NotAModel, UnsupportedModel
+from metaloom.models import quant
 from metaloom.models.cache import KVPool, PagedKVCache
 from metaloom.models.config import LlamaConfig
 from metaloom.models.flops import forward_flops
@@ -380,39 +381,47 @@ class LlamaModel:
         # costs a few microseconds, 2 per layer)
         threads = torch.get_num_threads() if b * (int(lengths.max()) + 1) >= PARALLEL_MIN_KEYS else 1
         plan = self._plan(b)
-        delta = None  # the last sublayer's output, added to x by the next norm
         if plan is not None:  # every layer in one call: the same kernels, in the same order (metaloom.models.stack)
-            delta = torch.empty_like(x)
-            qkv = x.new_empty(b, (h + 2 * c.num_key_value_heads) * c.head_dim)
-            gu = x.new_empty(b, 2 * c.intermediate_size)
-            rc = k.lib.decode_layers(plan.layers, plan.count, x.data_ptr(), delta.data_ptr(), y.data_ptr(),
-                                     qkv.data_ptr(), attn.data_ptr(), gu.data_ptr(),
-                                     act.data_ptr(), self._cos.data_ptr(), self._sin.data_ptr(), lengths.data_ptr(),
-                                     table.data_ptr(), table.shape[1], pointers(pool.keys), pointers(pool.values), b,
-                                     c.hidden_size, h, c.num_key_value_heads, c.head_dim, c.intermediate_size,
-                                     c.sliding_window or 0, threads, torch.get_num_threads(), c.rms_norm_eps,
-                                     self.dtype == torch.bfloat16)
-            if rc:
-                raise RuntimeError(f"decode_layers failed with code {rc}")  # the plan's shapes were checked: a bug
-        for i, w in enumerate(self.layers if plan is None else ()):
-            k.residual_rms_norm(x, delta, w.attn_norm, y, c.rms_norm_eps)
-            qkv = linear(y, w.qkv, w.qkv_bias).contiguous()
-            k.rope_attend(qkv, self._cos, self._sin, lengths, table, pool.keys[i], pool.values[i], attn, h,
-                          c.sliding_window, threads)
-            k.residual_rms_norm(x, linear(attn, w.o).contiguous(), w.mlp_norm, y, c.rms_norm_eps)
-            k.silu_mul(linear(y, w.gate_up).contiguous(), act)
-            delta = linear(act, w.down).contiguous()
+            delta = self._step_stack(plan, k, x, y, attn, act, lengths, table, pool, threads)
+        else:
+            delta = None  # the last sublayer's output, added to x by the next norm
+            for i, w in enumerate(self.layers):
+                k.residual_rms_norm(x, delta, w.attn_norm, y, c.rms_norm_eps)
+                qkv = linear(y, w.qkv, w.qkv_bias).contiguous()
+                k.rope_attend(qkv, self._cos, self._sin, lengths, table, pool.keys[i], pool.values[i], attn, h,
+                              c.sliding_window, threads)
+                k.residual_rms_norm(x, linear(attn, w.o).contiguous(), w.mlp_norm, y, c.rms_norm_eps)
+                k.silu_mul(linear(y, w.gate_up).contiguous(), act)
+                delta = linear(act, w.down).contiguous()
         k.residual_rms_norm(x, delta, self.norm, y, c.rms_norm_eps)
         cache.advance(valid)
         return y[:, None]
 
+    def _step_stack(self, plan: Plan, k: FusedKernels, x: torch.Tensor, y: torch.Tensor, attn: torch.Tensor,
+                    act: torch.Tensor, lengths: torch.Tensor, table: torch.Tensor, pool: KVPool,
+                    threads: int) -> torch.Tensor:
+        """`_step_fused`'s layers in one C call (fused.c's ``decode_layers``), on the same buffers;
+        -> the last sublayer's output (x is the residual stream before it, as the loop leaves it)."""
+        c = self.config
+        b, h, hk = x.shape[0], c.num_attention_heads, c.num_key_value_heads
+        delta = torch.empty_like(x)
+        qkv = x.new_empty(b, (h + 2 * hk) * c.head_dim)
+        gu = x.new_empty(b, 2 * c.intermediate_size)
+        rc = k.lib.decode_layers(plan.layers, plan.count, x.data_ptr(), delta.data_ptr(), y.data_ptr(), qkv.data_ptr(),
+                                 attn.data_ptr(), gu.data_ptr(), act.data_ptr(), self._cos.data_ptr(),
+                                 self._sin.data_ptr(), lengths.data_ptr(), table.data_ptr(), table.shape[1],
+                                 pointers(pool.keys), pointers(pool.values), b, c.hidden_size, h, hk, c.head_dim,
+                                 c.intermediate_size, c.sliding_window or 0, threads, torch.get_num_threads(),
+                                 c.rms_norm_eps, self.dtype == torch.bfloat16)
+        if rc:
+            raise RuntimeError(f"decode_layers failed with code {rc}")  # the plan's shapes were checked: a bug
+        return delta
+
     def _plan(self, rows: int) -> Plan | None:
         """The one-call plan of this model's layers for the quantised kernels running now, or None
         (a weight they do not multiply, no kernels, or more rows than they take)."""
-        from metaloom.models.quant import CROSSOVER_ROWS, kernels
-
-        qk = kernels().kernels
-        if qk is None or rows > CROSSOVER_ROWS:
+        qk = quant.kernels().kernels
+        if qk is None or rows > quant.CROSSOVER_ROWS:
             return None
         if qk.path not in self._plans:
             self._plans[qk.path] = stack_plan(self.layers, qk, self.dtype)
