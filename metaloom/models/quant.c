@@ -168,10 +168,6 @@ INLINE vecu zx16(const uint8_t *p) {
     uint16x8_t h = vld1q_u16((const uint16_t *)p);
     return (vecu)join4(vmovl_u16(vget_low_u16(h)), vmovl_high_u16(h));
 }
-INLINE veci sx8(const uint8_t *p) {
-    int16x8_t h = vmovl_s8(vld1_s8((const int8_t *)p));
-    return join4(vreinterpretq_u32_s32(vmovl_s16(vget_low_s16(h))), vreinterpretq_u32_s32(vmovl_high_s16(h)));
-}
 #else /* the portable path: whatever the compiler makes of it */
 typedef uint8_t bytes8 __attribute__((vector_size(8)));
 INLINE veci zx(bytes16 b, int j) {
@@ -186,6 +182,9 @@ INLINE vecu zx16(const uint8_t *p) {
     memcpy(&h, p, sizeof h);
     return __builtin_convertvector(h, vecu);
 }
+#endif
+#if !defined(__AVX512F__) && !defined(__AVX2__)
+/* 8 int8 at p (and no byte past them) as int32 lanes; AVX2 loads and widens them in one instruction */
 INLINE veci sx8(const uint8_t *p) {
     bytes16 b = {0};
     memcpy(&b, p, 8);
