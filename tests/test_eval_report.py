@@ -509,6 +509,42 @@ def test_chromium_renders_the_report_to_a_real_picture(sweep) -> None:
     # the module's command: DIR/report.html to DIR/report.png, every section open
     assert main([out, "--height", "900", "--expand"]) == 0
     assert pixels(os.path.join(out, "report.png")).shape[:2] == (900, 1280)
+    # by default the whole page, however tall: the expanded one is taller than the closed one
+    closed = pixels(screenshot(os.path.join(out, "report.html"), os.path.join(out, "closed.png"))).shape[0]
+    assert main([out, "--expand"]) == 0
+    assert pixels(os.path.join(out, "report.png")).shape[0] > closed > 900
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not on PATH (Debian's chromium package renders the report)")
+def test_screenshot_captures_a_page_taller_than_any_fixed_window(tmp_path) -> None:
+    # 5,200 px of page, its last 200 px red: a fixed 1280x3000 window cut it (issue 30)
+    page = tmp_path / "tall.html"
+    page.write_text('<html><body style="margin:0"><div style="height:5000px;background:#fff">top</div>'
+                    '<table style="height:200px;width:100%;background:#f00"><tr><td>end</td></tr></table></body></html>')
+    image = pixels(screenshot(str(page), str(tmp_path / "tall.png"), width=800))
+    assert image.shape[:2] == (5200, 800)
+    bottom = image[-150:, :, :3]
+    assert ((bottom[..., 0] > 0.9) & (bottom[..., 1] < 0.1)).mean() > 0.9  # the red end is in the picture
+    with pytest.raises(ScreenshotFailed, match="5200 px tall, over the 4000 px"):
+        screenshot(str(page), str(tmp_path / "cut.png"), width=800, max_height=4000)
+
+
+def test_screenshot_window_height_is_the_measured_page() -> None:
+    from metaloom.eval.report.screenshot import HEIGHT_ATTRIBUTE, measuring_copy, page_height, window_height
+
+    assert window_height(4309) == 4309  # the whole page
+    assert window_height(4309, 900) == 900  # asked for the top only
+    assert window_height(0) == 1
+    with pytest.raises(ScreenshotFailed, match="not measured"):
+        window_height(None)
+    with pytest.raises(ScreenshotFailed, match="40000 px tall"):
+        window_height(40_000, max_height=32_000)
+    with pytest.raises(ScreenshotFailed, match="must be positive"):
+        window_height(100, 0)
+    copy = measuring_copy("<html><body><p>x</p></body></html>")
+    assert copy.index(HEIGHT_ATTRIBUTE) < copy.index("</body>")
+    assert page_height(f'<body {HEIGHT_ATTRIBUTE}="4309"><p>&lt;b {HEIGHT_ATTRIBUTE}=1&gt;</p>') == 4309
+    assert page_height("<body><p>no script ran</p></body>") is None
 
 
 def test_screenshot_errors_are_typed(tmp_path, monkeypatch) -> None:
@@ -524,8 +560,10 @@ def test_screenshot_errors_are_typed(tmp_path, monkeypatch) -> None:
     with pytest.raises(ScreenshotFailed, match=r"exited with status 3 .*cannot open display"):
         screenshot(str(page), str(tmp_path / "x.png"))
     fake.write_text("#!/bin/sh\nexit 0\n")  # succeeds but writes nothing
-    with pytest.raises(ScreenshotFailed, match="wrote no screenshot"):
+    with pytest.raises(ScreenshotFailed, match="height was not measured"):
         screenshot(str(page), str(tmp_path / "x.png"))
+    with pytest.raises(ScreenshotFailed, match="wrote no screenshot"):
+        screenshot(str(page), str(tmp_path / "x.png"), height=500)
     fake.unlink()
     with pytest.raises(ScreenshotFailed, match="no Chromium on PATH"):
         screenshot(str(page), str(tmp_path / "x.png"))

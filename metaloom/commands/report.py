@@ -10,7 +10,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("report", help="an HTML report of a `metaloom eval` directory")
     r.add_argument("dir", help="the directory `metaloom eval --out` wrote")
     r.add_argument("--output", default=None, help="the HTML file (default: DIR/report.html)")
-    r.add_argument("--screenshot", default=None, metavar="PNG", help="also render it with headless Chromium to PNG")
+    r.add_argument("--screenshot", default=None, metavar="PNG", help="also render the whole page with headless Chromium to PNG")
     r.set_defaults(run=run)
 
 
