@@ -473,7 +473,8 @@ def test_overload_is_429_with_retry_after(smollm):
         statuses = [r.status_code for r in asyncio.run(burst())]
         refused = [r for r in asyncio.run(burst()) if r.status_code == 429]
     assert 429 in statuses and 200 in statuses and set(statuses) <= {200, 429}
-    assert refused and all(r.headers["retry-after"] == "1" for r in refused)
+    # derived from the queue (issue 30): whole seconds, at least one
+    assert refused and all(r.headers["retry-after"].isdigit() and int(r.headers["retry-after"]) >= 1 for r in refused)
 
 
 def test_auth_on_and_off(secured, served):

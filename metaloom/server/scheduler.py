@@ -10,19 +10,24 @@ once and free their KV; a cancelled ticket (a client that went away) has its row
 the next step boundary.
 
 The queue is bounded: `Overloaded` (HTTP 429 with Retry-After) when it is full, never an
-unbounded backlog. Work that cannot join a shared loop (beam search, `Generator.score`) runs as a
-whole on the loop thread between steps (`Scheduler.call`), so the model is only ever driven
-from one thread.
+unbounded backlog. Waiting means what cannot be admitted: a request whose rows fit the rows left
+free (by the running batch and by the requests queued before it) joins at the next step boundary
+and does not count (`admissible`), so 64 clients on 64 free rows are never refused for arriving
+during one step. Retry-After is derived from the queue (`retry_after`).
+
+Work that cannot join a shared loop (beam search, `Generator.score`) runs as a whole on the loop
+thread between steps (`Scheduler.call`), so the model is only ever driven from one thread.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,8 +47,61 @@ class Overloaded(MetaloomError):
     """The scheduler's queue is full; try again after ``retry_after`` seconds."""
 
     def __init__(self, waiting: int, limit: int, retry_after: int = 1) -> None:
-        super().__init__(f"server overloaded: {waiting} requests waiting (limit {limit}); retry after {retry_after} s")
-        self.retry_after = retry_after
+        super().__init__(f"server overloaded: {waiting} requests waiting for a free decode row (limit {limit}); "
+                         f"retry after {retry_after} s")
+        self.waiting, self.limit, self.retry_after = waiting, limit, retry_after
+
+
+def admissible(needs: Sequence[int], free: int, busy: bool) -> int:
+    """How many of the queued requests (their row counts ``needs``, first in first out) the loop
+    admits at its next step boundary, with ``free`` rows free; ``busy``: rows are running. A
+    request waits when its rows do not fit what is left, and so does everything behind it (no
+    overtaking); one wider than every free row still goes in alone when nothing else runs."""
+    taken = 0
+    for need in needs:
+        if need > free and (taken or busy):
+            break
+        taken += 1
+        free -= need
+    return taken
+
+
+def retry_after(ahead_rows: int, rows_per_second: float | None, max_rows: int, cap: int = 600) -> int:
+    """Seconds a refused client should wait: the time for ``ahead_rows`` rows (those queued
+    before it, plus its own, less the rows free now) to leave the loop at the observed drain rate,
+    ``ceil(ahead_rows / rows_per_second)``; with no rate observed yet, one second per
+    ``max_rows`` rows ahead. An integer in ``1 .. cap`` (HTTP Retry-After)."""
+    if ahead_rows <= 0:
+        return 1
+    seconds = ahead_rows / rows_per_second if rows_per_second else ahead_rows / max_rows
+    return max(1, min(cap, math.ceil(seconds)))
+
+
+class DrainRate:
+    """Rows finished per second over the last ``window_s`` seconds: rows finished in the window
+    divided by the time from the oldest of them to ``now`` (at least one second). Not
+    thread-safe: the scheduler holds its lock around it."""
+
+    def __init__(self, window_s: float = 30.0) -> None:
+        if not window_s > 0:
+            raise InvalidParameter("window_s", window_s, "> 0")
+        self.window_s = window_s
+        self._events: deque[tuple[float, int]] = deque()
+
+    def record(self, now: float, rows: int) -> None:
+        self._events.append((now, rows))
+        self._prune(now)
+
+    def rate(self, now: float) -> float | None:
+        """Rows per second, or None when no row finished in the window."""
+        self._prune(now)
+        if not self._events:
+            return None
+        return sum(r for _, r in self._events) / max(1.0, now - self._events[0][0])
+
+    def _prune(self, now: float) -> None:
+        while self._events and self._events[0][0] < now - self.window_s:
+            self._events.popleft()
 
 
 @dataclass(frozen=True)
@@ -86,20 +144,24 @@ class Ticket:
 
 @dataclass(frozen=True)
 class Stats:
-    """What the loop is doing now (for /metrics and /health)."""
+    """What the loop is doing now (for /metrics and /health). ``waiting``: requests that cannot be
+    admitted at the next step boundary (no room), and calls queued for the loop thread;
+    ``queued``: every request not yet in the loop, those about to join included."""
 
     waiting: int
     running_requests: int
     running_rows: int
     steps: int
+    queued: int = 0
 
 
 class Scheduler:
     """``max_rows``: rows decoded together at most (admission waits for room); ``max_waiting``:
-    requests queued beyond that before `submit` refuses with `Overloaded`."""
+    requests that cannot be admitted (no free row for them) before `submit` refuses with
+    `Overloaded`. ``clock``: seconds, for the drain rate behind Retry-After."""
 
     def __init__(self, generator: LocalGenerator, *, max_rows: int = 64, max_waiting: int = 256,
-                 on_step: Callable[[int], None] | None = None) -> None:
+                 on_step: Callable[[int], None] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         if max_rows < 1:
             raise InvalidParameter("max_rows", max_rows, ">= 1")
         if max_waiting < 0:
@@ -113,6 +175,9 @@ class Scheduler:
         self._batches: dict[type, DecodeBatch] = {}
         self._wake = threading.Condition()
         self._stop = False
+        self._busy_rows = 0  # rows in the loop or being admitted to it (under the lock)
+        self.clock = clock
+        self.drain = DrainRate()  # rows finished per second (under the lock)
         self.steps = 0
         self._thread = threading.Thread(target=self._loop, name="metaloom-scheduler", daemon=True)
         self._thread.start()
@@ -124,13 +189,13 @@ class Scheduler:
         if p.kind is BeamParams:  # beam search reorders its rows every step: it runs as a whole
             ticket = Ticket([], BeamParams, ledger, sink)
             with self._wake:
-                self._check_room()
+                self._check_room(0)
                 self.call(lambda: self._beam(ticket, request))
             return ticket
         ticket = Ticket([], p.kind, ledger, sink)
         ticket.rows_to_admit = p.rows(ledger, self.generator.model.device, ticket)
         with self._wake:
-            self._check_room()
+            self._check_room(len(ticket.rows_to_admit))
             self._waiting.append(ticket)
             self._wake.notify()
         return ticket
@@ -147,8 +212,10 @@ class Scheduler:
 
     def stats(self) -> Stats:
         with self._wake:
-            return Stats(len(self._waiting), len(self._running), sum(len(b.rows) for b in self._batches.values()),
-                         self.steps)
+            blocked = len(self._waiting) - self._admissible()
+            return Stats(blocked + len(self._calls), len(self._running),
+                         sum(len(b.rows) for b in self._batches.values()), self.steps,
+                         len(self._waiting) + len(self._calls))
 
     def close(self) -> None:
         """Stop the loop; what is still running or waiting is cancelled."""
@@ -157,10 +224,23 @@ class Scheduler:
             self._wake.notify()
         self._thread.join(timeout=30)
 
-    def _check_room(self) -> None:  # under the lock
-        waiting = len(self._waiting) + len(self._calls)
-        if waiting >= self.max_waiting:
-            raise Overloaded(waiting, self.max_waiting)
+    def _admissible(self) -> int:  # under the lock
+        return admissible([len(t.rows_to_admit) for t in self._waiting], self.max_rows - self._busy_rows,
+                          self._busy_rows > 0)
+
+    def _check_room(self, need: int) -> None:  # under the lock
+        """Refuse a request of ``need`` rows only when it could not be admitted either (it would
+        wait) and ``max_waiting`` requests already wait. A call (``need`` 0: beam search, which
+        holds the loop thread for its whole run) counts as waiting, as do queued calls."""
+        needs = [len(t.rows_to_admit) for t in self._waiting]
+        free = self.max_rows - self._busy_rows
+        admitted = admissible(needs, free, self._busy_rows > 0)
+        waiting = len(needs) - admitted + len(self._calls)
+        fits = need > 0 and admissible([*needs, need], free, self._busy_rows > 0) > len(needs)
+        if fits or waiting < self.max_waiting:
+            return
+        ahead = sum(needs) + max(need, 1) - free
+        raise Overloaded(waiting, self.max_waiting, retry_after(ahead, self.drain.rate(self.clock()), self.max_rows))
 
     # --- the loop thread -------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -173,6 +253,7 @@ class Scheduler:
                 calls = list(self._calls)
                 self._calls.clear()
                 admit = self._take_admissible()
+                self._busy_rows += sum(len(t.rows_to_admit) for t in admit)
             for fn, future in calls:
                 if future.set_running_or_notify_cancel():
                     try:
@@ -188,20 +269,14 @@ class Scheduler:
                 if batch.rows:
                     self._step(kind, batch)
             self._deliver()
+            with self._wake:
+                self._busy_rows = sum(len(b.rows) for b in self._batches.values())
         self._shutdown()
 
-    def _take_admissible(self) -> list[Ticket]:
-        room = self.max_rows - sum(len(b.rows) for b in self._batches.values())
-        out: list[Ticket] = []
-        while self._waiting:
-            ticket = self._waiting[0]
-            need = len(ticket.rows_to_admit)
-            # wait for room, unless nothing else runs: a request wider than max_rows still goes in alone
-            if need > room and (out or any(b.rows for b in self._batches.values())):
-                break
-            out.append(self._waiting.popleft())
-            room -= need
-        return out
+    def _take_admissible(self) -> list[Ticket]:  # under the lock
+        running = sum(len(b.rows) for b in self._batches.values())
+        n = admissible([len(t.rows_to_admit) for t in self._waiting], self.max_rows - running, running > 0)
+        return [self._waiting.popleft() for _ in range(n)]
 
     def _admit(self, ticket: Ticket) -> None:
         if ticket.cancelled:
@@ -259,6 +334,8 @@ class Scheduler:
 
     def _finish(self, ticket: Ticket) -> None:
         ticket.done = True
+        with self._wake:
+            self.drain.record(self.clock(), len(ticket.rows))
         with contextlib.suppress(BudgetExceeded):
             ticket.ledger.charge(seconds=time.perf_counter() - ticket.submitted)
         ticket.sink(Finished(tuple(completion(r.state) for r in ticket.rows)))
