@@ -50,6 +50,7 @@ from metaloom.prefix.pool import PrefixCache
 from metaloom.sampling.params import SamplingParams
 from metaloom.sampling.pipeline import Sampler, make_sampler
 from metaloom.sampling.state import SamplingState
+from metaloom.speculative import Speculative
 from metaloom.speculative.drafter import Draft, DraftState
 from metaloom.speculative.drafter import Verified as Observed
 
@@ -140,15 +141,15 @@ class DecodeBatch:
     and guidance); ``prefill`` runs admitted prompts into a cache joinable with the batch's;
     ``speculative`` (a `metaloom.speculative.Speculative`) drafts and verifies; a
     ``prefix_cache`` receives every finished row's tokens (their KV stays in the pool for a
-    later continuation)."""
+    later continuation). ``prefill_overhead`` gives the fixed cost of one more prefill forward
+    in prompt tokens (`prefill_groups`; `metaloom.decode.overhead`), asked only when prompts of
+    different lengths arrive together."""
 
-    # the fixed cost of one more prefill forward, in prompt tokens (`prefill_groups`): on the default
-    # model (bf16, 2 cores) a 1-token forward takes about as long as 45 more tokens in a longer one
-    forward_overhead_tokens = 48
-
-    def __init__(self, model: LanguageModel, tokenizer: Tokenizer, prefill: Prefill, *, speculative: Any = None,
+    def __init__(self, model: LanguageModel, tokenizer: Tokenizer, prefill: Prefill, *,
+                 prefill_overhead: Callable[[], int], speculative: Speculative | None = None,
                  prefix_cache: PrefixCache | None = None) -> None:
         self.model = model
+        self.prefill_overhead = prefill_overhead
         self.tokenizer = tokenizer
         self.prefill = prefill
         self.speculative = speculative
@@ -197,7 +198,9 @@ class DecodeBatch:
             if owner[i] not in go:
                 rows[i].state.finish("budget")
         if admitted:
-            for part in prefill_groups([len(reps[g].prompt) for g in go], self.forward_overhead_tokens):
+            lengths = [len(reps[g].prompt) for g in go]
+            overhead = self.prefill_overhead() if len(set(lengths)) > 1 else 0
+            for part in prefill_groups(lengths, overhead):
                 group = [go[j] for j in part]
                 members = [i for i in admitted if owner[i] in group]
                 self._prefill_and_join([rows[i] for i in members], [reps[g] for g in group],
@@ -283,7 +286,7 @@ class DecodeBatch:
                           cursors: list[Constraint | None] | None) -> list[Row]:
         """Draft, verify in one forward, accept, roll back (`metaloom.speculative`)."""
         assert self.cache is not None and self.sampler is not None and self.state is not None
-        assert self.pending is not None and self.drafter is not None
+        assert self.pending is not None and self.drafter is not None and self.speculative is not None
         device = self.pending.device
         room = self.cache.capacity - int(self.cache.lengths.max()) - 1  # never draft past the cache
         limits = [0 if d else max(0, min(self.speculative.num_draft, room, row.state.max_tokens - len(row.state.tokens) - 1))

@@ -18,6 +18,7 @@ from metaloom.constrain import Vocabulary
 from metaloom.decode.batch import DecodeBatch, NewRow, Prefill, Row
 from metaloom.decode.beam import beam_search
 from metaloom.decode.contrastive import LockstepPair, check_same_vocab, contrastive_scores, guidance_scores
+from metaloom.decode.overhead import measure_overhead
 from metaloom.decode.prefill import prefill, prefill_cached, prefill_pair
 from metaloom.decode.rows import RowState
 from metaloom.decode.score import PromptPosition, prompt_logprobs, score_continuations, split_continuation
@@ -31,6 +32,7 @@ from metaloom.models.load import LoadedModel
 from metaloom.models.protocols import LanguageModel
 from metaloom.prefix.pool import PrefixCache
 from metaloom.sampling.pipeline import make_sampler
+from metaloom.speculative import Speculative
 
 
 class LocalGenerator:
@@ -39,10 +41,19 @@ class LocalGenerator:
     sample's tokens are stored too, so continuing a partial output prefills almost nothing.
     ``amateur``: the second model of contrastive decoding (same tokenizer), if any.
     ``speculative``: draft-and-verify decoding (`metaloom.speculative.Speculative`) for requests
-    decoded through the sampling pipeline; same outputs (greedy) or distribution (sampling)."""
+    decoded through the sampling pipeline; same outputs (greedy) or distribution (sampling).
+    ``prefill_overhead_tokens``: the fixed cost of a prefill forward in prompt tokens, which
+    decides how prompts of mixed lengths are grouped into forwards; None measures it on first
+    need (`metaloom.decode.overhead`)."""
 
     def __init__(self, loaded: LoadedModel, prefix_cache: PrefixCache | None = None,
-                 amateur: LanguageModel | None = None, speculative: Any = None) -> None:
+                 amateur: LanguageModel | None = None, speculative: Speculative | None = None,
+                 prefill_overhead_tokens: int | None = None) -> None:
+        if prefill_overhead_tokens is not None and (not isinstance(prefill_overhead_tokens, int)
+                                                    or isinstance(prefill_overhead_tokens, bool)
+                                                    or prefill_overhead_tokens < 0):
+            raise InvalidParameter("prefill_overhead_tokens", prefill_overhead_tokens, "an integer >= 0")
+        self._prefill_overhead = prefill_overhead_tokens
         self.speculative = speculative
         if amateur is not None:
             check_same_vocab(loaded.model, amateur)
@@ -73,6 +84,13 @@ class LocalGenerator:
         if self._vocabulary is None:
             self._vocabulary = Vocabulary(self.tokenizer, self.model.vocab_size)
         return self._vocabulary
+
+    def prefill_overhead_tokens(self) -> int:
+        """The fixed cost of one more prefill forward, in prompt tokens: as given, or measured
+        once on this engine's model (`metaloom.decode.overhead.measure_overhead`)."""
+        if self._prefill_overhead is None:
+            self._prefill_overhead = measure_overhead(self.model, self.pool)
+        return self._prefill_overhead
 
     # --- the Generator protocol ----------------------------------------------------------------
     def render(self, messages: Sequence[Message]) -> str:
@@ -157,11 +175,11 @@ class LocalGenerator:
         `GuidanceParams`); rows join it through `rows_for` and `DecodeBatch.admit`."""
         if decoder is None or decoder is type(None):
             return DecodeBatch(self.model, self.tokenizer, self._plain_prefill(), speculative=self.speculative,
-                               prefix_cache=self.prefix_cache)
+                               prefix_cache=self.prefix_cache, prefill_overhead=self.prefill_overhead_tokens)
         if decoder is BeamParams:
             raise UnsupportedModel("beam search reorders its rows every step; it runs as a whole (generate)")
         pair, run = self._pair_prefill(decoder)
-        return DecodeBatch(pair, self.tokenizer, run)
+        return DecodeBatch(pair, self.tokenizer, run, prefill_overhead=self.prefill_overhead_tokens)
 
     def rows_for(self, request: Request, ledger: Ledger, tag: Any = None) -> list[NewRow]:
         """The rows of ``request`` (validated and prepared: a bad request raises here)."""

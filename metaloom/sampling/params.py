@@ -153,10 +153,6 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
-    def uses_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
-    @property
     def adapters(self) -> frozenset[str]:
         """Names of the pipeline steps that act on this row. Greedy rows skip temperature and
         everything after it, so only penalties and bias count for them."""

@@ -102,10 +102,6 @@ class Sampler:
         with no adapter and no logit bias. (A constraint mask still applies: callers check it.)"""
         return not self.enabled and all(p.greedy or p.temperature == 1.0 for p in self.params)
 
-    @property
-    def any_penalty(self) -> bool:
-        return any(p.uses_penalties for p in self.params)
-
     def start(self, prompts: Sequence[Sequence[int]] | None = None,
               outputs: Sequence[Sequence[int]] | None = None) -> SamplingState:
         """The state before the next draw; ``prompts[i]`` are row ``i``'s prompt token ids
