@@ -14,7 +14,7 @@
 #   VLLM_KEEP_LOG         where to copy the server's log (default: printed only on failure)
 #
 # How vLLM is started (environment and flags) comes from metaloom.bench.serve (vllm_spec):
-# the settings that work on this machine (/work/shared/peers.md), in one place.
+# the settings that work on a small CPU machine, in one place.
 set -euo pipefail
 
 VENV=/work/peers/vllm

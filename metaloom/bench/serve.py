@@ -225,7 +225,7 @@ def ratios(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, float | None
 
 def vllm_env(venv: str, base: Mapping[str, str], cpus: Sequence[int],
              exists: Callable[[str], bool] = os.path.exists, tcmalloc: Sequence[str] = ()) -> dict[str, str]:
-    """The environment vLLM's CPU build ran well with here (/work/shared/peers.md): CPU target,
+    """The environment vLLM's CPU build ran well with on our 2-core CPU machines: CPU target,
     in-process engine (multiprocess mode starts slower and is no faster on few cores), its
     OpenMP threads bound to our CPUs, 2 GiB of KV cache, no usage reporting, offline, and
     tcmalloc plus the venv's Intel OpenMP preloaded as vLLM's CPU guide recommends (each only

@@ -2,8 +2,9 @@
 
 A prompt that ends mid-word ends on a token the model rarely sees followed by the text it
 should write next: ``The url is http:`` tokenises as ``… Ġhttp :``, while the text the model
-learned is ``… Ġhttp ://``. Token healing (Lundberg's guidance; the tutorial of
-``../shared/reading/001``) backs the prompt up over its last token and constrains the first
+learned is ``… Ġhttp ://``. Token healing (Lundberg's guidance; Finlayson, Schoelkopf and
+Welleck's tutorial "Beyond Decoding: Meta-Generation Algorithms for Large Language Models",
+NeurIPS 2024) backs the prompt up over its last token and constrains the first
 generated token(s) to *extend the removed text*, so the model picks the tokenisation it would
 have seen (``://``) instead of being forced to continue after ``:``.
 

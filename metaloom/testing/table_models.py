@@ -101,7 +101,8 @@ class TableModel(TokenCacheModel):
 
 
 def i_have_a_an() -> TableModel:
-    """The lecture's example (``../shared/reading``, "Example: Myopic"): after "I have",
+    """The example "Myopic" of the lecture "Decoding & Test-time Scaling" (EECE695D
+    Efficient ML Systems, 2025): after "I have",
     P(a) = 0.7 and P(an) = 0.3; after "a" three fruits are equally likely, after "an" "apple"
     is certain; then the text ends. Greedy takes "a" (best sequence 0.7/3 ≈ 0.233) and misses
     "an apple" (0.3)."""

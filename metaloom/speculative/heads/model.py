@@ -2,8 +2,8 @@
 
 Medusa (Cai et al. 2024, "Medusa: simple LLM inference acceleration framework with multiple
 decoding heads") attaches heads to the target's last hidden state ``z_t`` that predict the
-tokens at t+2, t+3, ... independently. The speculator described in
-``../shared/reading/003_ab6886c843cabb3c.txt`` ("based on the Medusa paper ... make heads
+tokens at t+2, t+3, ... independently. The speculator described in the lecture "Decoding
+Strategies: Current Research in Decoding" ("based on the Medusa paper ... make heads
 hierarchical, where each head stage predicts a token and then feeds it into the next head
 stage; Z is the hidden state from the base model and T1 .. T4 are the generated tokens"; IBM's
 MLP speculator, Wertheimer et al. 2024, "Accelerating production LLMs with combined

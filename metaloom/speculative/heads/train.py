@@ -1,4 +1,5 @@
-"""Training speculator heads in the two phases of ``../shared/reading/003_ab6886c843cabb3c.txt``.
+"""Training speculator heads in the two phases described in the lecture "Decoding Strategies:
+Current Research in Decoding" (IBM's MLP speculator, Wertheimer et al. 2024).
 
 "They use a two phase approach to training a speculator":
 
