@@ -20,7 +20,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from metaloom.eval.analysis import analyze
+from metaloom.eval.analysis import analyze, pick_for_budget, sweep_seed
 from metaloom.eval.analysis.curves import latest
 from metaloom.eval.records import Record, read_records
 
@@ -100,6 +100,10 @@ def selection_table(a: dict[str, Any]) -> list[str]:
         budget = tflop(r["budget"]) if sel["budget_metric"] == "flops" else f"{r['budget']:.0f}"
         lines.append(f"| {budget} | {r['policy']} | {pct(r['accuracy'])} | {choice} | {pct(r['best_single'])} | "
                      f"{pct(r.get('majority_vote'))} | {pct(r.get('best_of_n'))} | {eff} |")
+    if sel["rows"]:
+        chosen = pick_for_budget(sel)  # the rule `metaloom eval --select` and the report use
+        lines.append(f"\npick (`metaloom eval --select`, largest budget): {chosen.strategy}, held-out accuracy "
+                     f"{pct(chosen.heldout_accuracy)}")
     return lines
 
 
@@ -124,10 +128,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return not any(t in spec for t in args.exclude)
 
     records = [r for r in read_records(f"{args.dir}/records.jsonl") if kept(r.strategy)]
+    with open(f"{args.dir}/config.json") as f:
+        config = json.load(f)
     if args.complete:
-        with open(f"{args.dir}/config.json") as f:
-            records = complete_only(records, [s for s in json.load(f)["strategies"] if kept(s)])
-    a = analyze(records)
+        records = complete_only(records, [s for s in config["strategies"] if kept(s)])
+    a = analyze(records, seed=sweep_seed(config))  # the sweep's seed: the split --select and the report use
     print(f"# {args.dir}: {len(a['problems'])} problems, {len(a['strategies'])} strategies\n")
     print("Accuracy (as in `metaloom eval`'s summary and its report): a sampling strategy's is its expected accuracy "
           "over the order of its samples (a vote's tie goes to the answer seen first); any other's is what it answered.\n")

@@ -493,3 +493,21 @@ def test_the_eval_summary_and_the_report_tables_define_accuracy_alike():
     assert rows["greedy"]["accuracy"] == 1.0
     [top] = [p for p in points([tie]) if p.label == "majority_vote@n=2"]
     assert top.accuracy() == rows["majority_vote@n=2"]["accuracy"]  # the same orders: the same figure
+
+
+def test_the_pick_is_the_best_single_choice_and_the_seed_the_sweeps() -> None:
+    from metaloom.eval.analysis import pick_for_budget, sweep_seed
+
+    rows = [{"budget": 10.0, "choices": {"all": "greedy"}, "best_single_choice": "greedy", "best_single": 0.1,
+             "accuracy": 0.1, "policy": "single"},
+            {"budget": 40.0, "choices": {"easy": "greedy", "hard": "majority_vote@n=4"},
+             "best_single_choice": "majority_vote@n=2", "best_single": 0.3, "accuracy": 0.4, "policy": "per bin"}]
+    analysis = {"selection": {"budget_metric": "output_tokens", "rows": rows}}
+    top = pick_for_budget(analysis)
+    assert (top.strategy, top.budget, top.metric, top.policy) == ("majority_vote@n=2", 40.0, "output_tokens", "per bin")
+    assert pick_for_budget(analysis, 39.0).strategy == "greedy"
+    with pytest.raises(InvalidParameter, match="budget"):
+        pick_for_budget(analysis, 5.0)
+    with pytest.raises(InvalidParameter, match="2 problems"):
+        pick_for_budget({"selection": None, "selection_reason": "1 problem(s) shared: needs 2 problems"})
+    assert sweep_seed({"setup": {"seed": 2611}}) == 2611 and sweep_seed({}) == 0 and sweep_seed({"setup": {"seed": True}}) == 0

@@ -95,3 +95,45 @@ def test_eval_select_and_report_on_the_default_model(tmp_path, capsys, smollm):
     assert main(["report", str(out)]) == 0
     report = capsys.readouterr().out.strip()
     assert report == os.path.join(str(out), "report.html") and os.path.getsize(report) > 10_000
+
+
+# no answer is ever right; greedy's answer is short where the samples' are long and the other way
+# round, so which is cheaper (all-zero accuracy: the cheaper wins) depends on the selection half
+WRONG = {f"What is {i}+1?": str(i + 1) for i in range(8)}
+
+
+def all_wrong() -> ScriptedGenerator:
+    long, short = "It is " + "very " * 12 + "unclear.", "No."
+    return ScriptedGenerator({q: [Say(long if i % 2 else short)] + [Say(short if i % 2 else long)] * 3
+                              for i, q in enumerate(WRONG)})
+
+
+def test_select_and_the_report_pick_alike_on_an_all_zero_sweep(tmp_path, monkeypatch):
+    """Issue 30: on an all-zero sweep --select printed greedy where the report's table chose
+    majority_vote@n=1 (the report split the problems with seed 0, --select with the sweep's)."""
+    import metaloom.eval.report.build as build
+
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"prompt": q, "answer": a}) + "\n" for q, a in WRONG.items()))
+    out = str(tmp_path / "out")
+    sweep = plan_sweep(Setup(task=f"jsonl:{path}", factory=f"{__name__}:all_wrong", seed=6),
+                       ["greedy", "majority_vote@n=4"], out)
+    records = run_sweep(sweep)
+    assert not any(r.correct for r in records)
+    chosen = select(records, "default", None, 6)
+    seen: dict = {}
+    original = build.selection_view
+
+    def keep(analysis):
+        seen["view"] = original(analysis)
+        return seen["view"]
+
+    monkeypatch.setattr(build, "selection_view", keep)  # the table the page is built from
+    page = build.build_report(out)
+    view = seen["view"]
+    # the table's row at the largest budget and the pick the report names: --select's entry
+    assert view["rows"][-1]["best_single_choice"] == chosen["strategy"]
+    assert view["pick"]["strategy"] == chosen["strategy"]
+    assert f"<span class=\"strategy\">{chosen['strategy']}</span>" in page
+    # with the sweep's seed this split makes the sampled answer the cheaper: not a tie broken by order
+    assert chosen["strategy"] == "majority_vote@n=1"

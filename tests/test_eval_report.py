@@ -155,10 +155,12 @@ def fake_analysis(recs: list[Record]) -> dict[str, Any]:
         "selection": {"seed": 0, "selection_problems": ["p1", "p2"], "heldout_problems": ["p3", "q&<b>"],
                       "bins": [{"name": "easy", "problems": ["p1", "q&<b>"]}, {"name": "hard", "problems": ["p2", "p3"]}],
                       "probe": "greedy correct or not",
-                      "rows": [{"budget_flops": 4e9, "choices": {"easy": GREEDY, "hard": GREEDY}, "accuracy": 0.5,
+                      "rows": [{"budget_flops": 4e9, "budget": 4e9, "choices": {"easy": GREEDY, "hard": GREEDY}, "accuracy": 0.5,
+                                "best_single_choice": GREEDY,
                                 "majority_vote": 0.5, "best_of_n": 0.5, "best_single": 0.5, "efficiency_vs_majority": 1.0,
                                 "efficiency_vs_best_of_n": 1.0},
-                               {"budget_flops": 3e10, "choices": {"easy": GREEDY, "hard": "majority_vote@n=8"},
+                               {"budget_flops": 3e10, "budget": 3e10, "choices": {"easy": GREEDY, "hard": "majority_vote@n=8"},
+                                "best_single_choice": "majority_vote@n=8",
                                 "accuracy": 0.75, "majority_vote": 0.75, "best_of_n": 0.62, "best_single": 0.75,
                                 "efficiency_vs_majority": 1.6, "efficiency_vs_best_of_n": None}]},
         "votes": votes,
@@ -322,6 +324,9 @@ def test_compute_optimal_table_and_its_reason(written, sweep) -> None:
     out, recs = sweep
     section = page[page.index('id="selection"'):page.index('id="votes"')]
     assert "30 GFLOP" in section and "×1.6" in section and "majority_vote@n=8" in section and "easy (2 problems)" in section
+    # the pick --select prints: the best single strategy at the largest budget
+    assert re.search(r'<b>Pick</b>[^<]*<code>metaloom eval --select</code>[^<]*30 GFLOP\): '
+                     r'<span class="strategy">majority_vote@n=8</span>', section)
     analysis = fake_analysis(recs)
     analysis["selection"] = {"rows": [], "reason": "fewer than 4 problems per bin"}
     page = report(out, recs, analysis=analysis)

@@ -128,24 +128,22 @@ def select(records: list[Any], model: str, budget: float | None, seed: int, setu
     """The compute-optimal choice at ``budget`` (default: the largest analysed) as a spec that
     `metaloom run --strategy` and the server's model aliases take: the best single strategy
     chosen on the selection half (one spec needs no difficulty probe), with the per-bin
-    choices and both held-out accuracies beside it."""
-    from metaloom.eval.analysis import analyze, choice_for_budget
-    from metaloom.eval.analysis.select import row_for_budget
+    choices and both held-out accuracies beside it. ``seed``: the sweep's (its split); the
+    rule is `metaloom.eval.analysis.pick_for_budget`, the one the report names its pick by."""
+    from metaloom.eval.analysis import analyze, pick_for_budget
 
     analysis = analyze(records, seed=seed)
     chosen = analysis.get("selection")
     if not chosen or not chosen.get("rows"):
         raise InvalidParameter("select", "--select", "a sweep with problems to select on ("
                                + str(analysis.get("selection_reason") or "no selection could be made") + ")")
-    metric = chosen.get("budget_metric", "flops")
-    at = chosen["rows"][-1]["budget"] if budget is None else budget
     try:
-        row = row_for_budget(analysis, at)
-        spec = choice_for_budget(analysis, at)
+        got = pick_for_budget(analysis, budget)
     except InvalidParameter as exc:  # below the least budget analysed: named as the flag
         raise InvalidParameter("select-budget", budget, exc.allowed) from exc
-    return {"budget": row["budget"], "budget_metric": metric, "strategy": spec, "per_bin": row.get("choices", {}),
-            "heldout_accuracy": row.get("best_single"), "compute_optimal_accuracy": row.get("accuracy"),
+    spec = got.strategy
+    return {"budget": got.budget, "budget_metric": got.metric, "strategy": spec, "per_bin": dict(got.per_bin),
+            "heldout_accuracy": got.heldout_accuracy, "compute_optimal_accuracy": got.compute_optimal_accuracy,
             "run": run_line(spec, setup) if setup is not None else f"metaloom run --strategy '{spec}' --model {model} PROMPT",
             "serve_model": f"{spec}:{model}"}
 

@@ -25,11 +25,12 @@ from metaloom.errors import InvalidParameter
 from metaloom.eval.analysis.curves import curves, first_seen, frontier, latest, points
 from metaloom.eval.analysis.equal import at_equal_compute
 from metaloom.eval.analysis.scorers import ranking
-from metaloom.eval.analysis.select import VOTES, choice_for_budget, select
+from metaloom.eval.analysis.select import VOTES, Pick, choice_for_budget, pick_for_budget, select, sweep_seed
 from metaloom.eval.analysis.subsample import COSTS, pass_at_k, pick, pick_many, subset_cost
 from metaloom.eval.records import Record
 
-__all__ = ["analyze", "choice_for_budget", "pass_at_k", "pick", "pick_many", "subset_cost", "votes"]
+__all__ = ["Pick", "analyze", "choice_for_budget", "pass_at_k", "pick", "pick_for_budget", "pick_many", "subset_cost",
+           "sweep_seed", "votes"]
 
 
 def votes(records: Sequence[Record]) -> dict[str, dict[str, dict[str, int]]]:

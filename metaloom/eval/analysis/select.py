@@ -305,6 +305,46 @@ def row_for_budget(analysis: Mapping[str, Any], budget: float) -> Mapping[str, A
     return max(rows, key=lambda r: r["budget"])
 
 
+@dataclass(frozen=True)
+class Pick:
+    """The compute-optimal pick at one budget, as `metaloom eval --select` prints it and the
+    report names it: ``strategy`` (the best single strategy: one spec needs no difficulty
+    probe), the row's ``budget`` on ``metric``, its ``per_bin`` choices and ``policy``, the
+    pick's held-out accuracy and the per-bin policy's (probe included)."""
+
+    budget: float
+    metric: str
+    strategy: str
+    per_bin: Mapping[str, str | None]
+    policy: str
+    heldout_accuracy: float | None
+    compute_optimal_accuracy: float | None
+
+
+def pick_for_budget(analysis: Mapping[str, Any], budget: float | None = None) -> Pick:
+    """The one selection rule `--select` and the report share: `choice_for_budget` at
+    ``budget`` (default: the largest budget analysed), ties broken as `_best` breaks them.
+    Raises `InvalidParameter` when the analysis made no selection or the budget is below
+    every row's."""
+    sel = analysis.get("selection", analysis) if "rows" not in analysis else analysis
+    if not sel or not sel.get("rows"):
+        reason = analysis.get("selection_reason") or "no selection could be made"
+        raise InvalidParameter("analysis", "no selection", f"an analysis with compute-optimal rows ({reason})")
+    at = sel["rows"][-1]["budget"] if budget is None else budget
+    row = row_for_budget(sel, at)
+    return Pick(float(row["budget"]), str(sel.get("budget_metric", "flops")), choice_for_budget(sel, at),
+                dict(row.get("choices") or {}), str(row.get("policy") or "single"), row.get("best_single"),
+                row.get("accuracy"))
+
+
+def sweep_seed(config: Mapping[str, Any]) -> int:
+    """The seed a sweep ran with (its config.json's ``setup.seed``; 0 where it names none): the
+    split `--select`, the report and `scripts/run_tables.py` all use, so that they pick alike."""
+    setup = config.get("setup")
+    seed = setup.get("seed") if isinstance(setup, Mapping) else config.get("seed")
+    return seed if isinstance(seed, int) and not isinstance(seed, bool) else 0
+
+
 def choice_for_budget(analysis: Mapping[str, Any], budget: float, bin: str | None = None) -> str:
     """The spec to run at ``budget``: `row_for_budget`'s per-bin choice for ``bin``, else its
     best single strategy (one spec needs no difficulty probe; `metaloom run` and `metaloom

@@ -90,12 +90,12 @@ def load_sweep(out_dir: str) -> Sweep:
     return Sweep(out_dir, config, list(latest.values()), os.path.getmtime(records_path))
 
 
-def default_analyze(records: list[Record]) -> Mapping[str, Any]:
+def default_analyze(records: list[Record], seed: int = 0) -> Mapping[str, Any]:
     """The analysis of `metaloom.eval.analysis` (imported here, when needed: a caller that
-    passes its own analysis does not need it)."""
+    passes its own analysis does not need it), with the sweep's ``seed`` as `--select` uses."""
     from metaloom.eval.analysis import analyze  # type: ignore[import-not-found,unused-ignore]
 
-    result: Mapping[str, Any] = analyze(records)
+    result: Mapping[str, Any] = analyze(records, seed=seed)
     return result
 
 
@@ -351,6 +351,10 @@ def selection_view(analysis: Mapping[str, Any]) -> dict[str, Any]:
         reason = analysis.get("selection_reason") or "the analysis made no compute-optimal selection"
         return {"rows": [], "reason": reason, "bins": [], "figure": None}
     bins = [b.get("name", "?") for b in selection.get("bins") or ()]
+    from metaloom.eval.analysis.select import pick_for_budget
+
+    # what `metaloom eval --select` prints for this sweep: the same function, the same ties
+    chosen = pick_for_budget(selection) if selection.get("rows") else None
     rows = []
     for r in selection.get("rows") or ():
         budget = fmt_flops(r["budget_flops"]) if r.get("budget_flops") is not None else (
@@ -367,6 +371,10 @@ def selection_view(analysis: Mapping[str, Any]) -> dict[str, Any]:
                      "vs_best_of_n": fmt_ratio(r.get("efficiency_vs_best_of_n"))})
     return {
         "rows": rows, "bins": bins, "reason": selection.get("reason") if not rows else None,
+        "pick": None if chosen is None else {
+            "strategy": chosen.strategy, "accuracy": fmt_pct(chosen.heldout_accuracy),
+            "budget": fmt_flops(chosen.budget) if chosen.metric == "flops"
+            else f"{chosen.budget:,.0f} {chosen.metric}".replace("_", " ")},
         "seed": selection.get("seed"), "probe": selection.get("probe"),
         "selection_problems": len(selection.get("selection_problems") or ()),
         "heldout_problems": len(selection.get("heldout_problems") or ()),
@@ -650,7 +658,10 @@ def build_report(out_dir: str, *, analysis: Mapping[str, Any] | None = None, ana
     that function, when not given); ``problems``: prompts and references (see the module)."""
     sweep = load_sweep(out_dir)
     if analysis is None:
-        analysis = (analyze or default_analyze)(sweep.records)
+        from metaloom.eval.analysis.select import sweep_seed
+
+        # the sweep's seed: the selection half is the one `metaloom eval --select` chose on
+        analysis = analyze(sweep.records) if analyze else default_analyze(sweep.records, sweep_seed(sweep.config))
     recorded = [str(p) for p in sweep.config.get("problems") or () if isinstance(p, str | int)]
     problem_ids = _ordered(analysis.get("problems") or (), [*recorded, *(r.problem for r in sweep.records)])
     strategies = _ordered(analysis.get("strategies") or (), (r.strategy for r in sweep.records))
