@@ -1,12 +1,24 @@
-"""`metaloom serve`: the OpenAI-compatible server (`metaloom.server`) on one model."""
+"""`metaloom serve`: the OpenAI-compatible server (`metaloom.server`) on one model.
+
+Stopping (SIGINT or SIGTERM) is a bounded drain: new requests get 503 at once, requests in flight
+run on for up to ``--shutdown-timeout`` seconds, then what is left is ended (each client gets a
+503 error, a stream its error event and ``[DONE]``) and the process exits 0. A second signal
+ends the drain at the next decode step. uvicorn's own handling (wait for every connection without
+limit, then re-raise the signal) is replaced: it made a long drain unbounded and a second Ctrl-C
+kill the process under the decode thread.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+from types import FrameType
+from typing import Any
 
 from metaloom.commands.common import add_model_args
 from metaloom.errors import InvalidParameter
+
+log = logging.getLogger("metaloom.server")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,16 +29,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 route")
     s.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     s.add_argument("--max-rows", type=int, default=64, help="rows decoded together at most")
-    s.add_argument("--max-waiting", type=int, default=256, help="requests queued beyond that before a 429")
+    s.add_argument("--max-waiting", type=int, default=256,
+                   help="requests that find no free decode row, queued before a 429")
     s.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body (413 beyond)")
     s.add_argument("--prefix-cache-mb", type=int, default=1024,
                    help="radix prefix cache shared by all requests (a common system prompt is prefilled once); 0 off")
+    s.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="on SIGINT/SIGTERM, new requests get 503 and those in flight may run this long before they are "
+                        "ended with a 503 error; a second signal ends them at once; the exit status is 0 (default 10)")
     s.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from metaloom.commands.run import prefix_cache
     from metaloom.generator import LocalGenerator
     from metaloom.models import load
@@ -39,11 +53,51 @@ def run(args: argparse.Namespace) -> int:
                                args.max_rows if args.max_rows < 1 else args.max_waiting, ">= 1 rows, >= 0 waiting")
     if not args.max_body_mb > 0:
         raise InvalidParameter("max_body_mb", args.max_body_mb, "> 0")
+    if not args.shutdown_timeout >= 0:
+        raise InvalidParameter("shutdown_timeout", args.shutdown_timeout, ">= 0 seconds")
     prefix_cache(args.prefix_cache_mb, None)  # validated before the load
     loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend, weights=args.weights)
     generator = LocalGenerator(loaded, prefix_cache=prefix_cache(args.prefix_cache_mb, loaded))
     app = create_app(generator, model_ids=[args.served_model_name or args.model], api_key=args.api_key,
                      max_rows=args.max_rows, max_waiting=args.max_waiting, max_body_bytes=int(args.max_body_mb * (1 << 20)))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    serve(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout)
     return 0
+
+
+def serve(app: Any, *, host: str, port: int, shutdown_timeout: float) -> None:
+    """Run ``app`` with uvicorn until a signal, then drain as the module says."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="info",
+                            timeout_graceful_shutdown=5)  # connections still open once the loop drained
+    _draining_server(config, app.state.scheduler, shutdown_timeout).run()
+
+
+def _draining_server(config: Any, scheduler: Any, timeout: float) -> Any:
+    """A uvicorn server whose signals start the scheduler's bounded drain; it exits once drained."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        signals = 0
+        asked = 0
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # only counted here (a signal handler must not take the scheduler's lock); not
+            # recorded for uvicorn to raise again after the shutdown (a KeyboardInterrupt)
+            self.signals += 1
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.signals > self.asked:
+                self.asked = self.signals
+                if self.signals == 1:
+                    log.info("shutting down: draining requests in flight for up to %g s (again to stop now)", timeout)
+                    scheduler.begin_drain(timeout)
+                else:
+                    log.warning("shutting down now: ending requests in flight")
+                    scheduler.begin_drain(0)
+            if scheduler.draining and scheduler.drained.is_set():
+                self.should_exit = True
+            return bool(await super().on_tick(counter))
+
+    return Server(config)

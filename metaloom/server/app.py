@@ -99,6 +99,11 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
     app.state.scheduler, app.state.metrics = scheduler, metrics
     app.add_middleware(BodyLimit, limit=max_body_bytes)
 
+    def admitting() -> None:
+        """New work is refused once a shutdown began (work already in flight drains)."""
+        if scheduler.draining:
+            raise ApiError(503, "server shutting down: not accepting new requests", "server_error", code="shutting_down")
+
     def authorised(request: Request) -> None:
         if api_key is None:
             return
@@ -147,10 +152,11 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
             metrics.latency.labels(route).observe(time.perf_counter() - started)
         return response
 
-    @app.get("/health")
-    def health() -> dict[str, Any]:
+    @app.get("/health", response_model=None)
+    def health() -> Any:
         s = scheduler.stats()
-        return {"status": "ok", "waiting": s.waiting, "running_rows": s.running_rows}
+        body = {"status": "draining" if scheduler.draining else "ok", "waiting": s.waiting, "running_rows": s.running_rows}
+        return JSONResponse(body, status_code=503) if scheduler.draining else body
 
     @app.get("/metrics")
     def prometheus() -> Response:
@@ -199,7 +205,7 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
         check_ids("tokens", body.tokens, generator.model.vocab_size)
         return {"prompt": generator.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorised)], response_model=None)
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorised), Depends(admitting)], response_model=None)
     async def chat(body: ChatBody, request: Request) -> Any:  # type: ignore[valid-type]
         b: Any = body
         strategy = resolve_model(b.model, ids, b.metaloom)
@@ -210,7 +216,7 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
             return await call.strategy(strategy, protocol.chat_request(body), b.stream, _usage_wanted(b))
         return await call.plain(call.fit([protocol.chat_request(body)], b), b.stream, _usage_wanted(b), Ledger())
 
-    @app.post("/v1/completions", dependencies=[Depends(authorised)], response_model=None)
+    @app.post("/v1/completions", dependencies=[Depends(authorised), Depends(admitting)], response_model=None)
     async def completions(body: CompletionBody, request: Request) -> Any:  # type: ignore[valid-type]
         b: Any = body
         strategy = resolve_model(b.model, ids, b.metaloom)
@@ -579,7 +585,7 @@ class _Call:
                     yield f"data: {json.dumps(event)}\n\n"
             except Exception as exc:
                 error = api_error(exc)
-                if error.status >= 500:
+                if error.status >= 500 and error.status != 503:  # 503: a shutdown, not a fault
                     log.error("error while streaming", exc_info=exc)
                 yield f"data: {json.dumps(error.body())}\n\n"
             yield "data: [DONE]\n\n"

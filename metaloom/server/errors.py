@@ -1,6 +1,6 @@
 """Errors in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the status
 that says who must act: 400 the caller's parameters (naming the field), 401, 404 an unknown model,
-413 an oversized body, 429 overloaded (with Retry-After), 502/504 a server behind this one failed
+413 an oversized body, 429 overloaded (with Retry-After), 503 shutting down, 502/504 a server behind this one failed
 or did not answer, 500 only for a bug (logged server-side
 with its traceback; the client gets no internals)."""
 
@@ -18,7 +18,7 @@ from metaloom.errors import (
     RemoteTimeout,
     Unsupported,
 )
-from metaloom.server.scheduler import Overloaded
+from metaloom.server.scheduler import Overloaded, ShuttingDown
 
 
 class ApiError(Exception):
@@ -44,6 +44,8 @@ def api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, Overloaded):
         return ApiError(429, str(exc), "rate_limit_exceeded", code="overloaded",
                         headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, ShuttingDown):
+        return ApiError(503, str(exc), "server_error", code="shutting_down")
     if isinstance(exc, RemoteTimeout):  # a server behind this one (a remote judge, ...) did not answer
         return ApiError(504, str(exc), "server_error", code="upstream_timeout")
     if isinstance(exc, RemoteError):

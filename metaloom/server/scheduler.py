@@ -17,6 +17,11 @@ during one step. Retry-After is derived from the queue (`retry_after`).
 
 Work that cannot join a shared loop (beam search, `Generator.score`) runs as a whole on the loop
 thread between steps (`Scheduler.call`), so the model is only ever driven from one thread.
+
+Shutting down is bounded (`begin_drain`): the loop finishes what it holds for up to a timeout,
+then ends the rest at a step boundary, each ticket with `Failed(ShuttingDown)` (a 503 in OpenAI's
+shape; a stream's error event and ``[DONE]``), and reports itself `drained`. A call already
+running on the loop thread (a beam search) is not interrupted.
 """
 
 from __future__ import annotations
@@ -41,6 +46,11 @@ from metaloom.generator.types import Completion, Request, StreamChunk
 from metaloom.ledger import Ledger
 
 log = logging.getLogger("metaloom.server")
+
+
+class ShuttingDown(MetaloomError):
+    """The server is shutting down: it admits nothing new, and what ran past the drain's
+    deadline was ended (HTTP 503)."""
 
 
 class Overloaded(MetaloomError):
@@ -178,6 +188,9 @@ class Scheduler:
         self._busy_rows = 0  # rows in the loop or being admitted to it (under the lock)
         self.clock = clock
         self.drain = DrainRate()  # rows finished per second (under the lock)
+        self._deadline: float | None = None  # set by begin_drain: when what still runs is ended
+        self._expired = False  # the deadline passed: nothing more is accepted, even from running work
+        self.drained = threading.Event()  # draining, and nothing left in or before the loop
         self.steps = 0
         self._thread = threading.Thread(target=self._loop, name="metaloom-scheduler", daemon=True)
         self._thread.start()
@@ -204,8 +217,7 @@ class Scheduler:
         """Run ``fn`` on the loop thread between two steps (the model is driven from one thread)."""
         future: Future[Any] = Future()
         with self._wake:
-            if self._stop:
-                raise RuntimeError("scheduler stopped")
+            self._check_open()
             self._calls.append((fn, future))
             self._wake.notify()
         return future
@@ -216,6 +228,23 @@ class Scheduler:
             return Stats(blocked + len(self._calls), len(self._running),
                          sum(len(b.rows) for b in self._batches.values()), self.steps,
                          len(self._waiting) + len(self._calls))
+
+    @property
+    def draining(self) -> bool:
+        return self._deadline is not None
+
+    def begin_drain(self, timeout_s: float) -> None:
+        """Start a bounded drain: work already submitted runs on for up to ``timeout_s`` seconds
+        (work that running requests submit too, e.g. a strategy's next samples), then whatever is
+        left is ended with `ShuttingDown` at the next step boundary. ``timeout_s`` 0 ends it now.
+        A second call can only bring the deadline closer. `drained` is set once nothing is left.
+        Safe from any thread (not from a signal handler: it takes the lock)."""
+        if not timeout_s >= 0:
+            raise InvalidParameter("timeout_s", timeout_s, ">= 0 seconds")
+        with self._wake:
+            deadline = self.clock() + timeout_s
+            self._deadline = deadline if self._deadline is None else min(self._deadline, deadline)
+            self._wake.notify()
 
     def close(self) -> None:
         """Stop the loop; what is still running or waiting is cancelled."""
@@ -228,10 +257,15 @@ class Scheduler:
         return admissible([len(t.rows_to_admit) for t in self._waiting], self.max_rows - self._busy_rows,
                           self._busy_rows > 0)
 
+    def _check_open(self) -> None:  # under the lock
+        if self._stop or self._expired:
+            raise ShuttingDown("server shutting down: not accepting new work")
+
     def _check_room(self, need: int) -> None:  # under the lock
         """Refuse a request of ``need`` rows only when it could not be admitted either (it would
         wait) and ``max_waiting`` requests already wait. A call (``need`` 0: beam search, which
         holds the loop thread for its whole run) counts as waiting, as do queued calls."""
+        self._check_open()
         needs = [len(t.rows_to_admit) for t in self._waiting]
         free = self.max_rows - self._busy_rows
         admitted = admissible(needs, free, self._busy_rows > 0)
@@ -247,9 +281,18 @@ class Scheduler:
         while True:
             with self._wake:
                 while not self._stop and not self._waiting and not self._calls and not self._running:
+                    if self._deadline is not None:
+                        self.drained.set()
                     self._wake.wait()
                 if self._stop:
                     break
+                expire = self._deadline is not None and self.clock() >= self._deadline
+                if expire:
+                    self._expired = True
+            if expire:
+                self._expire()
+                continue
+            with self._wake:
                 calls = list(self._calls)
                 self._calls.clear()
                 admit = self._take_admissible()
@@ -361,6 +404,32 @@ class Scheduler:
         ticket.done = True
         ticket.sink(Finished(tuple(found)))
 
+    def _expire(self) -> None:
+        """The drain's deadline passed: end everything queued and running, each with its error."""
+        error = ShuttingDown("server shutting down: the request was ended before it finished "
+                             "(shutdown timeout or a second signal)")
+        with self._wake:
+            waiting, calls = list(self._waiting), list(self._calls)
+            self._waiting.clear()
+            self._calls.clear()
+        for ticket in waiting:
+            self._fail(ticket, error)
+        for _, future in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(error)
+        running = [t for t in self._running if not t.done]
+        for ticket in running:
+            live = [r for r in ticket.rows if not r.state.done]
+            batch = self._batches.get(ticket.kind)
+            if live and batch is not None:
+                with contextlib.suppress(Exception):
+                    batch.cancel(live)
+            self._fail(ticket, error)
+        self._running = []
+        with self._wake:
+            self._busy_rows = sum(len(b.rows) for b in self._batches.values())
+        log.warning("shutdown timeout: ended %d running and %d queued requests", len(running), len(waiting))
+
     def _shutdown(self) -> None:
         with self._wake:
             waiting, calls = list(self._waiting), list(self._calls)
@@ -368,9 +437,10 @@ class Scheduler:
             self._calls.clear()
         for ticket in waiting + self._running:
             if not ticket.done:
-                self._fail(ticket, RuntimeError("server shutting down"))
+                self._fail(ticket, ShuttingDown("server shutting down"))
         for _, future in calls:
-            future.cancel()
+            if future.set_running_or_notify_cancel():
+                future.set_exception(ShuttingDown("server shutting down"))
         for batch in self._batches.values():
             with contextlib.suppress(Exception):
                 batch.close()
