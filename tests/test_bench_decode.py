@@ -12,10 +12,10 @@ import sys
 
 import pytest
 
-from metaloom.bench import add_bench_args
 from metaloom.bench.decode import bandwidth, format_report, options, summarise, systems
 from metaloom.bench.peers import SystemSpec, Worker, WorkerFailed, measure
 from metaloom.bench.peers.worker import serve
+from metaloom.cli import build_parser
 from metaloom.errors import InvalidParameter
 
 CASES = {"greedy": {"prompt_ids": [1, 2, 3], "n": 1, "max_tokens": 4, "temperature": 0.0, "seed": 0},
@@ -159,17 +159,25 @@ def test_ratios_and_weight_bandwidth():
 # ---------------------------------------------------------------- arguments
 
 
-def parse(*argv: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    add_bench_args(p)
-    return p.parse_args(list(argv))
+def parse(*argv: str, which: str = "decode") -> argparse.Namespace:
+    return build_parser().parse_args(["bench", which, *argv])
 
 
 def test_decode_defaults_keep_the_old_comparison():
     args = parse()
     assert options(args) == (["float32", "bfloat16"], ["dense"], ["transformers"])
-    assert args.peers == "transformers,llama.cpp"  # bench speculative's default is untouched
+    assert parse(which="speculative").peers == "transformers,llama.cpp"  # its own parser, its own default
     assert args.new_tokens == 128 and args.samples == 16 and args.sample_tokens == 64
+
+
+def test_each_benchmark_takes_only_its_own_flags(capsys):
+    assert parse("--serve-tokens", "8", which="admit").serve_tokens == 8
+    assert parse("--search-n", "4", which="search").search_n == 4
+    for which, foreign in (("decode", "--serve-tokens"), ("admit", "--search-n"), ("search", "--remote-n"),
+                           ("serve", "--drafters"), ("fork", "--isa")):
+        with pytest.raises(SystemExit):
+            parse(foreign, "1", which=which)
+        assert f"unrecognized arguments: {foreign}" in capsys.readouterr().err
 
 
 def test_decode_arguments():

@@ -16,7 +16,7 @@ import statistics
 import time
 from typing import Any
 
-from metaloom.bench import single_weights
+from metaloom.bench import model_args, single_weights
 from metaloom.bench.serve import PROMPTS, tagged
 from metaloom.generator import LocalGenerator, Request
 from metaloom.ledger import Ledger
@@ -55,8 +55,16 @@ def measure(loaded: LoadedModel, *, prompts: int = 32, tokens: int = 16, repeats
             "speedup": med["padded"] / med["grouped"], "same_outputs": same}
 
 
+HELP = "admitting many prompts of mixed lengths at once: grouped prefill forwards against one padded forward"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    model_args(p, device=True, dtypes="float32")
+    p.add_argument("--tokens", "--serve-tokens", dest="serve_tokens", type=int, default=16,
+                   help="greedy tokens per prompt")
+
 def main(args: argparse.Namespace) -> int:
-    dtype = args.dtypes.split(",")[0]
+    dtype = args.dtype
     loaded = load(args.model, dtype=dtype, device=args.device, weights=single_weights(args))
     result = measure(loaded, tokens=args.serve_tokens, repeats=args.repeats)
     result["model"], result["dtype"] = loaded.name, dtype

@@ -14,7 +14,7 @@ unconstrained decoding (end-of-sequence ignored, so it runs the full length):
   llguidance's thread pool (``parallel``);
 - ``compile ms``: compiling the grammar against the tokenizer (median).
 
-Only the first of ``--dtypes`` is used: the mask cost does not depend on the model's dtype.
+One ``--dtype`` (float32 by default): the mask cost does not depend on the model's dtype.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 import torch
 
-from metaloom.bench import single_weights
+from metaloom.bench import model_args, single_weights
 from metaloom.constrain import ConstraintSpec, GrammarCursor, batch_mask, compile_constraint
 from metaloom.constrain.grammar import grammar_masks
 from metaloom.generator import LocalGenerator, Request
@@ -133,7 +133,7 @@ def _compile_ms(gen: LocalGenerator, spec: ConstraintSpec, repeats: int) -> floa
 
 def run(args: argparse.Namespace) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    dtype = args.dtypes.split(",")[0]
+    dtype = args.dtype
     gen = LocalGenerator(load(args.model, dtype=dtype, weights=single_weights(args)))
     start = time.perf_counter()
     gen.vocabulary  # noqa: B018 - built once, timed here
@@ -161,6 +161,15 @@ def run(args: argparse.Namespace) -> dict:
         "vocabulary_build_s": vocab_s, "repeats": args.repeats, "cases": [asdict(c) for c in cases],
     }
 
+
+HELP = "what a grammar costs per generated token, against unconstrained decoding of the same prompt"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    model_args(p, dtypes="float32")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens of the single-sample case")
+    p.add_argument("--samples", type=int, default=16, help="samples in the n-samples case")
+    p.add_argument("--sample-tokens", type=int, default=64, help="tokens per sample in the n-samples case")
 
 def main(args: argparse.Namespace) -> int:
     report = run(args)

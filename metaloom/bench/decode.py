@@ -33,6 +33,7 @@ import statistics
 import sys
 from typing import Any
 
+from metaloom.bench import model_args
 from metaloom.bench.peers import SystemRun, SystemSpec, measure
 from metaloom.errors import InvalidParameter
 
@@ -44,7 +45,7 @@ LONG_PROMPT = (
 )
 PEERS = ("transformers", "llama.cpp", "vllm")
 WEIGHTS = ("native", "dense")
-DEFAULT_PEERS = "transformers"  # --peers is shared with bench speculative, whose default differs
+DEFAULT_PEERS = "transformers"
 LINEAR = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
           "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
 REFERENCES = {"llama.cpp": "llama.cpp", "metaloom_float32": "metaloom dense float32"}  # row names, or their first words
@@ -62,8 +63,8 @@ def options(args: argparse.Namespace) -> tuple[list[str], list[str], list[str]]:
     from metaloom.models.load import DTYPES
 
     dtypes = _names("dtypes", args.dtypes, tuple(DTYPES)) or ["float32"]
-    weights = _names("weights", getattr(args, "weights", "dense"), WEIGHTS)
-    peers = _names("peers", args.peers if getattr(args, "peers_given", False) else DEFAULT_PEERS, PEERS)
+    weights = _names("weights", args.weights, WEIGHTS)
+    peers = _names("peers", args.peers, PEERS)
     return dtypes, weights, peers
 
 
@@ -72,7 +73,7 @@ def isa_paths(args: argparse.Namespace) -> list[str | None]:
     path, or one this CPU lacks, is an `UnsupportedISA` before anything loads."""
     from metaloom.models import isa
 
-    names = _names("isa", getattr(args, "isa", "") or "", isa.NAMES)
+    names = _names("isa", args.isa or "", isa.NAMES)
     for name in names:
         isa.resolve(name)
     return list(names) or [None]
@@ -322,6 +323,29 @@ def format_report(report: dict[str, Any]) -> str:
     lines += [f"skipped {name}: {why}" for name, why in report["skipped"].items()]
     return "\n".join(lines)
 
+
+HELP = "metaloom's decoding against transformers, llama.cpp and vLLM on the same model"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    model_args(p, device=True, dtypes="float32,bfloat16", weights=False)
+    p.add_argument("--weights", default="dense",
+                   help="metaloom weight modes, comma-separated: native (the GGUF's quantised blocks, in the first of "
+                        "--dtypes), dense (dequantised, once per --dtypes entry)")
+    p.add_argument("--new-tokens", type=int, default=128, help="batch-1 greedy length")
+    p.add_argument("--samples", type=int, default=16, help="samples in the n-samples case")
+    p.add_argument("--sample-tokens", type=int, default=64, help="tokens per sample in the n-samples case")
+    p.add_argument("--peers", default=DEFAULT_PEERS,
+                   help=f"peers to run beside metaloom, comma-separated ('' for none) of {', '.join(PEERS)}")
+    p.add_argument("--llama-cpp", default=None, metavar="VENV",
+                   help="llama-cpp-python's venv for --peers llama.cpp (default: this interpreter's)")
+    p.add_argument("--llama-cpp-avx2", default=None, metavar="VENV",
+                   help="a second llama-cpp-python venv built for AVX2 alone (GGML_NATIVE=OFF, GGML_AVX512=OFF), run "
+                        "beside the first with --peers llama.cpp: what an AVX2 user gets, on an AVX-512 machine")
+    p.add_argument("--isa", default="", metavar="PATHS",
+                   help="run metaloom once per kernel path, comma-separated (avx512, avx2, neon, generic: METALOOM_ISA, "
+                        "with PyTorch's, oneDNN's and MKL's own capped alike); default: the best this CPU has")
+    p.add_argument("--vllm", default=None, metavar="VENV", help="a vLLM venv to run beside metaloom (default: none)")
 
 def main(args: argparse.Namespace) -> int:
     report = run(args)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from metaloom.bench import single_weights
+from metaloom.bench import model_args, single_weights
 from metaloom.errors import InvalidParameter
 from metaloom.models import load
 from metaloom.models.cache import PagedKVCache
@@ -101,10 +101,16 @@ def measure(model: Any, prefix_tokens: int = 2000, branches: int = 64, tokens: i
     return out
 
 
+HELP = "what forking costs: branches that share a prefix's keys against branches that copy them"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    model_args(p, device=True, dtypes="float32")
+
 def main(args: argparse.Namespace) -> int:
-    loaded = load(args.model, dtype=args.dtypes.split(",")[0], device=args.device, weights=single_weights(args))
+    loaded = load(args.model, dtype=args.dtype, device=args.device, weights=single_weights(args))
     result = measure(loaded.model, repeats=args.repeats)
-    result["model"], result["dtype"] = loaded.name, args.dtypes.split(",")[0]
+    result["model"], result["dtype"] = loaded.name, args.dtype
     if args.json:
         print(json.dumps(result))
         return 0

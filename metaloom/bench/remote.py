@@ -45,7 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from metaloom.bench import single_weights
+from metaloom.bench import model_args, single_weights
 from metaloom.errors import InvalidParameter
 
 # name -> (reasoning-gym task, its configuration). "addition" is the configuration of the
@@ -561,20 +561,25 @@ def main(args: argparse.Namespace) -> int:
     return 0 if outcomes else 1
 
 
-def add_remote_args(p: argparse.ArgumentParser) -> None:
-    """The flags of `metaloom bench remote` beyond `add_bench_args` (which supplies --model,
-    --json, --vllm, --serve-dtype, --port-base and --serve-startup-timeout)."""
-    p.add_argument("--optillm", default=None, metavar="VENV", help="remote: an optillm venv to run beside metaloom")
-    p.add_argument("--remote-task", default="addition", choices=sorted(PRESETS), help="remote: reasoning-gym preset")
-    p.add_argument("--remote-problems", type=int, default=20, help="remote: problems")
-    p.add_argument("--remote-seed", type=int, default=SEED, help="remote: problem seed (sample seeds: this + problem)")
-    p.add_argument("--remote-n", type=int, default=16, help="remote: samples per strategy run")
-    p.add_argument("--remote-tokens", type=int, default=256, help="remote: max_tokens of each sample")
+HELP = "one test-time strategy run locally, on a vLLM server and in optillm, on reasoning-gym problems"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    from metaloom.bench.serve import server_args
+
+    model_args(p, repeats=None)
+    server_args(p)
+    p.add_argument("--optillm", default=None, metavar="VENV", help="an optillm venv to run beside metaloom")
+    p.add_argument("--remote-task", default="addition", choices=sorted(PRESETS), help="reasoning-gym preset")
+    p.add_argument("--remote-problems", type=int, default=20, help="problems")
+    p.add_argument("--remote-seed", type=int, default=SEED, help="problem seed (sample seeds: this + problem)")
+    p.add_argument("--remote-n", type=int, default=16, help="samples per strategy run")
+    p.add_argument("--remote-tokens", type=int, default=256, help="max_tokens of each sample")
     p.add_argument("--remote-temperature", type=float, default=1.0,
-                   help="remote: sampling temperature (optillm hard-codes 1.0)")
-    p.add_argument("--remote-strategies", default=",".join(STRATEGY_NAMES), help="remote: comma-separated")
+                   help="sampling temperature (optillm hard-codes 1.0)")
+    p.add_argument("--remote-strategies", default=",".join(STRATEGY_NAMES), help="comma-separated")
     p.add_argument("--remote-deadline", type=float, default=0.0,
-                   help="remote: seconds after which no new problem starts (0: none)")
+                   help="seconds after which no new problem starts (0: none)")
 
 
 # ---------------------------------------------------------------- the table

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from metaloom.bench import single_weights
+from metaloom.bench import model_args, single_weights
 from metaloom.errors import InvalidParameter
 from metaloom.eval.tasks.gym import TASKS as GYM_TASKS
 from metaloom.eval.tasks.gym import chat_prompt, final_answer, score_answer
@@ -40,14 +40,18 @@ SEED = 4242  # the tests draw their puzzles with seeds 11-15
 SEARCHES = ("step_beam_search", "dvts", "lookahead", "rebase", "mcts", "a_star", "particle_filtering", "best_first")
 
 
-def add_search_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--search-tasks", default="countdown,game24,gsm", help="search: tasks, comma-separated")
-    p.add_argument("--search-problems", type=int, default=40, help="search: problems per task")
+HELP = "tree search against sampling baselines on reasoning-gym problems, at equal FLOPs per problem"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    model_args(p, repeats=None)
+    p.add_argument("--search-tasks", default="countdown,game24,gsm", help="tasks, comma-separated")
+    p.add_argument("--search-problems", type=int, default=40, help="problems per task")
     p.add_argument("--search-seed", type=int, default=SEED)
-    p.add_argument("--search-n", type=int, default=8, help="search: best-of-N's N, and the searches' beams/particles")
-    p.add_argument("--search-tokens", type=int, default=192, help="search: tokens per solution")
-    p.add_argument("--search-strategies", default="", help="search: only these (comma-separated; default all)")
-    p.add_argument("--search-out", default="search-bench.jsonl", help="search: JSON Lines records (resumed)")
+    p.add_argument("--search-n", type=int, default=8, help="best-of-N's N, and the searches' beams/particles")
+    p.add_argument("--search-tokens", type=int, default=192, help="tokens per solution")
+    p.add_argument("--search-strategies", default="", help="only these (comma-separated; default all)")
+    p.add_argument("--search-out", default="search-bench.jsonl", help="JSON Lines records (resumed)")
     p.add_argument("--search-dtype", default="float32")
 
 

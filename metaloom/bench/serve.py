@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from metaloom.bench import model_args
 from metaloom.errors import InvalidParameter
 
 # Mixed chat prompts: short questions, medium instructions and long passages (a few tokens to
@@ -523,6 +524,28 @@ def _specs(args: argparse.Namespace, folder: str | None, folder_error: str | Non
                                    startup_timeout_s=args.serve_startup_timeout))
     return specs, not_run
 
+
+HELP = "an OpenAI-compatible server measured from the client side, metaloom's beside vLLM's"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    model_args(p, weights=False)
+    server_args(p)
+    p.add_argument("--clients", default="1,8,32", help="concurrency levels, comma-separated")
+    p.add_argument("--serve-tokens", type=int, default=64, help="max_tokens of each request")
+    p.add_argument("--serve-requests", type=int, default=64,
+                   help="requests per level (each of N clients sends max(2, this // N))")
+    p.add_argument("--serve-same-prompts", action="store_true",
+                   help="send the bare prompts again and again (they then hit prefix caches); by default each "
+                        "request is tagged so that none repeats")
+
+
+def server_args(p: argparse.ArgumentParser) -> None:
+    """The flags of the servers a benchmark starts (`bench serve`, `bench remote`)."""
+    p.add_argument("--serve-dtype", default="bfloat16", help="--dtype of the servers")
+    p.add_argument("--vllm", default=None, metavar="VENV", help="a vLLM venv to run beside metaloom (default: none)")
+    p.add_argument("--port-base", type=int, default=18230, help="metaloom's port; vLLM's is the next one")
+    p.add_argument("--serve-startup-timeout", type=float, default=300.0, help="seconds to wait for /health")
 
 def main(args: argparse.Namespace) -> int:
     from metaloom.errors import MetaloomError

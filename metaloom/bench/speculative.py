@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from metaloom.bench import single_weights
+from metaloom.bench import model_args, single_weights
 from metaloom.errors import InvalidParameter, MetaloomError
 from metaloom.generator import LocalGenerator, Request
 from metaloom.ledger import Ledger
@@ -268,8 +268,8 @@ def _peers(args: argparse.Namespace) -> set[str]:
 
 def prefix_cache_case(loaded: LoadedModel, prefix_tokens: int, repeats: int) -> dict[str, Any]:
     """Time to first token of a call sharing a ``prefix_tokens``-token prefix with an earlier
-    call, without and with the radix prefix cache (`metaloom.prefix.bench`)."""
-    from metaloom.prefix.bench import time_to_first_token
+    call, without and with the radix prefix cache (`metaloom.bench.prefix`)."""
+    from metaloom.bench.prefix import time_to_first_token
 
     return time_to_first_token(loaded, prefix_tokens, repeats=repeats)
 
@@ -349,6 +349,20 @@ def _report(loaded: LoadedModel, methods: list[Method], skipped: dict[str, str],
     return {"model": loaded.name, "dtype": dtype, "methods": rows, "best_drafter": best and best["method"],
             "ratios": ratios, "skipped": skipped}
 
+
+HELP = "every drafter against plain greedy, transformers' assisted generation and llama.cpp"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    model_args(p, dtypes="float32,bfloat16")
+    p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per prompt")
+    p.add_argument("--drafters", default="ngram,quantized,quantized-int4,jacobi,jacobi-lookup,heads,draft",
+                   help="drafters to compare, comma-separated")
+    p.add_argument("--draft-model", default=None, help="draft model (same tokenizer) for the draft-model drafter")
+    p.add_argument("--num-draft", type=int, default=None, help="draft tokens per step (default: each drafter's own)")
+    p.add_argument("--peers", default="transformers,llama.cpp",
+                   help="peers to run beside metaloom, comma-separated ('' for none): transformers, llama.cpp")
+    p.add_argument("--prefix-tokens", type=int, default=1000, help="shared prefix for the prefix-cache case (0: skip)")
 
 def main(args: argparse.Namespace) -> int:
     report = run(args)

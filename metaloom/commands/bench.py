@@ -1,14 +1,19 @@
-"""`metaloom bench NAME`: benchmarks registered in `metaloom.bench.BENCHMARKS`."""
+"""`metaloom bench NAME`: one subcommand per benchmark in `metaloom.bench.BENCHMARKS`, each
+with only its own flags."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 
-from metaloom.bench import BENCHMARKS, add_bench_args
+from metaloom.bench import BENCHMARKS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="benchmarks (side by side in one run)")
-    b.add_argument("which", choices=sorted(BENCHMARKS))
-    add_bench_args(b)
-    b.set_defaults(run=lambda args: BENCHMARKS[args.which](args))
+    which = b.add_subparsers(dest="which", metavar="NAME", required=True)
+    for name, module_name in BENCHMARKS.items():
+        module = importlib.import_module(module_name)
+        p = which.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_args(p)
+        p.set_defaults(run=module.main)

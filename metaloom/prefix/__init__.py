@@ -4,7 +4,7 @@ over token ids (`radix`) whose values are KV slots of the engine's pool (`pool`)
     cache = PrefixCache(budget_bytes=2 << 30)
     gen = LocalGenerator(loaded, prefix_cache=cache)
 
-`metaloom.prefix.bench.time_to_first_token` measures what it saves.
+`metaloom.bench.prefix.time_to_first_token` measures what it saves.
 """
 
 from metaloom.prefix.pool import PrefixCache, PrefixHit
