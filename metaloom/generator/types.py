@@ -72,6 +72,18 @@ def check_prompt(prompt: object) -> None:
             raise InvalidParameter("prompt", m, "a message {'role': str, 'content': str}")
 
 
+def render(generator: Generator, prompt: Prompt) -> str:
+    """The prompt as raw text the model continues — what strategies that insert text into a
+    generation (budget forcing's "Wait") send back as a raw prompt. A chat prompt goes through
+    the generator's chat template (`Generator.render`)."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, TokenIds):
+        raise InvalidParameter("prompt", prompt, "text or chat messages (token ids have no text to extend)")
+    generator.capabilities.require("render", type(generator).__name__)
+    return generator.render(prompt)
+
+
 @dataclass(frozen=True)
 class Request:
     """A prompt and how to generate from it.

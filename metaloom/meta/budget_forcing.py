@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from metaloom.generator.types import Completion, Generator
+from metaloom.generator.types import Completion, Generator, render
 from metaloom.ledger import Ledger
 from metaloom.meta.helpers import (
     Run,
@@ -27,7 +27,6 @@ from metaloom.meta.helpers import (
     generate_one,
     guarded,
     positive,
-    render,
     stop_if_budget,
 )
 from metaloom.meta.types import Result

@@ -1,6 +1,6 @@
 """Helpers every strategy shares, so no strategy repeats another's loop: the run record
 (`Run`, `guarded`), sampling (`sample_n`, `continue_all`, `nested`), scoring with typed failures
-(`score`), selection (`select_top`) and prompt plumbing (`render`, `extend`)."""
+(`score`), selection (`select_top`) and prompt plumbing (`extend`; `metaloom.generator.types.render`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from metaloom.errors import BudgetExceeded, InvalidParameter, ScorerFailed
-from metaloom.generator.types import Completion, Generator, Request, TokenIds
+from metaloom.generator.types import Completion, Generator, Request, render
 from metaloom.ledger import COUNTED, Ledger, Usage
 from metaloom.meta.types import Event, Result, Strategy, usage_dict
 from metaloom.sampling.params import SamplingParams
@@ -157,18 +157,6 @@ def score(run: Run, scorer: Scorer, prompt: Prompt, candidates: Sequence[Complet
 def select_top(scores: Sequence[float], k: int = 1) -> list[int]:
     """Indices of the ``k`` highest scores, best first; ties go to the earlier candidate."""
     return sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:k]
-
-
-def render(generator: Generator, prompt: Prompt) -> str:
-    """The prompt as raw text the model continues — what strategies that insert text into a
-    generation (budget forcing's "Wait") send back as a raw prompt. A chat prompt goes through
-    the generator's chat template (`Generator.render`)."""
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, TokenIds):
-        raise InvalidParameter("prompt", prompt, "text or chat messages (token ids have no text to extend)")
-    generator.capabilities.require("render", type(generator).__name__)
-    return generator.render(prompt)
 
 
 def extend(first: Completion, more: Completion) -> Completion:

@@ -16,9 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from metaloom.errors import InvalidParameter
-from metaloom.generator.types import Completion, Generator, Request
+from metaloom.generator.types import Completion, Generator, Request, render
 from metaloom.ledger import Ledger
-from metaloom.meta.helpers import render
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.answers import Extractor, classes
 from metaloom.score.protocols import Prompt, Scorer

@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from metaloom.errors import BudgetExceeded, InvalidParameter, ScorerFailed
-from metaloom.generator.types import Completion, Generator, Request
+from metaloom.generator.types import Completion, Generator, Request, render
 from metaloom.ledger import Ledger, Usage
-from metaloom.meta.helpers import Run, budget_event, component, ensure, guarded, positive, render, reseed
+from metaloom.meta.helpers import Run, budget_event, component, ensure, guarded, positive, reseed
 from metaloom.meta.helpers import score as helpers_score
 from metaloom.meta.types import Result
 from metaloom.meta.voting import decide
