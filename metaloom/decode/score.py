@@ -18,7 +18,7 @@ from metaloom.decode.prefill import new_cache, prefill, prefill_cached
 from metaloom.errors import ContextWindowExceeded, InvalidParameter
 from metaloom.ledger import Ledger
 from metaloom.models.cache import KVPool
-from metaloom.models.protocols import LanguageModel, Tokenizer
+from metaloom.models.protocols import KVCache, LanguageModel, Tokenizer
 from metaloom.prefix.pool import PrefixCache
 
 
@@ -121,25 +121,87 @@ def prompt_logprobs(model: LanguageModel, prompt: Sequence[int], k: int, ledger:
         ledger.charge(input_tokens=len(prompt))
     if len(prompt) < 2:
         return []
-    ids = torch.as_tensor(list(prompt), dtype=torch.long, device=model.device)
     cache = new_cache(model, 1, len(prompt), pool)
-    out: list[PromptPosition] = []
     try:
-        for start in range(0, len(prompt) - 1, chunk):  # the last token's logits score nothing
-            piece = ids[start:min(start + chunk, len(prompt) - 1)]
-            lp = torch.log_softmax(charged_forward(model, piece[None], cache, ledger)[0].float(), dim=-1)  # [t, V]
-            nxt = ids[start + 1:start + 1 + len(piece)]
-            chosen = lp.gather(-1, nxt[:, None])[:, 0]
-            ranks = (lp > chosen[:, None]).sum(-1) + 1
-            values, top = lp.topk(min(k, lp.shape[-1]), dim=-1)  # k = 0: empty, as asked
-            for token, value, rank, t_ids, t_values in zip(nxt.tolist(), chosen.tolist(), ranks.tolist(), top.tolist(),
-                                                           values.tolist(), strict=True):
-                out.append(PromptPosition(token, value, rank, tuple(zip(t_ids, t_values, strict=True))))
+        return _positions(model, list(prompt), 0, k, cache, ledger, chunk)
     finally:
-        release = getattr(cache, "release", None)
-        if release is not None:
-            release()
+        _release(cache)
+
+
+def shared_prompt_logprobs(model: LanguageModel, prompts: Sequence[Sequence[int]], k: int, ledger: Ledger, *,
+                           chunk: int = 256, pool: KVPool | None = None,
+                           count_input: bool = True) -> list[list[PromptPosition]]:
+    """`prompt_logprobs` of several prompts, each beginning they share computed once (a judge's
+    question asked with "Yes" and with "No", the questions about one candidate set). The
+    prompts go in sorted order, each after the one before it: the positions they share are
+    copied (position ``t`` depends only on tokens ``0..t``) and its cache, cut to the shared
+    beginning less one token, is forked (the last shared token is run again, since its
+    distribution was not kept). Charges each prompt as input tokens (unless ``count_input`` is
+    False) with what it did not compute as cached tokens, and the forwards actually run."""
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise InvalidParameter("k", k, "an integer >= 0")
+    for p in prompts:
+        if len(p) > model.max_context:
+            raise ContextWindowExceeded(len(p), model.max_context, "the prompt")
+    out: list[list[PromptPosition]] = [[] for _ in prompts]
+    if not prompts:
+        return out
+    capacity = max(max(len(p) for p in prompts), 1)
+    previous: list[int] = []
+    out_previous: list[PromptPosition] = []
+    cache: KVCache | None = None
+    try:
+        for i in sorted(range(len(prompts)), key=lambda i: list(prompts[i])):
+            ids = list(prompts[i])
+            shared = _common(previous, ids)
+            keep = max(min(shared, len(ids)) - 1, 0)  # positions (and KV entries) taken from the one before
+            out[i] = out_previous[:keep] if keep else []
+            if count_input:
+                ledger.charge(input_tokens=len(ids), cached_tokens=keep)
+            if keep >= len(ids) - 1:  # nothing new to compute (the same prompt again, or a 1-token one)
+                continue
+            forked = new_cache(model, 1, capacity, pool) if cache is None or keep == 0 else cache.fork([0])
+            if keep:
+                forked.truncate([keep])
+            _release(cache)
+            cache, previous, out_previous = forked, ids, out[i]
+            out[i].extend(_positions(model, ids, keep, k, cache, ledger, chunk))
+    finally:
+        _release(cache)
     return out
+
+
+def _positions(model: LanguageModel, prompt: list[int], start: int, k: int, cache: KVCache, ledger: Ledger,
+               chunk: int) -> list[PromptPosition]:
+    """Positions ``start + 1 ..`` of ``prompt``, from a ``cache`` holding its first ``start`` tokens."""
+    ids = torch.as_tensor(prompt, dtype=torch.long, device=model.device)
+    out: list[PromptPosition] = []
+    for begin in range(start, len(prompt) - 1, chunk):  # the last token's logits score nothing
+        piece = ids[begin:min(begin + chunk, len(prompt) - 1)]
+        lp = torch.log_softmax(charged_forward(model, piece[None], cache, ledger)[0].float(), dim=-1)  # [t, V]
+        nxt = ids[begin + 1:begin + 1 + len(piece)]
+        chosen = lp.gather(-1, nxt[:, None])[:, 0]
+        ranks = (lp > chosen[:, None]).sum(-1) + 1
+        values, top = lp.topk(min(k, lp.shape[-1]), dim=-1)
+        for token, value, rank, t_ids, t_values in zip(nxt.tolist(), chosen.tolist(), ranks.tolist(), top.tolist(),
+                                                       values.tolist(), strict=True):
+            out.append(PromptPosition(token, value, rank, tuple(zip(t_ids, t_values, strict=True))))
+    return out
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _release(cache: object) -> None:
+    release = getattr(cache, "release", None)
+    if release is not None:
+        release()
 
 
 def split_continuation(tokenizer: Tokenizer, context: str, continuation: str, *,

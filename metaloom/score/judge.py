@@ -6,9 +6,11 @@ Any `Generator` can judge; its usage is charged to the ledger like any generatio
 scorer call. Two ways to read P(yes), chosen by the user (nothing is inferred):
 
 - ``method="compare"`` (default): `Generator.score` reads log p(Yes) and log p(No) as
-  continuations of the judge's question (one batched call per question; a word may span
-  several tokens), and P(yes) = p(Yes) / (p(Yes) + p(No)). Works on any generator that scores
-  (the local engine, a server with prompt log-probabilities).
+  continuations of the judge's question (one batched call per question, or one for all the
+  questions where the generator takes them together, `score_all`: a remote server then
+  computes what they share once; a word may span several tokens), and P(yes) = p(Yes) /
+  (p(Yes) + p(No)). Works on any generator that scores (the local engine, a server with
+  prompt log-probabilities).
 - ``method="sample"``: one greedy token. If it reads "yes", P(yes) = p(token); if "no",
   1 - p(token) (the mass not on "no" is credited to "yes"); anything else scores 0.
   Works on any generator, token ids unknown (e.g. a remote server without logit bias).
@@ -24,7 +26,7 @@ from metaloom.errors import InvalidParameter
 from metaloom.generator.types import Completion, Generator, Request
 from metaloom.ledger import Ledger
 from metaloom.sampling.params import SamplingParams
-from metaloom.score.prompting import fill, user_text
+from metaloom.score.prompting import fill, score_all, user_text
 from metaloom.score.protocols import Prompt
 
 JUDGE_TEMPLATE = ("{prompt}\n\nProposed answer:\n{candidate}\n\n"
@@ -55,11 +57,8 @@ def yes_probability(generator: Generator, questions: Sequence[str], *, ledger: L
         return [_read_sample(o[0], yes, no) for o in outs]
     generator.capabilities.require("score", type(generator).__name__, "method='compare' reads p(yes) by scoring; "
                                    "use method='sample'")
-    probs = []
-    for q in questions:
-        lp_yes, lp_no = (s.logprob for s in generator.score(prompt(q), [yes, no], ledger=ledger))
-        probs.append(1.0 / (1.0 + math.exp(lp_no - lp_yes)))
-    return probs
+    scored = score_all(generator, [(prompt(q), (yes, no)) for q in questions], ledger=ledger)
+    return [1.0 / (1.0 + math.exp(said_no.logprob - said_yes.logprob)) for said_yes, said_no in scored]
 
 
 def _read_sample(c: Completion, yes: str, no: str) -> float:

@@ -26,7 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from metaloom.decode.score import PromptPosition
+from metaloom.decode.score import PromptPosition, shared_prompt_logprobs
 from metaloom.errors import InvalidParameter, MetaloomError
 from metaloom.generator.local import LocalGenerator
 from metaloom.generator.plan import check_ids, encode
@@ -286,23 +286,25 @@ class _Call:
 
     async def read_prompts(self, requests: list[Any], k: int | None, ledger: Ledger, *,
                            count_input: bool) -> list[_Prompted]:
-        """Each request's prompt as text and ids; with ``k``, its log-probabilities too (one forward
-        pass over the prompt, on the loop thread between two steps)."""
+        """Each request's prompt as text and ids; with ``k``, their log-probabilities too (one pass
+        over them all, what they share computed once, on the loop thread between two steps)."""
         engine = self.scheduler.generator
-        out = []
-        for r in requests:
-            if k is None:
-                ids = list(r.prompt.ids) if isinstance(r.prompt, TokenIds) else encode(engine, r.prompt)
-                if count_input:
-                    ledger.charge(input_tokens=len(ids))
-                positions = None
-            else:
-                def read(prompt: Any = r.prompt, k: int = k) -> tuple[list[int], list[PromptPosition]]:
-                    return engine.prompt_logprobs(prompt, k, ledger=ledger, count_input=count_input)
-                ids, positions = await asyncio.wrap_future(self.scheduler.call(read))
-            text = r.prompt if isinstance(r.prompt, str) else self.tokenizer.decode(ids)
-            out.append(_Prompted(text, ids, positions))
-        return out
+        ids = [list(r.prompt.ids) if isinstance(r.prompt, TokenIds) else encode(engine, r.prompt) for r in requests]
+        positions: list[list[PromptPosition] | None] = [None] * len(requests)
+        if k is None and count_input:
+            ledger.charge(input_tokens=sum(map(len, ids)))
+        elif k is not None:  # one pass for all: what the prompts share is computed once (decode.score)
+            for one in ids:
+                check_ids("prompt ids", one, engine.model.vocab_size)
+            def read(k: int = k) -> list[list[PromptPosition]]:
+                started = time.perf_counter()
+                try:
+                    return shared_prompt_logprobs(engine.model, ids, k, ledger, pool=engine.pool, count_input=count_input)
+                finally:
+                    ledger.charge(seconds=time.perf_counter() - started)
+            positions = list(await asyncio.wrap_future(self.scheduler.call(read)))
+        return [_Prompted(r.prompt if isinstance(r.prompt, str) else self.tokenizer.decode(i), i, p)
+                for r, i, p in zip(requests, ids, positions, strict=True)]
 
     def prompts_only(self, choices: int, stream: bool, include_usage: bool, ledger: Ledger) -> Any:
         """``echo`` with ``max_tokens: 0``: each prompt back (with its log-probabilities), nothing generated."""

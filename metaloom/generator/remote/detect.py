@@ -46,7 +46,8 @@ class ServerFeatures:
     ``strict``: unknown fields are refused (so an accepted field is a served one); ``extras``:
     sampling fields beyond OpenAI's, under their own names; ``token_ids``: vLLM's
     ``return_tokens_as_token_ids``; ``token_prompts``: /v1/completions takes token-id prompts;
-    ``top_logprobs``: the most likely tokens per position, by token id; ``guided``: vLLM's
+    ``top_logprobs``: the most likely tokens per position, by token id; ``score_only``: ``echo``
+    with ``max_tokens: 0`` scores prompts without generating; ``guided``: vLLM's
     ``guided_*`` constraints; ``response_format``: OpenAI's JSON Schema
     output (chat); ``continuous_usage``: vLLM's usage in every stream chunk; ``tokenize`` /
     ``tokenize_chat`` / ``detokenize``: vLLM's routes; ``exact_usage``: metaloom's usage block
@@ -64,6 +65,7 @@ class ServerFeatures:
     top_logprobs: bool = False
     prompt_logprobs: bool = False
     echo: bool = False
+    score_only: bool = False  # echo with max_tokens 0: the prompt scored, nothing generated (OpenAI's scoring call)
     token_prompts: bool = False
     guided: bool = False
     structured_outputs: bool = False  # vLLM >= 0.11's ``structured_outputs`` object (the ``guided_*`` fields are gone)
@@ -260,6 +262,7 @@ async def _route_features(p: Prober, completions: Json | None, chat: Json | None
     jobs: dict[str, Awaitable[Json | None]] = {}
     if completions is not None:
         jobs["echo"] = p.accepts("completions", {**text_body, "echo": True, "logprobs": 0})
+        jobs["score_only"] = p.accepts("completions", {**text_body, "echo": True, "logprobs": 0, "max_tokens": 0})
         jobs["guided"] = p.accepts("completions", {**text_body, "temperature": 0.0, "max_tokens": 4,
                                                    "guided_choice": ["yes", "no"]})
         jobs["structured_outputs"] = p.accepts("completions", {**text_body, "temperature": 0.0, "max_tokens": 4,
@@ -280,6 +283,11 @@ async def _route_features(p: Prober, completions: Json | None, chat: Json | None
         echo = _choice(answers["echo"])
         _, lps = logprob_entries(echo.get("logprobs"), False)
         out["echo"] = str(echo.get("text", "")).startswith(PROBE_TEXT) and len(lps) >= 2
+    if "score_only" in answers:  # the prompt back with its log-probabilities, nothing generated
+        only, usage = _choice(answers["score_only"]), (answers["score_only"] or {}).get("usage")
+        generated = usage.get("completion_tokens") if isinstance(usage, dict) else 0
+        out["score_only"] = only.get("text") == PROBE_TEXT and bool(logprob_entries(only.get("logprobs"), False)[1]) \
+            and generated == 0
     if "chat_logprobs" in answers:
         out["chat_logprobs"] = bool(logprob_entries(_choice(answers["chat_logprobs"]).get("logprobs"), True)[1])
     for name in ("guided", "structured_outputs"):  # honoured only if the answer is one of the choices

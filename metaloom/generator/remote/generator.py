@@ -175,20 +175,30 @@ class RemoteGenerator:
         return self._iterate(request, ledger)
 
     def score(self, prompt: Prompt, continuations: Sequence[str | TokenIds], *, ledger: Ledger) -> list[Scored]:
-        check_prompt(prompt)
-        self.capabilities.require("score", self.name, "needs prompt log-probabilities, token-id prompts and a tokenizer")
-        for i, c in enumerate(continuations):
-            if not (isinstance(c, TokenIds) or (isinstance(c, str) and c)):
-                raise InvalidParameter(f"continuations[{i}]", c, "non-empty text or TokenIds")
-        if isinstance(prompt, tuple):  # the continuation is cut from the rendered chat
-            self._require_chat_tokens("score")
-            self.capabilities.require("render", self.name, "to score after a chat prompt")
-        if not continuations:
-            return []
+        return self.score_many([(prompt, continuations)], ledger=ledger)[0]
+
+    def score_many(self, items: Sequence[tuple[Prompt, Sequence[str | TokenIds]]], *, ledger: Ledger) -> list[list[Scored]]:
+        """`score` of several prompts in one request, charged once from its usage: a server that
+        shares what its prompts have in common (metaloom serve) computes it once and reports it as
+        cached, as the local engine's prefill-once-fork and prefix cache do (an LLM judge's
+        questions about one candidate set share the problem)."""
+        for prompt, continuations in items:
+            check_prompt(prompt)
+            self.capabilities.require("score", self.name, "needs prompt log-probabilities, token-id prompts and a tokenizer")
+            for i, c in enumerate(continuations):
+                if not (isinstance(c, TokenIds) or (isinstance(c, str) and c)):
+                    raise InvalidParameter(f"continuations[{i}]", c, "non-empty text or TokenIds")
+            if isinstance(prompt, tuple):  # the continuation is cut from the rendered chat
+                self._require_chat_tokens("score")
+                self.capabilities.require("render", self.name, "to score after a chat prompt")
+        asked = [(p, cs) for p, cs in items if cs]
+        if not asked:
+            return [[] for _ in items]
         with self._timed(ledger):
-            scored, data = self._run(self.tokens.score(prompt, continuations))
+            scored, data = self._run(self.tokens.score_many(asked))
             self._charge(ledger, data, [])
-        return scored
+        found = iter(scored)
+        return [next(found) if cs else [] for _, cs in items]
 
     def render(self, messages: Sequence[Message]) -> str:
         self.capabilities.require("render", self.name, "needs the server's /tokenize and /detokenize or a local tokenizer")

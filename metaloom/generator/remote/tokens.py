@@ -3,8 +3,9 @@
 from a local tokenizer.
 
 Scoring sends prompt + continuation as one token-id prompt and reads the log-probabilities the
-server gives the prompt's tokens (vLLM's ``prompt_logprobs``, else ``echo`` with ``logprobs``)
-from where the continuation starts; all continuations go in one batched request.
+server gives the prompt's tokens (``echo`` with ``max_tokens: 0`` where the server scores without
+generating, else vLLM's ``prompt_logprobs``, else ``echo`` with ``logprobs``) from where the
+continuation starts; all continuations, of one prompt or of several, go in one batched request.
 """
 
 from __future__ import annotations
@@ -74,6 +75,37 @@ class Tokens:
     # --- scoring ------------------------------------------------------------------------------------
     async def score(self, prompt: Prompt, continuations: Sequence[str | TokenIds]) -> tuple[list[Scored], Json]:
         """The continuations scored, and the server's answer (for its usage)."""
+        (scored,), data = await self.score_many([(prompt, continuations)])
+        return scored, data
+
+    async def score_many(self, items: Sequence[tuple[Prompt, Sequence[str | TokenIds]]]) -> tuple[list[list[Scored]], Json]:
+        """Each prompt's continuations scored, all in one request (a server that shares what its
+        prompts have in common, as metaloom serve does, computes each shared beginning once), and
+        the server's answer. Where the server scores without generating (``echo`` with
+        ``max_tokens: 0``), nothing is generated: a generated token would cost a prefill per prompt."""
+        prepared = await asyncio.gather(*(self._prepare(p, cs) for p, cs in items))
+        rows = [(context, ids) for context, conts in prepared for ids in conts]
+        body: Json = {"model": self.model, "prompt": [context + ids for context, ids in rows], "temperature": 0.0}
+        if self.f.score_only:
+            body.update({"echo": True, "logprobs": 0, "max_tokens": 0})
+        else:
+            body.update({"prompt_logprobs": 0} if self.f.prompt_logprobs else {"echo": True, "logprobs": 0})
+            body["max_tokens"] = 1
+        data = await self.t.post("completions", body, expect_choices(len(rows)))
+        flat = []
+        for c, (context, ids), choice in zip([c for _, cs in items for c in cs], rows, choices_of(data, len(rows)), strict=True):
+            lps = prompt_logprobs(choice, context + ids)[len(context):]
+            if len(lps) != len(ids) or any(math.isnan(v) for v in lps):
+                raise RemoteError(self.t.url("completions"), "prompt log-probabilities missing for the continuation")
+            flat.append(Scored(c if isinstance(c, str) else await self.decode(c.ids), tuple(ids), tuple(lps)))
+        out, start = [], 0
+        for _, cs in items:
+            out.append(flat[start:start + len(cs)])
+            start += len(cs)
+        return out, data
+
+    async def _prepare(self, prompt: Prompt, continuations: Sequence[str | TokenIds]) -> tuple[list[int], list[list[int]]]:
+        """(the prompt's ids, each continuation's ids after it)."""
         context = await self.prompt_ids(prompt)
         text: str | None = None  # the context as text, where the continuation can be cut from the whole
         if isinstance(prompt, str):
@@ -81,16 +113,7 @@ class Tokens:
         elif isinstance(prompt, tuple):
             text = await self.render(prompt)
         conts = await asyncio.gather(*(self.continuation(text, context, c, isinstance(prompt, str)) for c in continuations))
-        body: Json = {"model": self.model, "prompt": [context + c for c in conts], "max_tokens": 1, "temperature": 0.0}
-        body.update({"prompt_logprobs": 0} if self.f.prompt_logprobs else {"echo": True, "logprobs": 0})
-        data = await self.t.post("completions", body, expect_choices(len(conts)))
-        out = []
-        for c, ids, choice in zip(continuations, conts, choices_of(data, len(conts)), strict=True):
-            lps = prompt_logprobs(choice, context + ids)[len(context):]
-            if len(lps) != len(ids) or any(math.isnan(v) for v in lps):
-                raise RemoteError(self.t.url("completions"), "prompt log-probabilities missing for the continuation")
-            out.append(Scored(c if isinstance(c, str) else await self.decode(c.ids), tuple(ids), tuple(lps)))
-        return out, data
+        return context, list(conts)
 
     async def continuation(self, context_text: str | None, context: list[int], c: str | TokenIds, special: bool) -> list[int]:
         """The ids ``c`` has after the context: what the whole text has after the context's ids,
