@@ -9,6 +9,7 @@ from typing import Any
 
 from metaloom.errors import InvalidParameter
 from metaloom.sampling import SamplingParams
+from metaloom.wiring import engines
 
 _DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}
 
@@ -83,8 +84,6 @@ def remote_generator(args: argparse.Namespace, local_only: dict[str, object] | N
             if getattr(args, name, None) is not None:
                 raise InvalidParameter(name.replace("_", "-"), getattr(args, name), "set only with --backend openai")
         return None
-    if not args.base_url:
-        raise InvalidParameter("base-url", None, "the server's URL with --backend openai (e.g. http://127.0.0.1:8000)")
     defaults = {"dtype": "float32", "device": "auto", "weights": "auto"}
     for name in _LOCAL_ONLY:
         if getattr(args, name) != defaults[name]:
@@ -92,11 +91,12 @@ def remote_generator(args: argparse.Namespace, local_only: dict[str, object] | N
     for name, value in (local_only or {}).items():
         if value not in (None, False):
             raise InvalidParameter(name, value, "unset with --backend openai (it needs the local engine)")
-    from metaloom.generator.remote import RemoteGenerator
-
-    return RemoteGenerator(args.base_url, args.model, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
-                           tokenizer=args.tokenizer, model_params=args.model_params,
-                           max_concurrency=args.max_concurrency, timeout=args.timeout, max_retries=args.max_retries)
+    if not args.base_url:  # before the flags a remote server decides: the missing URL is the first mistake
+        raise InvalidParameter("base-url", None, "the server's URL with --backend openai (e.g. http://127.0.0.1:8000)")
+    return engines.remote_generator(args.base_url, args.model, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+                                    tokenizer=args.tokenizer, model_params=args.model_params,
+                                    max_concurrency=args.max_concurrency, timeout=args.timeout,
+                                    max_retries=args.max_retries)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

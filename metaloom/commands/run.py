@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 from metaloom.commands.common import SAMPLER_DESTS, add_model_args, add_sampling_args, remote_generator, sampling_kwargs
 from metaloom.errors import InvalidParameter
 from metaloom.ledger import parse_budget
+from metaloom.wiring.engines import prefix_cache
 
 
 class Dotted(NamedTuple):
@@ -196,18 +197,6 @@ def run(args: argparse.Namespace) -> int:
     for e in result.trace:
         print("trace: " + json.dumps(e.to_dict(), default=str))
     return 0
-
-
-def prefix_cache(megabytes: int, loaded: Any) -> Any:
-    """The radix prefix cache ``metaloom run`` keeps across a strategy's calls, or None (off, or
-    a model without the native KV pool)."""
-    from metaloom.prefix import PrefixCache
-
-    if not isinstance(megabytes, int) or megabytes < 0:
-        raise InvalidParameter("prefix_cache_mb", megabytes, "a number of megabytes >= 0 (0 turns the cache off)")
-    if megabytes == 0 or loaded is None or not hasattr(loaded.model, "new_pool"):
-        return None
-    return PrefixCache(budget_bytes=megabytes << 20)
 
 
 class _Progress:

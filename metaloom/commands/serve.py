@@ -41,10 +41,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from metaloom.commands.run import prefix_cache
     from metaloom.generator import LocalGenerator
     from metaloom.models import load
     from metaloom.server.app import create_app
+    from metaloom.wiring.engines import prefix_cache
 
     if not 1 <= args.port <= 65535:
         raise InvalidParameter("port", args.port, "a port in 1..65535")

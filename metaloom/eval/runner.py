@@ -16,7 +16,6 @@ position), so a rerun draws the same samples.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import importlib
@@ -35,6 +34,7 @@ from metaloom.eval.pool import attribute, candidates_of, model_row_flops, select
 from metaloom.eval.records import CONFIG, POOLED, POOLS, RECORDS, TRACES, Record, read_records
 from metaloom.eval.tasks.base import Problem, Task
 from metaloom.meta.spec import Spec, check_spec
+from metaloom.wiring import engines
 
 EXECUTORS = ("local", "ray")
 
@@ -124,12 +124,8 @@ class Worker:
             model = getattr(self.generator, "model", None)
             self.row_flops = model_row_flops(model) if hasattr(model, "flops") else None
         elif setup.backend == "openai":
-            from metaloom.commands.common import remote_generator
-
-            ns = argparse.Namespace(backend="openai", base_url=setup.base_url, model=setup.model, api_key=setup.api_key,
-                                    tokenizer=setup.tokenizer, model_params=setup.model_params, max_concurrency=16,
-                                    timeout=600.0, max_retries=3, dtype="float32", device="auto", weights="auto")
-            self.generator = remote_generator(ns)
+            self.generator = engines.remote_generator(setup.base_url, setup.model, api_key=setup.api_key,
+                                                      tokenizer=setup.tokenizer, model_params=setup.model_params)
         else:
             from metaloom.models.load import load
 
@@ -156,10 +152,10 @@ class Worker:
         if self.loaded is None:
             generator = self.generator
         else:
-            from metaloom.commands.run import prefix_cache
             from metaloom.generator.local import LocalGenerator
 
-            generator = LocalGenerator(self.loaded, prefix_cache=prefix_cache(self.setup.prefix_cache_mb, self.loaded))
+            generator = LocalGenerator(self.loaded,
+                                       prefix_cache=engines.prefix_cache(self.setup.prefix_cache_mb, self.loaded))
         return ReplayGenerator(generator, self.draws) if pooled else generator
 
     def strategy(self, spec: Spec, generator: Any, problem: int) -> Any:
