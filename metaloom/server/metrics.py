@@ -26,6 +26,8 @@ class Metrics:
         self.batch_size = Histogram("metaloom_batch_size", "rows per decode step", registry=r,
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
         self.ttft = Histogram("metaloom_time_to_first_token_seconds", "time to first token", registry=r, buckets=_BUCKETS)
+        self.memory = Gauge("metaloom_memory_bytes", "memory by part: weights, kv_pool (allocated), kv_pool_used, "
+                            "kv_pool_limit, prefix_cache (part of kv_pool_used), process_rss", ["part"], registry=r)
         self.latency = Histogram("metaloom_request_latency_seconds", "time from request to last byte", ["route"],
                                  registry=r, buckets=_BUCKETS)
 

@@ -44,6 +44,7 @@ from metaloom.generator.plan import plan
 from metaloom.generator.specs import BeamParams
 from metaloom.generator.types import Completion, Request, StreamChunk
 from metaloom.ledger import Ledger
+from metaloom.server.memory import trim
 
 log = logging.getLogger("metaloom.server")
 
@@ -191,6 +192,7 @@ class Scheduler:
         self._deadline: float | None = None  # set by begin_drain: when what still runs is ended
         self._expired = False  # the deadline passed: nothing more is accepted, even from running work
         self.drained = threading.Event()  # draining, and nothing left in or before the loop
+        self._worked = False  # since the loop was last idle (idle after work: give freed memory back)
         self.steps = 0
         self._thread = threading.Thread(target=self._loop, name="metaloom-scheduler", daemon=True)
         self._thread.start()
@@ -283,7 +285,11 @@ class Scheduler:
                 while not self._stop and not self._waiting and not self._calls and not self._running:
                     if self._deadline is not None:
                         self.drained.set()
+                    if self._worked:
+                        self._worked = False
+                        trim()
                     self._wake.wait()
+                self._worked = True
                 if self._stop:
                     break
                 expire = self._deadline is not None and self.clock() >= self._deadline

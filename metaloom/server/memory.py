@@ -1,0 +1,109 @@
+"""What holds the server's memory, and how large its KV pool may grow (issue 30).
+
+Accounting (`/metrics`, ``metaloom_memory_bytes{part=...}``): ``weights`` is every tensor the
+model object holds (dense, packed or quantised weights, rope tables), each storage counted once
+however many views share it; ``kv_pool`` the keys and values the engine's `KVPool` has allocated
+(it grows by doubling and keeps its size), ``kv_pool_used`` the slots live rows and the prefix
+cache hold, ``prefix_cache`` the slots the prefix cache keeps alive (part of ``kv_pool_used``),
+``kv_pool_limit`` the most the pool may grow to, ``process_rss`` the resident set (VmRSS).
+What RSS holds beyond the parts is the Python and PyTorch runtime (libraries, allocator arenas).
+
+Sizing (`kv_pool_limit`): the pool never needs more than ``max_rows`` rows of a full context
+window, and must leave the machine room: at most ``fraction`` of the memory available when the
+server starts. The prefix cache keeps at most half of that, so running rows always have room.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+
+DEFAULT_FRACTION = 0.5  # of MemAvailable at start, for the KV pool
+
+
+def storage_bytes(obj: Any, max_depth: int = 8) -> int:
+    """Bytes of every tensor (and numpy array) reachable from ``obj`` through dataclass fields,
+    attributes, lists, tuples and dicts, each underlying storage counted once."""
+    seen_objects: set[int] = set()
+    storages: dict[int, int] = {}
+
+    def walk(o: Any, depth: int) -> None:
+        if depth > max_depth or id(o) in seen_objects:
+            return
+        seen_objects.add(id(o))
+        if isinstance(o, torch.Tensor):
+            s = o.untyped_storage()
+            storages[s.data_ptr()] = max(storages.get(s.data_ptr(), 0), s.nbytes())
+        elif isinstance(o, np.ndarray):
+            base = o if o.base is None or not isinstance(o.base, np.ndarray) else o.base
+            storages[base.__array_interface__["data"][0]] = max(storages.get(base.__array_interface__["data"][0], 0),
+                                                               base.nbytes)
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v, depth + 1)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v, depth + 1)
+        elif dataclasses.is_dataclass(o) and not isinstance(o, type):
+            for f in dataclasses.fields(o):
+                walk(getattr(o, f.name, None), depth + 1)
+        elif hasattr(o, "__dict__") and not isinstance(o, type) and not callable(o):
+            for v in vars(o).values():
+                walk(v, depth + 1)
+
+    walk(obj, 0)
+    return sum(storages.values())
+
+
+def kv_pool_bytes(pool: Any) -> int:
+    """Bytes the pool's key and value tensors hold now."""
+    return sum(t.untyped_storage().nbytes() for t in [*pool.keys, *pool.values])
+
+
+def kv_pool_limit(bytes_per_slot: int, max_rows: int, context: int, available_bytes: int,
+                  fraction: float = DEFAULT_FRACTION) -> int:
+    """Slots the KV pool may grow to: ``min(max_rows * context + 1, fraction * available_bytes
+    // bytes_per_slot)`` (slot 0 is scratch), and at least 2."""
+    if bytes_per_slot <= 0 or max_rows < 1 or context < 1 or available_bytes < 0 or not 0 < fraction <= 1:
+        raise ValueError("kv_pool_limit: positive slot size, rows and context, a fraction in (0, 1]")
+    return max(2, min(max_rows * context + 1, int(fraction * available_bytes) // bytes_per_slot))
+
+
+def prefix_budget(requested_bytes: int, pool_limit_bytes: int) -> int:
+    """The prefix cache's budget: what was asked, at most half the pool's limit."""
+    return max(0, min(requested_bytes, pool_limit_bytes // 2))
+
+
+def meminfo(field: str = "MemAvailable", path: str = "/proc/meminfo") -> int | None:
+    """A /proc/meminfo figure in bytes (None where there is none: not Linux)."""
+    return _kb_field(path, field)
+
+
+def process_rss(path: str = "/proc/self/status") -> int | None:
+    """This process's resident set (VmRSS) in bytes, or None off Linux."""
+    return _kb_field(path, "VmRSS")
+
+
+def _kb_field(path: str, field: str) -> int | None:
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name == field:
+                    return int(rest.split()[0]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def trim() -> None:
+    """Hand the allocator's freed memory back to the system (glibc's malloc_trim; a no-op
+    elsewhere). Called when the decode loop goes idle: activations of a large batch otherwise stay
+    resident."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
