@@ -14,7 +14,7 @@ import pytest
 
 from metaloom.errors import InvalidParameter
 from metaloom.eval.analysis import analyze, choice_for_budget, pass_at_k, pick, pick_many, subset_cost
-from metaloom.eval.analysis.curves import frontier, interval, points, sizes, with_n
+from metaloom.eval.analysis.curves import frontier, interval, points, shared_problems, sizes, with_n
 from metaloom.eval.analysis.select import agreement_probe, difficulty_bins, efficiency, split
 from metaloom.eval.analysis.subsample import outcome
 from metaloom.eval.records import Candidate, Record, Selection
@@ -303,7 +303,10 @@ def test_points_subsample_pooled_specs_and_keep_the_others_whole():
     assert p8["accuracy_lo"] <= p8["accuracy"] <= p8["accuracy_hi"]
     beam = fams["step_beam_search@step_scorer=countdown"][0]
     assert (beam["k"], beam["coverage"], beam["problems"], beam["accuracy"]) == (None, None, 1, 1.0)
-    assert out["frontier"]["flops"] == ["greedy", "step_beam_search@n=4,step_scorer=countdown"]
+    # the search ran on p1 only: its 1.0 is not compared with the others' two problems
+    assert out["frontier"]["flops"] == ["greedy"]
+    assert out["compared"]["problems"] == ["p1", "p2"]
+    assert out["compared"]["outside"] == {"step_beam_search@n=4,step_scorer=countdown": 1}
     assert out["votes"]["p2"]["majority_vote@n=4"] == {"1": 1, "2": 1, "3": 1, "4": 1}
     assert out["votes"]["p1"]["majority_vote@n=8"] == {"0": 8}
     assert out["selection"] is None and "2" in out["selection_reason"]  # only p1 is shared by every spec
@@ -511,3 +514,33 @@ def test_the_pick_is_the_best_single_choice_and_the_seed_the_sweeps() -> None:
     with pytest.raises(InvalidParameter, match="2 problems"):
         pick_for_budget({"selection": None, "selection_reason": "1 problem(s) shared: needs 2 problems"})
     assert sweep_seed({"setup": {"seed": 2611}}) == 2611 and sweep_seed({}) == 0 and sweep_seed({"setup": {"seed": True}}) == 0
+
+
+def test_shared_problems_is_the_largest_block_of_points_and_problems():
+    sixty, forty, two = [f"p{i}" for i in range(60)], [f"p{i}" for i in range(40)], ["p0", "p1"]
+    # 5 points on 60 problems (300), 9 on 40 (with the 5: 14 x 40 = 560), 1 on 2 (15 x 2 = 30)
+    assert shared_problems([sixty] * 5 + [forty] * 9 + [two]) == tuple(forty)
+    assert shared_problems([sixty] * 12 + [forty] * 3 + [two]) == tuple(sixty)  # 720 > 15 x 40
+    assert shared_problems([["a", "b"], ["b", "c"]]) == ("a", "b")  # a tie: the first
+    assert shared_problems([[], ["a"]]) == ("a",) and shared_problems([]) == ()
+
+
+def test_the_frontier_compares_points_on_shared_problems_only():
+    """Issue 30: runs/gsm's frontier held a 22-problem rollout point among 60-problem ones. A
+    search that ran only on the two easy problems (both right) would beat everything at its
+    cost; on the six shared problems it is not measured, so it is left out and said."""
+    problems = [f"p{i}" for i in range(6)]
+    records = [single(p, "greedy", i < 3, flops=10.0) for i, p in enumerate(problems)]
+    records += [_pool_records(p, 4, 0 if i < 4 else 4, "majority_vote@n=4") for i, p in enumerate(problems)]
+    records += [single(p, "best_first@k=2", True, flops=50.0) for p in problems[:2]]
+    out = analyze(records, bootstrap=100)
+    assert out["compared"]["problems"] == problems
+    assert out["compared"]["outside"] == {"best_first@k=2": 2}
+    for cost in ("flops", "output_tokens", "seconds"):
+        assert "best_first@k=2" not in out["frontier"][cost]
+    assert out["frontier"]["flops"] == ["greedy", "majority_vote@n=1"]  # 0.5 at 10 FLOPs, then 4/6
+    compared = {p["label"]: p for c in out["compared"]["curves"] for p in c["points"]}
+    assert set(compared) == {"greedy", "majority_vote@n=1", "majority_vote@n=2", "majority_vote@n=4"}
+    assert all(p["problems"] == 6 for p in compared.values())
+    own = {p["label"]: p for c in out["curves"] for p in c["points"]}
+    assert own["best_first@k=2"]["accuracy"] == 1.0 and own["best_first@k=2"]["problems"] == 2  # still shown as run

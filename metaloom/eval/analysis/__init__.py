@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from metaloom.errors import InvalidParameter
-from metaloom.eval.analysis.curves import curves, first_seen, frontier, latest, points
+from metaloom.eval.analysis.curves import curves, first_seen, frontier, latest, points, shared_problems
 from metaloom.eval.analysis.equal import at_equal_compute
 from metaloom.eval.analysis.scorers import ranking
 from metaloom.eval.analysis.select import VOTES, Pick, choice_for_budget, pick_for_budget, select, sweep_seed
@@ -77,8 +77,11 @@ def analyze(records: Sequence[Record], *, seed: int = 0, draws: int = 200, boots
     """Everything the report shows, as JSON-able data (NaN as None):
 
     ``problems`` and ``strategies`` (first-seen order); ``curves`` (per family, its points with
-    accuracy, coverage, bootstrap intervals, mean costs and problem counts); ``frontier`` (the
-    Pareto-optimal labels per cost, cheapest first); ``equal_compute`` (each single-run
+    accuracy, coverage, bootstrap intervals, mean costs and problem counts); ``compared``: the
+    points measured on one problem set (`curves.shared_problems`: ``problems``, and ``curves``
+    as above over them) and the points that did not run all of them (``outside``: label ->
+    its problem count), which are not compared; ``frontier`` (the Pareto-optimal labels per
+    cost among the compared points, on those problems, cheapest first); ``equal_compute`` (each single-run
     strategy against each sampling curve at its ``metric`` cost, `equal.at_equal_compute`);
     ``selection`` (the compute-optimal analysis
     of `metaloom.eval.analysis.select`, or None with ``selection_reason`` when fewer than 2
@@ -95,11 +98,17 @@ def analyze(records: Sequence[Record], *, seed: int = 0, draws: int = 200, boots
     problems = first_seen([r.problem for r in records])
     strategies = first_seen([r.strategy for r in records])
     pts = points(records, seed=seed, draws=draws)
-    front = {m: frontier([(p.label, p.mean_cost(m), p.accuracy()) for p in pts]) for m in COSTS}
+    # the frontier compares points on the same problems: a point that ran fewer is left out, not mixed in
+    shared = shared_problems([p.problems for p in pts])
+    on_shared = [p.on(shared) for p in pts if all(p.covers(q) for q in shared)]
+    outside = {p.label: len(p.problems) for p in pts if not all(p.covers(q) for q in shared)}
+    front = {m: frontier([(p.label, p.mean_cost(m), p.accuracy()) for p in on_shared]) for m in COSTS}
     table = latest(records)
     common = [p for p in problems if all((p, s) in table for s in strategies)]
     out: dict[str, Any] = {"problems": problems, "strategies": strategies,
                            "curves": curves(pts, seed=seed, bootstrap=bootstrap), "frontier": front,
+                           "compared": {"problems": list(shared), "curves": curves(on_shared, seed=seed, bootstrap=bootstrap),
+                                        "outside": outside},
                            "equal_compute": at_equal_compute(pts, metric=metric, seed=seed, bootstrap=bootstrap)}
     if len(common) < 2:
         out["selection"] = None

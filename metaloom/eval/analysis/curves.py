@@ -110,6 +110,12 @@ class Point:
         values = self.cost[metric] if problems is None else self.cost[metric][self.among(problems)]
         return float(values.mean()) if values.size else math.nan
 
+    def on(self, problems: Sequence[str]) -> Point:
+        """The same point measured on ``problems`` only (all must be among its own)."""
+        at = self.among(problems)
+        return Point(self.label, self.spec, self.family, self.k, tuple(problems), self.correct[at],
+                     None if self.coverage is None else self.coverage[at], {m: v[at] for m, v in self.cost.items()})
+
 
 def latest(records: Sequence[Record]) -> dict[tuple[str, str], Record]:
     """One record per (problem, spec): the last one (a resumed sweep's redo replaces the cut one)."""
@@ -197,6 +203,25 @@ def curves(pts: Sequence[Point], *, seed: int = 0, bootstrap: int = 1000) -> lis
     return [{"family": f, "points": [point_dict(p, seed=seed, bootstrap=bootstrap)
                                      for p in sorted(ps, key=lambda q: (q.k or 0))]}
             for f, ps in fams.items()]
+
+
+def shared_problems(problem_sets: Sequence[Sequence[str]]) -> tuple[str, ...]:
+    """The problems to compare points on: accuracies over different problems are not
+    comparable (a 22-problem point beside 60-problem ones). Of each point's own problem set,
+    the one that (its size) x (points that ran every one of its problems) is largest; ties:
+    more problems, then the first. The problems shared by every point where that is as
+    good, and never an empty set while some point has problems."""
+    best: tuple[int, int, int] | None = None
+    chosen: tuple[str, ...] = ()
+    held = [set(ps) for ps in problem_sets]
+    for i, ps in enumerate(problem_sets):
+        if not ps:
+            continue
+        covering = sum(set(ps) <= h for h in held)
+        score = (len(ps) * covering, len(ps), -i)
+        if best is None or score > best:
+            best, chosen = score, tuple(ps)
+    return chosen
 
 
 def frontier(items: Sequence[tuple[str, float, float]]) -> list[str]:
