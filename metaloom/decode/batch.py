@@ -22,7 +22,7 @@ A step, for every decoder:
    drafts, charge each row's ledger.
 
 Rows of different requests may belong to different ledgers: each ledger is charged for its own
-rows (`metaloom.decode.forward`), and a ledger over its budget ends only its own rows, with
+rows (`metaloom.models.forward`), and a ledger over its budget ends only its own rows, with
 finish "budget" and what they produced so far. Plain sampling, contrastive decoding and
 classifier-free guidance (a `LockstepPair` as the model) and speculative decoding all run here;
 beam search, which reorders rows every step, has its own loop (`metaloom.decode.beam`) on the
@@ -39,12 +39,12 @@ from typing import Any
 import torch
 
 from metaloom.constrain import Constraint
-from metaloom.decode.forward import charged_forward_both
 from metaloom.decode.rows import RowState, emit
 from metaloom.decode.select import draw, most_likely, raw_logprobs, verify
 from metaloom.errors import BudgetExceeded, UnsupportedModel
 from metaloom.ledger import Ledger
 from metaloom.models.cache import PagedKVCache
+from metaloom.models.forward import charged_forward_both
 from metaloom.models.protocols import KVCache, LanguageModel, Tokenizer
 from metaloom.prefix.pool import PrefixCache
 from metaloom.sampling.params import SamplingParams

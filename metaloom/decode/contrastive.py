@@ -20,7 +20,7 @@ streaming, rows joining and leaving) runs unchanged on top; its `forward_both` a
 primary stream's raw logits, which is what `Completion.logprobs` reports (the decoder's own
 scores go to `Completion.decoder_logprobs`). `PairCache` holds the two caches and each row's
 parameters, which travel with the row when the cache is forked or joined. Charging: the pair
-names both streams (`cost_streams`), so `metaloom.decode.forward` charges each model's forward
+names both streams (`cost_streams`), so `metaloom.models.forward` charges each model's forward
 with its own cache — two forward passes, each with its exact FLOPs.
 """
 
@@ -139,7 +139,7 @@ class LockstepPair:
                          self.defaults.expand(batch, -1).clone())
 
     def flops(self, new_tokens: int, attended: int, logit_rows: int) -> float:
-        """The primary stream's; `metaloom.decode.forward` charges each stream through `cost_streams`."""
+        """The primary stream's; `metaloom.models.forward` charges each stream through `cost_streams`."""
         return self.primary.flops(new_tokens, attended, logit_rows)
 
     def cost_streams(self, cache: KVCache) -> list[tuple[LanguageModel, KVCache]]:

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from metaloom.decode.contrastive import LockstepPair, PairCache
-from metaloom.decode.forward import Ledgers, charged_forward
 from metaloom.errors import UnsupportedModel
 from metaloom.ledger import Ledger
 from metaloom.models.cache import KVPool, PagedKVCache
+from metaloom.models.forward import Ledgers, charged_forward
 from metaloom.models.protocols import KVCache, LanguageModel
 from metaloom.prefix.pool import PrefixCache
 

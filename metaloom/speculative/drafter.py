@@ -11,7 +11,7 @@ the loop calls::
 
 ``contexts[b]`` is row b's full token sequence so far (prompt, then every emitted token; the
 last one is the pending token the target has not seen yet). A drafter that runs a model
-charges its forwards to ``ledger`` through `metaloom.decode.forward.charged_forward`.
+charges its forwards to ``ledger`` through `metaloom.models.forward.charged_forward`.
 
 A drafter that samples (a draft model at temperature > 0) returns ``Draft.probs``, the
 distribution q it drew each token from; deterministic drafters return None (q = one-hot).
@@ -31,7 +31,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from metaloom.decode.forward import Ledgers
+from metaloom.models.forward import Ledgers
 from metaloom.models.protocols import LanguageModel
 from metaloom.sampling.pipeline import Sampler
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from metaloom.decode.forward import Ledgers, charged_forward
 from metaloom.errors import UnsupportedModel
+from metaloom.models.forward import Ledgers, charged_forward
 from metaloom.models.protocols import KVCache, LanguageModel
 from metaloom.sampling.params import SamplingParams
 from metaloom.sampling.pipeline import Sampler, make_sampler

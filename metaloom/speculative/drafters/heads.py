@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from metaloom.decode.forward import Ledgers, charge_rows
 from metaloom.errors import InvalidParameter, UnsupportedModel
+from metaloom.models.forward import Ledgers, charge_rows
 from metaloom.models.llama import Embedding, embed_tokens, plain_weight
 from metaloom.models.protocols import LanguageModel
 from metaloom.sampling.pipeline import Sampler

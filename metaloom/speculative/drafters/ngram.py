@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from metaloom.decode.forward import Ledgers
 from metaloom.errors import InvalidParameter
+from metaloom.models.forward import Ledgers
 from metaloom.models.protocols import LanguageModel
 from metaloom.sampling.pipeline import Sampler
 from metaloom.speculative.drafter import Draft, DraftState, Verified
