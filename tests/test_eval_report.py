@@ -335,6 +335,22 @@ def test_compute_optimal_table_and_its_reason(written, sweep) -> None:
     assert "No compute-optimal table: the analysis made no compute-optimal selection" in report(out, recs, analysis=analysis)
 
 
+def test_frontier_says_what_it_compared_on_and_what_it_left_out(sweep) -> None:
+    """Issue 30: the frontier is over the problems its points share; a point run on other
+    problems is listed as not compared (and drawn hollow, tested with the figures)."""
+    out, recs = sweep
+    analysis = fake_analysis(recs)
+    shared = [c for c in analysis["curves"] if c["family"] != "step_beam_search"]
+    analysis["compared"] = {"problems": ["p1", "p2", "p3"], "curves": shared, "outside": {BEAM: 2}}
+    analysis["frontier"] = {key: ["greedy", "majority_vote@n=8"] for key in ("output_tokens", "flops", "seconds")}
+    page = report(out, recs, analysis=analysis)
+    section = page[page.index('id="frontier"'):page.index('id="selection"')]
+    assert "Compared on the 3 problems that 9 points all ran" in section
+    assert re.search(r"Not compared \(run on other problems\):\s*<span class=\"strategy\">"
+                     + re.escape(BEAM) + r"</span> \(2 problems\)", section)
+    assert "hollow ones (1) on other problems" in page
+
+
 def test_analysis_computed_when_not_given(sweep) -> None:
     out, recs = sweep
     seen: list[list[Record]] = []

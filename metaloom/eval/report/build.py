@@ -290,9 +290,18 @@ def summary_rows(records: Sequence[Record], strategies: Sequence[str],
 # -------------------------------------------------------------------------------- curves
 
 
-def frontier_view(analysis: Mapping[str, Any], points: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Per cost, the frontier's points in cost order with that cost and their accuracy."""
+def compared_points(analysis: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """The points as the frontier compared them (on the analysis's shared problems), by label;
+    the points themselves where the analysis compared none."""
+    compared = mapping(analysis.get("compared"))
+    return _points_by_label({"curves": compared["curves"]}) if compared.get("curves") else _points_by_label(analysis)
+
+
+def frontier_view(analysis: Mapping[str, Any]) -> dict[str, Any]:
+    """Per cost, the frontier's points in cost order with that cost and their accuracy, on
+    the problems they were compared on; and the points left out for running other problems."""
     fmt = {"output_tokens": fmt_tokens, "flops": fmt_flops, "seconds": fmt_seconds}
+    points = compared_points(analysis)
     out = []
     frontier = analysis.get("frontier") or {}
     for key, axis in figures.COST_AXES:
@@ -302,17 +311,29 @@ def frontier_view(analysis: Mapping[str, Any], points: Mapping[str, Mapping[str,
             rows.append({"label": label, "cost": fmt[key](p.get(key)), "accuracy": fmt_pct(p.get("accuracy")),
                          "interval": fmt_interval(p.get("accuracy_lo"), p.get("accuracy_hi"))})
         out.append({"key": key, "axis": axis, "rows": rows})
-    return out
+    compared = mapping(analysis.get("compared"))
+    outside = mapping(compared.get("outside"))
+    return {"costs": out, "problems": len(compared.get("problems") or ()) or None,
+            "compared": len(points) if compared else None,
+            "outside": [{"label": k, "problems": v} for k, v in outside.items()]}
 
 
 def figures_view(analysis: Mapping[str, Any]) -> dict[str, Any]:
-    """The accuracy and coverage figures, and a note for points a log axis could not place."""
+    """The accuracy and coverage figures, and a note for points a log axis could not place.
+    The accuracy figure draws the points compared on one problem set, and hollow the ones
+    measured on others (`metaloom.eval.analysis`'s ``compared``)."""
     curves = [c for c in analysis.get("curves") or () if c.get("points")]
-    colors = figures.family_colors([c["family"] for c in curves])
-    drawn = figures.accuracy_figure(curves, analysis.get("frontier") or {}, colors)
+    styles = figures.family_styles([c["family"] for c in curves])
+    compared = mapping(analysis.get("compared"))
+    outside = set(mapping(compared.get("outside")))
+    shown = [c for c in compared.get("curves") or () if c.get("points")] if compared else curves
+    apart = [{"family": c["family"], "points": [p for p in c["points"] if p.get("label") in outside]} for c in curves]
+    apart = [c for c in apart if c["points"]]
+    drawn = figures.accuracy_figure(shown, analysis.get("frontier") or {}, styles, apart)
     accuracy, left_out = drawn if drawn is not None else (None, 0)
-    return {"accuracy": accuracy, "left_out": left_out, "coverage": figures.coverage_figure(curves, colors),
-            "families": len(curves), "points": sum(len(c["points"]) for c in curves)}
+    return {"accuracy": accuracy, "left_out": left_out, "coverage": figures.coverage_figure(curves, styles),
+            "families": len(curves), "points": sum(len(c["points"]) for c in curves),
+            "compared_problems": len(compared.get("problems") or ()) if compared else None, "outside": len(outside)}
 
 
 def equal_compute_view(analysis: Mapping[str, Any]) -> dict[str, Any]:
@@ -677,7 +698,7 @@ def build_report(out_dir: str, *, analysis: Mapping[str, Any] | None = None, ana
     page = _environment().get_template("report.html.j2").render(
         header=header_view(sweep, problem_ids, strategies),
         summary=summary_rows(sweep.records, strategies, points),
-        figures=figures_view(analysis), frontier=frontier_view(analysis, points),
+        figures=figures_view(analysis), frontier=frontier_view(analysis),
         equal=equal_compute_view(analysis),
         selection=selection_view(analysis), votes=votes_summary(analysis, by_problem, strategies),
         scorers=scorers_view(analysis),

@@ -16,11 +16,13 @@ import base64
 import io
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, FuncFormatter, LogLocator, MaxNLocator, NullFormatter
+from matplotlib.transforms import offset_copy
 
 # (point field, axis label with its unit) for the three costs a curve is drawn against
 COST_AXES = (
@@ -32,6 +34,12 @@ ACCURACY_LABEL = "accuracy (fraction correct)"
 DPI = 120  # 1 inch of figure = 120 px: sharp at the page's 1200 px width without a heavy file
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
            "#bcbd22", "#17becf")
+# cycle lengths 10, 7 and 3 are coprime: (colour, marker, line) repeats only after 210 families,
+# and any two of the first 70 differ in colour and marker at once
+MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+LINESTYLES = ("-", "--", "-.")
+OVERLAP_OFFSET = 2.5  # points between the drawn copies of curves that coincide
+OVERLAP_TOLERANCE = 0.012  # curves closer than this share of the y axis, at every x, coincide
 FRONTIER_COLOR = "#111111"
 # the vote summary's outcome classes, in stacking order, with their colours
 VOTE_OUTCOMES = (
@@ -50,10 +58,80 @@ def data_uri(fig: Figure) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def family_colors(families: Sequence[str]) -> dict[str, str]:
-    """One colour per family, fixed by its place in ``families``: the same family has the same
-    colour in every figure of the report."""
-    return {f: PALETTE[k % len(PALETTE)] for k, f in enumerate(families)}
+@dataclass(frozen=True)
+class Style:
+    """How one family is drawn: its colour, marker and line style."""
+
+    color: str
+    marker: str
+    linestyle: str
+
+
+def family_styles(families: Sequence[str]) -> dict[str, Style]:
+    """One style per family, fixed by its place in ``families`` (every family of the report,
+    so the same family looks the same in every figure): colour, marker and line style cycle
+    with coprime lengths, so no two of the first 70 families share a colour or a marker with
+    the same other (greedy and DVTS were both blue squares)."""
+    return {f: Style(PALETTE[k % len(PALETTE)], MARKERS[k % len(MARKERS)], LINESTYLES[k % len(LINESTYLES)])
+            for k, f in enumerate(dict.fromkeys(families))}
+
+
+def fitted_ylim(lows: Sequence[float], highs: Sequence[float], *, margin: float = 0.06,
+                least_span: float = 0.1) -> tuple[float, float]:
+    """Y limits around the values and their intervals (``lows``, ``highs``): their range plus
+    ``margin`` of it each side, at least ``least_span`` wide, within -0.02..1.02 (fractions).
+    A fixed 0..1 squashed curves that never pass 0.32 into the bottom third."""
+    known = [float(v) for v in (*lows, *highs) if _number(v)]
+    if not known:
+        return -0.03, 1.03
+    lo, hi = min(known), max(known)
+    if hi - lo < least_span:
+        middle = (lo + hi) / 2
+        lo, hi = middle - least_span / 2, middle + least_span / 2
+        if lo < 0:
+            lo, hi = 0.0, least_span
+        if hi > 1:
+            lo, hi = 1 - least_span, 1.0
+    pad = margin * (hi - lo)
+    return max(-0.02, lo - pad), min(1.02, hi + pad)
+
+
+def coincident(series: Mapping[str, Sequence[tuple[float, float]]], ytol: float,
+               xtol: float = 0.01) -> list[list[str]]:
+    """Groups (two or more, in ``series`` order) of series that would be drawn on top of each
+    other: the same number of points, each at the same x (relative ``xtol``) and within
+    ``ytol`` in y. ``series``: name -> (x, y) points in x order."""
+    def same(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> bool:
+        return len(a) == len(b) and all(abs(xa - xb) <= xtol * max(abs(xa), abs(xb)) and abs(ya - yb) <= ytol
+                                        for (xa, ya), (xb, yb) in zip(a, b, strict=True))
+
+    groups: list[list[str]] = []
+    for name, pts in series.items():
+        if not pts:
+            continue
+        home = next((g for g in groups if same(series[g[0]], pts)), None)
+        if home is None:
+            groups.append([name])
+        else:
+            home.append(name)
+    return [g for g in groups if len(g) > 1]
+
+
+def offsets(groups: Sequence[Sequence[str]], step: float = OVERLAP_OFFSET) -> dict[str, float]:
+    """The vertical offset (points) of each member of each coinciding group: spread evenly
+    around the curve, so each copy shows beside the others."""
+    return {name: (j - (len(g) - 1) / 2) * step for g in groups for j, name in enumerate(g)}
+
+
+def spread(positions: Sequence[float], sizes: Sequence[float], pad: float = 2.0) -> list[float]:
+    """Label bottoms (points) moved up as little as needed so that labels of ``sizes`` (their
+    heights) stacked from the lowest do not overlap: each starts ``pad`` above the one below."""
+    out = list(positions)
+    top = -math.inf
+    for i in sorted(range(len(positions)), key=lambda i: positions[i]):
+        out[i] = max(positions[i], top + pad)
+        top = out[i] + sizes[i]
+    return out
 
 
 def _positive(v: Any) -> bool:
@@ -75,11 +153,20 @@ def _interval(point: Mapping[str, Any], key: str) -> tuple[float, float]:
     return (float(lo) if _number(lo) else value, float(hi) if _number(hi) else value)
 
 
-def _draw_family(ax: Any, points: Sequence[Mapping[str, Any]], x_key: str, y_key: str, color: str, label: str,
-                 dashed: bool = False) -> int:
-    """One family's points on ``ax``: a line with its 95% band where there are two or more, a
-    marker with an error bar for a single point. Returns how many points had no place (no
-    positive x, no y)."""
+def _placed(points: Sequence[Mapping[str, Any]], x_key: str, y_key: str) -> list[tuple[float, float]]:
+    """The (x, y) of the points a log axis can place, in x order."""
+    return sorted((float(p[x_key]), float(p[y_key])) for p in points if _positive(p.get(x_key)) and _number(p.get(y_key)))
+
+
+def _draw_family(ax: Any, points: Sequence[Mapping[str, Any]], x_key: str, y_key: str, style: Style, label: str,
+                 dashed: bool = False, hollow: bool = False, offset: float = 0.0, line: str | None = None,
+                 band: bool = True) -> int:
+    """One family's points on ``ax`` in its ``style``: a line with its 95% band where there are
+    two or more, a marker with an error bar for a single point; ``dashed``: a second series of
+    the family (its accuracy beside its coverage), paler band; ``hollow``: open markers (points
+    measured on other problems); ``offset``: points up or down (a copy of a coinciding curve);
+    ``line``: a line style other than the family's; ``band``: False where a coinciding curve
+    already drew it. Returns how many points had no place (no positive x, no y)."""
     placed = sorted(((float(p[x_key]), p) for p in points if _positive(p.get(x_key)) and _number(p.get(y_key))),
                     key=lambda xp: xp[0])
     if not placed:
@@ -87,15 +174,49 @@ def _draw_family(ax: Any, points: Sequence[Mapping[str, Any]], x_key: str, y_key
     xs = [x for x, _ in placed]
     ys = [float(p[y_key]) for _, p in placed]
     bands = [_interval(p, y_key) for _, p in placed]
-    style = "--" if dashed else "-"
+    line = line or style.linestyle
+    shift = offset_copy(ax.transData, fig=ax.figure, y=offset, units="points") if offset else ax.transData
+    ax.update_datalim(list(zip(xs, ys, strict=True)))  # a line in an offset transform does not widen the axes itself
+    face = "white" if hollow else style.color
     if len(placed) > 1:
-        ax.plot(xs, ys, style, color=color, marker="o", markersize=4, linewidth=1.6, label=label)
-        ax.fill_between(xs, [b[0] for b in bands], [b[1] for b in bands], color=color, alpha=0.15 if not dashed else 0.07,
-                        linewidth=0)
+        ax.plot(xs, ys, linestyle=line, color=style.color, marker=style.marker, markersize=4.5, linewidth=1.6,
+                markerfacecolor=face, label=label, transform=shift, zorder=3)
+        if band:
+            ax.fill_between(xs, [b[0] for b in bands], [b[1] for b in bands], color=style.color,
+                            alpha=0.15 if not dashed else 0.07, linewidth=0)
     else:
-        ax.errorbar(xs, ys, yerr=[[ys[0] - bands[0][0]], [bands[0][1] - ys[0]]], fmt="s" if not dashed else "d",
-                    color=color, markersize=6, capsize=3, label=label)
+        ax.errorbar(xs, ys, yerr=[[ys[0] - bands[0][0]], [bands[0][1] - ys[0]]], fmt=style.marker, color=style.color,
+                    markersize=6.5, capsize=3, markerfacecolor=face, label=label, transform=shift, zorder=3)
     return len(points) - len(placed)
+
+
+def short_names(families: Sequence[str]) -> dict[str, str]:
+    """Each family by its strategy's name alone (``mbr``) where no other family has that
+    name, else in full (``best_of_n@scorer=logprob`` beside ``best_of_n@scorer=judge``)."""
+    heads = [f.split("@", 1)[0] for f in families]
+    return {f: h if heads.count(h) == 1 else f for f, h in zip(families, heads, strict=True)}
+
+
+def _label_overlaps(ax: Any, groups: Sequence[Sequence[str]], series: Mapping[str, Sequence[tuple[float, float]]],
+                    names: Mapping[str, str]) -> int:
+    """A label at the right end of each group of coinciding curves naming every member (the
+    legend alone cannot say that a line hides another), stacked so labels do not overlap.
+    Call after the limits are set (it places labels in points). Returns the labels drawn."""
+    if not groups:
+        return 0
+    ends = [series[g[0]][-1] for g in groups]
+    to_points = 72 / ax.figure.dpi
+    heights = [float(ax.transData.transform(end)[1]) * to_points for end in ends]
+    texts = [wrap_label("same curve: " + ", ".join(names.get(n, n) for n in g), 44) for g in groups]
+    sizes = [7.5 * (t.count("\n") + 1) + 3 for t in texts]
+    bottoms = spread([h + 6 for h in heights], sizes)
+    for text, end, h, bottom in zip(texts, ends, heights, bottoms, strict=True):
+        ax.annotate(text, xy=end, xytext=(-4, bottom - h), textcoords="offset points", ha="right", va="bottom",
+                    fontsize=6.5, color="#333333", zorder=6, annotation_clip=False,
+                    bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "#999999", "alpha": 0.65,
+                          "linewidth": 0.5},
+                    arrowprops={"arrowstyle": "-", "color": "#999999", "linewidth": 0.6})
+    return len(groups)
 
 
 def _draw_frontier(ax: Any, labels: Sequence[str], by_label: Mapping[str, Mapping[str, Any]], x_key: str) -> bool:
@@ -129,13 +250,20 @@ def _log_ticks(ax: Any, key: str) -> None:
     ax.xaxis.set_minor_formatter(NullFormatter())
 
 
-def _style_axes(ax: Any, xlabel: str, ylabel: str | None, key: str = "") -> None:
+def _ylim(points: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> tuple[float, float]:
+    """`fitted_ylim` over the points' values of ``keys`` and their intervals."""
+    bands = [_interval(p, k) for p in points for k in keys if _number(p.get(k))]
+    return fitted_ylim([lo for lo, _ in bands], [hi for _, hi in bands])
+
+
+def _style_axes(ax: Any, xlabel: str, ylabel: str | None, key: str = "",
+                ylim: tuple[float, float] = (-0.03, 1.03)) -> None:
     ax.set_xscale("log")
     _log_ticks(ax, key)
     ax.set_xlabel(xlabel, fontsize=9)
     if ylabel:
         ax.set_ylabel(ylabel, fontsize=9)
-    ax.set_ylim(-0.03, 1.03)
+    ax.set_ylim(*ylim)
     ax.grid(True, which="major", alpha=0.35)
     ax.grid(True, which="minor", alpha=0.12)
     ax.tick_params(labelsize=8)
@@ -166,32 +294,62 @@ def wrap_label(label: str, width: int = 40) -> str:
         if lines and len(lines[-1]) + len(part) <= width:
             lines[-1] += part
         else:
-            lines.append(part)
+            lines.append(part.lstrip() if lines else part)  # a new line does not start with the comma's space
     return "\n".join(lines)
 
 
+DEFAULT_STYLE = Style(PALETTE[0], MARKERS[0], LINESTYLES[0])
+
+
 def accuracy_figure(curves: Sequence[Mapping[str, Any]], frontier: Mapping[str, Sequence[str]],
-                    colors: Mapping[str, str]) -> tuple[str, int] | None:
+                    styles: Mapping[str, Style], outside: Sequence[Mapping[str, Any]] = ()) -> tuple[str, int] | None:
+    """`draw_accuracy` as a data URI, with its count of points left out."""
+    drawn = draw_accuracy(curves, frontier, styles, outside)
+    return None if drawn is None else (data_uri(drawn[0]), drawn[1])
+
+
+def draw_accuracy(curves: Sequence[Mapping[str, Any]], frontier: Mapping[str, Sequence[str]],
+                  styles: Mapping[str, Style], outside: Sequence[Mapping[str, Any]] = ()) -> tuple[Figure, int] | None:
     """Accuracy against each cost (output tokens, FLOPs, seconds; log x), one line per family
-    with its 95% band, the Pareto frontier of that cost ringed. Returns the figure and how
-    many (point, cost) pairs were left out for having no positive cost; None without points."""
+    in its style with its 95% band, the Pareto frontier of that cost ringed; y fitted to the
+    points and their intervals; curves that coincide drawn a little apart and labelled.
+    ``curves``: the points compared on one problem set; ``outside``: families' points measured
+    on other problems, drawn hollow and named as such (they are on no frontier). Returns the
+    figure and how many (point, cost) pairs were left out for having no positive cost; None
+    without points."""
     points = [p for c in curves for p in c.get("points") or ()]
-    if not points:
+    apart = [p for c in outside for p in c.get("points") or ()]
+    if not points and not apart:
         return None
     by_label = {p["label"]: p for p in points if "label" in p}
+    ylim = _ylim([*points, *apart], ("accuracy",))
     fig = Figure(figsize=(13, 4.3))
     axes = fig.subplots(1, len(COST_AXES), sharey=True)
     missing = 0
     for k, (ax, (key, xlabel)) in enumerate(zip(axes, COST_AXES, strict=True)):
+        series = {c["family"]: _placed(c.get("points") or (), key, "accuracy") for c in curves}
+        groups = coincident(series, OVERLAP_TOLERANCE * (ylim[1] - ylim[0]))
+        shift = offsets(groups)
         drawn = False
+        followers = {n for g in groups for n in g[1:]}
         for curve in curves:
             pts = curve.get("points") or []
-            left = _draw_family(ax, pts, key, "accuracy", colors.get(curve["family"], PALETTE[0]), curve["family"])
+            fam = curve["family"]
+            left = _draw_family(ax, pts, key, "accuracy", styles.get(fam, DEFAULT_STYLE), fam, offset=shift.get(fam, 0.0),
+                                band=fam not in followers)
+            missing += left
+            drawn = drawn or left < len(pts)
+        for curve in outside:
+            pts = curve.get("points") or []
+            counts = sorted({int(p["problems"]) for p in pts if _number(p.get("problems"))})
+            label = f"{curve['family']} (on {'/'.join(map(str, counts)) or '?'} problems: not compared)"
+            left = _draw_family(ax, pts, key, "accuracy", styles.get(curve["family"], DEFAULT_STYLE), label, hollow=True)
             missing += left
             drawn = drawn or left < len(pts)
         _draw_frontier(ax, frontier.get(key) or (), by_label, key)
         if drawn:
-            _style_axes(ax, xlabel, ACCURACY_LABEL if k == 0 else None, key)
+            _style_axes(ax, xlabel, ACCURACY_LABEL if k == 0 else None, key, ylim)
+            _label_overlaps(ax, groups, series, short_names(list(series)))
         else:
             ax.set_xlabel(xlabel, fontsize=9)
             ax.text(0.5, 0.5, "no positive cost measured", ha="center", va="center", transform=ax.transAxes,
@@ -201,37 +359,56 @@ def accuracy_figure(curves: Sequence[Mapping[str, Any]], frontier: Mapping[str, 
                 ax.set_ylabel(ACCURACY_LABEL, fontsize=9)
     fig.subplots_adjust(wspace=0.08, bottom=0.2)
     _legend_below(fig, axes)
-    return data_uri(fig), missing
+    return fig, missing
 
 
-def coverage_figure(curves: Sequence[Mapping[str, Any]], colors: Mapping[str, str]) -> str | None:
+def coverage_figure(curves: Sequence[Mapping[str, Any]], styles: Mapping[str, Style]) -> str | None:
+    """`draw_coverage` as a data URI."""
+    fig = draw_coverage(curves, styles)
+    return None if fig is None else data_uri(fig)
+
+
+def draw_coverage(curves: Sequence[Mapping[str, Any]], styles: Mapping[str, Style]) -> Figure | None:
     """Coverage (pass@k: some sample is correct) against samples k, solid with its band, and
-    the family's accuracy at the same k dashed: the gap between them is what the selection
-    (the vote, the scorer) loses. Families without k or coverage are left out; None when none
-    has them."""
+    the family's accuracy at the same k dotted: the gap between them is what the selection
+    (the vote, the scorer) loses. Families reading one pool have one coverage curve: it is
+    drawn once per family, a little apart, and labelled with every family it belongs to.
+    Families without k or coverage are left out; None when none has them."""
     fig = Figure(figsize=(7.5, 3.6))
     ax = fig.subplots()
-    drawn = False
+    kept = []
     for curve in curves:
         pts = [p for p in curve.get("points") or () if _positive(p.get("k")) and _number(p.get("coverage"))]
-        if not pts:
-            continue
-        color = colors.get(curve["family"], PALETTE[0])
-        _draw_family(ax, pts, "k", "coverage", color, f"{curve['family']} coverage")
-        _draw_family(ax, pts, "k", "accuracy", color, f"{curve['family']} accuracy", dashed=True)
-        drawn = True
-    if not drawn:
+        if pts:
+            kept.append((curve["family"], pts))
+    if not kept:
         return None
+    ylim = _ylim([p for _, pts in kept for p in pts], ("coverage", "accuracy"))
+    series: dict[str, list[tuple[float, float]]] = {}
+    for fam, pts in kept:
+        series[f"{fam} coverage"] = _placed(pts, "k", "coverage")
+        series[f"{fam} accuracy"] = _placed(pts, "k", "accuracy")
+    groups = coincident(series, OVERLAP_TOLERANCE * (ylim[1] - ylim[0]))
+    shift = offsets(groups)
+    followers = {n for g in groups for n in g[1:]}
+    for fam, pts in kept:
+        style = styles.get(fam, DEFAULT_STYLE)
+        for key, name, dashed in (("coverage", f"{fam} coverage", False), ("accuracy", f"{fam} accuracy", True)):
+            _draw_family(ax, pts, "k", key, style, name, dashed=dashed, offset=shift.get(name, 0.0),
+                         line=":" if dashed else "-", band=name not in followers)
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(FuncFormatter(_plain))
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("samples per problem k (log₂ scale)", fontsize=9)
     ax.set_ylabel("fraction of problems", fontsize=9)
-    ax.set_ylim(-0.03, 1.03)
+    ax.set_ylim(*ylim)
     ax.grid(True, alpha=0.35)
     ax.tick_params(labelsize=8)
+    short = short_names([fam for fam, _ in kept])
+    _label_overlaps(ax, groups, series, {f"{fam} {key}": f"{short[fam]} {key}" for fam, _ in kept
+                                         for key in ("coverage", "accuracy")})
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
-    return data_uri(fig)
+    return fig
 
 
 # (row field, legend, colour, line style, marker); compute-optimal wide and pale underneath, so
@@ -249,14 +426,26 @@ def selection_figure(rows: Sequence[Mapping[str, Any]]) -> str | None:
         return None
     fig = Figure(figsize=(7.5, 3.4))
     ax = fig.subplots()
+    series = {label: [(float(r["budget_flops"]), float(r[key])) for r in rows if _number(r.get(key))]
+              for key, label, *_ in SELECTION_LINES}
+    values = [y for pts in series.values() for _, y in pts]
+    ylim = fitted_ylim(values, values)
+    # compute-optimal is drawn wide underneath: only the baselines that coincide are set apart
+    groups = coincident({k: v for k, v in series.items() if k != SELECTION_LINES[0][1]},
+                        OVERLAP_TOLERANCE * (ylim[1] - ylim[0]))
+    shift = offsets(groups)
     for key, label, color, style, marker in SELECTION_LINES:
-        pts = [(float(r["budget_flops"]), float(r[key])) for r in rows if _number(r.get(key))]
+        pts = series[label]
         if not pts:
             continue
         wide = key == "accuracy"
+        moved = offset_copy(ax.transData, fig=fig, y=shift[label], units="points") if label in shift else ax.transData
+        ax.update_datalim(pts)  # a line drawn in an offset transform does not widen the axes itself
         ax.plot([x for x, _ in pts], [y for _, y in pts], style, marker=marker, markersize=9 if wide else 5, color=color,
-                label=label, linewidth=5 if wide else 1.5, alpha=0.3 if wide else 1.0, zorder=2 if wide else 3)
-    _style_axes(ax, "FLOPs budget per problem (FLOPs)", "held-out accuracy (fraction correct)", "flops")
+                label=label, linewidth=5 if wide else 1.5, alpha=0.3 if wide else 1.0, zorder=2 if wide else 3,
+                transform=moved)
+    _style_axes(ax, "FLOPs budget per problem (FLOPs)", "held-out accuracy (fraction correct)", "flops", ylim)
+    _label_overlaps(ax, groups, series, {})
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     return data_uri(fig)
 
