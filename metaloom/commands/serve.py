@@ -58,9 +58,10 @@ def run(args: argparse.Namespace) -> int:
     prefix_cache(args.prefix_cache_mb, None)  # validated before the load
     loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend, weights=args.weights)
     generator = LocalGenerator(loaded, prefix_cache=prefix_cache(args.prefix_cache_mb, loaded))
+    # configured before the app: it logs the pool sizes it chose
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = create_app(generator, model_ids=[args.served_model_name or args.model], api_key=args.api_key,
                      max_rows=args.max_rows, max_waiting=args.max_waiting, max_body_bytes=int(args.max_body_mb * (1 << 20)))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     serve(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout)
     return 0
 
