@@ -120,6 +120,19 @@ class RemoteError(MetaloomError):
         super().__init__(f"{where}{tries}: {message}")
 
 
+class ServerUnreachable(RemoteError):
+    """No connection to a remote server after the retries: refused, reset, or closed before or
+    while it answered (a server that is down or went away, never read as a feature it lacks or
+    a request it refused). ``message`` names the underlying cause. The CLI exits with status 3
+    (`metaloom.cli.EXIT_UNREACHABLE`), not 2 (bad input)."""
+
+    def __init__(self, url: str, message: str, status: int | None = None, *, attempts: int = 1,
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(url, message, status, attempts=attempts, param=param, code=code)
+        tries = f" (after {attempts} attempts)" if attempts > 1 else ""
+        self.args = (f"cannot reach the server at {url}{tries}: {message}",)
+
+
 class RemoteTimeout(RemoteError):
     """A remote request got no answer within its timeout (not retried: the server may still be
     working on it)."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from metaloom.constrain.spec import KINDS as CONSTRAINT_KINDS
-from metaloom.errors import InvalidParameter, RemoteError
+from metaloom.errors import InvalidParameter, RemoteError, ServerUnreachable
 from metaloom.generator.capabilities import SAMPLING_FIELDS, Capabilities
 from metaloom.generator.remote.transport import Json, Transport
 from metaloom.generator.remote.wire import OPENAI_SAMPLING, choices_of, logprob_entries, token_ids, top_entries
@@ -110,9 +110,13 @@ class Prober:
     async def accepts(self, path: str, body: Json, *, required: bool = False) -> Json | None:
         """The answer, or None where the server refuses the request (a 4xx). A feature probe
         (not ``required``) that fails otherwise — a 5xx after retries, a timeout — also means
-        "not served": a feature that breaks the server is not one to use."""
+        "not served": a feature that breaks the server is not one to use. A server that cannot
+        be reached (`ServerUnreachable`: down, or gone mid-probe) is that error, never a feature
+        it lacks."""
         try:
             data = await self.t.post(path, body)
+        except ServerUnreachable:
+            raise
         except RemoteError as exc:
             if not required or (exc.status is not None and 400 <= exc.status < 500):
                 return None
@@ -156,6 +160,8 @@ class Prober:
                 async with contextlib.aclosing(self.t.events(path, {**body, "max_tokens": 2, "stream": True,
                                                                     "stream_options": options})) as stream:
                     events = [e async for e in stream]
+            except ServerUnreachable:  # the server is gone, not the feature
+                raise
             except RemoteError:  # refused (or broken) with these options
                 continue
             continuous = any(e.get("choices") and isinstance(e.get("usage"), dict) for e in events)
@@ -190,8 +196,9 @@ def _choice(data: Json | None) -> Json:
 
 async def detect(t: Transport, model: str, local_ids: Callable[[str], Sequence[int]] | None = None) -> ServerFeatures:
     """Probe the server behind ``t`` for ``model`` (see the module docstring). Raises
-    `InvalidParameter` naming the model when the server does not list it, `RemoteError` when it
-    serves neither completion route or fails."""
+    `InvalidParameter` naming the model when the server does not list it, `ServerUnreachable`
+    when it cannot be reached (at the start or mid-probe), `RemoteError` when it serves neither
+    completion route or fails."""
     p = Prober(t, model, local_ids)
     await p.check_model()
     text_body: Json = {"model": model, "prompt": PROBE_TEXT, "max_tokens": 1, "temperature": 0.5}

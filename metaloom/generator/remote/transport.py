@@ -8,10 +8,11 @@ stop generating (a thread blocked in a sync read cannot be interrupted); and hun
 outstanding requests cost hundreds of tasks, not hundreds of threads. The `Generator` protocol
 stays synchronous: `EventLoopThread.run` submits a coroutine and waits for it.
 
-Retries (`RetryPolicy`): on 429 (honouring Retry-After), 5xx, a lost connection and an
-unreadable body; exponential backoff with jitter. Never on another 4xx (the request itself is
-wrong: a `RemoteError` carrying the server's message) nor on a timeout (a `RemoteTimeout`: the
-server may still be computing the answer, and a retry would double its load).
+Retries (`RetryPolicy`): on 429 (honouring Retry-After), 5xx, a lost connection (in the end a
+`ServerUnreachable`) and an unreadable body; exponential backoff with jitter. Never on another
+4xx (the request itself is wrong: a `RemoteError` carrying the server's message) nor on a
+timeout (a `RemoteTimeout`: the server may still be computing the answer, and a retry would
+double its load).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any, TypeVar
 
 import openai
 
-from metaloom.errors import InvalidParameter, RemoteError, RemoteTimeout
+from metaloom.errors import InvalidParameter, RemoteError, RemoteTimeout, ServerUnreachable
 
 T = TypeVar("T")
 Json = dict[str, Any]
@@ -146,7 +147,7 @@ def classify(exc: BaseException, url: str) -> Failure:
         return Failure(RemoteTimeout(url, "no answer within the timeout"), retry=False)
     if isinstance(exc, openai.APIConnectionError):
         cause = exc.__cause__ or exc
-        return Failure(RemoteError(url, f"connection failed: {type(cause).__name__}: {cause}"), retry=True)
+        return Failure(ServerUnreachable(url, f"connection failed: {type(cause).__name__}: {cause}"), retry=True)
     if isinstance(exc, openai.APIStatusError):
         status = exc.status_code
         message, param, code = server_message(exc.body, exc.message)
@@ -263,8 +264,8 @@ class Transport:
 
     def _mid_stream(self, path: str, exc: BaseException) -> RemoteError:
         error = classify(exc, self.url(path)).error
-        if error.status is None and isinstance(exc, openai.APIConnectionError):
-            return RemoteError(error.url, f"the stream broke off: {error.message}")
+        if isinstance(error, ServerUnreachable):
+            return ServerUnreachable(error.url, f"the stream broke off: {error.message}")
         return error
 
     @staticmethod
