@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from metaloom.errors import InvalidParameter, UnsupportedModel
-from metaloom.ledger import Ledger
+from metaloom.models.load import LoadedModel
 from metaloom.models.protocols import LanguageModel
 
 _TASKS = (
@@ -192,31 +192,9 @@ class Example:
     greedy: torch.Tensor | None = None
 
 
-def generate_answers(generator: object, prompts: Sequence[str], max_tokens: int, batch: int,
-                     ledger: Ledger | None = None, *, samples: int = 0, temperature: float = 0.8,
-                     seed: int = 0, log: Callable[[str], None] = lambda _: None) -> list[tuple[list[int], list[int]]]:
-    """Answers of the generator's model to chat ``prompts``: (prompt ids, answer ids). Greedy, or
-    with ``samples`` > 0 that many sampled answers a prompt (``temperature``, seeded): text in
-    the model's own distribution, which phase 2 labels with the model's argmax anyway."""
-    from metaloom.generator import LocalGenerator, Request
-    from metaloom.generator.plan import encode
-    from metaloom.sampling import SamplingParams
-
-    assert isinstance(generator, LocalGenerator)
-    ledger = ledger or Ledger()
-    out = []
-    per = max(1, batch // samples) if samples else batch
-    for i in range(0, len(prompts), per):
-        requests = []
-        for j, p in enumerate(prompts[i:i + per]):
-            params = (SamplingParams(temperature=temperature, n=samples, max_tokens=max_tokens, seed=seed + i + j)
-                      if samples else SamplingParams(temperature=0.0, max_tokens=max_tokens))
-            requests.append(Request.chat(p, params))
-        for request, completions in zip(requests, generator.generate(requests, ledger=ledger), strict=True):
-            ids = encode(generator, request.prompt)
-            out += [(ids, list(c.token_ids)) for c in completions]
-        log(f"  {min(i + per, len(prompts))}/{len(prompts)} prompts answered")
-    return out
+# (chat prompts, samples per prompt: 0 for one greedy answer, seed) -> (prompt ids, answer ids) per
+# answer: the engine that answers is the caller's (`metaloom train-speculator` runs the local one)
+Answerer = Callable[[Sequence[str], int, int], list[tuple[list[int], list[int]]]]
 
 
 _GROUNDED = (
@@ -303,36 +281,31 @@ def corpus_from(model: LanguageModel, model_name: str, answers: Sequence[tuple[l
                   model_name=model_name)
 
 
-def build_corpus(loaded: object, samples: int, max_tokens: int, *, batch: int = 32, documents: int = 64,
+def build_corpus(loaded: LoadedModel, answer: Answerer, samples: int, *, documents: int = 64,
                  heldout: float = 0.1, seed: int = 0, grounded: int = 0, sampled: int = 0,
                  log: Callable[[str], None] = lambda _: None) -> Corpus:
-    """Generate ``samples`` answers with ``loaded`` (a `LoadedModel`) and compute all hidden states.
+    """Answer ``samples`` prompts with ``answer`` (``loaded``'s own engine) and compute all hidden states.
 
     Prompts: a quarter from HumanEval / reasoning-gym when installed, the rest from the built-in
     list; then ``grounded`` input-grounded prompts over those answers (`grounded_prompts`),
     answered greedily too. With ``sampled`` > 0, that many sampled answers (T = 0.8) to every
     prompt besides (training text only, never held out). Phase 1 text: every prompt + answer and
     ``documents`` human-written documents (cut to 512 tokens)."""
-    from metaloom.generator import LocalGenerator
-    from metaloom.models.load import LoadedModel
-
-    assert isinstance(loaded, LoadedModel)
-    generator = LocalGenerator(loaded)
     extra = dataset_prompts(samples // 4, seed)
     prompts = extra + builtin_prompts(samples - len(extra), seed)
     random.Random(seed).shuffle(prompts)
     t0 = time.perf_counter()
-    answers = generate_answers(generator, prompts, max_tokens, batch, log=log)
+    answers = answer(prompts, 0, seed)
     if grounded:
         texts = [loaded.tokenizer.decode(a) for _, a in answers]
         extra_prompts = grounded_prompts(texts, grounded, seed)
         prompts += extra_prompts
-        answers += generate_answers(generator, extra_prompts, max_tokens, batch, log=log)
+        answers += answer(extra_prompts, 0, seed)
     log(f"generated {len(answers)} answers, {sum(len(a) for _, a in answers)} tokens in {time.perf_counter() - t0:.0f}s")
     docs = [loaded.tokenizer.encode(d)[:512] for d in human_text(documents, seed)]
     if sampled:
         t0 = time.perf_counter()
-        more = generate_answers(generator, prompts, max_tokens, batch, samples=sampled, seed=seed, log=log)
+        more = answer(prompts, sampled, seed)
         docs += [p + a for p, a in more]
         log(f"sampled {len(more)} answers, {sum(len(a) for _, a in more)} tokens in {time.perf_counter() - t0:.0f}s")
     t0 = time.perf_counter()
