@@ -15,9 +15,9 @@ from metaloom.decode.contrastive import (
     guidance_scores,
     truncated_llama,
 )
+from metaloom.decode.specs import ContrastiveParams, GuidanceParams
 from metaloom.errors import InvalidParameter, Unsupported
 from metaloom.generator import LocalGenerator, Request
-from metaloom.generator.specs import ContrastiveParams, GuidanceParams
 from metaloom.ledger import Ledger
 from metaloom.models.load import LoadedModel
 from metaloom.sampling import SamplingParams

@@ -152,7 +152,7 @@ def test_bad_requests_are_typed_errors_before_any_compute():
 
 def test_a_generator_refuses_what_it_cannot_do_naming_the_field():
     from metaloom.constrain import ConstraintSpec
-    from metaloom.generator.specs import BeamParams
+    from metaloom.decode.specs import BeamParams
 
     g = ScriptedGenerator({"q": ["a"]})
     for request, field in [(Request("q", constraint=ConstraintSpec.regex("a")), "constraint regex"),

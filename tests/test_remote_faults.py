@@ -10,10 +10,10 @@ import time
 
 import pytest
 
+from metaloom.decode.specs import BeamParams, ContrastiveParams
 from metaloom.errors import InvalidParameter, RemoteError, RemoteTimeout, Unsupported
 from metaloom.generator.remote import RemoteGenerator, RetryPolicy
 from metaloom.generator.remote.transport import retry_after
-from metaloom.generator.specs import BeamParams, ContrastiveParams
 from metaloom.generator.types import Request, TokenIds
 from metaloom.ledger import Budget, Ledger, Usage
 from metaloom.meta import FirstFinish

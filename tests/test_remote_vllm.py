@@ -40,10 +40,10 @@ import uuid
 import pytest
 
 from metaloom.constrain.spec import ConstraintSpec
+from metaloom.decode.specs import BeamParams, ContrastiveParams
 from metaloom.errors import Unsupported
 from metaloom.generator.remote import RemoteGenerator
 from metaloom.generator.remote.detect import VLLM_EXTRAS
-from metaloom.generator.specs import BeamParams, ContrastiveParams
 from metaloom.generator.types import Completion, Request, TokenIds
 from metaloom.ledger import Ledger
 from metaloom.meta import BestOfN, FirstFinish, MajorityVote

@@ -6,9 +6,9 @@ streaming), and on the real model equal to an uncached forward over the finished
 import pytest
 import torch
 
+from metaloom.decode.specs import BeamParams
 from metaloom.errors import InvalidParameter, Unsupported
 from metaloom.generator import LocalGenerator, Request, TokenIds
-from metaloom.generator.specs import BeamParams
 from metaloom.ledger import Ledger
 from metaloom.models.load import LoadedModel
 from metaloom.sampling import SamplingParams

@@ -1,5 +1,5 @@
 """Decoder flags shared by subcommands: ``--decoder NAME`` (a name in
-`metaloom.generator.specs.DECODERS`) and each decoder's options."""
+`metaloom.decode.specs.DECODERS`) and each decoder's options."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from metaloom.errors import InvalidParameter
 
 if TYPE_CHECKING:
-    from metaloom.generator.specs import DecoderSpec
+    from metaloom.decode.specs import DecoderSpec
     from metaloom.models.load import LoadedModel
     from metaloom.models.protocols import LanguageModel
     from metaloom.sampling import SamplingParams
@@ -19,7 +19,7 @@ LAYERS_PREFIX = "layers:"
 
 
 def add_decoder_args(p: argparse.ArgumentParser) -> None:
-    from metaloom.generator.specs import DECODERS
+    from metaloom.decode.specs import DECODERS
 
     p.add_argument("--decoder", default="sample", choices=sorted(DECODERS),
                    help="sample: the sampling pipeline (greedy at temperature 0); greedy; beam: beam search; "
@@ -40,7 +40,7 @@ def add_decoder_args(p: argparse.ArgumentParser) -> None:
 
 def decoder_spec(args: argparse.Namespace, params: SamplingParams) -> tuple[SamplingParams, DecoderSpec | None]:
     """(params, decoder spec) from the flags; validates before any model is loaded."""
-    from metaloom.generator.specs import DecoderOptions, build_decoder
+    from metaloom.decode.specs import DecoderOptions, build_decoder
 
     negative: str | tuple[dict[str, str], ...] | None = args.negative_prompt
     if args.negative_prompt is not None and not getattr(args, "raw", True):

@@ -38,7 +38,7 @@ import torch
 from metaloom.constrain import Constraint, batch_mask
 from metaloom.decode.rows import RowState, emit
 from metaloom.decode.select import most_likely
-from metaloom.generator.specs import BeamParams
+from metaloom.decode.specs import BeamParams
 from metaloom.ledger import Ledger
 from metaloom.models.forward import charged_forward
 from metaloom.models.protocols import KVCache, LanguageModel

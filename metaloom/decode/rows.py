@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from metaloom.decode.detok import IncrementalDetokenizer
+from metaloom.decode.specs import TopLogprobs
 from metaloom.models.protocols import Tokenizer
 
 if TYPE_CHECKING:
     from metaloom.constrain import Constraint
-    from metaloom.generator.types import TopLogprobs
 
 
 @dataclass

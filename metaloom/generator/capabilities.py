@@ -11,8 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from metaloom.constrain.spec import KINDS as CONSTRAINT_KINDS
+from metaloom.decode.specs import DECODER_NAMES
 from metaloom.errors import Unsupported
-from metaloom.generator.specs import DECODER_NAMES
 from metaloom.generator.types import Request, TokenIds
 from metaloom.sampling.params import SamplingParams
 

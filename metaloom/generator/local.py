@@ -22,10 +22,10 @@ from metaloom.decode.overhead import measure_overhead
 from metaloom.decode.prefill import prefill, prefill_cached, prefill_pair
 from metaloom.decode.rows import RowState
 from metaloom.decode.score import PromptPosition, prompt_logprobs, score_continuations, split_continuation
+from metaloom.decode.specs import BeamParams, ContrastiveParams
 from metaloom.errors import BudgetExceeded, InvalidParameter, Unsupported, UnsupportedModel
 from metaloom.generator.capabilities import FEATURES, Capabilities
 from metaloom.generator.plan import Plan, check_ids, encode, plan
-from metaloom.generator.specs import BeamParams, ContrastiveParams
 from metaloom.generator.types import Completion, Message, Prompt, Request, Scored, StreamChunk, TokenIds, check_prompt
 from metaloom.ledger import Ledger
 from metaloom.models.load import LoadedModel

@@ -16,8 +16,8 @@ import torch
 from metaloom.constrain import Constraint
 from metaloom.decode.batch import NewRow
 from metaloom.decode.healing import Prepared, prepare
+from metaloom.decode.specs import BeamParams, ContrastiveParams, GuidanceParams
 from metaloom.errors import ContextWindowExceeded, InvalidParameter
-from metaloom.generator.specs import BeamParams, ContrastiveParams, GuidanceParams
 from metaloom.generator.types import Prompt, Request, TokenIds
 from metaloom.ledger import Ledger
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from metaloom.constrain.spec import ConstraintSpec
+from metaloom.decode.specs import DecoderSpec, TopLogprobs
 from metaloom.errors import InvalidParameter
-from metaloom.generator.specs import DecoderSpec
 from metaloom.ledger import Ledger
 from metaloom.sampling.params import SamplingParams
 
@@ -58,7 +58,6 @@ class TokenIds:
 
 Prompt = str | tuple[Message, ...] | TokenIds
 
-TopLogprobs = tuple[tuple[int, float], ...]  # one position's most likely tokens: (token id, log-probability)
 
 
 def check_prompt(prompt: object) -> None:
@@ -100,7 +99,7 @@ class Request:
     the removed text (`metaloom.decode.healing`; not with a ``prefix``, which fixes where the
     answer starts). ``decoder``: None for the sampling pipeline (greedy at temperature 0), or a
     beam search / contrastive decoding / classifier-free guidance spec
-    (`metaloom.generator.specs`)."""
+    (`metaloom.decode.specs`)."""
 
     prompt: Prompt
     params: SamplingParams = field(default_factory=SamplingParams)

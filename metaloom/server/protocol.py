@@ -23,8 +23,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from metaloom.constrain.spec import ConstraintSpec
+from metaloom.decode.specs import DECODERS, DecoderOptions, build_decoder
 from metaloom.errors import InvalidParameter
-from metaloom.generator.specs import DECODERS, DecoderOptions, build_decoder
 from metaloom.generator.types import Request, TokenIds
 from metaloom.sampling.params import SamplingParams
 

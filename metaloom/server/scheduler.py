@@ -38,10 +38,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metaloom.decode.batch import DecodeBatch, Row
+from metaloom.decode.specs import BeamParams
 from metaloom.errors import BudgetExceeded, InvalidParameter, MetaloomError
 from metaloom.generator.local import LocalGenerator, chunks, completion
 from metaloom.generator.plan import plan
-from metaloom.generator.specs import BeamParams
 from metaloom.generator.types import Completion, Request, StreamChunk
 from metaloom.ledger import Ledger
 from metaloom.server.memory import trim

@@ -1,4 +1,5 @@
-"""What a request may ask of a decoder other than the sampling pipeline, as plain data.
+"""What a request may ask of a decoder other than the sampling pipeline, and the shape of the
+top log-probabilities a decoder records, as plain data.
 
 These specs travel in `metaloom.generator.types.Request.decoder`; they import no torch, so
 strategies, the server and remote generators can build and validate them. The local engine
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 
 from metaloom.errors import InvalidParameter
 from metaloom.sampling.params import SamplingParams
+
+TopLogprobs = tuple[tuple[int, float], ...]  # one position's most likely tokens: (token id, log-probability)
 
 
 @dataclass(frozen=True)
