@@ -32,6 +32,12 @@ def test_storage_bytes_counts_each_storage_once():
     assert storage_bytes([]) == 0
 
 
+def test_storage_bytes_counts_opaque_tensors_by_their_elements():
+    # oneDNN's packed weights (the dense bf16/f32 linear layers) have no storage to ask
+    packed = torch.zeros(8, 16).to_mkldnn()
+    assert storage_bytes({"w": packed, "same": packed, "b": torch.zeros(4)}) == 8 * 16 * 4 + 16
+
+
 def test_the_weights_figure_is_the_model_tensors():
     loaded = tiny_llama()
     m = loaded.model

@@ -30,13 +30,16 @@ def storage_bytes(obj: Any, max_depth: int = 8) -> int:
     """Bytes of every tensor (and numpy array) reachable from ``obj`` through dataclass fields,
     attributes, lists, tuples and dicts, each underlying storage counted once."""
     seen_objects: set[int] = set()
-    storages: dict[int, int] = {}
+    storages: dict[Any, int] = {}
 
     def walk(o: Any, depth: int) -> None:
         if depth > max_depth or id(o) in seen_objects:
             return
         seen_objects.add(id(o))
         if isinstance(o, torch.Tensor):
+            if o.layout != torch.strided or o.is_mkldnn:  # oneDNN's packed weights: an opaque tensor, no storage
+                storages[("opaque", id(o))] = o.numel() * o.element_size()
+                return
             s = o.untyped_storage()
             storages[s.data_ptr()] = max(storages.get(s.data_ptr(), 0), s.nbytes())
         elif isinstance(o, np.ndarray):
