@@ -18,9 +18,9 @@ from metaloom.eval.pool import attribute, model_row_flops
 from metaloom.eval.records import RECORDS, read_records
 from metaloom.eval.runner import Job, Outcome, Setup, local_executor, plan_sweep, run_sweep
 from metaloom.ledger import Usage
-from metaloom.meta.spec import check_spec, parse_spec
 from metaloom.meta.types import Event, Result
 from metaloom.testing.scripted import Say, ScriptedGenerator
+from metaloom.wiring.spec import check_spec, parse_spec
 
 QUESTIONS = {"What is 2+3?": "5", "What is 4+4?": "8", "What is 9-2?": "7"}
 # each question's scripted samples: the majority is right for the first two, wrong for the third

@@ -10,12 +10,12 @@ from metaloom.commands.run import parse_budget, strategy_config
 from metaloom.errors import InvalidParameter
 from metaloom.ledger import Budget
 from metaloom.meta import BestOfN, Chain, MajorityVote, Refine
-from metaloom.meta.configure import build_strategy
-from metaloom.meta.registry import STRATEGIES
 from metaloom.score.answers import ChoiceLetter, LastNumber, MathAnswer
 from metaloom.score.feedback import ScorerFeedback
 from metaloom.score.logprob import SequenceLogprob
 from metaloom.score.verifier import FunctionVerifier
+from metaloom.wiring.configure import build_strategy
+from metaloom.wiring.registry import STRATEGIES
 
 
 def test_build_converts_to_the_declared_types():
@@ -106,8 +106,8 @@ def test_budget_limits_are_typed_numbers():
 def test_a_budget_in_a_strategy_spec_reaches_run_and_the_server():
     import argparse
 
-    from metaloom.meta.spec import check_spec, parse_spec
     from metaloom.server.strategy import resolve_model
+    from metaloom.wiring.spec import check_spec, parse_spec
 
     spec = check_spec("majority_vote@n=3,budget.flops=8e12,budget.output_tokens=500")
     assert spec.budget() == Budget(flops=8e12, output_tokens=500) and parse_spec("majority_vote@n=3").budget() is None

@@ -1,7 +1,7 @@
 """Every strategy rejects every impossible parameter at construction, naming it (never clamps).
 
 One table: (strategy, keyword arguments, the parameter the `InvalidParameter` must name). A
-strategy registered in `metaloom.meta.registry` without rows here fails
+strategy registered in `metaloom.wiring.registry` without rows here fails
 `test_every_registered_strategy_is_in_the_table`."""
 
 import dataclasses
@@ -22,15 +22,15 @@ from metaloom.meta import (
     Refine,
     WeightedVote,
 )
-from metaloom.meta.configure import build_strategy
 from metaloom.meta.refine import REVISE
-from metaloom.meta.registry import STRATEGIES, resolve
 from metaloom.meta.single import Single
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.answers import LastNumber
 from metaloom.score.feedback import FunctionFeedback
 from metaloom.score.logprob import SequenceLogprob
 from metaloom.testing.scripted import ScriptedGenerator
+from metaloom.wiring.configure import build_strategy
+from metaloom.wiring.registry import STRATEGIES, resolve
 
 NAN, INF = float("nan"), float("inf")
 from metaloom.search.a_star import AStar  # noqa: E402

@@ -13,7 +13,6 @@ import pytest
 
 from metaloom.errors import InvalidParameter, ScorerFailed
 from metaloom.ledger import Budget, Ledger
-from metaloom.meta.configure import build_strategy
 from metaloom.sampling.params import SamplingParams
 from metaloom.search.a_star import AStar, a_star_cost
 from metaloom.search.aggregate import aggregate
@@ -24,6 +23,7 @@ from metaloom.search.mcts import MCTS, uct
 from metaloom.search.particle import ParticleFiltering, ess, resample, weights
 from metaloom.search.rebase import Rebase, rebase_widths
 from metaloom.testing.scripted import ScriptedGenerator, ScriptedStepScorer
+from metaloom.wiring.configure import build_strategy
 
 P = SamplingParams(temperature=0.8, max_tokens=64, seed=1)
 

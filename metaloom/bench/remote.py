@@ -248,7 +248,7 @@ class Metaloom:
         self.name, self.generator, self.metrics_url = name, generator, metrics_url
 
     def strategy(self, name: str, n: int, params: Any) -> Any:
-        from metaloom.meta.registry import EXTRACTORS, SCORERS, STRATEGIES, lookup
+        from metaloom.wiring.registry import EXTRACTORS, SCORERS, STRATEGIES, lookup
 
         extractor = lookup("extractor", EXTRACTORS, "last_number")()
         extra = {"scorer": lookup("scorer", SCORERS, "judge")(generator=self.generator)} if name == "best_of_n" else {}

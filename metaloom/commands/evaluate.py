@@ -77,7 +77,7 @@ def summary(records: list[Any], specs: tuple[str, ...]) -> dict[str, dict[str, A
     happened to draw; any other strategy's is what it answered."""
     from metaloom.eval.analysis.subsample import outcome
     from metaloom.eval.records import POOLED
-    from metaloom.meta.spec import parse_spec
+    from metaloom.wiring.spec import parse_spec
 
     out: dict[str, dict[str, Any]] = {}
     for spec in specs:

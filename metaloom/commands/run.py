@@ -1,7 +1,7 @@
 """`metaloom run --strategy NAME [--strategy.PARAM VALUE ...] PROMPT`: run a meta-strategy.
 
 Strategy parameters are the strategy dataclass's fields, converted to their declared types
-(`metaloom.meta.configure`). A field that holds a component (scorer, extractor, utility,
+(`metaloom.wiring.configure`). A field that holds a component (scorer, extractor, utility,
 feedback, inner strategy) takes a registry name, and ``--FIELD.PARAM VALUE`` configures that
 component (``--strategy.scorer reward_model --scorer.path ./rm``). Sampling flags
 (``--temperature``, ``--max-tokens``, ...) override the strategy's own sampling defaults
@@ -104,9 +104,9 @@ def strategy_config(args: argparse.Namespace) -> tuple[dict[str, str], dict[str,
     """(strategy params, component params by field, sampling overrides), checked before any
     model loads: the dotted values against the strategy's (and its components') fields and
     types, the sampling flags, then that a prompt was given."""
-    from metaloom.meta.configure import build_strategy
-    from metaloom.meta.spec import BUDGET, parse_spec
     from metaloom.sampling import SamplingParams
+    from metaloom.wiring.configure import build_strategy
+    from metaloom.wiring.spec import BUDGET, parse_spec
 
     dotted: list[Dotted] = getattr(args, "dotted", [])
     # --strategy takes a spec too (NAME@param=v,...: what `metaloom eval --select` prints);
@@ -148,9 +148,9 @@ def strategy_config(args: argparse.Namespace) -> tuple[dict[str, str], dict[str,
 def run(args: argparse.Namespace) -> int:
     from metaloom.generator import LocalGenerator
     from metaloom.ledger import Ledger
-    from metaloom.meta.configure import build_strategy
     from metaloom.models import load
     from metaloom.sampling import SamplingParams
+    from metaloom.wiring.configure import build_strategy
 
     params, groups, sampling = strategy_config(args)  # names, parameters, types, prompt: before the load
     budget = parse_budget(args.budget)

@@ -16,7 +16,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def type_name(t: Any) -> str:
-    from metaloom.meta.configure import kind_of
+    from metaloom.wiring.configure import kind_of
 
     kind = kind_of(t)
     if kind is not None:
@@ -31,8 +31,8 @@ def type_name(t: Any) -> str:
 
 
 def default_text(p: Any) -> str:
-    from metaloom.meta.configure import REQUIRED
     from metaloom.sampling import SamplingParams
+    from metaloom.wiring.configure import REQUIRED
 
     if p.factory is not None:
         try:
@@ -59,8 +59,8 @@ def summary(entry: Any) -> str:
 
 
 def describe(title: str, table: Mapping[str, Any], resolve: Callable[[Any], Any], prefix: str) -> list[str]:
-    from metaloom.meta.configure import is_generator, params_of
     from metaloom.sampling import SamplingParams
+    from metaloom.wiring.configure import is_generator, params_of
 
     lines = [f"{title}:"]
     for name in sorted(table):
@@ -81,7 +81,7 @@ def describe(title: str, table: Mapping[str, Any], resolve: Callable[[Any], Any]
 
 
 def run(args: argparse.Namespace) -> int:
-    from metaloom.meta import registry as r
+    from metaloom.wiring import registry as r
 
     out: list[str] = []
     out += describe("strategies (metaloom run --strategy NAME)", r.STRATEGIES, r.resolve, "strategy")

@@ -33,8 +33,8 @@ from metaloom.eval.lock import LOCK, sweep_lock
 from metaloom.eval.pool import attribute, candidates_of, model_row_flops, selection_of
 from metaloom.eval.records import CONFIG, POOLED, POOLS, RECORDS, TRACES, Record, read_records
 from metaloom.eval.tasks.base import Problem, Task
-from metaloom.meta.spec import Spec, check_spec
 from metaloom.wiring import engines
+from metaloom.wiring.spec import Spec, check_spec
 
 EXECUTORS = ("local", "ray")
 
@@ -181,7 +181,7 @@ class Worker:
 
     def run(self, job: Job) -> Outcome:
         from metaloom.ledger import Ledger
-        from metaloom.meta.spec import parse_spec
+        from metaloom.wiring.spec import parse_spec
 
         problem = self.problems[job.problem]
         spec = parse_spec(job.spec)
@@ -416,7 +416,7 @@ class Writer:
 def pending(sweep: Sweep, done: Mapping[tuple[str, str], Record]) -> list[Job]:
     """The jobs not yet recorded, problem by problem; a pooled job carries its problem's kept
     sample pools."""
-    from metaloom.meta.spec import parse_spec
+    from metaloom.wiring.spec import parse_spec
 
     pools: dict[str, str | None] = {}
 

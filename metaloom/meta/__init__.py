@@ -1,8 +1,8 @@
 """Meta-generators: strategies that call a `Generator` many times and use outside
 information (scorers, verifiers, feedback). A strategy never touches a tensor.
 
-Names -> classes live in `metaloom.meta.registry` (the edge); library users import the
-classes directly.
+Names -> classes live in `metaloom.wiring.registry` (the edge, above meta and search);
+library users import the classes directly.
 """
 
 from metaloom.meta.adaptive_vote import AdaptiveVote

@@ -25,8 +25,8 @@ from metaloom.score.protocols import Prompt, Utility
 
 
 def default_utility() -> Utility:
-    """chrF from `metaloom.score.utility` (imported when first needed)."""
-    from metaloom.meta.registry import make_utility
+    """chrF from `metaloom.score.utility` (imported when first needed: sacrebleu is optional)."""
+    from metaloom.score.utility import make_utility
 
     return make_utility("chrf")
 

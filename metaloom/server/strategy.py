@@ -28,7 +28,7 @@ class StrategyCall:
     trace: bool = False
 
     def __post_init__(self) -> None:
-        from metaloom.meta.configure import build_strategy
+        from metaloom.wiring.configure import build_strategy
 
         try:  # names, parameters, types and the strategy's own value checks, before any compute
             build_strategy(self.name, self.params, self.groups, {"dry": True})
@@ -39,7 +39,7 @@ class StrategyCall:
 
     def build(self, sampling: SamplingParams, generator: Any) -> Any:
         """The strategy, with the request's own sampling parameters (those it set) applied to it."""
-        from metaloom.meta.configure import build_strategy
+        from metaloom.wiring.configure import build_strategy
 
         strategy = build_strategy(self.name, self.params, self.groups, {"generator": generator})
         changed = {f.name: getattr(sampling, f.name) for f in dataclasses.fields(SamplingParams)
@@ -75,7 +75,7 @@ def resolve_model(model: str, served: tuple[str, ...], options: StrategyOptions 
                        "invalid_request_error", param="model", code="model_not_found")
     if options is not None:
         raise InvalidParameter("metaloom", "set", f"unset when the model alias {model!r} names the strategy")
-    from metaloom.meta.spec import BUDGET, parse_spec
+    from metaloom.wiring.spec import BUDGET, parse_spec
 
     spec = parse_spec(name, "model")
     params: dict[str, str] = {**spec.params, **{f"{g}.{k}": v for g, ps in spec.groups.items() if g != BUDGET

@@ -26,7 +26,7 @@ import numpy as np
 from metaloom.errors import InvalidParameter
 from metaloom.eval.analysis.subsample import COSTS, outcome
 from metaloom.eval.records import POOLED, Record
-from metaloom.meta.spec import Spec, parse_spec
+from metaloom.wiring.spec import Spec, parse_spec
 
 
 def spec_n(spec: Spec) -> int | None:

@@ -59,7 +59,7 @@ from metaloom.errors import InvalidParameter
 from metaloom.eval.analysis.curves import Point, latest
 from metaloom.eval.analysis.subsample import COSTS, subset_cost
 from metaloom.eval.records import POOLED, Record
-from metaloom.meta.spec import parse_spec
+from metaloom.wiring.spec import parse_spec
 
 BASELINES = ("majority_vote", "best_of_n")
 VOTES = ("majority_vote", "weighted_vote")

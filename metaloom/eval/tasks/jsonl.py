@@ -5,7 +5,7 @@ Fields of a line:
 - ``prompt`` (required): a string, or chat messages ``[{"role": ..., "content": ...}, ...]``
   (roles system, user, assistant; at least one user message);
 - ``answer``: the expected answer, graded by an extractor's equivalence (``extractor``: a name
-  from `metaloom.meta.registry.EXTRACTORS` that needs no arguments; default ``math``): the
+  from `metaloom.wiring.registry.EXTRACTORS` that needs no arguments; default ``math``): the
   extracted answer of the output is ``same`` as the extracted answer (or, where it extracts
   none, the text) of ``answer``;
 - ``scorer``: instead, a grader by name: ``exact`` (the whole output, whitespace collapsed,
@@ -64,7 +64,7 @@ def _bad(path: str, line: int, what: str, value: Any, allowed: str) -> InvalidPa
 def usable_extractors() -> dict[str, Extractor]:
     """The registered extractors a line can name: those built without arguments
     (``code_tests`` needs tests, so it is not one)."""
-    from metaloom.meta.registry import EXTRACTORS, resolve
+    from metaloom.wiring.registry import EXTRACTORS, resolve
 
     out = {}
     for name, entry in EXTRACTORS.items():
@@ -76,8 +76,8 @@ def usable_extractors() -> dict[str, Extractor]:
 
 
 def _puzzle_scorer(name: str) -> Scorer:
-    from metaloom.meta.registry import SCORERS as REGISTERED
-    from metaloom.meta.registry import lookup
+    from metaloom.wiring.registry import SCORERS as REGISTERED
+    from metaloom.wiring.registry import lookup
 
     return lookup("scorer", REGISTERED, name)()
 

@@ -24,9 +24,9 @@ from typing import Any
 
 from metaloom.errors import InvalidParameter
 from metaloom.generator.types import Generator
-from metaloom.meta.registry import KINDS, STRATEGIES, lookup
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.verifier import load_callable
+from metaloom.wiring.registry import KINDS, STRATEGIES, lookup
 
 REQUIRED: Any = inspect.Parameter.empty
 HIDDEN = frozenset({"name", "self", "cls"})  # labels, not behaviour
@@ -184,7 +184,7 @@ def _component_fields(table: Mapping[str, Any], name: str, params: Mapping[str, 
     """The field names that choose a component, recursively, so stray groups are caught."""
     if name not in table:
         return set()
-    from metaloom.meta.registry import resolve
+    from metaloom.wiring.registry import resolve
 
     used: set[str] = set()
     for p in params_of(resolve(table[name])):

@@ -134,7 +134,7 @@ def make_utility(name: str, **kwargs: Any) -> Utility:
     return lookup("utility", utilities(), name)(**kwargs)
 
 
-# which registry fills a parameter of each component type (used by `metaloom.meta.configure`)
+# which registry fills a parameter of each component type (used by `metaloom.wiring.configure`)
 KINDS: dict[Any, tuple[str, Callable[[], Mapping[str, Entry]]]] = {
     Strategy: ("strategy", lambda: STRATEGIES),
     Scorer: ("scorer", lambda: SCORERS),

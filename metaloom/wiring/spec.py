@@ -37,7 +37,7 @@ class Spec:
     def build(self, context: Mapping[str, Any]) -> Any:
         """The strategy object (``context`` as `build_strategy` takes it: ``{"generator": g}``
         or ``{"dry": True}`` to check names, parameters and types only)."""
-        from metaloom.meta.configure import build_strategy
+        from metaloom.wiring.configure import build_strategy
 
         groups = {g: dict(p) for g, p in self.groups.items() if g != BUDGET}
         return build_strategy(self.name, dict(self.params), groups, context)
