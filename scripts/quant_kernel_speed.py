@@ -1,4 +1,4 @@
-"""Microbenchmark of the quantised matmul kernels (metaloom/models/quant.c); not a test.
+"""Microbenchmark of the quantised matmul kernels (metaloom/models/kernels/quant.c); not a test.
 
     python scripts/quant_kernel_speed.py [--types Q4_1,Q8_0] [--reps 15] [--no-rows]
 
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from metaloom.bench.timing import copy_bandwidth_gbs
-from metaloom.models.quant import BY_NAME, QTYPES, QuantWeight, kernels
+from metaloom.models.kernels.quant import BY_NAME, QTYPES, QuantWeight, kernels
 
 SHAPES = {  # (model, weight): [out, in]
     ("SmolLM2-135M", "qkv"): (960, 576),

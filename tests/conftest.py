@@ -9,7 +9,7 @@ os.environ.setdefault("METALOOM_SANDBOX_WEAK", "1")
 import pytest
 import torch
 
-from metaloom.models import isa
+from metaloom.models.kernels import isa
 
 # the aarch64 builds under qemu: `make test-aarch64` (it sets this), not the main suite
 collect_ignore = [] if os.environ.get("METALOOM_AARCH64") else ["aarch64"]
@@ -18,7 +18,7 @@ collect_ignore = [] if os.environ.get("METALOOM_AARCH64") else ["aarch64"]
 @pytest.fixture(params=isa.runnable())
 def kernel_path(request):
     """The instruction-set path of metaloom's C kernels a test runs on: once for each one this
-    CPU runs (`metaloom.models.isa`: avx512, avx2 and generic on an AVX-512 x86, avx2 and
+    CPU runs (`metaloom.models.kernels.isa`: avx512, avx2 and generic on an AVX-512 x86, avx2 and
     generic on an AVX2 one, neon and generic on aarch64), as ``METALOOM_ISA`` would force it."""
     with isa.using(request.param):
         yield request.param

@@ -212,7 +212,7 @@ def test_systems_from_arguments(tmp_path):
 
 def test_kernel_paths_give_a_row_each_with_the_path_forced_and_the_libraries_capped(tmp_path):
     from metaloom.errors import UnsupportedISA
-    from metaloom.models import isa
+    from metaloom.models.kernels import isa
 
     paths = isa.runnable()
     args = parse("--peers", "llama.cpp", "--weights", "native", "--dtypes", "float32", "--isa", ",".join(paths),

@@ -1,4 +1,4 @@
-"""The fused CPU decode kernels (metaloom.models.fused): each kernel against the PyTorch ops it
+"""The fused CPU decode kernels (metaloom.models.kernels.fused): each kernel against the PyTorch ops it
 replaces, a model's one-token steps through them against the same model without them, and a
 clear reason (or typed error) where they cannot be had. Every test runs once per instruction-set
 path this CPU runs (the ``kernel_path`` fixture)."""
@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from metaloom.errors import InvalidParameter
-from metaloom.models.config import LlamaConfig
-from metaloom.models.fused import build, kernels, unsupported_reason
-from metaloom.models.llama import LayerWeights, LlamaModel
-from metaloom.models.rope import apply_rope, rope_tables
+from metaloom.models.engine.config import LlamaConfig
+from metaloom.models.engine.llama import LayerWeights, LlamaModel
+from metaloom.models.engine.rope import apply_rope, rope_tables
+from metaloom.models.kernels.fused import build, kernels, unsupported_reason
 
 CPU = torch.device("cpu")
 KERNELS = kernels().kernels
@@ -255,7 +255,7 @@ def test_a_model_that_cannot_take_the_kernels_refuses_them():
 
 
 def test_step_path_says_how_and_why():
-    from metaloom.models.fused import step_path
+    from metaloom.models.kernels.fused import step_path
 
     plain = _tiny()
     assert step_path(object()).startswith("PyTorch ops: object is not the native model")
@@ -281,7 +281,7 @@ class _Counting:
 @needs
 @pytest.mark.parametrize("parallel_from", [10**9, 0])  # one thread; every step split over threads
 def test_fused_steps_over_forked_rows_equal_pytorch_steps(monkeypatch, parallel_from):
-    import metaloom.models.llama as llama
+    import metaloom.models.engine.llama as llama
 
     monkeypatch.setattr(llama, "PARALLEL_MIN_KEYS", parallel_from)
     plain = _tiny()

@@ -9,8 +9,8 @@ import torch
 from metaloom.errors import InvalidParameter, NoSpeculatorHeads, NotAModel, UnsupportedModel
 from metaloom.generator import LocalGenerator, Request, TokenIds
 from metaloom.ledger import Ledger
-from metaloom.models.config import LlamaConfig
-from metaloom.models.llama import LlamaModel
+from metaloom.models.engine.config import LlamaConfig
+from metaloom.models.engine.llama import LlamaModel
 from metaloom.models.load import LoadedModel
 from metaloom.sampling import SamplingParams
 from metaloom.sampling.pipeline import make_sampler

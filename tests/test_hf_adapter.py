@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from metaloom.errors import CacheFull, ContextWindowExceeded, InvalidParameter, NotAModel
-from metaloom.models.hf_adapter import HFCache, HFModel
+from metaloom.models.engine.hf_adapter import HFCache, HFModel
 from metaloom.models.protocols import KVCache, LanguageModel
 
 TOL = 1e-4
@@ -229,8 +229,8 @@ def test_truncate_then_append_equals_never_appending(tiny, name):
 
 
 def _native(folder):
-    from metaloom.models.config import LlamaConfig
-    from metaloom.models.llama import LlamaModel
+    from metaloom.models.engine.config import LlamaConfig
+    from metaloom.models.engine.llama import LlamaModel
     from metaloom.models.load import load_state_dict
 
     with open(folder / "config.json") as f:

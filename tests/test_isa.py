@@ -1,4 +1,4 @@
-"""Instruction-set paths of the C kernels (`metaloom.models.isa`, `metaloom.models.cbuild`):
+"""Instruction-set paths of the C kernels (`metaloom.models.kernels.isa`, `metaloom.models.kernels.cbuild`):
 which paths a CPU runs, ``METALOOM_ISA`` forcing one (a typed error naming what the CPU has when
 it cannot), the flags that build each, a compiler that lacks a path's flags falling to the next
 path with the reason, and the path reported where users see it."""
@@ -12,10 +12,10 @@ import sys
 import pytest
 
 from metaloom.errors import UnsupportedISA
-from metaloom.models import isa
-from metaloom.models.cbuild import build_library, compiler
-from metaloom.models.fused import SOURCE as FUSED_SOURCE
-from metaloom.models.fused import _bind as fused_bind
+from metaloom.models.kernels import isa
+from metaloom.models.kernels.cbuild import build_library, compiler
+from metaloom.models.kernels.fused import SOURCE as FUSED_SOURCE
+from metaloom.models.kernels.fused import _bind as fused_bind
 
 AVX2_CPU = frozenset({"sse2", "avx", "avx2", "fma", "f16c"})
 AVX512_CPU = AVX2_CPU | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}

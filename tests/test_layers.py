@@ -21,7 +21,7 @@ LAYERS = (
     ("score",),
     ("meta",),
     ("search",),
-    ("wiring",),  # names -> objects: the strategy registry, configure, spec strings, engines
+    ("wiring", "present"),  # names -> objects (registry, configure, specs, engines); how traces and figures read
     ("eval", "server", "testing"),
     ("bench",),
     ("commands",),

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from metaloom.errors import CacheFull, ContextWindowExceeded, InvalidParameter
-from metaloom.models.config import LlamaConfig
-from metaloom.models.llama import LlamaModel
+from metaloom.models.engine.config import LlamaConfig
+from metaloom.models.engine.llama import LlamaModel
 from metaloom.models.load import load_state_dict
 
 TOL = 1e-3

@@ -1,4 +1,4 @@
-"""Native weights (`metaloom.models.native`): the default model's GGUF blocks kept as they are
+"""Native weights (`metaloom.models.engine.native`): the default model's GGUF blocks kept as they are
 and multiplied by the quantised kernels, against the same weights dequantised. The tests of the
 arithmetic run once per instruction-set path this CPU runs (``on_path``: the quantised and the
 fused kernels of that path)."""
@@ -17,9 +17,9 @@ import torch
 
 from metaloom.errors import InvalidParameter
 from metaloom.models import load
-from metaloom.models.llama import Concat, LlamaModel
-from metaloom.models.native import Choice, blocks_path, choose, read_blocks, recorded_choice
-from metaloom.models.quant import QuantWeight
+from metaloom.models.engine.llama import Concat, LlamaModel
+from metaloom.models.engine.native import Choice, blocks_path, choose, read_blocks, recorded_choice
+from metaloom.models.kernels.quant import QuantWeight
 
 METALOOM = os.path.join(os.path.dirname(sys.executable), "metaloom")
 PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "def fibonacci(n):",
@@ -36,7 +36,7 @@ def native(smollm):
 def on_path(native, kernel_path):
     """``native`` running the kernels of the path under test: the quantised ones are looked up per
     call, the fused ones are bound to the model, so rebound here."""
-    from metaloom.models import fused, quant
+    from metaloom.models.kernels import fused, quant
 
     f, q = fused.kernels().kernels, quant.kernels().kernels
     if f is None or q is None:
@@ -123,8 +123,8 @@ def test_native_bfloat16_activations(smollm, kernel_path):
 
 
 def test_mixed_types_stack_into_a_concat():
-    from metaloom.models.llama import stack
-    from metaloom.models.quant import quantize
+    from metaloom.models.engine.llama import stack
+    from metaloom.models.kernels.quant import quantize
 
     w = torch.randn(64, 64)
     a, b = quantize(w[:32], Q8_0), quantize(w[32:], 2)  # Q8_0 and Q4_0
@@ -200,7 +200,7 @@ def test_auto_default_loads_what_was_recorded(tmp_path, monkeypatch, smollm):
     """load(weights=None) follows the recorded choice for this file, dtype and machine."""
     import importlib
 
-    from metaloom.models import native as native_mod
+    from metaloom.models.engine import native as native_mod
     from metaloom.models.load import _fingerprint, default_model_path
 
     load_mod = importlib.import_module("metaloom.models.load")  # the package's `load` is the function

@@ -1,4 +1,4 @@
-"""Packed CPU weights (metaloom.models.packed): the same products as the plain kernels, for any
+"""Packed CPU weights (metaloom.models.kernels.packed): the same products as the plain kernels, for any
 row count, and a packed model that decodes like the plain one; bfloat16 packed only where oneDNN
 has bfloat16 kernels for the CPU, metaloom's own bfloat16 kernel (`Bf16Linear`) elsewhere. Every
 test runs once per instruction-set path this CPU runs (``kernel_path``: a path forced below
@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from metaloom.errors import InvalidParameter
-from metaloom.models import isa
-from metaloom.models.config import LlamaConfig
-from metaloom.models.llama import LlamaModel, dense_weight, plain_weight
-from metaloom.models.packed import Bf16Linear, PackedLinear, bf16_gemm, own_bf16, pack, packing_available
+from metaloom.models.engine.config import LlamaConfig
+from metaloom.models.engine.llama import LlamaModel, dense_weight, plain_weight
+from metaloom.models.kernels import isa
+from metaloom.models.kernels.packed import Bf16Linear, PackedLinear, bf16_gemm, own_bf16, pack, packing_available
 from metaloom.testing.tiny import random_weights
 
 CPU = torch.device("cpu")

@@ -9,7 +9,7 @@ import torch
 from metaloom.errors import InvalidParameter, UnsupportedModel
 from metaloom.generator import LocalGenerator, Request
 from metaloom.ledger import Ledger
-from metaloom.models.cache import KVPool, PagedKVCache
+from metaloom.models.engine.cache import KVPool, PagedKVCache
 from metaloom.models.load import LoadedModel
 from metaloom.prefix import PrefixCache
 from metaloom.sampling import SamplingParams

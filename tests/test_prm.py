@@ -1,4 +1,4 @@
-"""Process reward models as step scorers (`metaloom.score.prm`, `metaloom.models.prm`): tiny
+"""Process reward models as step scorers (`metaloom.score.prm`, `metaloom.models.scorers.prm`): tiny
 random models in both public conventions, saved locally, against transformers run by hand on
 one unpadded input per partial solution."""
 

@@ -1,4 +1,4 @@
-"""The block-quantised matmul kernels (metaloom.models.quant, quant.c) against gguf's own numpy
+"""The block-quantised matmul kernels (metaloom.models.kernels.quant, quant.c) against gguf's own numpy
 dequantisers: every type, odd sizes, batches, threads, bfloat16, the PyTorch fallback, the
 quantisers, real blocks from the default model's GGUF, and typed errors for bad input.
 
@@ -25,9 +25,9 @@ import pytest
 import torch
 
 from metaloom.errors import InvalidParameter, UnsupportedModel
-from metaloom.models import isa, quant
-from metaloom.models.packed import bf16_gemm
-from metaloom.models.quant import CROSSOVER_ROWS, QTYPES, QuantWeight, build, dequantize_torch, from_gguf, kernels
+from metaloom.models.kernels import isa, quant
+from metaloom.models.kernels.packed import bf16_gemm
+from metaloom.models.kernels.quant import CROSSOVER_ROWS, QTYPES, QuantWeight, build, dequantize_torch, from_gguf, kernels
 
 AVAILABLE = kernels()
 KERNELS = AVAILABLE.kernels

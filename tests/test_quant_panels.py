@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from metaloom.errors import InvalidParameter
-from metaloom.models import isa, quant
-from metaloom.models.quant import QuantWeight, kernels, unpanel_numpy
+from metaloom.models.kernels import isa, quant
+from metaloom.models.kernels.quant import QuantWeight, kernels, unpanel_numpy
 from tests.test_quant_kernels import U, random_blocks, reference, weight
 
 KERNELS = kernels().kernels

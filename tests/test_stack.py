@@ -1,4 +1,4 @@
-"""Every layer of a one-token step in one C call (`metaloom.models.stack`, fused.c's
+"""Every layer of a one-token step in one C call (`metaloom.models.engine.stack`, fused.c's
 ``decode_layers``): the same bits as the model's Python loop over the same kernels, for native
 quantised weights (float32 and bfloat16 activations), metaloom's own bfloat16 products, a model
 with a q/k/v bias, forked rows of different lengths; and the Python loop where the call does not
@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from metaloom.models import fused, load, quant
-from metaloom.models.config import LlamaConfig
-from metaloom.models.llama import Concat, LlamaModel
-from metaloom.models.packed import Bf16Linear
+from metaloom.models import load
+from metaloom.models.engine.config import LlamaConfig
+from metaloom.models.engine.llama import Concat, LlamaModel
+from metaloom.models.kernels import fused, quant
+from metaloom.models.kernels.packed import Bf16Linear
 from metaloom.testing.tiny import random_weights
 
 pytestmark = pytest.mark.usefixtures("kernel_path")

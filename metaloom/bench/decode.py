@@ -8,8 +8,8 @@ vLLM (``--vllm VENV``, bfloat16, on the converted transformers folder) when ``--
 them (default: transformers only). All get the same thread count and the same prompt token ids.
 
 Kernel paths: ``--isa avx2,avx512`` runs each metaloom row once per instruction-set path
-(``METALOOM_ISA``, `metaloom.models.isa`), with PyTorch's, oneDNN's and MKL's own dispatch capped
-at the same instruction set (`metaloom.models.isa.library_env`), so an AVX-512 machine measures
+(``METALOOM_ISA``, `metaloom.models.kernels.isa`), with PyTorch's, oneDNN's and MKL's own dispatch capped
+at the same instruction set (`metaloom.models.kernels.isa.library_env`), so an AVX-512 machine measures
 what an AVX2 user gets; ``--llama-cpp-avx2 VENV`` adds llama.cpp built for AVX2 alone. Every row
 says which path its kernels ran.
 
@@ -71,7 +71,7 @@ def options(args: argparse.Namespace) -> tuple[list[str], list[str], list[str]]:
 def isa_paths(args: argparse.Namespace) -> list[str | None]:
     """The kernel paths to run metaloom on (None: the process's own choice); a name that is no
     path, or one this CPU lacks, is an `UnsupportedISA` before anything loads."""
-    from metaloom.models import isa
+    from metaloom.models.kernels import isa
 
     names = _names("isa", args.isa or "", isa.NAMES)
     for name in names:
@@ -117,7 +117,7 @@ def gguf_weight_bytes(path: str, kept: frozenset[int] | None = None) -> tuple[in
 def _kept_types() -> frozenset[int] | None:
     """The ggml types native weights keep quantised (None: not known in this build)."""
     try:
-        from metaloom.models.native import kept_types
+        from metaloom.models.engine.native import kept_types
 
         return kept_types()
     except ImportError:
@@ -126,7 +126,7 @@ def _kept_types() -> frozenset[int] | None:
 
 def cases(args: argparse.Namespace, folder: str) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """The workers' case specs (same prompt token ids for every system) and their labels."""
-    from metaloom.models.tokenizer import HFTokenizer
+    from metaloom.models.engine.tokenizer import HFTokenizer
 
     tok = HFTokenizer(folder)
     greedy_ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": GREEDY_PROMPT}]), add_special_tokens=False)
@@ -149,7 +149,7 @@ def systems(args: argparse.Namespace, folder: str, gguf: str | None, quant: str,
     import importlib.util
 
     import metaloom
-    from metaloom.models import isa
+    from metaloom.models.kernels import isa
 
     dtypes, weights, peers = options(args)
     skipped: dict[str, str] = {}
@@ -251,7 +251,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from metaloom.bench.timing import copy_bandwidth_gbs
-    from metaloom.models import isa
+    from metaloom.models.kernels import isa
     from metaloom.models.load import pick_device, resolve
 
     options(args)  # bad names fail before anything loads

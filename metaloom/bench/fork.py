@@ -1,6 +1,6 @@
 """`metaloom bench fork`: what forking costs — 64 branches of a 2,000-token prefix, each
 decoding 32 tokens, with forks that share the prefix's keys and values (the KV pool's slot
-tables, `metaloom.models.cache`) against forks that copy them (what a dense per-row cache
+tables, `metaloom.models.engine.cache`) against forks that copy them (what a dense per-row cache
 does). The same model, the same decode steps (greedy, one forward per step for all branches),
 alternated within each repeat; medians over repeats.
 
@@ -24,7 +24,7 @@ import torch
 from metaloom.bench import model_args, single_weights
 from metaloom.errors import InvalidParameter
 from metaloom.models import load
-from metaloom.models.cache import PagedKVCache
+from metaloom.models.engine.cache import PagedKVCache
 
 
 def copied(cache: PagedKVCache, rows: list[int]) -> PagedKVCache:

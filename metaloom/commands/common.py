@@ -152,11 +152,11 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def kernel_usage(loaded: object) -> dict[str, str]:
     """``{"isa": path}``: the instruction-set path metaloom's CPU kernels ran for a local model on
-    the CPU (`metaloom.models.isa`; "none: why" where they could not be built); {} otherwise."""
+    the CPU (`metaloom.models.kernels.isa`; "none: why" where they could not be built); {} otherwise."""
     model = getattr(loaded, "model", None)
     if model is None or str(getattr(model, "device", "cpu")) != "cpu":
         return {}
-    from metaloom.models.quant import kernels
+    from metaloom.models.kernels.quant import kernels
 
     available = kernels()
     return {"isa": available.kernels.isa if available.kernels is not None else f"none: {available.reason}"}

@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     model = loaded.model
     identity = HeadsConfig(0, 0, 0, 0, 0, model_name=loaded.name, signature=model_signature(model),
                            probe=model_probe(model))
-    from metaloom.models.llama import dense_weight
+    from metaloom.models.engine.llama import dense_weight
 
     embed, lm_head = model.embed.float().cpu(), dense_weight(model.lm_head).float().cpu()  # type: ignore[attr-defined]
     phase2_examples = corpus.answers + (corpus.texts if args.phase2_text == "all" else [])

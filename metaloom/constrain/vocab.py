@@ -55,7 +55,7 @@ class _ProtocolTokenizerAdapter:
 
 def _tokenizer_json(tokenizer: Any) -> str | None:
     """The serialized HF `tokenizers` tokenizer behind ``tokenizer``, if it has one."""
-    rust = getattr(tokenizer, "_tok", tokenizer)  # metaloom.models.tokenizer.HFTokenizer keeps it there
+    rust = getattr(tokenizer, "_tok", tokenizer)  # metaloom.models.engine.tokenizer.HFTokenizer keeps it there
     to_str = getattr(rust, "to_str", None)
     return to_str() if callable(to_str) else None
 

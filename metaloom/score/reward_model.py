@@ -3,7 +3,7 @@ from a local folder (Cobbe et al. 2021 verifiers; Stiennon et al. 2020 reward mo
 
 The score is the logit of ``label`` — the reward itself for a one-label regression head (the
 usual reward model), or the log-probability of ``label`` for a classifier ("correct" vs not).
-The model runs in `metaloom.models.classifier`; this scorer sees only text and numbers.
+The model runs in `metaloom.models.scorers.classifier`; this scorer sees only text and numbers.
 
 Cost: one scorer call per `score`, plus wall-clock seconds; the reward model's own tokens and
 forwards are *not* added to the generator's token counts (they are a different model).
@@ -34,7 +34,7 @@ class RewardModel:
     def load(cls, path: str, *, device: str = "cpu", label: int = -1, batch_size: int = 8,
              max_length: int = 2048) -> RewardModel:
         """An outcome reward model: a transformers sequence classifier from a local folder."""
-        from metaloom.models.classifier import SequenceClassifier
+        from metaloom.models.scorers.classifier import SequenceClassifier
 
         return cls(SequenceClassifier.load(path, device=device, batch_size=batch_size, max_length=max_length), label=label)
 

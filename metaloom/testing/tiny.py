@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from metaloom.models.config import LlamaConfig
-from metaloom.models.llama import LlamaModel
+from metaloom.models.engine.config import LlamaConfig
+from metaloom.models.engine.llama import LlamaModel
 from metaloom.models.load import LoadedModel
 from metaloom.testing.toy_models import CharTokenizer
 

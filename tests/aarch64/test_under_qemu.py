@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from metaloom.models import quant
-from metaloom.models.rope import rope_tables
+from metaloom.models.engine.rope import rope_tables
+from metaloom.models.kernels import quant
 from tests.test_fused import _reference_attend
 from tests.test_quant_kernels import U, random_blocks, weight
 from tests.test_quant_panels import _panel_excess, panel_reference
@@ -32,7 +32,7 @@ CC, QEMU, SYSROOT = "aarch64-linux-gnu-gcc", "qemu-aarch64", "/usr/aarch64-linux
 MISSING = [f"{tool} (Debian package {pkg})" for tool, pkg in ((CC, "gcc-aarch64-linux-gnu"), (QEMU, "qemu-user"))
            if shutil.which(tool) is None]
 pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"missing {', '.join(MISSING)}")
-# the paths an aarch64 CPU runs, with the flags metaloom.models.isa gives them there
+# the paths an aarch64 CPU runs, with the flags metaloom.models.kernels.isa gives them there
 PATHS = {"neon": ("-march=armv8.2-a+dotprod",), "generic": ()}
 TYPES = sorted(quant.QTYPES)
 PANEL_TYPES = sorted(quant.PANEL_TYPES)
@@ -96,7 +96,8 @@ class Driver:
 def driver(request, tmp_path_factory) -> Driver:
     work = tmp_path_factory.mktemp(f"aarch64-{request.param}")
     exe = work / "driver"
-    sources = [ROOT / "metaloom/models/quant.c", ROOT / "metaloom/models/fused.c", ROOT / "tests/aarch64/driver.c"]
+    kernels = ROOT / "metaloom/models/kernels"
+    sources = [kernels / "quant.c", kernels / "fused.c", ROOT / "tests/aarch64/driver.c"]
     build = subprocess.run([CC, "-O2", "-fno-math-errno", "-fopenmp", *PATHS[request.param], *map(str, sources), "-o",
                             str(exe), "-lm"], capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr

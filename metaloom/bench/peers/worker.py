@@ -80,7 +80,7 @@ class MetaloomSystem:
 
         from metaloom.generator import LocalGenerator, Request, TokenIds
         from metaloom.models import load
-        from metaloom.models.fused import step_path
+        from metaloom.models.kernels.fused import step_path
         from metaloom.sampling import SamplingParams
 
         torch.set_num_threads(threads)
@@ -265,7 +265,7 @@ class VllmSystem:
 def _kernel_path() -> str | None:
     """The instruction-set path metaloom's C kernels run in this process (None: an older metaloom)."""
     try:
-        from metaloom.models.quant import kernels
+        from metaloom.models.kernels.quant import kernels
     except ImportError:
         return None
     k = kernels().kernels

@@ -174,6 +174,6 @@ def load_tokenizer(tokenizer: Any) -> Any:
             raise InvalidParameter("tokenizer", tokenizer, "a tokenizer folder or an object with encode, decode and "
                                    "apply_chat_template")
         return tokenizer
-    from metaloom.models.tokenizer import HFTokenizer  # only here: it brings torch in with metaloom.models
+    from metaloom.models.engine.tokenizer import HFTokenizer  # only here: it brings torch in with metaloom.models
 
     return HFTokenizer(os.fspath(tokenizer))

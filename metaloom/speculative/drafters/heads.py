@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from metaloom.errors import InvalidParameter, UnsupportedModel
+from metaloom.models.engine.llama import Embedding, embed_tokens, plain_weight
 from metaloom.models.forward import Ledgers, charge_rows
-from metaloom.models.llama import Embedding, embed_tokens, plain_weight
 from metaloom.models.protocols import LanguageModel
 from metaloom.sampling.pipeline import Sampler
 from metaloom.speculative.drafter import Draft, DraftState, Verified

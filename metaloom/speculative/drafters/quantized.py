@@ -4,7 +4,7 @@ for the full-precision target (same tokenizer, same training, so drafts are acce
 Each linear weight (and the LM head) is requantised to one of ggml's block formats, the ones
 GGUF files use: 8 bits = Q8_0 (blocks of 32 weights, one float16 scale; 1.06 bytes per
 weight), 4 bits = Q4_1 (blocks of 32, a float16 scale and minimum; 0.625 bytes per weight),
-and multiplied by metaloom's quantised kernels (`metaloom.models.quant`), which dequantise in
+and multiplied by metaloom's quantised kernels (`metaloom.models.kernels.quant`), which dequantise in
 registers: a draft step reads those bytes instead of the target's 4 (float32) or 2 (bfloat16),
 the win when decoding is memory-bound. Embedding, norms, RoPE and the KV cache stay the
 target's (its dtype; the embedding is shared, not copied).
@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 
 from metaloom.errors import InvalidParameter, UnsupportedModel
-from metaloom.models.llama import LayerWeights, LlamaModel, Weight, plain_weight
+from metaloom.models.engine.llama import LayerWeights, LlamaModel, Weight, plain_weight
+from metaloom.models.kernels.quant import QuantWeight, quantize
 from metaloom.models.protocols import KVCache, LanguageModel
-from metaloom.models.quant import QuantWeight, quantize
 from metaloom.speculative.drafters.draft_model import DraftModelDrafter
 
 Q4_1, Q8_0 = 3, 8  # ggml type ids

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from metaloom.errors import NotAModel
-from metaloom.models.llama import Embedding, embed_tokens
+from metaloom.models.engine.llama import Embedding, embed_tokens
 
 FORMAT = "metaloom-heads"
 FORMAT_VERSION = 1

@@ -1,4 +1,4 @@
-/* Fused CPU kernels for the glue of a one-token decode step (metaloom/models/fused.py).
+/* Fused CPU kernels for the glue of a one-token decode step (metaloom/models/kernels/fused.py).
  *
  * A batch-1 decode step of a small model reads its weights in ~30 matmuls' worth of time, and
  * spends another third of the step in ~20 small PyTorch ops per layer (norms, RoPE, cache
@@ -273,7 +273,7 @@ int rope_attend(const void *qkv, const void *cs, const void *sn, const int64_t *
  * A batch-1 step of a small quantised model is a few hundred kernel calls of microseconds each;
  * driven from Python each cost several microseconds more than its work (argument conversion, a
  * tensor allocation, the model's loop), about a third of a SmolLM2 step on a Zen 3. When every
- * linear weight of every layer is one the quantised kernels multiply (`metaloom.models.quant`),
+ * linear weight of every layer is one the quantised kernels multiply (`metaloom.models.kernels.quant`),
  * the model hands the whole stack of layers to `decode_layers`: the same kernels in the same order
  * on the same buffers as its Python loop (`LlamaModel._step_fused`), so the results are the same
  * bits. The matmuls are quant.c's own functions, reached through the pointers in each weight's
@@ -293,7 +293,7 @@ typedef struct {
 #define MAX_PARTS 3 /* q, k and v of three types */
 
 /* A linear weight: one part, or parts of different types stacked along the outputs (a GGUF may
- * keep v in Q8_0 beside q and k in Q5_0: `metaloom.models.llama.Concat`), and an optional bias */
+ * keep v in Q8_0 beside q and k in Q5_0: `metaloom.models.engine.llama.Concat`), and an optional bias */
 typedef struct {
     part_desc part[MAX_PARTS];
     int64_t parts, out; /* out: the parts' outputs together */

@@ -1,6 +1,6 @@
 """Any transformers causal LM behind metaloom's `LanguageModel` / `KVCache` protocols.
 
-The native model (`metaloom.models.llama`) covers the Llama family; everything else (Gemma 3,
+The native model (`metaloom.models.engine.llama`) covers the Llama family; everything else (Gemma 3,
 GPT-2, Phi, …) runs through transformers' own modelling code here, with the same semantics:
 rows of a batch may hold different lengths, ``valid`` right-pads a forward, ``fork`` copies rows
 and ``truncate`` rolls rows back — so decoders never know which backend they drive.

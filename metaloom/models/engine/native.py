@@ -1,5 +1,5 @@
 """Native weights: a GGUF's quantised blocks kept as they are, multiplied by the kernels of
-`metaloom.models.quant` (dequantising in registers), instead of dequantised to ``--dtype``.
+`metaloom.models.kernels.quant` (dequantising in registers), instead of dequantised to ``--dtype``.
 
 Why: a batch-1 decode step reads every weight once, so its speed is bytes per token. SmolLM2's
 Q4_1 file holds 0.625 bytes per weight; dequantised to float32 it is 4 bytes, to bfloat16 2.
@@ -9,7 +9,7 @@ Q4_1 file holds 0.625 bytes per weight; dequantised to float32 it is 4 bytes, to
   kept weight a uint8 tensor [out, row bytes] exactly as the file stores it (rows un-permuted
   for llama's Q/K, like the dense weights), the rest float32, and each kept weight's ggml type
   and input size in the file's metadata. Later loads memory-map it.
-- **What is kept.** Every 2-D weight whose type the kernels run (`metaloom.models.quant.QTYPES`:
+- **What is kept.** Every 2-D weight whose type the kernels run (`metaloom.models.kernels.quant.QTYPES`:
   Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K, F16, BF16). A weight of another type (Q5_1, Q2_K, the
   IQ types…) is dequantised to float32 and runs dense: exact, only larger. Norms and biases are
   always dense. The embedding stays quantised and is looked up row by row.
@@ -42,7 +42,7 @@ _META_KEY = "metaloom.ggml_types"  # {name: [ggml type id, in_features]}
 
 
 def kept_types() -> frozenset[int]:
-    from metaloom.models.quant import QTYPES
+    from metaloom.models.kernels.quant import QTYPES
 
     return frozenset(QTYPES)
 
@@ -51,7 +51,7 @@ def blocks_path(gguf_path: str, folder: str) -> str:
     """``folder``'s native blocks file for ``gguf_path``, written on first use (atomically)."""
     from safetensors.torch import save_file
 
-    from metaloom.models.gguf_file import read_gguf_blocks
+    from metaloom.models.engine.gguf_file import read_gguf_blocks
 
     target = os.path.join(folder, BLOCKS_DIR)
     path = os.path.join(target, BLOCKS_FILE)
@@ -69,17 +69,17 @@ def blocks_path(gguf_path: str, folder: str) -> str:
 
 
 def _in_features(blocks: torch.Tensor, qtype: int) -> int:
-    from metaloom.models.quant import QTYPES
+    from metaloom.models.kernels.quant import QTYPES
 
     t = QTYPES[qtype]
     return blocks.shape[1] // t.bytes * t.block
 
 
 def read_blocks(path: str) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
-    """(dense tensors, kept weights as `metaloom.models.quant.QuantWeight`) from a blocks file."""
+    """(dense tensors, kept weights as `metaloom.models.kernels.quant.QuantWeight`) from a blocks file."""
     from safetensors import safe_open
 
-    from metaloom.models.quant import QuantWeight
+    from metaloom.models.kernels.quant import QuantWeight
 
     try:
         with safe_open(path, framework="pt") as f:
@@ -113,8 +113,8 @@ def choice_path(fingerprint: str, dtype: str) -> str:
     """Where the choice for one GGUF and dtype is recorded: keyed by the CPU, the thread count,
     PyTorch's version and the kernels' instruction-set path (a path forced lower measures its own
     choice, so a machine never runs the mode that was faster on another path)."""
-    from metaloom.models import isa
-    from metaloom.models.cbuild import cpu_signature
+    from metaloom.models.kernels import isa
+    from metaloom.models.kernels.cbuild import cpu_signature
 
     machine = hashlib.sha256(f"{cpu_signature()}\n{torch.get_num_threads()}\n{torch.__version__}\n"
                              f"{isa.chosen().name}".encode())

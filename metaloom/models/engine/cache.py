@@ -12,7 +12,7 @@ Management for Large Language Model Serving with PagedAttention"; SGLang's token
 Zheng et al. 2024): no page is ever partly shared, so nothing is ever copied on write — a
 slot is written once, by the row that allocated it, before anyone can share it.
 
-Reading: the fused one-token kernels (`metaloom.models.fused`) read keys through the table;
+Reading: the fused one-token kernels (`metaloom.models.kernels.fused`) read keys through the table;
 the PyTorch path gathers a batch's keys into [B, H_kv, L, D] per layer (`PagedKVCache.gather`).
 
 Slot 0 is a scratch slot owned by the pool: positions a forward computes but does not keep

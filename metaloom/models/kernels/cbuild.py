@@ -3,7 +3,7 @@
 
 Why here and not a build step: the kernels are compiled for the instruction set of the machine
 they run on, which a wheel cannot ship. Each file is built once per instruction-set path
-(`metaloom.models.isa`: avx512, avx2, neon, generic) with exactly that path's flags, never with
+(`metaloom.models.kernels.isa`: avx512, avx2, neon, generic) with exactly that path's flags, never with
 ``-march=native``, so a path forced lower (``METALOOM_ISA``) runs the code a smaller CPU runs.
 The machine's C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) builds the library into
 ``<cache>/kernels/<hash>/<name>.so`` (about a second), keyed by the source, the compiler, the
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from metaloom.models import isa
+from metaloom.models.kernels import isa
 from metaloom.models.load import user_cache_dir
 
 FLAGS = ("-O3", "-fno-math-errno", "-shared", "-fPIC")
@@ -51,7 +51,7 @@ class Availability(Generic[T]):
 class KernelLibrary(Generic[T]):
     """One C file's kernels: compiled per instruction-set path on first use (cached on disk),
     loaded once per process and path; ``current()`` is the path that runs now
-    (`metaloom.models.isa.chosen`: ``METALOOM_ISA``, else the best this CPU has)."""
+    (`metaloom.models.kernels.isa.chosen`: ``METALOOM_ISA``, else the best this CPU has)."""
 
     def __init__(self, source: Path, bind: Callable[[ctypes.CDLL, Path, str], T]) -> None:
         self.source, self.bind = source, bind
@@ -137,7 +137,7 @@ def compile_library(cc: str, source: Path, out: Path, flags: tuple[str, ...] = F
 
 def build_library(source: Path, bind: Callable[[ctypes.CDLL, Path, str], T], *, cache_dir: Path | None = None,
                   cc: str | None = None, flags: tuple[str, ...] = FLAGS, path: str | None = None) -> Built[T]:
-    """Compile (or reuse) ``source`` for instruction-set ``path`` (None: `metaloom.models.isa.chosen`)
+    """Compile (or reuse) ``source`` for instruction-set ``path`` (None: `metaloom.models.kernels.isa.chosen`)
     and hand the loaded library, its file and the path it was built for to ``bind`` (which checks
     its ABI version and declares argument types; an OSError or AttributeError from it is a reason).
     A path the compiler cannot build falls to the next one this CPU runs (``Built.isa`` says which was built, ``reason`` why the

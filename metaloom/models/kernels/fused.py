@@ -10,10 +10,10 @@ floats of work. `fused.c` does the same arithmetic in three calls per layer:
   query head (grouped-query, optional sliding window), one new token per row;
 - `silu_mul`: SwiGLU's ``silu(gate) * up``.
 
-The matmuls stay PyTorch's. `metaloom.models.llama.LlamaModel` takes this path for one-token
+The matmuls stay PyTorch's. `metaloom.models.engine.llama.LlamaModel` takes this path for one-token
 steps when it was given the kernels (`load` does so on the CPU); prefill and k-token
 verification stay on the PyTorch ops. Keys and values live in the model's KV pool
-(`metaloom.models.cache`): `rope_attend` writes the new key into the row's new slot and reads a
+(`metaloom.models.engine.cache`): `rope_attend` writes the new key into the row's new slot and reads a
 row's keys through its slot table, so rows forked from one prompt read the same keys. With many
 rows over long caches it splits its work (row x kv head) over PyTorch's OpenMP threads (fused.c
 is compiled with OpenMP where the compiler has it). Arithmetic is float32; bfloat16 tensors
@@ -22,7 +22,7 @@ rounding (tests/test_fused.py).
 
 The C file is compiled on first use with the machine's C compiler (``$CC``, else ``cc``,
 ``gcc`` or ``clang``) into ``~/.cache/metaloom/kernels/<hash>/`` (about a second), keyed by the
-source, the compiler and the CPU, so later processes just load it (`metaloom.models.cbuild`).
+source, the compiler and the CPU, so later processes just load it (`metaloom.models.kernels.cbuild`).
 Without a compiler the model runs the PyTorch ops and `kernels()` says why.
 """
 
@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 from metaloom.errors import UnsupportedModel
-from metaloom.models import cbuild
-from metaloom.models.config import LlamaConfig
+from metaloom.models.engine.config import LlamaConfig
+from metaloom.models.kernels import cbuild
 
 SOURCE = Path(__file__).with_name("fused.c")
 ABI_VERSION = 4  # must match fused.c
@@ -57,7 +57,7 @@ class FusedKernels:
     lib: ctypes.CDLL
     path: str
     openmp: bool = False  # compiled with OpenMP: attention can split over threads
-    isa: str = ""  # the instruction-set path it was built for (metaloom.models.isa)
+    isa: str = ""  # the instruction-set path it was built for (metaloom.models.kernels.isa)
 
     def residual_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor,
                           y: torch.Tensor, eps: float) -> None:
@@ -120,7 +120,7 @@ def _bind(lib: ctypes.CDLL, path: Path, isa: str = "") -> FusedKernels:
     lib.rope_attend.restype = ctypes.c_int
     lib.metaloom_fused_openmp.restype = ctypes.c_int
     lib.decode_layers.argtypes = [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I,
-                                  _I, _I, _I, ctypes.c_float, ctypes.c_int]  # see metaloom.models.stack
+                                  _I, _I, _I, ctypes.c_float, ctypes.c_int]  # see metaloom.models.engine.stack
     lib.decode_layers.restype = ctypes.c_int
     return FusedKernels(lib, str(path), bool(lib.metaloom_fused_openmp()), isa)
 
@@ -128,7 +128,7 @@ def _bind(lib: ctypes.CDLL, path: Path, isa: str = "") -> FusedKernels:
 LIBRARY = cbuild.KernelLibrary(SOURCE, _bind)
 build = LIBRARY.build  # (cache_dir, compiler, path): compile (or reuse) and load; a failure is a reason
 for_path = LIBRARY.for_path  # one instruction-set path's kernels, loaded once per process
-kernels = LIBRARY.current  # the kernels of the path that runs now (metaloom.models.isa.chosen)
+kernels = LIBRARY.current  # the kernels of the path that runs now (metaloom.models.kernels.isa.chosen)
 
 
 def step_path(model: object) -> str:

@@ -41,13 +41,13 @@ from dataclasses import dataclass
 
 import torch
 
-from metaloom.models import isa
-from metaloom.models.quant import QuantWeight, kernels
+from metaloom.models.kernels import isa
+from metaloom.models.kernels.quant import QuantWeight, kernels
 
 
 @dataclass(frozen=True, eq=False)
 class PackedLinear:
-    """y = x @ weight.T through the packed copies; a `metaloom.models.llama.MatMul`."""
+    """y = x @ weight.T through the packed copies; a `metaloom.models.engine.llama.MatMul`."""
 
     weight: torch.Tensor  # [out, in], row-major: the source of truth
     rows: torch.Tensor  # oneDNN blocked layout, for 2 or more rows
@@ -102,7 +102,7 @@ def _bf16_gemm(cpu_has_it: bool) -> bool:
 class Bf16Linear:
     """y = x @ weight.T for a bfloat16 weight through metaloom's own bfloat16 kernel (quant.c's
     BF16 type over the same storage: no copy), where oneDNN has none (see the module's note); a
-    `metaloom.models.llama.MatMul`. Products and sums in float32, one rounding of y to x's dtype."""
+    `metaloom.models.engine.llama.MatMul`. Products and sums in float32, one rounding of y to x's dtype."""
 
     weight: torch.Tensor  # [out, in] bfloat16, row-major: the source of truth
     blocks: QuantWeight  # the same bytes as ggml's BF16 type

@@ -27,12 +27,12 @@ bfloat16) gives x W^T [..., out] in x's dtype:
 - more rows (for float32 x on panels, more than `PANEL_CROSSOVER_ROWS`): the weight dequantised
   to x's dtype (by the C kernel) and `F.linear`, where a
   dense GEMM's arithmetic rate pays for dequantising (bfloat16 x: the weight rounds to bfloat16;
-  on a CPU where oneDNN has no bfloat16 GEMM, `metaloom.models.packed.bf16_gemm`, the product is
+  on a CPU where oneDNN has no bfloat16 GEMM, `metaloom.models.kernels.packed.bf16_gemm`, the product is
   taken in float32 and rounded once, PyTorch's emulated bfloat16 GEMM being 4x slower there);
 - without a C compiler: the same values from PyTorch bit operations, then `F.linear` (slow, but
   the same results).
 
-The C file is compiled on first use like `metaloom.models.fused` (`metaloom.models.cbuild`),
+The C file is compiled on first use like `metaloom.models.kernels.fused` (`metaloom.models.kernels.cbuild`),
 into ``~/.cache/metaloom/kernels/<hash>/quant.so``; `kernels()` says why not where it cannot be.
 """
 
@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from metaloom.errors import InvalidParameter, UnsupportedModel
-from metaloom.models import cbuild
+from metaloom.models.kernels import cbuild
 
 SOURCE = Path(__file__).with_name("quant.c")
 ABI_VERSION = 2  # must match quant.c
@@ -123,7 +123,7 @@ class QuantKernels:
     path: str
     openmp: bool = False  # compiled with OpenMP: threads > 1 splits outputs
     panel_types: int = 0  # bit t set: type t has the panel layout's matmul in this build
-    isa: str = ""  # the instruction-set path it was built for (metaloom.models.isa)
+    isa: str = ""  # the instruction-set path it was built for (metaloom.models.kernels.isa)
 
     def matmul(self, qtype: int, blocks: torch.Tensor, in_features: int, x: torch.Tensor, y: torch.Tensor,
                rows: int, threads: int = 1) -> None:
@@ -196,7 +196,7 @@ def _bind(lib: ctypes.CDLL, path: Path, isa: str = "") -> QuantKernels:
 LIBRARY = cbuild.KernelLibrary(SOURCE, _bind)
 build = LIBRARY.build  # (cache_dir, compiler, path): compile (or reuse) and load; a failure is a reason
 for_path = LIBRARY.for_path  # one instruction-set path's kernels, loaded once per process
-kernels = LIBRARY.current  # the kernels of the path that runs now (metaloom.models.isa.chosen)
+kernels = LIBRARY.current  # the kernels of the path that runs now (metaloom.models.kernels.isa.chosen)
 
 
 def _threads(nbytes: int) -> int:
@@ -462,7 +462,7 @@ class QuantWeight:
         if rows == 0:
             return x.new_empty((*shape[:-1], self.blocks.shape[0]))
         if rows > CROSSOVER_ROWS and (self.layout == "gguf" or x.dtype != torch.float32 or rows > PANEL_CROSSOVER_ROWS):
-            from metaloom.models.packed import bf16_gemm
+            from metaloom.models.kernels.packed import bf16_gemm
 
             if x.dtype == torch.bfloat16 and not bf16_gemm():  # PyTorch's bfloat16 GEMM is 4x slower than float32 here
                 return F.linear(x.float(), self.dequantize()).to(x.dtype)

@@ -3,10 +3,10 @@
 Plain tensors and `torch.nn.functional`, no `nn.Module` tree: at batch 1 on a CPU the per-op
 overhead is a large share of a decode step, so q/k/v and gate/up are fused into one matmul
 each and one attention mask per forward is shared by all layers. One-token steps on the CPU
-(float32, bfloat16) go further when the model was given `metaloom.models.fused` kernels:
+(float32, bfloat16) go further when the model was given `metaloom.models.kernels.fused` kernels:
 everything between the matmuls runs in three C calls per layer (`LlamaModel._step_fused`);
 prefill and k-token verification take the PyTorch ops below. Keys and values live in a KV pool
-of token slots shared by the caches made from it (`metaloom.models.cache`): a forked row reads
+of token slots shared by the caches made from it (`metaloom.models.engine.cache`): a forked row reads
 its parent's keys where they are.
 """
 
@@ -20,21 +20,21 @@ import torch
 import torch.nn.functional as F
 
 from metaloom.errors import ContextWindowExceeded, InvalidParameter, NotAModel, UnsupportedModel
-from metaloom.models import quant
-from metaloom.models.cache import KVPool, PagedKVCache
-from metaloom.models.config import LlamaConfig
+from metaloom.models.engine.cache import KVPool, PagedKVCache
+from metaloom.models.engine.config import LlamaConfig
+from metaloom.models.engine.rope import apply_rope, rope_tables
+from metaloom.models.engine.stack import Plan, pointers
+from metaloom.models.engine.stack import plan as stack_plan
 from metaloom.models.flops import forward_flops
-from metaloom.models.fused import PARALLEL_MIN_KEYS, FusedKernels, unsupported_reason
-from metaloom.models.packed import Bf16Linear, PackedLinear, own_bf16, pack
+from metaloom.models.kernels import quant
+from metaloom.models.kernels.fused import PARALLEL_MIN_KEYS, FusedKernels, unsupported_reason
+from metaloom.models.kernels.packed import Bf16Linear, PackedLinear, own_bf16, pack
 from metaloom.models.protocols import KVCache
-from metaloom.models.rope import apply_rope, rope_tables
-from metaloom.models.stack import Plan, pointers
-from metaloom.models.stack import plan as stack_plan
 
 
 class MatMul(Protocol):
     """A weight that multiplies by itself, x [..., in] -> [..., out] (e.g. the quantised
-    `metaloom.models.quant.QuantWeight`)."""
+    `metaloom.models.kernels.quant.QuantWeight`)."""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
@@ -75,7 +75,7 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     """x [..., in] @ w[out, in].T (+ bias), by the kernel that is fastest here.
 
     - a `MatMul` (not a tensor) multiplies by itself: a quantised weight, or a
-      `metaloom.models.packed.PackedLinear` (the CPU default, see `LlamaModel.packed`);
+      `metaloom.models.kernels.packed.PackedLinear` (the CPU default, see `LlamaModel.packed`);
     - a single row goes through `torch.mv`: in bfloat16 the GEMM path is several times slower
       for one row (0.9 vs 20 GB/s, measured), and `mv` over [out, in] is the fastest bfloat16
       kernel here;
@@ -123,7 +123,7 @@ class Concat:
 
 def panelled(w: Weight) -> Weight:
     """``w`` with its quantised parts in the panel layout where the kernels have one
-    (`metaloom.models.quant.QuantWeight.panelled`); anything else as it is."""
+    (`metaloom.models.kernels.quant.QuantWeight.panelled`); anything else as it is."""
     if isinstance(w, Concat):
         return Concat(tuple(panelled(p) for p in w.parts))
     panel = getattr(w, "panelled", None)
@@ -134,7 +134,7 @@ def stack(ws: list[Weight]) -> Weight:
     """One weight whose outputs are ``ws``'s outputs in order (q, k, v into qkv; gate, up)."""
     if all(isinstance(w, torch.Tensor) for w in ws):
         return torch.cat(ws).contiguous()  # type: ignore[arg-type]  # all tensors, checked
-    from metaloom.models.quant import QuantWeight
+    from metaloom.models.kernels.quant import QuantWeight
 
     if all(isinstance(w, QuantWeight) for w in ws):
         same = {(w.qtype, w.in_features) for w in ws}  # type: ignore[union-attr]
@@ -146,10 +146,10 @@ def stack(ws: list[Weight]) -> Weight:
 class LlamaModel:
     def __init__(self, config: LlamaConfig, embed: Embedding, layers: list[LayerWeights],
                  norm: torch.Tensor, lm_head: Weight, fused: FusedKernels | None = None) -> None:
-        """``fused``: the CPU kernels for one-token steps (`metaloom.models.fused`), or None for
+        """``fused``: the CPU kernels for one-token steps (`metaloom.models.kernels.fused`), or None for
         PyTorch ops only; an `UnsupportedModel` error says why a model cannot take them. The
         activations' dtype and device are the final norm's (the embedding and the linear weights
-        may be quantised blocks, `metaloom.models.native`)."""
+        may be quantised blocks, `metaloom.models.engine.native`)."""
         if fused is not None and (why := unsupported_reason(config, norm.dtype, norm.device)) is not None:
             raise UnsupportedModel(why)
         self.config = config
@@ -161,7 +161,7 @@ class LlamaModel:
         self.norm = norm
         self.lm_head = panelled(lm_head)
         self.dtype = norm.dtype
-        self._plans: dict[str, Plan | None] = {}  # metaloom.models.stack, per quantised-kernel library
+        self._plans: dict[str, Plan | None] = {}  # metaloom.models.engine.stack, per quantised-kernel library
         self._cos, self._sin = rope_tables(config.head_dim, config.rope_theta, config.rope_scaling_dict,
                                            config.max_position_embeddings, self.dtype, norm.device)
 
@@ -171,7 +171,7 @@ class LlamaModel:
                         dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                         blocks: Mapping[str, MatMul] | None = None) -> LlamaModel:
         """Build from transformers-named weights (``model.layers.0.self_attn.q_proj.weight`` …).
-        ``blocks``: weights kept quantised (`metaloom.models.native`), by the same names; they
+        ``blocks``: weights kept quantised (`metaloom.models.engine.native`), by the same names; they
         stand in for ``sd``'s tensors of those names (an embedding among them must also look up
         rows, a `RowTable`)."""
         kept = blocks or {}
@@ -218,7 +218,7 @@ class LlamaModel:
 
     def packed(self) -> LlamaModel:
         """The same model with its linear weights also in the CPU GEMM libraries' packed layouts
-        (`metaloom.models.packed`: faster one-row decode and k-row verify, more memory)."""
+        (`metaloom.models.kernels.packed`: faster one-row decode and k-row verify, more memory)."""
         if type(self) is not LlamaModel:
             raise UnsupportedModel(f"packing is for plain LlamaModel weights, not {type(self).__name__}")
 
@@ -230,7 +230,7 @@ class LlamaModel:
 
     def own_bf16(self) -> LlamaModel:
         """The same model with its bfloat16 linear weights multiplied by metaloom's own bfloat16
-        kernel (`metaloom.models.packed.Bf16Linear`: the same storage, no copy), for CPUs where
+        kernel (`metaloom.models.kernels.packed.Bf16Linear`: the same storage, no copy), for CPUs where
         oneDNN has no bfloat16 kernels and PyTorch's are slower than float32."""
         if type(self) is not LlamaModel:
             raise UnsupportedModel(f"own_bf16 is for plain LlamaModel weights, not {type(self).__name__}")
@@ -276,7 +276,7 @@ class LlamaModel:
         return n
 
     def new_pool(self, slots: int = 256, max_slots: int | None = None) -> KVPool:
-        """Empty KV memory for this model's caches (`metaloom.models.cache`): caches made from
+        """Empty KV memory for this model's caches (`metaloom.models.engine.cache`): caches made from
         one pool share keys and values without copying them."""
         c = self.config
         return KVPool(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype, self.device,
@@ -363,7 +363,7 @@ class LlamaModel:
 
     def _step_fused(self, tokens: torch.Tensor, cache: PagedKVCache, lengths: torch.Tensor, valid: torch.Tensor,
                     k: FusedKernels) -> torch.Tensor:
-        """`_hidden` for one new token per row through the fused kernels (`metaloom.models.fused`):
+        """`_hidden` for one new token per row through the fused kernels (`metaloom.models.kernels.fused`):
         the same arithmetic, three kernel calls and four matmuls per layer. The new position's
         slot is already in the cache's table (`PagedKVCache.prepare`). -> [B, 1, d]"""
         c = self.config
@@ -381,7 +381,7 @@ class LlamaModel:
         # costs a few microseconds, 2 per layer)
         threads = torch.get_num_threads() if b * (int(lengths.max()) + 1) >= PARALLEL_MIN_KEYS else 1
         plan = self._plan(b)
-        if plan is not None:  # every layer in one call: the same kernels, in the same order (metaloom.models.stack)
+        if plan is not None:  # every layer in one call: the same kernels, in the same order (metaloom.models.engine.stack)
             delta = self._step_stack(plan, k, x, y, attn, act, lengths, table, pool, threads)
         else:
             delta = None  # the last sublayer's output, added to x by the next norm

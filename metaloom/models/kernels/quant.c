@@ -1,4 +1,4 @@
-/* Matmuls over GGUF block-quantised weights, as stored in the file (metaloom/models/quant.py).
+/* Matmuls over GGUF block-quantised weights, as stored in the file (metaloom/models/kernels/quant.py).
  *
  * A weight [out, in] is `out` rows of bytes, each row that output's blocks along `in` (GGUF's
  * own layout). A batch-1 decode step reads every weight once, so it is memory-bound: reading
@@ -30,7 +30,7 @@
  * multiple of 32 for every type (256 for the K types). quant.py checks before calling.
  *
  * Vectors are GCC/Clang vector extensions, so this compiles on any target those compilers know;
- * it is built once per instruction-set path (metaloom/models/isa.py: avx512, avx2, neon,
+ * it is built once per instruction-set path (metaloom/models/kernels/isa.py: avx512, avx2, neon,
  * generic), and `#ifdef` blocks give each path its own widening instructions and, on AVX-512,
  * its own decoders: a 4-bit quant's 16 possible values are computed once per block and looked up
  * per lane (vpermps), where converting and scaling each lane costs more (on Zen 4 the decode, not

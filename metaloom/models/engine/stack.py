@@ -14,7 +14,7 @@ A plan is made once per model and quantised-kernel library (each instruction-set
 own), and applies when every layer's q/k/v, o, gate/up and down weight is a `QuantWeight` (any
 type, GGUF or panel layout), a `Bf16Linear` whose inputs the kernels can walk, or a `Concat` of up
 to three such parts (q, k, v of different types); otherwise the model keeps its Python loop.
-The step's rows must be at most `metaloom.models.quant.CROSSOVER_ROWS` (the Python loop's
+The step's rows must be at most `metaloom.models.kernels.quant.CROSSOVER_ROWS` (the Python loop's
 `QuantWeight` calls hand larger batches to a dense GEMM instead).
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from metaloom.models.quant import PARALLEL_MIN_BYTES, QTYPES, QuantKernels, QuantWeight
+from metaloom.models.kernels.quant import PARALLEL_MIN_BYTES, QTYPES, QuantKernels, QuantWeight
 
 MAX_PARTS = 3  # fused.c's: q, k and v of three types
 
@@ -57,7 +57,7 @@ class Plan:
 
 
 def _blocks(w: object) -> QuantWeight | None:
-    from metaloom.models.packed import Bf16Linear
+    from metaloom.models.kernels.packed import Bf16Linear
 
     q = w.blocks if isinstance(w, Bf16Linear) else w
     if not isinstance(q, QuantWeight) or q.in_features % QTYPES[q.qtype].kernel_block:
@@ -66,14 +66,14 @@ def _blocks(w: object) -> QuantWeight | None:
 
 
 def plan(layers: list[Any], kernels: QuantKernels, dtype: torch.dtype) -> Plan | None:
-    """Descriptors of ``layers`` (`metaloom.models.llama.LayerWeights`) for ``kernels``, or None
+    """Descriptors of ``layers`` (`metaloom.models.engine.llama.LayerWeights`) for ``kernels``, or None
     where a weight is not one the kernels multiply (the model keeps its Python loop)."""
     keep: list[torch.Tensor] = []
     fns = {"panel": ctypes.cast(kernels.lib.quant_panel_matmul, ctypes.c_void_p).value,
            "gguf": ctypes.cast(kernels.lib.quant_matmul, ctypes.c_void_p).value}
 
     def weight(w: object, bias: torch.Tensor | None = None) -> WeightDesc | None:
-        from metaloom.models.llama import Concat
+        from metaloom.models.engine.llama import Concat
 
         blocks = [_blocks(p) for p in (w.parts if isinstance(w, Concat) else (w,))]
         if not 1 <= len(blocks) <= MAX_PARTS or any(q is None for q in blocks):
