@@ -421,6 +421,7 @@ def test_bad_requests_get_openai_errors_naming_the_field(served, body, status, p
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # nothing to generate is only a scoring call with echo
     ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
     ({"prompt": "x", "echo": True, "metaloom": {"strategy": "majority_vote"}}, "echo"),
+    ({"prompt": [1, 2, 3], "metaloom": {"strategy": "majority_vote", "params": {"n": 2}}}, "prompt"),  # no text
     ({"prompt": "a\ud800b"}, "prompt"),
     ({"prompt": ["ok", "\ud800"]}, "prompt[1]"),
 ])

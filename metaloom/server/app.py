@@ -19,26 +19,29 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metaloom.decode.score import PromptPosition, shared_prompt_logprobs
 from metaloom.errors import InvalidParameter, MetaloomError
 from metaloom.generator.local import LocalGenerator
 from metaloom.generator.plan import check_ids, encode
-from metaloom.generator.types import Completion, StreamChunk, TokenIds
+from metaloom.generator.types import Completion, StreamChunk, TokenIds, TopLogprobs
+from metaloom.generator.types import Request as GenerationRequest
 from metaloom.ledger import Ledger, Usage
+from metaloom.meta.types import Result
 from metaloom.server import protocol
 from metaloom.server.errors import ApiError, api_error
 from metaloom.server.memory import kv_pool_bytes, kv_pool_limit, meminfo, prefix_budget, process_rss, storage_bytes
 from metaloom.server.metrics import Metrics
-from metaloom.server.protocol import ChatBody, CompletionBody
+from metaloom.server.protocol import ChatBody, ChatFields, CompletionBody, CompletionFields
 from metaloom.server.scheduled import Cancelled, ScheduledGenerator
-from metaloom.server.scheduler import Failed, Finished, Scheduler
+from metaloom.server.scheduler import Event, Failed, Finished, Scheduler, Ticket
 from metaloom.server.strategy import StrategyCall, resolve_model
 
 log = logging.getLogger("metaloom.server")
@@ -47,10 +50,10 @@ log = logging.getLogger("metaloom.server")
 class BodyLimit:
     """An ASGI middleware refusing bodies over ``limit`` bytes with 413, declared or streamed."""
 
-    def __init__(self, app: Any, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app, self.limit = app, limit
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -61,7 +64,7 @@ class BodyLimit:
             return
         seen = 0
 
-        async def counted() -> Any:
+        async def counted() -> Message:
             nonlocal seen
             message = await receive()
             if message["type"] == "http.request":
@@ -211,8 +214,8 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
         return {"prompt": generator.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorised), Depends(admitting)], response_model=None)
-    async def chat(body: ChatBody, request: Request) -> Any:  # type: ignore[valid-type]
-        b: Any = body
+    async def chat(body: ChatBody, request: Request) -> Response | dict[str, Any]:  # type: ignore[valid-type]
+        b = cast(ChatFields, body)
         strategy = resolve_model(b.model, ids, b.metaloom)
         call = _Call(scheduler, metrics, workers, request, chat=True, model=b.model, logprobs=bool(b.logprobs),
                      token_ids=b.return_tokens_as_token_ids)
@@ -222,8 +225,8 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
         return await call.plain(call.fit([protocol.chat_request(body)], b), b.stream, _usage_wanted(b), Ledger())
 
     @app.post("/v1/completions", dependencies=[Depends(authorised), Depends(admitting)], response_model=None)
-    async def completions(body: CompletionBody, request: Request) -> Any:  # type: ignore[valid-type]
-        b: Any = body
+    async def completions(body: CompletionBody, request: Request) -> Response | dict[str, Any]:  # type: ignore[valid-type]
+        b = cast(CompletionFields, body)
         strategy = resolve_model(b.model, ids, b.metaloom)
         call = _Call(scheduler, metrics, workers, request, chat=False, model=b.model, logprobs=b.logprobs is not None,
                      token_ids=b.return_tokens_as_token_ids)
@@ -286,11 +289,11 @@ _ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/
                      "/detokenize"})
 
 
-def _continuous_usage(body: Any) -> bool:
+def _continuous_usage(body: ChatFields | CompletionFields) -> bool:
     return bool(body.stream_options is not None and body.stream_options.continuous_usage_stats)
 
 
-def _usage_wanted(body: Any) -> bool:
+def _usage_wanted(body: ChatFields | CompletionFields) -> bool:
     return bool(body.stream_options is not None and body.stream_options.include_usage)
 
 
@@ -311,7 +314,7 @@ class _Call:
         self.object = "chat.completion" if chat else "text_completion"
 
     # --- plain requests ----------------------------------------------------------------------
-    def fit(self, requests: list[Any], body: Any) -> list[Any]:
+    def fit(self, requests: list[GenerationRequest], body: ChatFields | CompletionFields) -> list[GenerationRequest]:
         """Without ``max_tokens``, a request may fill the context window (as OpenAI and vLLM do)."""
         if body.max_tokens is not None or getattr(body, "max_completion_tokens", None) is not None:
             return requests
@@ -323,7 +326,7 @@ class _Call:
             out.append(dataclasses.replace(r, params=dataclasses.replace(r.params, max_tokens=room)) if room > 0 else r)
         return out
 
-    async def read_prompts(self, requests: list[Any], k: int | None, ledger: Ledger, *,
+    async def read_prompts(self, requests: list[GenerationRequest], k: int | None, ledger: Ledger, *,
                            count_input: bool) -> list[_Prompted]:
         """Each request's prompt as text and ids; with ``k``, their log-probabilities too (one pass
         over them all, what they share computed once, on the loop thread between two steps)."""
@@ -345,7 +348,8 @@ class _Call:
         return [_Prompted(r.prompt if isinstance(r.prompt, str) else self.tokenizer.decode(i), i, p)
                 for r, i, p in zip(requests, ids, positions, strict=True)]
 
-    def prompts_only(self, choices: int, stream: bool, include_usage: bool, ledger: Ledger) -> Any:
+    def prompts_only(self, choices: int, stream: bool, include_usage: bool,
+                     ledger: Ledger) -> StreamingResponse | dict[str, Any]:
         """``echo`` with ``max_tokens: 0``: each prompt back (with its log-probabilities), nothing generated."""
         assert self.prompts is not None
         n = choices // len(self.prompts)
@@ -363,13 +367,14 @@ class _Call:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": [self._choice(i, empty, i // n) for i in range(choices)], "usage": usage_block(ledger.usage)}
 
-    async def plain(self, requests: list[Any], stream: bool, include_usage: bool, ledger: Ledger) -> Any:
+    async def plain(self, requests: list[GenerationRequest], stream: bool, include_usage: bool,
+                    ledger: Ledger) -> StreamingResponse | dict[str, Any]:
         loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue[Any] = asyncio.Queue()
-        tickets = []
+        inbox: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        tickets: list[Ticket] = []
         try:
             for i, r in enumerate(requests):  # all validated (a bad one raises: 400) before any compute
-                def sink(event: Any, i: int = i) -> None:
+                def sink(event: Event, i: int = i) -> None:
                     loop.call_soon_threadsafe(inbox.put_nowait, (i, event))
                 tickets.append(self.scheduler.submit(r, ledger, sink))
         except BaseException:
@@ -395,7 +400,7 @@ class _Call:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage_block(ledger.usage)}
 
-    async def _next(self, inbox: asyncio.Queue[Any]) -> Any:
+    async def _next(self, inbox: asyncio.Queue[tuple[int, Event]]) -> tuple[int, Event]:
         """The next event; a client that went away cancels the request (checked twice a second)."""
         while True:
             try:
@@ -404,7 +409,7 @@ class _Call:
                 if await self.http.is_disconnected():
                     raise Cancelled("client disconnected") from None
 
-    async def _stream_plain(self, inbox: asyncio.Queue[Any], tickets: list[Any], ledger: Ledger, n: int,
+    async def _stream_plain(self, inbox: asyncio.Queue[tuple[int, Event]], tickets: list[Ticket], ledger: Ledger, n: int,
                             include_usage: bool) -> AsyncIterator[dict[str, Any]]:
         observed = False
         try:
@@ -446,10 +451,14 @@ class _Call:
                 self._observe(ledger.usage, tickets)
 
     # --- strategies -----------------------------------------------------------------------------
-    async def strategy(self, call: StrategyCall, request: Any, stream: bool, include_usage: bool) -> Any:
+    async def strategy(self, call: StrategyCall, request: GenerationRequest, stream: bool,
+                       include_usage: bool) -> StreamingResponse | dict[str, Any]:
         loop = asyncio.get_running_loop()
         progress: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         prompt, sampling = request.prompt, request.params
+        if isinstance(prompt, TokenIds):  # strategies and their scorers read the question as text
+            raise ApiError(400, "a strategy takes a text prompt or chat messages, not token ids", "invalid_request_error",
+                           param="prompt")
         if sampling.n != 1:  # the rest was checked with the call (names, types, values); this needs the body
             raise InvalidParameter("n", sampling.n, "1 with a strategy (its samples are its own parameter, e.g. n)")
         tally: dict[str, Any] = {"calls": 0, "samples_finished": 0, "output_tokens": 0}
@@ -485,14 +494,16 @@ class _Call:
                 "choices": [self._strategy_choice(result)], "usage": usage_block(result.usage),
                 "metaloom": call.report(result)}
 
-    async def _stream_strategy(self, call: StrategyCall, future: Any, progress: asyncio.Queue[dict[str, Any]],
+    async def _stream_strategy(self, call: StrategyCall, future: asyncio.Future[Result],
+                               progress: asyncio.Queue[dict[str, Any]],
                                gen: ScheduledGenerator, ledger: Ledger, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
         try:
             if self.chat:
                 yield self._chunk(0, {"role": "assistant", "content": ""})
             while not future.done():
                 getter = asyncio.ensure_future(progress.get())
-                done, _ = await asyncio.wait({future, getter}, return_when=asyncio.FIRST_COMPLETED)
+                waiting: set[asyncio.Future[Any]] = {future, getter}
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 if getter in done:
                     yield self._progress(call, getter.result())
                 else:
@@ -589,7 +600,7 @@ class _Call:
         out += [(t, lp, r) for r, (t, lp) in enumerate(pos.top, start=1) if t != pos.token]
         return out
 
-    def _strategy_choice(self, result: Any) -> dict[str, Any]:
+    def _strategy_choice(self, result: Result) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(result), "logprobs": None}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": result.best}
@@ -601,7 +612,8 @@ class _Call:
         """A token as logprobs name it: its text, or vLLM's exact ``token_id:N``."""
         return f"token_id:{token}" if self.token_ids else self.tokenizer.decode([token])
 
-    def _logprobs(self, ids: Sequence[int], lps: Sequence[float], tops: Sequence[Any] | None) -> dict[str, Any]:
+    def _logprobs(self, ids: Sequence[int], lps: Sequence[float],
+                  tops: Sequence[TopLogprobs] | None) -> dict[str, Any]:
         """OpenAI's logprobs object: chat's ``content`` list, or the completions API's parallel lists.
         ``tops``: each position's most likely tokens (None: not asked for)."""
         tokens = [self._name(t) for t in ids]
@@ -634,7 +646,7 @@ class _Call:
                 time.perf_counter() - self.started)
         return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    def _observe(self, usage: Usage, tickets: Sequence[Any]) -> None:
+    def _observe(self, usage: Usage, tickets: Sequence[Ticket]) -> None:
         self.metrics.prompt_tokens.inc(usage.input_tokens)
         self.metrics.cached_tokens.inc(usage.cached_tokens)
         self.metrics.completion_tokens.inc(usage.output_tokens)
@@ -668,7 +680,7 @@ def _finite(lp: float) -> float:
     return lp if lp == lp and lp != float("-inf") else -9999.0  # strict JSON has no NaN/-inf
 
 
-def _finish(result: Any) -> str:
+def _finish(result: Result) -> str:
     if result.stopped_reason is not None:  # "budget"
         return str(result.stopped_reason)
     if result.best_index is not None and result.candidates:

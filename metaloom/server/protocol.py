@@ -127,14 +127,28 @@ class _Common(BaseModel):
     metaloom: StrategyOptions | None = None
 
 
-_CHAT: dict[str, Any] = {"messages": (list[dict[str, Any]], ...), "max_completion_tokens": (int | None, None),
-                         "logprobs": (bool, False), "top_logprobs": (int | None, None),
-                         "response_format": (ResponseFormat | None, None)}
-_COMPLETION: dict[str, Any] = {"prompt": (str | list[str] | list[int] | list[list[int]], ...),
-                               "logprobs": (int | None, None), "echo": (bool, False),
-                               "prompt_logprobs": (int | None, None)}
-ChatBody = create_model("ChatBody", __base__=_Common, **_CHAT, **_EXTRA_SAMPLING, **_DECODER_FIELDS, **_REFUSED_FIELDS)
-CompletionBody = create_model("CompletionBody", __base__=_Common, **_COMPLETION, **_EXTRA_SAMPLING, **_DECODER_FIELDS,
+class ChatFields(_Common):
+    """What the chat route reads itself; the sampling, decoder and refused fields are added by
+    `create_model` (`ChatBody`), which a type checker cannot see: the routes read a body as this."""
+
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+
+
+class CompletionFields(_Common):
+    """What the completions route reads itself (see `ChatFields`)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    prompt_logprobs: int | None = None
+
+
+ChatBody = create_model("ChatBody", __base__=ChatFields, **_EXTRA_SAMPLING, **_DECODER_FIELDS, **_REFUSED_FIELDS)
+CompletionBody = create_model("CompletionBody", __base__=CompletionFields, **_EXTRA_SAMPLING, **_DECODER_FIELDS,
                               **_REFUSED_FIELDS)
 
 

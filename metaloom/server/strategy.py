@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metaloom.errors import InvalidParameter
+from metaloom.generator.types import Generator
 from metaloom.ledger import Budget
+from metaloom.meta.types import Strategy
 from metaloom.sampling.params import SamplingParams
 from metaloom.server.errors import ApiError
 from metaloom.server.protocol import StrategyOptions, strategy_params
@@ -37,7 +39,7 @@ class StrategyCall:
             where = "metaloom.strategy" if name == "strategy" else f"metaloom.params.{name}"
             raise InvalidParameter(where, exc.value, exc.allowed) from exc
 
-    def build(self, sampling: SamplingParams, generator: Any) -> Any:
+    def build(self, sampling: SamplingParams, generator: Generator) -> Strategy:
         """The strategy, with the request's own sampling parameters (those it set) applied to it."""
         from metaloom.wiring.configure import build_strategy
 
