@@ -112,6 +112,7 @@ def test_select_and_the_report_pick_alike_on_an_all_zero_sweep(tmp_path, monkeyp
     """Issue 30: on an all-zero sweep --select printed greedy where the report's table chose
     majority_vote@n=1 (the report split the problems with seed 0, --select with the sweep's)."""
     import metaloom.eval.report.build as build
+    import metaloom.eval.report.views as views
 
     path = tmp_path / "q.jsonl"
     path.write_text("".join(json.dumps({"prompt": q, "answer": a}) + "\n" for q, a in WRONG.items()))
@@ -122,13 +123,13 @@ def test_select_and_the_report_pick_alike_on_an_all_zero_sweep(tmp_path, monkeyp
     assert not any(r.correct for r in records)
     chosen = select(records, "default", None, 6)
     seen: dict = {}
-    original = build.selection_view
+    original = views.selection_view
 
     def keep(analysis):
         seen["view"] = original(analysis)
         return seen["view"]
 
-    monkeypatch.setattr(build, "selection_view", keep)  # the table the page is built from
+    monkeypatch.setattr(views, "selection_view", keep)  # the table the page is built from
     page = build.build_report(out)
     view = seen["view"]
     # the table's row at the largest budget and the pick the report names: --select's entry

@@ -19,17 +19,10 @@ import pytest
 
 from metaloom.errors import InvalidParameter
 from metaloom.eval.records import CONFIG, RECORDS, TRACES, Candidate, Record, Selection
-from metaloom.eval.report import build, build_report, write_report
-from metaloom.eval.report.build import (
-    CHOSEN_RIGHT,
-    NO_VOTES,
-    NONE_RIGHT,
-    OUTVOTED,
-    TEXT_CAP,
-    vote_outcome,
-    vote_outcomes,
-)
+from metaloom.eval.report import build_report, drilldown, write_report
+from metaloom.eval.report.cells import TEXT_CAP
 from metaloom.eval.report.screenshot import ScreenshotFailed, main, screenshot
+from metaloom.eval.report.views import CHOSEN_RIGHT, NO_VOTES, NONE_RIGHT, OUTVOTED, vote_outcome, vote_outcomes
 from metaloom.eval.tasks.base import Problem
 from metaloom.ledger import Ledger
 from metaloom.sampling.params import SamplingParams
@@ -462,10 +455,10 @@ def test_large_candidate_lists_are_capped(tmp_path, monkeypatch) -> None:
     assert "The analysis has no curve points." in page and "No votes" in page
     assert "too many candidates" not in page
     # more candidate text than the page's budget: each candidate's cut shorter, and said
-    monkeypatch.setattr(build, "PAGE_TEXT_BUDGET", 128 * 250)  # 64 + 2 x 8 x 4 candidates shown: 250 each
+    monkeypatch.setattr(drilldown, "PAGE_TEXT_BUDGET", 128 * 250)  # 64 + 2 x 8 x 4 candidates shown: 250 each
     page = build_report(out, analysis=empty, problems=PROBLEMS)
     assert LONG[:250] + "</pre>" in page and "texts cut at 250 characters" in page and "each shows its first 250" in page
-    monkeypatch.setattr(build, "PAGE_TEXT_BUDGET", 1000)  # never below MIN_TEXT_CAP
+    monkeypatch.setattr(drilldown, "PAGE_TEXT_BUDGET", 1000)  # never below MIN_TEXT_CAP
     assert "texts cut at 200 characters" in build_report(out, analysis=empty, problems=PROBLEMS)
 
 

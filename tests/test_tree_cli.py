@@ -1,5 +1,5 @@
 """`metaloom tree`: the search tree of a tree-search result drawn in the terminal
-(`metaloom.commands.tree`, `metaloom.search.render`)."""
+(`metaloom.commands.tree`, `metaloom.search.trace`, `metaloom.present.tree`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from metaloom.cli import main
-from metaloom.search.render import fmt_flops, render_text
+from metaloom.present.numbers import fmt_flops
+from metaloom.present.tree import render_text
 
 
 def node(id, parent, depth, text, tokens, score, state, finish, round, **extra):

@@ -3,7 +3,7 @@
 nodes by state, tokens), one line per node with the best path marked ★, and the usage of each
 round. FILE may hold one run result, a trace (as `metaloom eval` writes to DIR/traces/), a bare
 tree event, or JSON Lines of them; `-` reads stdin.
-Rendering is `metaloom.search.render`."""
+Reading is `metaloom.search.trace`, drawing `metaloom.present.tree`."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from metaloom.errors import InvalidParameter
-    from metaloom.search.render import parse_trees, plain_console, print_records
+    from metaloom.present.tree import plain_console, print_records
+    from metaloom.search.trace import parse_trees
 
     if args.width < 0:
         raise InvalidParameter("width", args.width, "an integer >= 0 (0 = no step text)")

@@ -6,7 +6,7 @@ pyplot: no global backend is switched, no window opens, and nothing is left in p
 of open figures when a long-lived process (a notebook, the server) builds a report.
 
 Inputs are the analysis dict's parts (``curves``, ``frontier``, ``selection``) or small
-tables `build` prepares; every function returns None when it has nothing to draw, so the
+tables `views` prepares; every function returns None when it has nothing to draw, so the
 page can say so instead of showing an empty frame.
 """
 
@@ -23,6 +23,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 from matplotlib.transforms import offset_copy
+
+from metaloom.present.numbers import finite
 
 # (point field, axis label with its unit) for the three costs a curve is drawn against
 COST_AXES = (
@@ -81,7 +83,7 @@ def fitted_ylim(lows: Sequence[float], highs: Sequence[float], *, margin: float 
     """Y limits around the values and their intervals (``lows``, ``highs``): their range plus
     ``margin`` of it each side, at least ``least_span`` wide, within -0.02..1.02 (fractions).
     A fixed 0..1 squashed curves that never pass 0.32 into the bottom third."""
-    known = [float(v) for v in (*lows, *highs) if _number(v)]
+    known = [float(v) for v in (*lows, *highs) if finite(v)]
     if not known:
         return -0.03, 1.03
     lo, hi = min(known), max(known)
@@ -140,22 +142,18 @@ def _positive(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
-def _number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def _interval(point: Mapping[str, Any], key: str) -> tuple[float, float]:
     """The point's 95% interval for ``key`` (accuracy or coverage); the value itself where the
     analysis gave none."""
     value = float(point[key])
     lo: Any = point.get(f"{key}_lo")
     hi: Any = point.get(f"{key}_hi")
-    return (float(lo) if _number(lo) else value, float(hi) if _number(hi) else value)
+    return (float(lo) if finite(lo) else value, float(hi) if finite(hi) else value)
 
 
 def _placed(points: Sequence[Mapping[str, Any]], x_key: str, y_key: str) -> list[tuple[float, float]]:
     """The (x, y) of the points a log axis can place, in x order."""
-    return sorted((float(p[x_key]), float(p[y_key])) for p in points if _positive(p.get(x_key)) and _number(p.get(y_key)))
+    return sorted((float(p[x_key]), float(p[y_key])) for p in points if _positive(p.get(x_key)) and finite(p.get(y_key)))
 
 
 def _draw_family(ax: Any, points: Sequence[Mapping[str, Any]], x_key: str, y_key: str, style: Style, label: str,
@@ -167,7 +165,7 @@ def _draw_family(ax: Any, points: Sequence[Mapping[str, Any]], x_key: str, y_key
     measured on other problems); ``offset``: points up or down (a copy of a coinciding curve);
     ``line``: a line style other than the family's; ``band``: False where a coinciding curve
     already drew it. Returns how many points had no place (no positive x, no y)."""
-    placed = sorted(((float(p[x_key]), p) for p in points if _positive(p.get(x_key)) and _number(p.get(y_key))),
+    placed = sorted(((float(p[x_key]), p) for p in points if _positive(p.get(x_key)) and finite(p.get(y_key))),
                     key=lambda xp: xp[0])
     if not placed:
         return len(points)
@@ -222,7 +220,7 @@ def _label_overlaps(ax: Any, groups: Sequence[Sequence[str]], series: Mapping[st
 def _draw_frontier(ax: Any, labels: Sequence[str], by_label: Mapping[str, Mapping[str, Any]], x_key: str) -> bool:
     """The Pareto frontier on ``ax``: ringed points joined by a dashed black step line."""
     placed = [(float(by_label[lab][x_key]), float(by_label[lab]["accuracy"])) for lab in labels
-              if lab in by_label and _positive(by_label[lab].get(x_key)) and _number(by_label[lab].get("accuracy"))]
+              if lab in by_label and _positive(by_label[lab].get(x_key)) and finite(by_label[lab].get("accuracy"))]
     if not placed:
         return False
     placed.sort()
@@ -252,7 +250,7 @@ def _log_ticks(ax: Any, key: str) -> None:
 
 def _ylim(points: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> tuple[float, float]:
     """`fitted_ylim` over the points' values of ``keys`` and their intervals."""
-    bands = [_interval(p, k) for p in points for k in keys if _number(p.get(k))]
+    bands = [_interval(p, k) for p in points for k in keys if finite(p.get(k))]
     return fitted_ylim([lo for lo, _ in bands], [hi for _, hi in bands])
 
 
@@ -341,7 +339,7 @@ def draw_accuracy(curves: Sequence[Mapping[str, Any]], frontier: Mapping[str, Se
             drawn = drawn or left < len(pts)
         for curve in outside:
             pts = curve.get("points") or []
-            counts = sorted({int(p["problems"]) for p in pts if _number(p.get("problems"))})
+            counts = sorted({int(p["problems"]) for p in pts if finite(p.get("problems"))})
             label = f"{curve['family']} (on {'/'.join(map(str, counts)) or '?'} problems: not compared)"
             left = _draw_family(ax, pts, key, "accuracy", styles.get(curve["family"], DEFAULT_STYLE), label, hollow=True)
             missing += left
@@ -378,7 +376,7 @@ def draw_coverage(curves: Sequence[Mapping[str, Any]], styles: Mapping[str, Styl
     ax = fig.subplots()
     kept = []
     for curve in curves:
-        pts = [p for p in curve.get("points") or () if _positive(p.get("k")) and _number(p.get("coverage"))]
+        pts = [p for p in curve.get("points") or () if _positive(p.get("k")) and finite(p.get("coverage"))]
         if pts:
             kept.append((curve["family"], pts))
     if not kept:
@@ -426,7 +424,7 @@ def selection_figure(rows: Sequence[Mapping[str, Any]]) -> str | None:
         return None
     fig = Figure(figsize=(7.5, 3.4))
     ax = fig.subplots()
-    series = {label: [(float(r["budget_flops"]), float(r[key])) for r in rows if _number(r.get(key))]
+    series = {label: [(float(r["budget_flops"]), float(r[key])) for r in rows if finite(r.get(key))]
               for key, label, *_ in SELECTION_LINES}
     values = [y for pts in series.values() for _, y in pts]
     ylim = fitted_ylim(values, values)
