@@ -309,7 +309,9 @@ def test_points_subsample_pooled_specs_and_keep_the_others_whole():
     assert out["compared"]["outside"] == {"step_beam_search@n=4,step_scorer=countdown": 1}
     assert out["votes"]["p2"]["majority_vote@n=4"] == {"1": 1, "2": 1, "3": 1, "4": 1}
     assert out["votes"]["p1"]["majority_vote@n=8"] == {"0": 8}
-    assert out["selection"] is None and "2" in out["selection_reason"]  # only p1 is shared by every spec
+    # only p1 is shared by every spec; selection runs on the compared p1 and p2, without the search
+    assert sorted(out["selection"]["selection_problems"] + out["selection"]["heldout_problems"]) == ["p1", "p2"]
+    assert out["selection"]["outside"] == {"step_beam_search@n=4,step_scorer=countdown": 1}
 
 
 # --- compute-optimal selection ---------------------------------------------------------------------
@@ -544,3 +546,21 @@ def test_the_frontier_compares_points_on_shared_problems_only():
     assert all(p["problems"] == 6 for p in compared.values())
     own = {p["label"]: p for c in out["curves"] for p in c["points"]}
     assert own["best_first@k=2"]["accuracy"] == 1.0 and own["best_first@k=2"]["problems"] == 2  # still shown as run
+
+
+def test_selection_runs_on_the_compared_problems_without_the_partial_strategy():
+    """runs/gsm's compute-optimal table chose on 1 problem and scored on 1: only 2 were shared by
+    every strategy, because two rollout searches ran 2 of 60. It now uses the frontier's problem
+    set, and a strategy measured elsewhere is no candidate (and is named)."""
+    problems = [f"p{i}" for i in range(8)]
+    records = [single(p, "greedy", i % 2 == 0, flops=10.0) for i, p in enumerate(problems)]
+    records += [_pool_records(p, 4, 0 if i < 5 else 4, "majority_vote@n=4") for i, p in enumerate(problems)]
+    records += [single(p, "best_first@k=2", True, flops=50.0) for p in problems[:2]]
+    out = analyze(records, bootstrap=100)
+    sel = out["selection"]
+    assert sel is not None
+    assert sorted(sel["selection_problems"] + sel["heldout_problems"]) == sorted(problems)
+    assert sel["outside"] == {"best_first@k=2": 2}
+    chosen = {c for row in sel["rows"] for c in row["choices"].values()} | {
+        row["best_single_choice"] for row in sel["rows"]}
+    assert "best_first@k=2" not in chosen and chosen - {None}

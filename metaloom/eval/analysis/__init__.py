@@ -84,8 +84,9 @@ def analyze(records: Sequence[Record], *, seed: int = 0, draws: int = 200, boots
     cost among the compared points, on those problems, cheapest first); ``equal_compute`` (each single-run
     strategy against each sampling curve at its ``metric`` cost, `equal.at_equal_compute`);
     ``selection`` (the compute-optimal analysis
-    of `metaloom.eval.analysis.select`, or None with ``selection_reason`` when fewer than 2
-    problems are shared by every strategy); ``votes`` (answer histograms of the vote records);
+    of `metaloom.eval.analysis.select` among the compared points on their problems, with
+    ``outside`` as above: a strategy measured on other problems is no candidate; or None with
+    ``selection_reason`` when fewer than 2 problems are compared); ``votes`` (answer histograms of the vote records);
     ``scorers`` (each scoring pooled strategy's ranking quality, `scorers.ranking`).
 
     ``seed``: subsample draws, bootstrap and split; ``draws``: random subsets per (problem, N);
@@ -103,19 +104,19 @@ def analyze(records: Sequence[Record], *, seed: int = 0, draws: int = 200, boots
     on_shared = [p.on(shared) for p in pts if all(p.covers(q) for q in shared)]
     outside = {p.label: len(p.problems) for p in pts if not all(p.covers(q) for q in shared)}
     front = {m: frontier([(p.label, p.mean_cost(m), p.accuracy()) for p in on_shared]) for m in COSTS}
-    table = latest(records)
-    common = [p for p in problems if all((p, s) in table for s in strategies)]
     out: dict[str, Any] = {"problems": problems, "strategies": strategies,
                            "curves": curves(pts, seed=seed, bootstrap=bootstrap), "frontier": front,
                            "compared": {"problems": list(shared), "curves": curves(on_shared, seed=seed, bootstrap=bootstrap),
                                         "outside": outside},
                            "equal_compute": at_equal_compute(pts, metric=metric, seed=seed, bootstrap=bootstrap)}
-    if len(common) < 2:
+    if len(shared) < 2:
         out["selection"] = None
-        out["selection_reason"] = (f"{len(common)} problem(s) shared by every strategy: compute-optimal selection "
+        out["selection_reason"] = (f"{len(shared)} problem(s) compared: compute-optimal selection "
                                    "needs at least 2 (a selection half and a held-out half)")
-    else:
-        out["selection"] = select(pts, records, common, seed=seed, probe_k=probe_k, bins=bins, grid=grid, metric=metric)
+    else:  # the same points and problems as the frontier: a strategy that ran other problems is no candidate
+        out["selection"] = select(on_shared, records, list(shared), seed=seed, probe_k=probe_k, bins=bins, grid=grid,
+                                  metric=metric)
+        out["selection"]["outside"] = outside
         if not out["selection"]["rows"]:
             out["selection_reason"] = f"no point has a known cost on {out['selection']['budget_metric']}"
     out["votes"] = votes(records)

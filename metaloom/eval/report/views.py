@@ -220,6 +220,7 @@ def selection_view(analysis: Mapping[str, Any]) -> dict[str, Any]:
         "selection_problems": len(selection.get("selection_problems") or ()),
         "heldout_problems": len(selection.get("heldout_problems") or ()),
         "bin_sizes": [(b.get("name", "?"), len(b.get("problems") or ())) for b in selection.get("bins") or ()],
+        "outside": [f"{label} ({count} problems)" for label, count in mapping(selection.get("outside")).items()],
         "figure": figures.selection_figure(selection.get("rows") or ()),
     }
 
