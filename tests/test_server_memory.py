@@ -11,7 +11,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from metaloom.generator import LocalGenerator
 from metaloom.prefix import PrefixCache
 from metaloom.server.app import create_app, size_pools
-from metaloom.server.memory import kv_pool_bytes, kv_pool_limit, meminfo, prefix_budget, process_rss, storage_bytes
+from metaloom.server.memory import (
+    kv_pool_bytes,
+    kv_pool_limit,
+    meminfo,
+    prefix_budget,
+    process_rss,
+    storage_bytes,
+    storage_parts,
+)
 from metaloom.testing.served import serve_app
 from metaloom.testing.tiny import tiny_llama
 
@@ -35,7 +43,9 @@ def test_storage_bytes_counts_each_storage_once():
 def test_storage_bytes_counts_opaque_tensors_by_their_elements():
     # oneDNN's packed weights (the dense bf16/f32 linear layers) have no storage to ask
     packed = torch.zeros(8, 16).to_mkldnn()
-    assert storage_bytes({"w": packed, "same": packed, "b": torch.zeros(4)}) == 8 * 16 * 4 + 16
+    held = {"w": packed, "same": packed, "b": torch.zeros(4)}
+    assert storage_bytes(held) == 8 * 16 * 4 + 16
+    assert storage_parts(held) == {"plain": 16, "packed": 8 * 16 * 4}
 
 
 def test_the_weights_figure_is_the_model_tensors():
@@ -87,8 +97,9 @@ def test_metrics_say_what_holds_memory():
     app = create_app(gen, model_ids=["default"], max_rows=8)
     with serve_app(app) as url:
         before = _gauges(httpx.get(url + "/metrics", timeout=30).text)
-        assert set(before) == {"weights", "kv_pool", "kv_pool_used", "kv_pool_limit", "prefix_cache", "process_rss"}
-        assert before["weights"] == storage_bytes(gen.model)
+        assert set(before) == {"weights", "weights_packed", "kv_pool", "kv_pool_used", "kv_pool_limit", "prefix_cache",
+                               "process_rss"}
+        assert before["weights"] == storage_bytes(gen.model) and before["weights_packed"] == 0  # float32 tiny: plain
         assert before["kv_pool"] == kv_pool_bytes(gen.pool) == gen.pool.slots * gen.pool.bytes_per_slot
         body = {"model": "default", "prompt": "abcabc", "n": 4, "max_tokens": 100, "temperature": 1, "ignore_eos": True}
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200

@@ -17,7 +17,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
@@ -37,7 +37,7 @@ from metaloom.ledger import Ledger, Usage
 from metaloom.meta.types import Result
 from metaloom.server import protocol
 from metaloom.server.errors import ApiError, api_error
-from metaloom.server.memory import kv_pool_bytes, kv_pool_limit, meminfo, prefix_budget, process_rss, storage_bytes
+from metaloom.server.memory import kv_pool_bytes, kv_pool_limit, meminfo, prefix_budget, process_rss, storage_parts
 from metaloom.server.metrics import Metrics
 from metaloom.server.protocol import ChatBody, ChatFields, CompletionBody, CompletionFields
 from metaloom.server.scheduled import Cancelled, ScheduledGenerator
@@ -93,7 +93,7 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
     workers = ThreadPoolExecutor(max_workers=strategy_workers, thread_name_prefix="metaloom-strategy")
     ids = tuple(model_ids)
     size_pools(generator, max_rows)
-    weights = storage_bytes(generator.model) + (storage_bytes(generator.amateur) if generator.amateur is not None else 0)
+    weights = storage_parts([generator.model, generator.amateur])
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -268,9 +268,9 @@ def size_pools(generator: LocalGenerator, max_rows: int, available: int | None =
              (generator.prefix_cache.budget_bytes if generator.prefix_cache is not None else 0) / 2**20)
 
 
-def memory_parts(generator: LocalGenerator, weights: int) -> dict[str, int]:
+def memory_parts(generator: LocalGenerator, weights: Mapping[str, int]) -> dict[str, int]:
     """``metaloom_memory_bytes`` by part (`metaloom.server.memory` says what each holds)."""
-    parts = {"weights": weights}
+    parts = {"weights": weights["plain"], "weights_packed": weights["packed"]}
     pool = generator.pool
     if pool is not None:
         with pool.lock:

@@ -1,8 +1,11 @@
 """What holds the server's memory, and how large its KV pool may grow (issue 30).
 
-Accounting (`/metrics`, ``metaloom_memory_bytes{part=...}``): ``weights`` is every tensor the
-model object holds (dense, packed or quantised weights, rope tables), each storage counted once
-however many views share it; ``kv_pool`` the keys and values the engine's `KVPool` has allocated
+Accounting (`/metrics`, ``metaloom_memory_bytes{part=...}``): ``weights`` is every plain tensor
+the model object holds (dense or quantised weights, rope tables), each storage counted once
+however many views share it; ``weights_packed`` the copies laid out for MKL and oneDNN (dense
+float32 weights keep two besides the plain one, `metaloom.models.kernels.packed`: SmolLM2 on
+``--weights dense`` holds 0.54 GB plain and 2.26 GB packed as PyTorch reports the opaque sizes,
+2.3 GB resident in all, where the native GGUF weights are 0.10 GB and 0.44 GB resident); ``kv_pool`` the keys and values the engine's `KVPool` has allocated
 (it grows by doubling and keeps its size), ``kv_pool_used`` the slots live rows and the prefix
 cache hold, ``prefix_cache`` the slots the prefix cache keeps alive (part of ``kv_pool_used``),
 ``kv_pool_limit`` the most the pool may grow to, ``process_rss`` the resident set (VmRSS).
@@ -29,6 +32,12 @@ DEFAULT_FRACTION = 0.5  # of MemAvailable at start, for the KV pool
 def storage_bytes(obj: Any, max_depth: int = 8) -> int:
     """Bytes of every tensor (and numpy array) reachable from ``obj`` through dataclass fields,
     attributes, lists, tuples and dicts, each underlying storage counted once."""
+    return sum(storage_parts(obj, max_depth).values())
+
+
+def storage_parts(obj: Any, max_depth: int = 8) -> dict[str, int]:
+    """`storage_bytes` in two parts: ``plain`` (tensors with a storage, numpy arrays) and
+    ``packed`` (opaque tensors: oneDNN's and MKL's packed layouts, counted by their elements)."""
     seen_objects: set[int] = set()
     storages: dict[Any, int] = {}
 
@@ -60,7 +69,8 @@ def storage_bytes(obj: Any, max_depth: int = 8) -> int:
                 walk(v, depth + 1)
 
     walk(obj, 0)
-    return sum(storages.values())
+    packed = sum(v for k, v in storages.items() if isinstance(k, tuple))
+    return {"plain": sum(storages.values()) - packed, "packed": packed}
 
 
 def kv_pool_bytes(pool: Any) -> int:
