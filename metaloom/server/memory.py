@@ -5,7 +5,8 @@ the model object holds (dense or quantised weights, rope tables), each storage c
 however many views share it; ``weights_packed`` the copies laid out for MKL and oneDNN (dense
 float32 weights keep two besides the plain one, `metaloom.models.kernels.packed`: SmolLM2 on
 ``--weights dense`` holds 0.54 GB plain and 2.26 GB packed as PyTorch reports the opaque sizes,
-2.3 GB resident in all, where the native GGUF weights are 0.10 GB and 0.44 GB resident); ``kv_pool`` the keys and values the engine's `KVPool` has allocated
+2.3 GB resident in all, where the native GGUF weights are 0.10 GB and 0.44 GB resident);
+``kv_pool`` the keys and values the engine's `KVPool` has allocated
 (it grows by doubling and keeps its size), ``kv_pool_used`` the slots live rows and the prefix
 cache hold, ``prefix_cache`` the slots the prefix cache keeps alive (part of ``kv_pool_used``),
 ``kv_pool_limit`` the most the pool may grow to, ``process_rss`` the resident set (VmRSS).
