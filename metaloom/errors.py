@@ -65,6 +65,11 @@ class BudgetExceeded(MetaloomError):
         super().__init__(f"budget exceeded: {field} would be {would_be} > limit {limit}")
 
 
+class Interrupted(MetaloomError):
+    """A run was stopped from outside between two forwards (`Ledger.stop`: a server shutting
+    down, a client gone); what it did until then is charged."""
+
+
 class ScorerFailed(MetaloomError):
     """A scorer (verifier, reward model, judge, utility) raised. Names the scorer; a strategy
     attaches what it had gathered so far as ``partial`` (a `metaloom.meta.Result`)."""

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from metaloom.errors import BudgetExceeded, InvalidParameter
+from metaloom.errors import BudgetExceeded, Interrupted, InvalidParameter
 
 
 @dataclass(frozen=True)
@@ -154,6 +154,9 @@ class Ledger:
     # hears each trace event of the runs charged here or below, as it happens (the server streams
     # them as progress); it must return quickly and not raise
     listener: Callable[[str, dict[str, Any]], None] | None = field(default=None, repr=False, compare=False)
+    # asked at every check (each charge): True stops the run charged here or below with
+    # `Interrupted`; for runs that own their loop (beam search), which have no other way out
+    stop: Callable[[], bool] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.budget is not None and not isinstance(self.budget, Budget):
@@ -176,20 +179,29 @@ class Ledger:
             self.check()
 
     def check(self) -> None:
-        """Raise `BudgetExceeded` if this ledger or an ancestor is over its budget."""
+        """Raise `BudgetExceeded` if this ledger or an ancestor is over its budget, `Interrupted`
+        if one of them was told to `stop`."""
         with self.lock:
             ledger: Ledger | None = self
             while ledger is not None:
+                if ledger.stop is not None and ledger.stop():
+                    raise Interrupted("the run was stopped from outside")
                 if ledger.budget is not None:
                     ledger.budget.check(ledger.usage)
                 ledger = ledger.parent
 
     def over_budget(self) -> bool:
-        """Whether this ledger or an ancestor is already over a budget limit."""
-        try:
-            self.check()
-        except BudgetExceeded:
-            return True
+        """Whether this ledger or an ancestor is already over a budget limit (a `stop` is no
+        budget: only `check` asks it)."""
+        with self.lock:
+            ledger: Ledger | None = self
+            while ledger is not None:
+                if ledger.budget is not None:
+                    try:
+                        ledger.budget.check(ledger.usage)
+                    except BudgetExceeded:
+                        return True
+                ledger = ledger.parent
         return False
 
     def notify(self, kind: str, data: dict[str, Any]) -> None:

@@ -16,7 +16,8 @@ import time
 import httpx2 as httpx
 import pytest
 
-from metaloom.errors import InvalidParameter
+from metaloom.decode.specs import BeamParams
+from metaloom.errors import Interrupted, InvalidParameter
 from metaloom.generator import LocalGenerator, Request
 from metaloom.generator.types import StreamChunk
 from metaloom.ledger import Ledger
@@ -226,3 +227,49 @@ def test_a_second_sigint_stops_at_once_cleanly():
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def test_a_beam_search_running_on_the_loop_is_stopped_at_the_deadline():
+    """Beam search runs as a whole on the loop thread, so the loop cannot end it between steps:
+    its ledger's ``stop`` ends it at its next forward once the deadline passed."""
+    loaded = tiny_llama()
+    model = loaded.model
+    started, gate = threading.Event(), threading.Event()
+    forward = model.forward
+
+    def held(*args, **kwargs):  # the first forward (the prefill) waits until the deadline passed
+        if not started.is_set():
+            started.set()
+            assert gate.wait(20)
+        return forward(*args, **kwargs)
+
+    model.forward = held
+    clock = Clock()
+    scheduler = Scheduler(LocalGenerator(loaded), clock=clock)
+    events: list = []
+    ledger = Ledger()
+    try:
+        ticket = scheduler.submit(Request("abc", SamplingParams(max_tokens=200, ignore_eos=True),
+                                          decoder=BeamParams(beams=4)), ledger, events.append)
+        assert started.wait(20)
+        scheduler.begin_drain(5.0)
+        clock.now = 1005.0
+        gate.set()
+        _wait(lambda: ticket.done)
+        assert isinstance(events[-1], Failed) and isinstance(events[-1].error, ShuttingDown)
+        assert ledger.usage.forward_passes == 1  # the prefill it was in, charged; no step after it
+        _wait(scheduler.drained.is_set)
+    finally:
+        gate.set()
+        scheduler.close()
+
+
+def test_a_stopped_ledger_records_the_charge_then_interrupts():
+    flag = {"stop": False}
+    parent = Ledger(stop=lambda: flag["stop"])
+    child = Ledger(parent=parent)
+    child.charge(forward_passes=1)
+    flag["stop"] = True
+    with pytest.raises(Interrupted):
+        child.charge(forward_passes=1)
+    assert parent.usage.forward_passes == 2 and not child.over_budget()  # charged; a stop is no budget

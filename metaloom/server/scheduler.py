@@ -20,8 +20,9 @@ thread between steps (`Scheduler.call`), so the model is only ever driven from o
 
 Shutting down is bounded (`begin_drain`): the loop finishes what it holds for up to a timeout,
 then ends the rest at a step boundary, each ticket with `Failed(ShuttingDown)` (a 503 in OpenAI's
-shape; a stream's error event and ``[DONE]``), and reports itself `drained`. A call already
-running on the loop thread (a beam search) is not interrupted.
+shape; a stream's error event and ``[DONE]``), and reports itself `drained`. A beam search,
+which runs as a whole on the loop thread, is stopped at its next forward past the deadline (its
+ledger's `stop`), and so is one whose client went away.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import Any
 
 from metaloom.decode.batch import DecodeBatch, Row
 from metaloom.decode.specs import BeamParams
-from metaloom.errors import BudgetExceeded, InvalidParameter, MetaloomError
+from metaloom.errors import BudgetExceeded, Interrupted, InvalidParameter, MetaloomError
 from metaloom.generator.local import LocalGenerator, chunks, completion
 from metaloom.generator.plan import plan
 from metaloom.generator.types import Completion, Request, StreamChunk
@@ -398,8 +399,19 @@ class Scheduler:
             ticket.done = True
             ticket.sink(Finished(()))
             return
+        # beam search owns its loop: its ledger stops it at the next forward once the drain's
+        # deadline passed or the client went away (what it did until then is charged)
+        run = Ledger(parent=ticket.ledger, stop=lambda: ticket.cancelled or self._past_deadline())
         try:
-            found = self.generator.generate([request], ledger=ticket.ledger)[0]
+            found = self.generator.generate([request], ledger=run)[0]
+        except Interrupted:
+            if ticket.cancelled:
+                ticket.done = True
+                ticket.sink(Finished(()))
+            else:
+                self._fail(ticket, ShuttingDown("server shutting down: the request was ended before it finished "
+                                                "(shutdown timeout or a second signal)"))
+            return
         except Exception as exc:
             self._fail(ticket, exc)
             return
@@ -409,6 +421,11 @@ class Scheduler:
                                     c.top_logprobs or ()))
         ticket.done = True
         ticket.sink(Finished(tuple(found)))
+
+    def _past_deadline(self) -> bool:
+        """Whether a drain's deadline has passed (read without the lock: one float)."""
+        deadline = self._deadline
+        return deadline is not None and self.clock() >= deadline
 
     def _expire(self) -> None:
         """The drain's deadline passed: end everything queued and running, each with its error."""
