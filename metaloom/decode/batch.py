@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from metaloom.constrain import Constraint
+from metaloom.decode.prefill import release_cache
 from metaloom.decode.rows import RowState, emit
 from metaloom.decode.select import draw, most_likely, raw_logprobs, verify
 from metaloom.errors import BudgetExceeded, UnsupportedModel
@@ -213,7 +214,7 @@ class DecodeBatch:
         cache, raw, scores = self.prefill(reps, capacity, [r.ledger for r in reps])
         if index != list(range(len(reps))):
             forked = cache.fork(index)
-            _release(cache)
+            release_cache(cache)
             cache = forked
             at = torch.as_tensor(index, dtype=torch.long, device=raw.device)
             raw, scores = raw[at], scores[at]
@@ -384,7 +385,7 @@ class DecodeBatch:
     def keep(self, positions: list[int]) -> None:
         """Keep only the rows at ``positions`` (batch order); the others leave and free their cache."""
         if not positions:
-            _release(self.cache)
+            release_cache(self.cache)
             self.rows, self.cursors = [], []
             self.cache = self.sampler = self.state = self.pending = self.drafter = None
             return
@@ -394,7 +395,7 @@ class DecodeBatch:
             return
         old = self.cache
         self.cache = old.fork(positions)
-        _release(old)
+        release_cache(old)
         self.sampler = self.sampler.select(positions)
         self.state = self.state.select(positions)
         self.pending = self.pending[torch.as_tensor(positions, dtype=torch.long, device=self.pending.device)]
@@ -432,11 +433,6 @@ class _Tally:
             with contextlib.suppress(BudgetExceeded):
                 ledger.charge(**amounts)
 
-
-def _release(cache: KVCache | None) -> None:
-    release = getattr(cache, "release", None)
-    if release is not None:
-        release()
 
 
 def _checked(draft: Draft, limits: Sequence[int], device: torch.device) -> Draft:

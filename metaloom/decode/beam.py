@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from metaloom.constrain import Constraint, batch_mask
+from metaloom.decode.prefill import release_cache
 from metaloom.decode.rows import RowState, emit
 from metaloom.decode.select import most_likely
 from metaloom.decode.specs import BeamParams
@@ -198,12 +199,8 @@ def beam_search(model: LanguageModel, cache: KVCache, logits: torch.Tensor, samp
             beam.source = i
         if sources != list(range(len(owner))) or len(sources) != int(cache.lengths.shape[0]):
             old, cache = cache, cache.fork(sources)  # the native cache forks without copying keys
-            release = getattr(old, "release", None)
-            if release is not None:
-                release()
+            release_cache(old)
         state = sampler.select(owner).advance(state.select(sources), tokens, lp[index])
         logits = charged_forward(model, tokens[:, None], cache, ledger)[:, -1]
-    release = getattr(cache, "release", None)
-    if release is not None:
-        release()
+    release_cache(cache)
     return [sorted((h for group in groups[b] for h in group.hyps), key=lambda h: -h.score) for b in range(b_count)]

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from metaloom.decode.prefill import new_cache
+from metaloom.decode.prefill import new_cache, release_cache
 from metaloom.models.engine.cache import KVPool
 from metaloom.models.protocols import LanguageModel
 
@@ -65,9 +65,7 @@ def measure_overhead(model: LanguageModel, pool: KVPool | None = None) -> int:
                     if rep:
                         times[n].append(time.perf_counter() - start)
                 finally:
-                    release = getattr(cache, "release", None)
-                    if release is not None:
-                        release()
+                    release_cache(cache)
     return overhead_tokens(statistics.median(times[1]), statistics.median(times[probe]), probe)
 
 

@@ -30,6 +30,14 @@ def new_cache(model: LanguageModel, batch: int, capacity: int, pool: KVPool | No
     return model.new_cache(batch, capacity, pool=pool)  # type: ignore[call-arg]
 
 
+def release_cache(cache: object) -> None:
+    """Hand a cache's KV slots back to its pool now (the native paged cache; others have nothing
+    to release, and the garbage collector would free the slots later anyway)."""
+    release = getattr(cache, "release", None)
+    if release is not None:
+        release()
+
+
 def _padded(model: LanguageModel, rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded tokens [B, longest] and each row's length [B]."""
     longest = max(len(r) for r in rows)

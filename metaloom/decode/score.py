@@ -13,13 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from metaloom.decode.prefill import new_cache, prefill, prefill_cached
+from metaloom.decode.prefill import new_cache, prefill, prefill_cached, release_cache
 from metaloom.errors import ContextWindowExceeded, InvalidParameter
 from metaloom.ledger import Ledger
 from metaloom.models.engine.cache import KVPool
 from metaloom.models.forward import charged_forward
 from metaloom.models.protocols import KVCache, LanguageModel, Tokenizer
 from metaloom.prefix.pool import PrefixCache
+from metaloom.prefix.radix import common_prefix
 
 
 @dataclass(frozen=True)
@@ -80,17 +81,13 @@ def score_continuations(model: LanguageModel, prompt: Sequence[int], continuatio
         # the last token's logits are not needed, but dropping it would leave 1-token rows empty
         rows = cache.fork([0] * len(batch))
         logits = charged_forward(model, tokens, rows, ledger, valid=valid)
-        release = getattr(rows, "release", None)
-        if release is not None:
-            release()
+        release_cache(rows)
         lp = torch.log_softmax(logits.float(), dim=-1)  # [N, T, V]
         for i, c in enumerate(batch):
             later = lp[i, torch.arange(len(c) - 1), tokens[i, 1:len(c)]] if len(c) > 1 else lp.new_zeros(0)
             values = [float(first[c[0]]), *later.tolist()]
             out.append(ContinuationScore(tuple(c), tuple(values)))
-    release = getattr(cache, "release", None)
-    if release is not None:
-        release()
+    release_cache(cache)
     return out
 
 
@@ -125,7 +122,7 @@ def prompt_logprobs(model: LanguageModel, prompt: Sequence[int], k: int, ledger:
     try:
         return _positions(model, list(prompt), 0, k, cache, ledger, chunk)
     finally:
-        _release(cache)
+        release_cache(cache)
 
 
 def shared_prompt_logprobs(model: LanguageModel, prompts: Sequence[Sequence[int]], k: int, ledger: Ledger, *,
@@ -153,7 +150,7 @@ def shared_prompt_logprobs(model: LanguageModel, prompts: Sequence[Sequence[int]
     try:
         for i in sorted(range(len(prompts)), key=lambda i: list(prompts[i])):
             ids = list(prompts[i])
-            shared = _common(previous, ids)
+            shared = common_prefix(previous, ids)
             keep = max(min(shared, len(ids)) - 1, 0)  # positions (and KV entries) taken from the one before
             out[i] = out_previous[:keep] if keep else []
             if count_input:
@@ -163,11 +160,11 @@ def shared_prompt_logprobs(model: LanguageModel, prompts: Sequence[Sequence[int]
             forked = new_cache(model, 1, capacity, pool) if cache is None or keep == 0 else cache.fork([0])
             if keep:
                 forked.truncate([keep])
-            _release(cache)
+            release_cache(cache)
             cache, previous, out_previous = forked, ids, out[i]
             out[i].extend(_positions(model, ids, keep, k, cache, ledger, chunk))
     finally:
-        _release(cache)
+        release_cache(cache)
     return out
 
 
@@ -187,21 +184,6 @@ def _positions(model: LanguageModel, prompt: list[int], start: int, k: int, cach
                                                        values.tolist(), strict=True):
             out.append(PromptPosition(token, value, rank, tuple(zip(t_ids, t_values, strict=True))))
     return out
-
-
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def _release(cache: object) -> None:
-    release = getattr(cache, "release", None)
-    if release is not None:
-        release()
 
 
 def split_continuation(tokenizer: Tokenizer, context: str, continuation: str, *,

@@ -91,7 +91,7 @@ class Evicted(Generic[V]):
     value: V
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of ``a`` and ``b``."""
     n = min(len(a), len(b))
     if tuple(a[:n]) == tuple(b[:n]):  # the common case (a whole edge matches), at C speed
@@ -132,7 +132,7 @@ class RadixTree(Generic[V]):
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            j = _common(child.key, tokens[pos:pos + len(child.key)])
+            j = common_prefix(child.key, tokens[pos:pos + len(child.key)])
             child.last_used = now
             node, pos = child, pos + j
             if j < len(child.key):
@@ -154,7 +154,7 @@ class RadixTree(Generic[V]):
             child = node.children.get(key[pos])
             if child is None:
                 break
-            j = _common(child.key, key[pos:pos + len(child.key)])
+            j = common_prefix(child.key, key[pos:pos + len(child.key)])
             if j < len(child.key):
                 child = self._split_node(child, j)
             child.last_used = now
