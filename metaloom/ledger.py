@@ -22,7 +22,7 @@ import math
 import re
 import threading
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +113,14 @@ class Budget:
             if getattr(usage, f.name) > limit:
                 raise BudgetExceeded(f.name, limit, getattr(usage, f.name))
 
+    def exceeded(self, usage: Usage) -> bool:
+        """Whether ``usage`` passes a limit (`check` without the exception)."""
+        try:
+            self.check(usage)
+        except BudgetExceeded:
+            return True
+        return False
+
 
 def parse_budget(items: Sequence[str]) -> Budget:
     """A `Budget` from ``FIELD=LIMIT`` texts: a whole number for count fields, a number for
@@ -172,45 +180,38 @@ class Ledger:
         """
         delta = Usage(**amounts)  # type: ignore[arg-type]
         with self.lock:
-            ledger: Ledger | None = self
-            while ledger is not None:
+            for ledger in self.chain():
                 ledger.usage = ledger.usage + delta
-                ledger = ledger.parent
             self.check()
+
+    def chain(self) -> Iterator[Ledger]:
+        """This ledger, then each ancestor up to the root."""
+        ledger: Ledger | None = self
+        while ledger is not None:
+            yield ledger
+            ledger = ledger.parent
 
     def check(self) -> None:
         """Raise `BudgetExceeded` if this ledger or an ancestor is over its budget, `Interrupted`
         if one of them was told to `stop`."""
         with self.lock:
-            ledger: Ledger | None = self
-            while ledger is not None:
+            for ledger in self.chain():
                 if ledger.stop is not None and ledger.stop():
                     raise Interrupted("the run was stopped from outside")
                 if ledger.budget is not None:
                     ledger.budget.check(ledger.usage)
-                ledger = ledger.parent
 
     def over_budget(self) -> bool:
         """Whether this ledger or an ancestor is already over a budget limit (a `stop` is no
         budget: only `check` asks it)."""
         with self.lock:
-            ledger: Ledger | None = self
-            while ledger is not None:
-                if ledger.budget is not None:
-                    try:
-                        ledger.budget.check(ledger.usage)
-                    except BudgetExceeded:
-                        return True
-                ledger = ledger.parent
-        return False
+            return any(ledger.budget is not None and ledger.budget.exceeded(ledger.usage) for ledger in self.chain())
 
     def notify(self, kind: str, data: dict[str, Any]) -> None:
         """Tell the listeners of this ledger and its ancestors about a trace event."""
-        ledger: Ledger | None = self
-        while ledger is not None:
+        for ledger in self.chain():
             if ledger.listener is not None:
                 ledger.listener(kind, data)
-            ledger = ledger.parent
 
     def child(self, budget: Budget | None = None) -> Ledger:
         return Ledger(budget=budget, parent=self)
