@@ -10,13 +10,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from metaloom.generator import LocalGenerator
 from metaloom.prefix import PrefixCache
-from metaloom.server.app import create_app, size_pools
+from metaloom.server.app import create_app
 from metaloom.server.memory import (
     kv_pool_bytes,
     kv_pool_limit,
     meminfo,
     prefix_budget,
     process_rss,
+    size_pools,
     storage_bytes,
     storage_parts,
 )

@@ -17,7 +17,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
@@ -37,7 +37,7 @@ from metaloom.ledger import Ledger, Usage
 from metaloom.meta.types import Result
 from metaloom.server import protocol
 from metaloom.server.errors import ApiError, api_error
-from metaloom.server.memory import kv_pool_bytes, kv_pool_limit, meminfo, prefix_budget, process_rss, storage_parts
+from metaloom.server.memory import memory_parts, size_pools, storage_parts
 from metaloom.server.metrics import Metrics
 from metaloom.server.protocol import ChatBody, ChatFields, CompletionBody, CompletionFields
 from metaloom.server.scheduled import Cancelled, ScheduledGenerator
@@ -249,40 +249,6 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
         return await call.plain(call.fit(requests, b), b.stream, _usage_wanted(b), ledger)
 
     return app
-
-
-def size_pools(generator: LocalGenerator, max_rows: int, available: int | None = None) -> None:
-    """Bound the engine's KV pool and prefix cache by `metaloom.server.memory.kv_pool_limit`
-    (``max_rows`` full context windows, half the memory available now) and `prefix_budget`."""
-    pool = generator.pool
-    available = meminfo() if available is None else available
-    if pool is None or available is None:
-        return
-    limit = kv_pool_limit(pool.bytes_per_slot, max_rows, generator.model.max_context, available)
-    pool.max_slots = limit if pool.max_slots is None else min(pool.max_slots, limit)
-    if generator.prefix_cache is not None:
-        cache = generator.prefix_cache
-        cache.budget_bytes = prefix_budget(cache.budget_bytes, pool.max_slots * pool.bytes_per_slot)
-    log.info("KV pool: at most %d slots (%.0f MiB; %d B a token); prefix cache at most %.0f MiB", pool.max_slots,
-             pool.max_slots * pool.bytes_per_slot / 2**20, pool.bytes_per_slot,
-             (generator.prefix_cache.budget_bytes if generator.prefix_cache is not None else 0) / 2**20)
-
-
-def memory_parts(generator: LocalGenerator, weights: Mapping[str, int]) -> dict[str, int]:
-    """``metaloom_memory_bytes`` by part (`metaloom.server.memory` says what each holds)."""
-    parts = {"weights": weights["plain"], "weights_packed": weights["packed"]}
-    pool = generator.pool
-    if pool is not None:
-        with pool.lock:
-            parts["kv_pool"] = kv_pool_bytes(pool)
-            parts["kv_pool_used"] = pool.used_bytes
-            parts["kv_pool_limit"] = (pool.max_slots or pool.slots) * pool.bytes_per_slot
-    if generator.prefix_cache is not None:
-        parts["prefix_cache"] = generator.prefix_cache.used_bytes
-    rss = process_rss()
-    if rss is not None:
-        parts["process_rss"] = rss
-    return parts
 
 
 _ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize",

@@ -22,11 +22,17 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-from typing import Any
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+if TYPE_CHECKING:
+    from metaloom.generator.local import LocalGenerator
+
+log = logging.getLogger("metaloom.server")
 DEFAULT_FRACTION = 0.5  # of MemAvailable at start, for the KV pool
 
 
@@ -121,3 +127,37 @@ def trim() -> None:
     resident."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def size_pools(generator: LocalGenerator, max_rows: int, available: int | None = None) -> None:
+    """Bound the engine's KV pool and prefix cache by `metaloom.server.memory.kv_pool_limit`
+    (``max_rows`` full context windows, half the memory available now) and `prefix_budget`."""
+    pool = generator.pool
+    available = meminfo() if available is None else available
+    if pool is None or available is None:
+        return
+    limit = kv_pool_limit(pool.bytes_per_slot, max_rows, generator.model.max_context, available)
+    pool.max_slots = limit if pool.max_slots is None else min(pool.max_slots, limit)
+    if generator.prefix_cache is not None:
+        cache = generator.prefix_cache
+        cache.budget_bytes = prefix_budget(cache.budget_bytes, pool.max_slots * pool.bytes_per_slot)
+    log.info("KV pool: at most %d slots (%.0f MiB; %d B a token); prefix cache at most %.0f MiB", pool.max_slots,
+             pool.max_slots * pool.bytes_per_slot / 2**20, pool.bytes_per_slot,
+             (generator.prefix_cache.budget_bytes if generator.prefix_cache is not None else 0) / 2**20)
+
+
+def memory_parts(generator: LocalGenerator, weights: Mapping[str, int]) -> dict[str, int]:
+    """``metaloom_memory_bytes`` by part (`metaloom.server.memory` says what each holds)."""
+    parts = {"weights": weights["plain"], "weights_packed": weights["packed"]}
+    pool = generator.pool
+    if pool is not None:
+        with pool.lock:
+            parts["kv_pool"] = kv_pool_bytes(pool)
+            parts["kv_pool_used"] = pool.used_bytes
+            parts["kv_pool_limit"] = (pool.max_slots or pool.slots) * pool.bytes_per_slot
+    if generator.prefix_cache is not None:
+        parts["prefix_cache"] = generator.prefix_cache.used_bytes
+    rss = process_rss()
+    if rss is not None:
+        parts["process_rss"] = rss
+    return parts

@@ -55,6 +55,11 @@ class ShuttingDown(MetaloomError):
     deadline was ended (HTTP 503)."""
 
 
+def _ended() -> ShuttingDown:
+    return ShuttingDown("server shutting down: the request was ended before it finished "
+                        "(shutdown timeout or a second signal)")
+
+
 class Overloaded(MetaloomError):
     """The scheduler's queue is full; try again after ``retry_after`` seconds."""
 
@@ -256,8 +261,9 @@ class Scheduler:
             self._wake.notify()
         self._thread.join(timeout=30)
 
-    def _admissible(self) -> int:  # under the lock
-        return admissible([len(t.rows_to_admit) for t in self._waiting], self.max_rows - self._busy_rows,
+    def _admissible(self, extra: Sequence[int] = ()) -> int:  # under the lock
+        """`admissible` over the queue (and ``extra`` requests after it), at the rows free now."""
+        return admissible([*(len(t.rows_to_admit) for t in self._waiting), *extra], self.max_rows - self._busy_rows,
                           self._busy_rows > 0)
 
     def _check_open(self) -> None:  # under the lock
@@ -269,14 +275,12 @@ class Scheduler:
         wait) and ``max_waiting`` requests already wait. A call (``need`` 0: beam search, which
         holds the loop thread for its whole run) counts as waiting, as do queued calls."""
         self._check_open()
-        needs = [len(t.rows_to_admit) for t in self._waiting]
-        free = self.max_rows - self._busy_rows
-        admitted = admissible(needs, free, self._busy_rows > 0)
-        waiting = len(needs) - admitted + len(self._calls)
-        fits = need > 0 and admissible([*needs, need], free, self._busy_rows > 0) > len(needs)
+        queued = len(self._waiting)
+        waiting = queued - self._admissible() + len(self._calls)
+        fits = need > 0 and self._admissible([need]) > queued
         if fits or waiting < self.max_waiting:
             return
-        ahead = sum(needs) + max(need, 1) - free
+        ahead = sum(len(t.rows_to_admit) for t in self._waiting) + max(need, 1) - (self.max_rows - self._busy_rows)
         raise Overloaded(waiting, self.max_waiting, retry_after(ahead, self.drain.rate(self.clock()), self.max_rows))
 
     # --- the loop thread -------------------------------------------------------------------------
@@ -409,8 +413,7 @@ class Scheduler:
                 ticket.done = True
                 ticket.sink(Finished(()))
             else:
-                self._fail(ticket, ShuttingDown("server shutting down: the request was ended before it finished "
-                                                "(shutdown timeout or a second signal)"))
+                self._fail(ticket, _ended())
             return
         except Exception as exc:
             self._fail(ticket, exc)
@@ -429,8 +432,7 @@ class Scheduler:
 
     def _expire(self) -> None:
         """The drain's deadline passed: end everything queued and running, each with its error."""
-        error = ShuttingDown("server shutting down: the request was ended before it finished "
-                             "(shutdown timeout or a second signal)")
+        error = _ended()
         with self._wake:
             waiting, calls = list(self._waiting), list(self._calls)
             self._waiting.clear()
