@@ -182,9 +182,9 @@ class RemoteGenerator:
         shares what its prompts have in common (metaloom serve) computes it once and reports it as
         cached, as the local engine's prefill-once-fork and prefix cache do (an LLM judge's
         questions about one candidate set share the problem)."""
+        self.capabilities.require("score", self.name, "needs prompt log-probabilities, token-id prompts and a tokenizer")
         for prompt, continuations in items:
             check_prompt(prompt)
-            self.capabilities.require("score", self.name, "needs prompt log-probabilities, token-id prompts and a tokenizer")
             for i, c in enumerate(continuations):
                 if not (isinstance(c, TokenIds) or (isinstance(c, str) and c)):
                     raise InvalidParameter(f"continuations[{i}]", c, "non-empty text or TokenIds")

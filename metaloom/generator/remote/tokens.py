@@ -73,11 +73,6 @@ class Tokens:
         return self.tokenizer
 
     # --- scoring ------------------------------------------------------------------------------------
-    async def score(self, prompt: Prompt, continuations: Sequence[str | TokenIds]) -> tuple[list[Scored], Json]:
-        """The continuations scored, and the server's answer (for its usage)."""
-        (scored,), data = await self.score_many([(prompt, continuations)])
-        return scored, data
-
     async def score_many(self, items: Sequence[tuple[Prompt, Sequence[str | TokenIds]]]) -> tuple[list[list[Scored]], Json]:
         """Each prompt's continuations scored, all in one request (a server that shares what its
         prompts have in common, as metaloom serve does, computes each shared beginning once), and
