@@ -2,12 +2,14 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from metaloom.errors import InvalidParameter
 from metaloom.sampling import SamplingParams, make_sampler
 from metaloom.sampling import processors as P
+from metaloom.sampling.counter import row_uniforms
 from metaloom.testing.stats import assert_samples_match
 
 INF = float("-inf")
@@ -107,7 +109,7 @@ def test_pipeline_greedy_row_is_argmax_of_penalised_biased_logits():
     logits = torch.tensor([[1.0, 3.0, 2.0], [1.0, 3.0, 2.0]])
     sampler = make_sampler([SamplingParams(temperature=0, logit_bias={2: 5.0}),
                             SamplingParams(temperature=0)], vocab_size=3)
-    tokens = sampler.draw(sampler.process(logits), [None, None])
+    tokens = sampler.draw(sampler.process(logits), torch.rand(2, dtype=torch.float64))
     assert tokens.tolist() == [2, 1]
 
 
@@ -131,7 +133,7 @@ def _draw_counts(params, logits, n=20000, seed=0):
     g = torch.Generator().manual_seed(seed)
     draws = torch.multinomial(lp[0].exp(), n, replacement=True, generator=g)
     # one-draw path must agree with the vectorised check above: spot-check it is a valid index
-    assert 0 <= sampler.draw(lp, [g]).item() < logits.shape[-1]
+    assert 0 <= sampler.draw(lp, torch.rand(1, dtype=torch.float64, generator=g)).item() < logits.shape[-1]
     return torch.bincount(draws, minlength=logits.shape[-1])
 
 
@@ -161,5 +163,8 @@ def test_sampling_matches_analytic_filtered_distribution(params):
 def test_draw_uses_the_row_generator_reproducibly():
     sampler = make_sampler([SamplingParams(temperature=1.0)] * 2, vocab_size=100)
     lp = sampler.process(torch.zeros(2, 100))
-    a = [sampler.draw(lp, [torch.Generator().manual_seed(7)] * 2).tolist() for _ in range(2)]
+    keys = np.array([[7, 3], [8, 3]])
+    a = [sampler.draw(lp, row_uniforms(keys, 'cpu')).tolist() for _ in range(2)]
     assert a[0] == a[1]
+    # a row's draw depends on its key and counter alone, not on the rows beside it
+    assert sampler.select([1]).draw(lp[1:], row_uniforms(keys[1:], 'cpu')).tolist() == a[0][1:]

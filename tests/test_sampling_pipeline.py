@@ -104,7 +104,7 @@ def test_greedy_rows_get_penalties_but_skip_sampling_steps():
     sampler = make_sampler(params, 4)
     logits = torch.tensor([[0.0, 0.0, 0.0, 5.0]])
     lp = sampler.process(logits, sampler.start([[1, 2, 3, 1, 2]]))
-    assert sampler.draw(lp, [None]).tolist() == [0]  # 3 penalised away; argmax of the rest
+    assert sampler.draw(lp, torch.rand(1, dtype=torch.float64)).tolist() == [0]  # 3 penalised away; argmax of the rest
     assert bool(torch.isfinite(lp).all())
 
 

@@ -166,7 +166,7 @@ def test_sampler_draw_matches_the_analytic_distribution(name):
     params, prompt, output, probs = CASES[name]
     target = torch.tensor(_combined() if probs is None else probs, dtype=torch.float64)
     sampler, lp, g = _process(params, prompt, output, 4000, seed=2)
-    tokens = sampler.draw(lp, [g] * 4000)
+    tokens = sampler.draw(lp, torch.rand(4000, dtype=torch.float64, generator=g))
     assert_samples_match(torch.bincount(tokens, minlength=V), target)
 
 
@@ -395,7 +395,7 @@ def test_mirostat_steps_match_the_reference_over_a_run():
     sizes = set()
     for _ in range(40):
         lp = sampler.process(torch.tensor([Z] * len(configs)), state)
-        tokens = sampler.draw(lp, [g] * len(configs))
+        tokens = sampler.draw(lp, torch.rand(len(configs), dtype=torch.float64, generator=g))
         state = sampler.advance(state, tokens, lp)
         for row, (tau, eta, t) in enumerate(configs):
             q = mirostat_v2([v / t for v in Z], mus[row])

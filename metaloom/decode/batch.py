@@ -32,10 +32,12 @@ same rows, forward and emit.
 from __future__ import annotations
 
 import contextlib
+import secrets
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from metaloom.constrain import Constraint
@@ -48,6 +50,7 @@ from metaloom.models.engine.cache import PagedKVCache
 from metaloom.models.forward import charged_forward_both
 from metaloom.models.protocols import KVCache, LanguageModel, Tokenizer
 from metaloom.prefix.pool import PrefixCache
+from metaloom.sampling.counter import KEY_BITS
 from metaloom.sampling.params import SamplingParams
 from metaloom.sampling.pipeline import Sampler, make_sampler
 from metaloom.sampling.state import SamplingState
@@ -69,6 +72,9 @@ class NewRow:
     ledger: Ledger
     prefix: int = 0
     rng: torch.Generator | None = None
+    # the row's own random key (`metaloom.sampling.counter.row_key` of its seed and sample index;
+    # default: fresh from the OS, so rows made without one never share their draws)
+    key: int = field(default_factory=lambda: secrets.randbits(KEY_BITS))
     cursor: Constraint | None = None
     group: Hashable | None = None
     secondary: tuple[int, ...] | None = None
@@ -224,7 +230,8 @@ class DecodeBatch:
                               [s.prompt[len(s.prompt) - s.prefix:] for s in specs])
         cursors = [s.cursor for s in specs]
         rngs = [s.rng for s in specs]
-        got = draw(sampler, state, raw, scores, cursors if any(c is not None for c in cursors) else None, rngs)
+        got = draw(sampler, state, raw, scores, cursors if any(c is not None for c in cursors) else None, rngs,
+                   _keys(rows))
         state = sampler.advance(state, got.tokens, got.logprobs)
         self._emit_drawn(rows, got, cursors, raw=raw)
         drafter = None
@@ -273,7 +280,7 @@ class DecodeBatch:
         if self.speculative is None:
             valid = torch.tensor([0 if d else 1 for d in done], dtype=torch.long, device=device)
             raw, scores, _ = charged_forward_both(self.model, self.pending[:, None], self.cache, ledgers, valid=valid)
-            got = draw(self.sampler, self.state, raw[:, -1], scores[:, -1], cursors, rngs, skip=done)
+            got = draw(self.sampler, self.state, raw[:, -1], scores[:, -1], cursors, rngs, _keys(self.rows), skip=done)
             self.state = self.sampler.advance(self.state, got.tokens, got.logprobs)
             self.pending = got.tokens
             stepped = [row for row, d in zip(self.rows, done, strict=True) if not d]
@@ -433,6 +440,12 @@ class _Tally:
             with contextlib.suppress(BudgetExceeded):
                 ledger.charge(**amounts)
 
+
+
+def _keys(rows: Sequence[Row]) -> np.ndarray:
+    """[B, 2] int64: each row's random key and the tokens it has drawn so far, the counter of its
+    next draw (`metaloom.sampling.counter`), on the host."""
+    return np.array([(row.spec.key, len(row.state.tokens)) for row in rows], dtype=np.int64).reshape(-1, 2)
 
 
 def _checked(draft: Draft, limits: Sequence[int], device: torch.device) -> Draft:

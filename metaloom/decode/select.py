@@ -15,10 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from metaloom.constrain import Constraint, batch_mask
 from metaloom.errors import InvalidGrammar
+from metaloom.sampling.counter import row_uniforms
 from metaloom.sampling.pipeline import Sampler
 from metaloom.sampling.state import SamplingState
 from metaloom.speculative.core import Acceptance, accept, after_step, constraint_masks, target_logprobs
@@ -99,9 +101,11 @@ class Drawn:
 
 def draw(sampler: Sampler, state: SamplingState, raw: torch.Tensor, scores: torch.Tensor,
          cursors: Sequence[Constraint | None] | None, generators: Sequence[torch.Generator | None],
-         skip: Sequence[bool] = ()) -> Drawn:
+         keys: np.ndarray, skip: Sequence[bool] = ()) -> Drawn:
     """Draw one token per row from ``scores`` [B, V] (``raw`` [B, V]: the model's logits, for the
-    reported log-probabilities). Rows with ``skip[b]`` (finished) draw a placeholder."""
+    reported log-probabilities). ``keys`` [B, 2] int64 on the host: each row's random key and
+    how many tokens it has drawn (`metaloom.sampling.counter`); ``generators``: the rows' generators for
+    the pipeline's own coins (XTC). Rows with ``skip[b]`` (finished) draw a placeholder."""
     errors: dict[int, str] = {}
     active = [c if not (skip and skip[b]) else None for b, c in enumerate(cursors)] if cursors is not None else None
     mask = masks(active, scores.shape[-1], scores.device, errors)
@@ -117,7 +121,7 @@ def draw(sampler: Sampler, state: SamplingState, raw: torch.Tensor, scores: torc
         lp = lp.clone()
         lp[bad] = 0.0
         argmax = None
-    tokens = sampler.draw(lp, generators, argmax)
+    tokens = sampler.draw(lp, row_uniforms(keys, lp.device), argmax)
     chosen = lp.gather(-1, tokens[:, None])[:, 0]
     # where the pipeline is plain log-softmax of the model's own logits, the two agree
     same = raw is scores and sampler.plain and mask is None and not errors

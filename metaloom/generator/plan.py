@@ -20,6 +20,7 @@ from metaloom.decode.specs import BeamParams, ContrastiveParams, GuidanceParams
 from metaloom.errors import ContextWindowExceeded, InvalidParameter
 from metaloom.generator.types import Prompt, Request, TokenIds
 from metaloom.ledger import Ledger
+from metaloom.sampling.counter import row_key
 
 if TYPE_CHECKING:
     from metaloom.generator.local import LocalGenerator
@@ -51,13 +52,15 @@ class Plan:
         return cursor
 
     def rows(self, ledger: Ledger, device: torch.device, tag: Any = None) -> list[NewRow]:
-        """The ``n`` rows of this request: one prefill, one RNG (seeded from the request or, when
-        it has no seed, from the OS — never from torch's global generator)."""
+        """The ``n`` rows of this request: one prefill, one RNG for the pipeline's coins and
+        one random key per sample for its draws (`metaloom.sampling.counter`), from the request's
+        seed or, when it has none, from the OS — never from torch's global generator."""
         p = self.request.params
-        rng = None
+        rng, seed = None, 0
         if not p.greedy:
+            seed = p.seed if p.seed is not None else secrets.randbits(63)
             rng = torch.Generator(device=device)
-            rng.manual_seed(p.seed if p.seed is not None else secrets.randbits(63))
+            rng.manual_seed(seed)
         combine: tuple[float, ...] = ()
         decoder = self.request.decoder
         if isinstance(decoder, (ContrastiveParams, GuidanceParams)):
@@ -66,7 +69,8 @@ class Plan:
         if self.negative is not None:
             secondary = self.negative + self.ids[len(self.ids) - self.prefix:]
         group = ("request", id(self), tag)
-        return [NewRow(prompt=self.ids, params=p, ledger=ledger, prefix=self.prefix, rng=rng, cursor=self.cursor(),
+        return [NewRow(prompt=self.ids, params=p, ledger=ledger, prefix=self.prefix, rng=rng, key=row_key(seed, i),
+                       cursor=self.cursor(),
                        group=group, secondary=secondary, combine=combine, tag=(tag, i)) for i in range(p.n)]
 
 

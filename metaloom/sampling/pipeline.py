@@ -13,7 +13,8 @@ Order (each step a pure batched function in `penalties.py`, `processors.py`, `tr
    warper order, so a chain of its processors gives the same distribution)
 6. XTC (a coin per row from the row's `torch.Generator`)
 7. mirostat v2 (bound ``mu`` per row, from the `SamplingState`)
-8. draw: argmax for greedy rows, otherwise a categorical draw with the row's `torch.Generator`;
+8. draw: argmax for greedy rows, otherwise a categorical draw keyed by the row's seed and
+   position (`metaloom.sampling.counter`: batched, reproducible whatever the batch);
    then `Sampler.advance` updates the state (seen/counts/history, and mu from the drawn
    token's surprise under the distribution of step 7)
 
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from metaloom.errors import InvalidParameter
+from metaloom.sampling import counter
 from metaloom.sampling import processors as P
 from metaloom.sampling.params import SamplingParams
 from metaloom.sampling.state import SamplingState
@@ -195,15 +197,16 @@ class Sampler:
             heads.append(u < p.xtc_probability)
         return torch.tensor(heads, dtype=torch.bool, device=device)
 
-    def draw(self, logprobs: torch.Tensor, generators: Sequence[torch.Generator | None],
-             argmax: torch.Tensor | None = None) -> torch.Tensor:
-        """Step 8. logprobs [B, V] -> tokens [B] (long). ``argmax``: ``logprobs.argmax(-1)`` if the
-        caller has it already."""
-        tokens = logprobs.argmax(dim=-1) if argmax is None else argmax.clone()
-        for row, p in enumerate(self.params):
-            if not p.greedy:
-                tokens[row] = P.categorical(logprobs[row], generators[row])
-        return tokens
+    def draw(self, logprobs: torch.Tensor, u: torch.Tensor, argmax: torch.Tensor | None = None) -> torch.Tensor:
+        """Step 8. logprobs [B, V] -> tokens [B] (long): argmax for greedy rows, otherwise the
+        inverse-CDF draw at ``u`` [B] (uniforms in [0, 1): `metaloom.sampling.counter`, keyed by
+        each row's seed and position), for the whole batch at once. ``argmax``:
+        ``logprobs.argmax(-1)`` if the caller has it already."""
+        tokens = logprobs.argmax(dim=-1) if argmax is None else argmax
+        if all(p.greedy for p in self.params):
+            return tokens.clone()
+        drawn = counter.inverse_cdf(logprobs, u)
+        return torch.where(self.greedy.to(drawn.device), tokens, drawn)
 
     def advance(self, state: SamplingState, tokens: torch.Tensor, logprobs: torch.Tensor) -> SamplingState:
         """The state after each row drew ``tokens`` [B] from ``logprobs`` [B, V] (what `process`

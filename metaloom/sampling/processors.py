@@ -2,7 +2,7 @@
 tensors [B] and returns new logits; inputs are never mutated. A disabled row (e.g. top_k 0,
 top_p 1) comes back unchanged. Removed tokens get -inf.
 
-Temperature and the draw live here; penalties in `penalties.py`, truncation in
+Temperature lives here (the draw: `metaloom.sampling.counter`); penalties in `penalties.py`, truncation in
 `truncation.py` (all re-exported, so ``processors.top_k`` etc. work). The order they run in
 is documented once, in `metaloom.sampling.pipeline`.
 """
@@ -30,7 +30,7 @@ from metaloom.sampling.truncation import (
 NEG_INF = float("-inf")
 
 __all__ = [
-    "categorical", "dry", "dynamic_temperature", "entropy", "epsilon", "eta", "min_p", "mirostat", "mirostat_update",
+    "dry", "dynamic_temperature", "entropy", "epsilon", "eta", "min_p", "mirostat", "mirostat_update",
     "no_repeat_ngram", "presence_frequency_penalty", "repetition_penalty", "temperature", "top_h", "top_k",
     "top_n_sigma", "top_p", "typical", "xtc",
 ]
@@ -56,8 +56,4 @@ def dynamic_temperature(logits: torch.Tensor, t: torch.Tensor, spread: torch.Ten
     cold = logits.masked_fill(logits < logits.max(dim=-1, keepdim=True).values, NEG_INF)
     return torch.where((dyn > 0)[:, None], logits / safe[:, None], cold)
 
-
-def categorical(logprobs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """Draw one index from a [V] row of log-probabilities."""
-    return int(torch.multinomial(logprobs.exp(), 1, generator=generator).item())
 
