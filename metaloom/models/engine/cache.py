@@ -25,6 +25,7 @@ Reference counts free a slot when the last row (or prefix-cache entry) holding i
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections.abc import Sequence
 
@@ -34,6 +35,7 @@ import torch
 from metaloom.errors import CacheFull, InvalidParameter
 
 SCRATCH = 0  # the slot padding writes go to
+_SERIALS = itertools.count(1)  # PagedKVCache.serial: ids never reused (id() can be, after collection)
 
 
 class KVPool:
@@ -149,6 +151,11 @@ class PagedKVCache:
         self._lengths: torch.Tensor | None = None  # device copy, rebuilt after a change
         self._table: torch.Tensor | None = None
         self._released = False
+        # what a device copy of the table (`metaloom.models.engine.graphs`) checks to stay current:
+        # this cache's identity, and a count of the writes it cannot follow (several positions
+        # of a row at once); a one-token step it mirrors itself, and truncation needs nothing
+        self.serial = next(_SERIALS)
+        self.wide_writes = 0
 
     # --- the KVCache protocol ---------------------------------------------------------
     @property
@@ -157,6 +164,10 @@ class PagedKVCache:
         if self._lengths is None:
             self._lengths = torch.from_numpy(self._n.copy()).to(self.pool.device)
         return self._lengths
+
+    def host_lengths(self) -> np.ndarray:
+        """[B] int64 lengths on the host (a copy; no device transfer)."""
+        return self._n.copy()
 
     @property
     def capacity(self) -> int:
@@ -260,6 +271,10 @@ class PagedKVCache:
         """Slots for a forward of ``width`` positions per row, the first ``valid[b]`` of which
         row b keeps: fresh slots for those, the scratch slot for the padding. Records the kept
         ones in the table (the lengths advance in `advance`). Returns [B, width] long slots."""
+        return torch.from_numpy(self.prepare_host(valid, width)).to(self.pool.device)
+
+    def prepare_host(self, valid: Sequence[int], width: int) -> np.ndarray:
+        """`prepare`, returning the slots [B, width] as a host array (no device copy)."""
         self.reserve(width)
         keep = np.asarray(valid, dtype=np.int64)
         fresh = self.pool.allocate(int(keep.sum()))
@@ -268,6 +283,7 @@ class PagedKVCache:
             rows = np.flatnonzero(keep)
             out[rows, 0] = fresh
         else:
+            self.wide_writes += 1
             at = 0
             for b in np.flatnonzero(keep).tolist():
                 k = int(keep[b])
@@ -279,7 +295,7 @@ class PagedKVCache:
         for j in range(width):
             self.slots[np.arange(self.batch), self._n + j] = out[:, j]
         self._table = None if self.pool.device.type != "cpu" else self._table
-        return torch.from_numpy(out).to(self.pool.device)
+        return out
 
     def advance(self, valid: torch.Tensor | Sequence[int]) -> None:
         add = torch.as_tensor(valid, dtype=torch.long).cpu().numpy()
@@ -343,6 +359,7 @@ class PagedKVCache:
             raise CacheFull(f"KV cache row needs {start + n} positions but was allocated {self.capacity}")
         self.pool.retain(slots)
         self.slots[row, start:start + n] = slots
+        self.wide_writes += 1
         self._n = self._n.copy()
         self._n[row] += n
         self._lengths = None

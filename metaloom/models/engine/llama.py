@@ -12,6 +12,7 @@ its parent's keys where they are.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -20,8 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from metaloom.errors import ContextWindowExceeded, InvalidParameter, NotAModel, UnsupportedModel
+from metaloom.models.engine import graphs
 from metaloom.models.engine.cache import KVPool, PagedKVCache
 from metaloom.models.engine.config import LlamaConfig
+from metaloom.models.engine.graphs import StepGraphs
 from metaloom.models.engine.rope import apply_rope, rope_tables
 from metaloom.models.engine.stack import Plan, pointers
 from metaloom.models.engine.stack import plan as stack_plan
@@ -162,6 +165,7 @@ class LlamaModel:
         self.lm_head = panelled(lm_head)
         self.dtype = norm.dtype
         self._plans: dict[str, Plan | None] = {}  # metaloom.models.engine.stack, per quantised-kernel library
+        self._graphs: weakref.WeakKeyDictionary[KVPool, StepGraphs] = weakref.WeakKeyDictionary()  # per pool
         self._cos, self._sin = rope_tables(config.head_dim, config.rope_theta, config.rope_scaling_dict,
                                            config.max_position_embeddings, self.dtype, norm.device)
 
@@ -306,6 +310,9 @@ class LlamaModel:
     def forward(self, tokens: torch.Tensor, cache: KVCache, *, valid: torch.Tensor | None = None,
                 last_only: bool = False) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, V] ([B, 1, V] with ``last_only``); see `LanguageModel`."""
+        static = self._static_step(tokens, cache, valid)
+        if static is not None:
+            return static[0][:, None]
         return linear(self._hidden(tokens, cache, valid, last_only), self.lm_head)
 
     @torch.inference_mode()
@@ -313,8 +320,38 @@ class LlamaModel:
                        last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` that also returns the final hidden states: (logits [B, T, V], hidden [B, T, d]),
         hidden after the last norm, what the LM head reads (speculator heads draft from them)."""
+        static = self._static_step(tokens, cache, valid)
+        if static is not None:
+            return static[0][:, None], static[1][:, None]
         x = self._hidden(tokens, cache, valid, last_only)
         return linear(x, self.lm_head), x
+
+    def step_graphs(self, pool: KVPool) -> StepGraphs | None:
+        """The static one-token steps over ``pool`` (`metaloom.models.engine.graphs`) that
+        METALOOM_CUDA_GRAPHS allows here: captured on CUDA (auto, on), uncaptured on the CPU
+        (on only); None where they are off or this model cannot take them."""
+        chosen = graphs.mode()
+        cuda = self.device.type == "cuda"
+        if chosen == "off" or (chosen == "auto" and not cuda) or graphs.why_not(self) is not None:
+            return None
+        runner = self._graphs.get(pool)
+        if runner is None:
+            runner = self._graphs[pool] = StepGraphs(self, pool, capture=cuda)
+        return runner
+
+    def _static_step(self, tokens: torch.Tensor, cache: KVCache,
+                     valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(logits [B, V], hidden [B, d]) of a one-token step through `step_graphs`, or None
+        when this forward is not one (the caller takes the eager path)."""
+        b, t = tokens.shape
+        if t != 1 or b == 0 or graphs.row_bucket(b) is None or not isinstance(cache, PagedKVCache):
+            return None
+        if cache.pool.layers != len(self.layers) or b != cache.batch:
+            return None
+        runner = self.step_graphs(cache.pool)
+        if runner is None:
+            return None
+        return runner.run(tokens[:, 0], cache, [1] * b if valid is None else valid.tolist())
 
     def _hidden(self, tokens: torch.Tensor, cache: KVCache, valid: torch.Tensor | None,
                 last_only: bool) -> torch.Tensor:

@@ -1,0 +1,278 @@
+"""Static-shape one-token decode steps, captured once per shape as CUDA graphs and replayed.
+
+Why. A decode step of a small or medium model on a GPU is hundreds of small kernels (norms,
+RoPE, gathers, the attention, four matmuls a layer): launched one by one from Python, the
+launches take longer than the kernels run (issue 35 measured the GPU busy 7-18% of a step).
+A CUDA graph records the step's kernels once and replays them with one launch. Replaying needs
+every tensor the step reads and writes at a fixed address with a fixed shape, so the step here
+reads only static buffers:
+
+- ``tokens`` [R], ``positions`` [R] (each row's length before the step) and ``slots`` [R] (where
+  its new key and value go), copied in before each replay;
+- ``table`` [R, L]: a device copy of the rows' slot tables (`metaloom.models.engine.cache`). It is
+  uploaded whole only when the cache changed in a way a step cannot follow (another cache, a
+  multi-token write); a step writes its own new slot into it, as the host table gets it;
+- the KV pool's per-layer tensors, and the model's weights and RoPE tables.
+
+Attention reads the pool through the table (paged attention with one-token pages, as on the
+CPU): forked rows share their prefix's keys on the GPU too. The query heads of a key-value
+head group are laid out as ``g`` query positions of that head, so one scaled-dot-product
+attention call with a padding mask serves grouped-query attention without repeating keys.
+
+Shapes are bucketed: rows R from `ROW_BUCKETS` and keys L from `key_bucket` (steps of at most
+1.5x), so a few dozen graphs cover a run; padded rows write to the pool's scratch slot and are
+never read. Each graph is captured on first use of its bucket, after two warm-up runs on the
+same inputs (a step is idempotent: it writes the same keys to the same slots). A pool that grew
+(new tensors) or a table that must grow drops every graph; they are captured again.
+
+The same code runs uncaptured on any device (``capture=False``): the CPU tests check it there
+against the model's own forward. `mode` reads METALOOM_CUDA_GRAPHS (auto: captured on CUDA, not
+used on the CPU, where the fused kernels are faster; on: also the uncaptured static step on the
+CPU; off: never). A capture that fails logs why and turns the runner off for the model: the
+eager step goes on, never silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from metaloom.errors import InvalidParameter
+from metaloom.models.engine.cache import SCRATCH, PagedKVCache
+from metaloom.models.engine.rope import apply_rope
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "on", "off")
+ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+MIN_KEYS = 128
+
+
+def mode() -> str:
+    """METALOOM_CUDA_GRAPHS: auto (default), on or off; anything else is an `InvalidParameter`."""
+    value = os.environ.get("METALOOM_CUDA_GRAPHS", "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise InvalidParameter("METALOOM_CUDA_GRAPHS", value, "auto, on or off")
+    return value
+
+
+def row_bucket(rows: int) -> int | None:
+    """The smallest row bucket holding ``rows``, or None past the largest."""
+    for r in ROW_BUCKETS:
+        if rows <= r:
+            return r
+    return None
+
+
+def key_bucket(keys: int) -> int:
+    """The padded key length for ``keys`` keys: MIN_KEYS, then alternately x1.5 and x4/3
+    (128, 192, 256, 384, 512, 768, ...), so at most a third of the attended keys are padding."""
+    size = MIN_KEYS
+    while size < keys:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    return size
+
+
+@dataclass(frozen=True)
+class Buffers:
+    """The static inputs of every bucket's step (a bucket reads the leading [R] / [R, L] part)."""
+
+    tokens: torch.Tensor  # [rows] long
+    positions: torch.Tensor  # [rows] long
+    slots: torch.Tensor  # [rows] long
+    table: torch.Tensor  # [rows, keys] long
+
+    @classmethod
+    def empty(cls, rows: int, keys: int, device: torch.device) -> Buffers:
+        def z(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.long, device=device)
+
+        return cls(z(rows), z(rows), z(rows), z(rows, keys))
+
+
+Step = Callable[[Buffers, int, int], tuple[torch.Tensor, torch.Tensor]]  # (buffers, R, L) -> (logits, hidden)
+
+
+def static_step(model: object, pool: object) -> Step:
+    """The one-token step of a dense `metaloom.models.engine.llama.LlamaModel` over ``pool``, as
+    a function of the static buffers: (buffers, R, L) -> (logits [R, V], hidden [R, d]). It
+    writes each row's new key and value at its slot and its slot into the table."""
+    from metaloom.models.engine.llama import linear
+
+    m = model
+    c = m.config  # type: ignore[attr-defined]
+    h, hk, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    g = h // hk
+    window = c.sliding_window
+
+    def step(buf: Buffers, rows: int, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, positions, slots = buf.tokens[:rows], buf.positions[:rows], buf.slots[:rows]
+        table = buf.table[:rows, :keys]
+        table.scatter_(1, positions[:, None], slots[:, None])  # the new position's slot, as the host's
+        k_pos = torch.arange(keys, device=tokens.device)
+        allowed = k_pos[None, :] <= positions[:, None]  # [R, L]
+        if window is not None:
+            allowed &= k_pos[None, :] > positions[:, None] - window
+        mask = allowed[:, None, None, :]  # [R, 1, 1, L]: the same for every query of a row
+        cos = m._cos[positions][:, None, None]  # type: ignore[attr-defined]  # [R, 1, 1, D]
+        sin = m._sin[positions][:, None, None]  # type: ignore[attr-defined]
+        x = F.embedding(tokens, m.embed)  # type: ignore[attr-defined]  # [R, d]
+        for i, w in enumerate(m.layers):  # type: ignore[attr-defined]
+            y = F.rms_norm(x, (c.hidden_size,), w.attn_norm, c.rms_norm_eps)
+            qkv = linear(y, w.qkv, w.qkv_bias).view(rows, h + 2 * hk, 1, d)
+            qk = apply_rope(qkv[:, :h + hk], cos, sin)  # [R, h + hk, 1, D]
+            k, v = qk[:, h:, 0], qkv[:, h + hk:, 0]  # [R, hk, D]
+            pool.keys[i].index_copy_(0, slots, k)  # type: ignore[attr-defined]
+            pool.values[i].index_copy_(0, slots, v)  # type: ignore[attr-defined]
+            ks = pool.keys[i][table].transpose(1, 2)  # type: ignore[attr-defined]  # [R, hk, L, D]
+            vs = pool.values[i][table].transpose(1, 2)  # type: ignore[attr-defined]
+            q = qk[:, :h].reshape(rows, hk, g, d)  # a group's query heads as g query positions
+            attn = F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask)  # [R, hk, g, D]
+            x = x + linear(attn.reshape(rows, h * d), w.o)
+            y = F.rms_norm(x, (c.hidden_size,), w.mlp_norm, c.rms_norm_eps)
+            gate, up = linear(y, w.gate_up).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, w.down)
+        hidden = F.rms_norm(x, (c.hidden_size,), m.norm, c.rms_norm_eps)  # type: ignore[attr-defined]
+        return linear(hidden, m.lm_head), hidden  # type: ignore[attr-defined]
+
+    return step
+
+
+def why_not(model: object) -> str | None:
+    """Why ``model`` cannot take static steps (None: it can): dense tensor weights only."""
+    from metaloom.models.engine.llama import LlamaModel
+
+    if not isinstance(model, LlamaModel):
+        return f"static steps are for the native LlamaModel, not {type(model).__name__}"
+    weights = [model.embed, model.lm_head] + [t for w in model.layers for t in (w.qkv, w.o, w.gate_up, w.down)]
+    if not all(isinstance(t, torch.Tensor) for t in weights):
+        return "static steps need dense tensor weights (quantised or packed ones are CPU kernels)"
+    return None
+
+
+class StepGraphs:
+    """A model's static one-token steps over one KV pool: buffers, the table mirror and the
+    captured graphs (``capture``: CUDA graphs; False runs the same step uncaptured)."""
+
+    def __init__(self, model: object, pool: object, *, capture: bool) -> None:
+        self.model, self.pool, self.capture = model, pool, capture
+        self.device = pool.device  # type: ignore[attr-defined]
+        self._step = static_step(model, pool)
+        self.buffers = Buffers.empty(ROW_BUCKETS[0], MIN_KEYS, self.device)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.mirror: tuple[int, int] | None = None  # (cache serial, its wide writes) the table holds
+        self.mirror_rows = 0
+        self.pool_key = self._pool_key()
+        self.mempool = torch.cuda.graph_pool_handle() if capture else None
+        self.captures = 0  # graphs captured so far (recaptures after a pool growth included)
+        self.replays = 0
+        self.steps = 0  # static steps run, captured or not
+        self.uploads = 0  # whole-table uploads (the mirror could not follow the cache)
+        self.cuda = self.device.type == "cuda"
+        self._staging = torch.empty((2, 0), dtype=torch.long, pin_memory=self.cuda)
+        self._copied: torch.cuda.Event | None = None
+        self.failure: str | None = None  # why capturing failed (the uncaptured step runs instead)
+
+    def _pool_key(self) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for t in self.pool.keys[:1] + self.pool.values[:1])  # type: ignore[attr-defined]
+
+    def _ensure(self, rows: int, keys: int) -> None:
+        """Buffers of at least (rows, keys), keeping what they hold; growing them (new
+        addresses) or a grown pool drops the graphs, which read the old ones."""
+        key = self._pool_key()
+        b = self.buffers
+        if key != self.pool_key:
+            self.graphs.clear()
+            self.pool_key = key
+        if rows <= b.tokens.shape[0] and keys <= b.table.shape[1]:
+            return
+        grown = Buffers.empty(max(rows, b.tokens.shape[0]), max(keys, b.table.shape[1]), self.device)
+        grown.table[:b.table.shape[0], :b.table.shape[1]] = b.table
+        self.buffers = grown
+        self.graphs.clear()
+
+    def _sync_table(self, cache: PagedKVCache, rows: int, keys: int) -> None:
+        """Upload the cache's table when the mirror cannot be current (another cache, or writes
+        a step does not mirror); the new position's slot is written by the step itself."""
+        state = (cache.serial, cache.wide_writes)
+        if state == self.mirror and rows <= self.mirror_rows:
+            return
+        width = min(keys, cache.capacity)
+        table = torch.from_numpy(np.ascontiguousarray(cache.slots[:rows, :width]))
+        self.buffers.table[:rows].zero_()
+        self.buffers.table[:rows, :width].copy_(table.to(self.device))
+        self.mirror, self.mirror_rows = state, rows
+        self.uploads += 1
+
+    def run(self, tokens: torch.Tensor, cache: PagedKVCache, valid: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step: tokens [B] (on the device), ``valid[b]`` 1 to keep row b's new position, 0
+        for a finished row (its key goes to scratch). -> (logits [B, V], hidden [B, d]), fresh
+        tensors. Advances the cache."""
+        b = tokens.shape[0]
+        positions = cache.host_lengths()
+        keys = int(positions.max()) + 1
+        rows, width = row_bucket(b), key_bucket(keys)
+        assert rows is not None  # the caller checked `fits`
+        slots = cache.prepare_host(valid, 1)[:, 0]  # may grow the pool: checked next
+        self._ensure(rows, width)
+        self._sync_table(cache, b, width)
+        buf = self.buffers
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's upload has left the staging buffer
+        if self._staging.shape[1] < rows:
+            self._staging = torch.empty((2, rows), dtype=torch.long, pin_memory=self.cuda)
+        stage = self._staging[:, :rows]
+        stage.fill_(SCRATCH)  # padded rows: position 0, the scratch slot
+        stage[0, :b] = torch.from_numpy(positions)
+        stage[1, :b] = torch.from_numpy(slots)
+        buf.positions[:rows].copy_(stage[0], non_blocking=True)
+        buf.slots[:rows].copy_(stage[1], non_blocking=True)
+        if self.cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        buf.tokens[:b].copy_(tokens.reshape(-1))
+        if rows > b:
+            buf.tokens[b:rows].zero_()
+            buf.table[b:rows].zero_()
+        logits, hidden = self._replay(rows, width)
+        self.steps += 1
+        cache.advance(valid)
+        return logits[:b].clone(), hidden[:b].clone()
+
+    def _replay(self, rows: int, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.capture:
+            return self._step(self.buffers, rows, keys)
+        entry = self.graphs.get((rows, keys))
+        if entry is None:
+            try:
+                entry = self._capture(rows, keys)
+            except Exception as exc:  # an op capture does not support, memory, a driver error
+                self.failure = f"{type(exc).__name__}: {exc}"
+                self.capture = False
+                self.graphs.clear()
+                log.warning("CUDA graph capture failed (%s); decode steps run uncaptured from now on", self.failure)
+                return self._step(self.buffers, rows, keys)
+        graph, logits, hidden = entry
+        graph.replay()
+        self.replays += 1
+        return logits, hidden
+
+    def _capture(self, rows: int, keys: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up: lazy initialisation and workspace allocation happen here
+                self._step(self.buffers, rows, keys)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            logits, hidden = self._step(self.buffers, rows, keys)
+        self.graphs[(rows, keys)] = (graph, logits, hidden)
+        self.captures += 1
+        return graph, logits, hidden

@@ -1,0 +1,180 @@
+"""Static-shape decode steps (`metaloom.models.engine.graphs`), run uncaptured on the CPU: the
+same code the GPU captures as CUDA graphs. Each step must give the model's own forward's
+logits for every row, through forks, finished rows, rows of different lengths, caches written
+by multi-token forwards between steps, and a pool that grows under it."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from metaloom.errors import InvalidParameter
+from metaloom.models.engine import graphs
+from metaloom.models.engine.config import LlamaConfig
+from metaloom.models.engine.llama import LlamaModel
+
+
+def _tiny(**extra) -> LlamaModel:
+    torch.manual_seed(0)
+    d, inter, heads, kv, vocab = 64, 96, 4, 2, 103
+    cfg = LlamaConfig.from_hf({"model_type": "llama", "vocab_size": vocab, "hidden_size": d,
+                               "intermediate_size": inter, "num_hidden_layers": 2, "num_attention_heads": heads,
+                               "num_key_value_heads": kv, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+                               "tie_word_embeddings": False, **extra})
+    sd = {"model.embed_tokens.weight": torch.randn(vocab, d), "model.norm.weight": 1 + 0.1 * torch.randn(d),
+          "lm_head.weight": torch.randn(vocab, d) / math.sqrt(d)}
+    hd = d // heads
+    shapes = {"self_attn.q_proj": (heads * hd, d), "self_attn.k_proj": (kv * hd, d), "self_attn.v_proj": (kv * hd, d),
+              "self_attn.o_proj": (d, heads * hd), "mlp.gate_proj": (inter, d), "mlp.up_proj": (inter, d),
+              "mlp.down_proj": (d, inter)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        for name, shape in shapes.items():
+            sd[p + name + ".weight"] = torch.randn(shape) / math.sqrt(shape[1])
+            if cfg.attention_bias and name[-6:] in ("q_proj", "k_proj", "v_proj"):
+                sd[p + name + ".bias"] = 0.1 * torch.randn(shape[0])
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            sd[p + norm + ".weight"] = 1 + 0.1 * torch.randn(d)
+    return LlamaModel.from_state_dict(cfg, sd)
+
+
+def _mode(monkeypatch, value: str) -> None:
+    monkeypatch.setenv("METALOOM_CUDA_GRAPHS", value)
+
+
+def _pair(model, monkeypatch, script):
+    """Run ``script(model, pool, step)`` twice, eager and static; return both logs of the kept
+    rows' logits (a finished row's, valid 0, are never read)."""
+    logs = []
+    for mode in ("off", "on"):
+        _mode(monkeypatch, mode)
+        pool = model.new_pool(slots=8)  # small: it grows during the run
+        log: list[torch.Tensor] = []
+
+        def step(cache, tokens, valid=None, log=log):
+            logits = model.forward(tokens, cache, valid=valid)[:, -1]
+            log.append(logits if valid is None else logits[valid.bool()])
+            return logits
+
+        script(model, pool, step)
+        logs.append(log)
+    return logs
+
+
+@pytest.mark.parametrize("extra", [{}, {"attention_bias": True, "model_type": "qwen2"},
+                                   {"sliding_window": 5, "model_type": "mistral"}])
+def test_static_steps_give_the_eager_logits(monkeypatch, extra):
+    model = _tiny(**extra)
+
+    def script(model, pool, step):
+        rng = torch.Generator().manual_seed(1)
+        prompts = [[5, 9, 2, 7, 1], [3, 4], [8, 8, 8, 1, 2, 6, 0, 9]]
+        cache = model.new_cache(3, 40, pool)
+        width = max(len(p) for p in prompts)
+        tokens = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+        logits = model.forward(tokens, cache, valid=torch.tensor([len(p) for p in prompts]), last_only=True)[:, -1]
+        nxt = logits.argmax(-1)
+        for i in range(6):  # rows of different lengths; row 1 finishes after step 3
+            valid = torch.tensor([1, 0 if i > 3 else 1, 1])
+            nxt = step(cache, nxt[:, None], valid).argmax(-1)
+        forked = cache.fork([0, 0, 2, 1, 0])  # shared prefixes, read through the table
+        cache.release()
+        nxt = torch.randint(0, 103, (5,), generator=rng)
+        for _ in range(4):
+            nxt = step(forked, nxt[:, None]).argmax(-1)
+        # a multi-token forward between steps (a speculative verify): the mirror must follow
+        model.forward(torch.randint(0, 103, (5, 3), generator=rng), forked, valid=torch.tensor([3, 1, 2, 3, 0]))
+        forked.truncate(forked.lengths - torch.tensor([1, 0, 1, 0, 0]))
+        for _ in range(3):
+            nxt = step(forked, nxt[:, None]).argmax(-1)
+
+    eager, static = _pair(model, monkeypatch, script)
+    assert len(eager) == len(static) == 13
+    for a, b in zip(eager, static, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    runner = next(iter(model._graphs.values()))
+    assert runner.steps == 13 and runner.uploads >= 3  # first use, the fork, the wide write
+
+
+def test_static_steps_cross_key_buckets_and_row_buckets(monkeypatch):
+    model = _tiny()
+
+    def script(model, pool, step):
+        cache = model.new_cache(3, 300, pool)
+        prompts = torch.randint(0, 103, (3, 120), generator=torch.Generator().manual_seed(2))
+        model.forward(prompts, cache, valid=torch.tensor([120, 100, 60]))
+        nxt = torch.tensor([1, 2, 3])
+        for _ in range(12):  # 121 -> 133 keys: across the first key bucket (128)
+            nxt = step(cache, nxt[:, None]).argmax(-1)
+
+    eager, static = _pair(model, monkeypatch, script)
+    for a, b in zip(eager, static, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+def test_buckets_and_mode(monkeypatch):
+    assert [graphs.row_bucket(n) for n in (1, 2, 3, 5, 9, 13, 256)] == [1, 2, 4, 8, 12, 16, 256]
+    assert graphs.row_bucket(257) is None
+    sizes = [graphs.key_bucket(n) for n in (1, 128, 129, 193, 257, 385, 513, 769, 1025)]
+    assert sizes == [128, 128, 192, 256, 384, 512, 768, 1024, 1536]
+    assert all(graphs.key_bucket(n) < 1.5 * n + 1 for n in range(128, 5000, 37))
+    _mode(monkeypatch, "sometimes")
+    with pytest.raises(InvalidParameter, match="METALOOM_CUDA_GRAPHS"):
+        graphs.mode()
+    _mode(monkeypatch, "off")
+    model = _tiny()
+    assert model.step_graphs(model.new_pool()) is None
+    _mode(monkeypatch, "auto")  # auto on the CPU: the fused kernels' path, no static step
+    assert model.step_graphs(model.new_pool()) is None
+    _mode(monkeypatch, "on")
+    assert model.step_graphs(model.new_pool()) is not None
+
+
+def test_a_capture_that_fails_falls_back_and_says_why(monkeypatch, caplog):
+    model = _tiny()
+    _mode(monkeypatch, "on")
+    pool = model.new_pool()
+    runner = model.step_graphs(pool)
+    cache = model.new_cache(2, 20, pool)
+    model.forward(torch.tensor([[1, 2, 3], [4, 5, 6]]), cache)
+    expected_cache = cache.fork([0, 1])
+
+    def broken(rows, keys):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    runner.capture = True  # as on a GPU, but every capture fails
+    monkeypatch.setattr(runner, "_capture", broken)
+    with caplog.at_level(logging.WARNING):
+        got = model.forward(torch.tensor([[7], [8]]), cache)[:, -1]
+    assert "capture failed" in caplog.text and "operation not permitted" in caplog.text
+    assert runner.failure is not None and not runner.capture
+    _mode(monkeypatch, "off")
+    want = model.forward(torch.tensor([[7], [8]]), expected_cache)[:, -1]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_generator_gives_the_same_tokens_with_static_steps(monkeypatch):
+    """The real default model through the decode loop: greedy and seeded samples (rows that
+    stop early, several samples per request) are the same tokens with the static step."""
+    from metaloom.generator import LocalGenerator
+    from metaloom.generator.types import Request
+    from metaloom.ledger import Ledger
+    from metaloom.models import load
+    from metaloom.sampling import SamplingParams
+
+    loaded = load("default", dtype="float32", weights="dense", pack=False, fused=False)
+    requests = [Request("Write a haiku about the sea.", SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=16)),
+                Request("Count to five:", SamplingParams(temperature=0, max_tokens=12)),
+                Request("Name a color.", SamplingParams(n=2, temperature=0.8, top_p=0.9, seed=9, max_tokens=20,
+                                                        stop=("\n",)))]
+    outs = []
+    for mode in ("off", "on"):
+        _mode(monkeypatch, mode)
+        out = LocalGenerator(loaded, prefill_overhead_tokens=16).generate(requests, ledger=Ledger())
+        outs.append([[c.token_ids for c in o] for o in out])
+    assert outs[0] == outs[1]
+    runner = next(iter(loaded.model._graphs.values()))
+    assert runner.steps >= 15  # the static step ran
