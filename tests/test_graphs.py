@@ -178,3 +178,40 @@ def test_the_generator_gives_the_same_tokens_with_static_steps(monkeypatch):
     assert outs[0] == outs[1]
     runner = next(iter(loaded.model._graphs.values()))
     assert runner.steps >= 15  # the static step ran
+
+
+def test_a_cuda_device_this_machine_lacks_is_a_typed_error(monkeypatch):
+    from metaloom.models.load import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("cuda", "cuda:0"):
+        with pytest.raises(InvalidParameter, match="device"):
+            pick_device(name)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert pick_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(InvalidParameter, match=r"cuda:0 \.\. cuda:1"):
+        pick_device("cuda:2")
+    assert pick_device("cpu") == torch.device("cpu")
+    with pytest.raises(InvalidParameter):
+        pick_device("tpu")
+
+
+def test_a_pool_the_device_cannot_hold_is_cache_full(monkeypatch):
+    from metaloom.errors import CacheFull
+    from metaloom.models.engine.cache import KVPool
+
+    pool = KVPool(2, 2, 8, torch.float32, slots=4)
+    zeros = torch.zeros
+
+    def scarce(shape, *args, **kwargs):
+        if shape[0] > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return zeros(shape, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "zeros", scarce)
+    with pytest.raises(CacheFull, match="out of memory"):
+        pool.allocate(6)
+    assert pool.slots == 4 and pool.allocate(3).tolist() == [1, 2, 3]  # nothing lost
+    with pytest.raises(CacheFull, match="does not fit"):
+        KVPool(2, 2, 8, torch.float32, slots=100)

@@ -167,12 +167,25 @@ def load_state_dict(folder: str) -> dict[str, torch.Tensor]:
 
 
 def pick_device(device: str | None) -> torch.device:
+    """The torch device for ``--device``: auto is CUDA when present, else the CPU. A CUDA device
+    this machine does not have is an `InvalidParameter` naming what it has, before any weight
+    moves (not PyTorch's assertion from deep inside the load)."""
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(device)
+        dev = torch.device(device)
     except RuntimeError as exc:
         raise InvalidParameter("device", device, "cpu, cuda, cuda:N or auto") from exc
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            why = "this PyTorch was built without CUDA" if not torch.backends.cuda.is_built() else "no CUDA GPU is visible"
+            raise InvalidParameter("device", device, f"cpu or auto here: {why}")
+        if dev.index is not None and dev.index >= count:
+            raise InvalidParameter("device", device, f"cuda:0 .. cuda:{count - 1} (this machine has {count} GPUs)")
+    elif dev.type != "cpu":
+        raise InvalidParameter("device", device, "cpu, cuda, cuda:N or auto")
+    return dev
 
 
 def load(spec: str | None = "default", *, dtype: str = "float32", device: str | None = None,

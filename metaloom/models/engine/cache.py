@@ -51,8 +51,12 @@ class KVPool:
         self.dtype, self.device = dtype, torch.device(device)
         self.max_slots = max_slots
         shape = (slots, kv_heads, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        try:
+            self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+            self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        except torch.OutOfMemoryError as exc:
+            raise CacheFull(f"a KV pool of {slots} slots ({slots * self.bytes_per_slot / 2**30:.2f} GiB) does not fit "
+                            f"on {self.device}: out of memory") from exc
         self.refs = np.zeros(slots, dtype=np.int64)
         self.refs[SCRATCH] = 1  # never freed, never allocated
         self._free = np.arange(slots - 1, 0, -1, dtype=np.int64)  # a stack: pop from the end
@@ -121,11 +125,15 @@ class KVPool:
             new = self.max_slots
             if new - old < extra:
                 raise CacheFull(f"KV pool needs {old + extra - self._nfree} slots in use but is capped at {self.max_slots}")
-        for store in (self.keys, self.values):
-            for i, t in enumerate(store):
-                grown = torch.zeros((new, *t.shape[1:]), dtype=t.dtype, device=t.device)
-                grown[:old] = t
-                store[i] = grown
+        try:
+            keys = [torch.zeros((new, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in self.keys]
+            values = [torch.zeros((new, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in self.values]
+        except torch.OutOfMemoryError as exc:  # a GPU too small for the pool asked of it
+            raise CacheFull(f"KV pool cannot grow from {old} to {new} slots ({new * self.bytes_per_slot / 2**30:.2f} GiB) "
+                            f"on {self.device}: out of memory") from exc
+        for grown, t in zip(keys + values, self.keys + self.values, strict=True):
+            grown[:old] = t
+        self.keys[:], self.values[:] = keys, values  # the same lists: holders of pool.keys see the new tensors
         self.refs = np.concatenate([self.refs, np.zeros(new - old, dtype=np.int64)])
         # the free stack pops from its end: the new slots go below the old free ones, so low
         # slot ids are reused first
