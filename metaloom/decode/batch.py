@@ -350,7 +350,9 @@ class DecodeBatch:
         """Emit each row's drawn token; ``raw`` [B, V]: the logits it was drawn after (for the
         rows that record their most likely tokens)."""
         tally = _Tally()
-        tokens, raw_lp, chosen = got.tokens.tolist(), got.raw.tolist(), got.chosen.tolist()
+        # one device-to-host copy for the three (token ids are exact in float64)
+        tokens_f, raw_lp, chosen = torch.stack([got.tokens.double(), got.raw.double(), got.chosen.double()]).tolist()
+        tokens = [int(t) for t in tokens_f]
         tops = _tops(rows, skip, raw)
         for b, row in enumerate(rows):
             if skip and skip[b]:
