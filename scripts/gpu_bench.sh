@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Issue 35's one-shot GPU benchmark (metaloom bench gpu), run from a copy of the working tree on a
+# GPU machine without network: python3 there has torch, transformers and the rest, not metaloom
+# (it runs from the tree: PYTHONPATH), nor gguf, llguidance, math-verify, fastapi, uvicorn, openai
+# (not needed on this path). What it reads, carried in the ignored folder .gpu/:
+#   .gpu/tokenizer/  the default model's tokenizer files (the shapes' vocabulary and prompts)
+#   .gpu/baseline/   `git archive c73a4ef metaloom`: the engine before CUDA graphs, the baseline rows
+#   .gpu/whl/        wheels installed to /tmp/site first, if any
+#
+#   scripts/gpu_bench.sh          # writes $OUT/log.txt, $OUT/smoke.json, $OUT/gpu-decode.json
+#
+# 1. versions and the GPU; 2. a smoke check: metaloom's token ids with METALOOM_CUDA_GRAPHS on
+# and off (135m: greedy, 4 seeded samples) must be equal in float32, and are compared in
+# bfloat16 (where two correct paths that round differently may part at a near tie: reported);
+# 3. the benchmark, most important first (1b every case, 7b greedy and 16 samples, 135m, then
+# 7b's 64 samples if time is left), under a time budget so the whole script ends within
+# GPU_BENCH_LIMIT_S; the JSON is rewritten after every cell, so a run cut short keeps what it
+# measured. Environment knobs (defaults for an H100):
+#   OUT                    where results go (default /tmp/gpu-bench-out)
+#   GPU_BENCH_PYTHON       interpreter (default python3)
+#   GPU_BENCH_DEVICE       cuda (cpu for a dry run here)
+#   GPU_BENCH_SHAPES       the benchmark's --shapes (default 1b,7b:greedy+s16,135m,7b:s64)
+#   GPU_BENCH_SMOKE_SHAPES the smoke's shapes (default 135m; none: no smoke)
+#   GPU_BENCH_EXTRA        more arguments for both (e.g. "--max-tokens 4 --dtype float32" on a CPU)
+#   GPU_BENCH_LIMIT_S      seconds for the whole script (default 420)
+#   GPU_BENCH_CHECKS_S     > 0: also run scripts/gpu_checks.py (the engine's exactness, capture-fidelity
+#                          and step-time checks) after the smoke, killed after that many seconds;
+#                          its time comes out of the benchmark's budget (default 0: not run)
+set -uo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO"
+OUT=${OUT:-/tmp/gpu-bench-out}
+PY=${GPU_BENCH_PYTHON:-python3}
+DEVICE=${GPU_BENCH_DEVICE:-cuda}
+SHAPES=${GPU_BENCH_SHAPES:-1b,7b:greedy+s16,135m,7b:s64}
+SMOKE_SHAPES=${GPU_BENCH_SMOKE_SHAPES:-135m}
+LIMIT_S=${GPU_BENCH_LIMIT_S:-420}
+CHECKS_S=${GPU_BENCH_CHECKS_S:-0}
+read -r -a EXTRA <<< "${GPU_BENCH_EXTRA:-}"
+STARTED=$(date +%s)
+mkdir -p "$OUT"
+
+elapsed() { echo $(( $(date +%s) - STARTED )); }
+
+main() {
+    local site=""
+    if compgen -G ".gpu/whl/*.whl" > /dev/null; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl && site=/tmp/site
+    fi
+    export PYTHONPATH="${site:+$site:}$REPO${PYTHONPATH:+:$PYTHONPATH}"
+    export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+    echo "== $(date -u +%FT%TZ) $(hostname) in $REPO, PYTHONPATH=$PYTHONPATH"
+    command -v nvidia-smi > /dev/null && nvidia-smi -L && \
+        nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem,power.limit --format=csv
+    echo "gcc: $(command -v gcc || echo none) (inductor's kernels need a C compiler)"
+    "$PY" - <<'EOF'
+import importlib.metadata as md, sys
+import torch
+def v(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
+      "available", torch.cuda.is_available(), {n: v(n) for n in ("transformers", "triton", "tokenizers", "numpy")})
+if torch.cuda.is_available():
+    print(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory // 2**20, "MiB")
+import metaloom
+print("metaloom from", metaloom.__file__)
+EOF
+    local common=(--tokenizer .gpu/tokenizer --device "$DEVICE" "${EXTRA[@]}")
+
+    local systems=()
+    if [[ "$SMOKE_SHAPES" != none ]]; then
+        echo "== smoke at $(elapsed) s: METALOOM_CUDA_GRAPHS on vs off, token ids"
+        timeout -k 10 90 "$PY" -m metaloom.cli bench gpu --smoke --shapes "$SMOKE_SHAPES" "${common[@]}" \
+            --out "$OUT/smoke.json"
+        local smoke=$?
+        echo "smoke exit status $smoke (0: equal in float32, 1: different in float32, other: failed)"
+        if (( smoke != 0 && smoke != 1 )); then  # a crash or a hang may poison the CUDA context: no graphs rows
+            systems=(--systems eager,baseline,tf-eager,tf-static)
+            echo "the smoke failed: the benchmark runs without the metaloom graphs rows"
+        fi
+
+    fi
+
+    if (( CHECKS_S > 0 )) && [[ -f scripts/gpu_checks.py ]]; then
+        echo "== engine checks at $(elapsed) s (scripts/gpu_checks.py, at most $CHECKS_S s)"
+        timeout -k 10 "$CHECKS_S" "$PY" scripts/gpu_checks.py --tokenizer .gpu/tokenizer --out "$OUT/checks.json"
+        echo "checks exit status $?"
+    fi
+
+    local budget=$(( LIMIT_S - $(elapsed) - 15 ))
+    echo "== benchmark at $(elapsed) s, budget $budget s: shapes $SHAPES"
+    local baseline=()
+    [[ -f .gpu/baseline/metaloom/__init__.py ]] && baseline=(--baseline-path .gpu/baseline)
+    timeout -s INT -k 10 $(( budget + 20 )) "$PY" -m metaloom.cli bench gpu --shapes "$SHAPES" "${common[@]}" \
+        --repeats 3 --budget-s "$budget" "${baseline[@]}" "${systems[@]}" --out "$OUT/gpu-decode.json"
+    echo "benchmark exit status $? at $(elapsed) s"
+    ls -la "$OUT"
+}
+
+main 2>&1 | tee "$OUT/log.txt"
