@@ -95,8 +95,8 @@ def test_static_steps_give_the_eager_logits(monkeypatch, extra):
     assert len(eager) == len(static) == 13
     for a, b in zip(eager, static, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
-    runner = next(iter(model._graphs.values()))
-    assert runner.steps == 13 and runner.uploads >= 3  # first use, the fork, the wide write
+    stats = model.step_graph_stats()
+    assert stats["steps"] == 13 and stats["uploads"] >= 3 and stats["failures"] == []  # first use, the fork, the wide write
 
 
 def test_static_steps_cross_key_buckets_and_row_buckets(monkeypatch):
@@ -151,6 +151,7 @@ def test_a_capture_that_fails_falls_back_and_says_why(monkeypatch, caplog):
         got = model.forward(torch.tensor([[7], [8]]), cache)[:, -1]
     assert "capture failed" in caplog.text and "operation not permitted" in caplog.text
     assert runner.failure is not None and not runner.capture
+    assert any("operation not permitted" in f for f in model.step_graph_stats()["failures"])
     _mode(monkeypatch, "off")
     want = model.forward(torch.tensor([[7], [8]]), expected_cache)[:, -1]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -176,8 +177,7 @@ def test_the_generator_gives_the_same_tokens_with_static_steps(monkeypatch):
         out = LocalGenerator(loaded, prefill_overhead_tokens=16).generate(requests, ledger=Ledger())
         outs.append([[c.token_ids for c in o] for o in out])
     assert outs[0] == outs[1]
-    runner = next(iter(loaded.model._graphs.values()))
-    assert runner.steps >= 15  # the static step ran
+    assert loaded.model.step_graph_stats()["steps"] >= 15  # the static step ran
 
 
 def test_a_cuda_device_this_machine_lacks_is_a_typed_error(monkeypatch):

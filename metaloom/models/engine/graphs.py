@@ -164,7 +164,7 @@ class StepGraphs:
         self.model, self.pool, self.capture = model, pool, capture
         self.device = pool.device  # type: ignore[attr-defined]
         self._step = static_step(model, pool)
-        self.buffers = Buffers.empty(ROW_BUCKETS[0], MIN_KEYS, self.device)
+        self.buffers = Buffers.empty(ROW_BUCKETS[-1], MIN_KEYS, self.device)  # every row bucket: rows never regrow
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.mirror: tuple[int, int] | None = None  # (cache serial, its wide writes) the table holds
         self.mirror_rows = 0
@@ -188,14 +188,24 @@ class StepGraphs:
         key = self._pool_key()
         b = self.buffers
         if key != self.pool_key:
-            self.graphs.clear()
+            self._drop()
             self.pool_key = key
         if rows <= b.tokens.shape[0] and keys <= b.table.shape[1]:
             return
-        grown = Buffers.empty(max(rows, b.tokens.shape[0]), max(keys, b.table.shape[1]), self.device)
+        width = keys if keys <= b.table.shape[1] else max(keys, 2 * b.table.shape[1])  # doubling: few regrowths
+        grown = Buffers.empty(max(rows, b.tokens.shape[0]), width, self.device)
         grown.table[:b.table.shape[0], :b.table.shape[1]] = b.table
         self.buffers = grown
-        self.graphs.clear()
+        self._drop()
+
+    def _drop(self) -> None:
+        """Forget every graph. Their memory pool goes with them, and a graph captured into a
+        released pool trips PyTorch's allocator (seen on an H100, torch 2.11: "use_count > 0
+        INTERNAL ASSERT FAILED"), so the next captures share a fresh one."""
+        if self.graphs:
+            self.graphs.clear()
+            if self.capture:
+                self.mempool = torch.cuda.graph_pool_handle()
 
     def _sync_table(self, cache: PagedKVCache, rows: int, keys: int) -> None:
         """Upload the cache's table when the mirror cannot be current (another cache, or writes
@@ -254,8 +264,8 @@ class StepGraphs:
                 entry = self._capture(rows, keys)
             except Exception as exc:  # an op capture does not support, memory, a driver error
                 self.failure = f"{type(exc).__name__}: {exc}"
+                self._drop()
                 self.capture = False
-                self.graphs.clear()
                 log.warning("CUDA graph capture failed (%s); decode steps run uncaptured from now on", self.failure)
                 return self._step(self.buffers, rows, keys)
         graph, logits, hidden = entry

@@ -339,6 +339,15 @@ class LlamaModel:
             runner = self._graphs[pool] = StepGraphs(self, pool, capture=cuda)
         return runner
 
+    def step_graph_stats(self) -> dict[str, int | list[str]]:
+        """What the static steps did, summed over this model's pools: graphs captured and
+        replayed, static steps run, whole-table uploads, and why any capture failed."""
+        runners = list(self._graphs.values())
+        out: dict[str, int | list[str]] = {k: sum(getattr(r, k) for r in runners)
+                                           for k in ("captures", "replays", "steps", "uploads")}
+        out["failures"] = [r.failure for r in runners if r.failure is not None]
+        return out
+
     def _static_step(self, tokens: torch.Tensor, cache: KVCache,
                      valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(logits [B, V], hidden [B, d]) of a one-token step through `step_graphs`, or None
