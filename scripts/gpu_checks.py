@@ -51,7 +51,8 @@ def sync() -> None:
 
 
 def random_model(shape: str, vocab: int, dtype: torch.dtype, seed: int = 0) -> LlamaModel:
-    """A Llama-family model of ``shape`` with N(0, 0.02) weights, made on the GPU."""
+    """A Llama-family model of ``shape`` with N(0, 1/inputs) weights (unit gain: N(0, 0.02)
+    makes every path repeat one token, which checks nothing), made on the device."""
     cfg = {"model_type": "llama", "vocab_size": vocab, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
            **SHAPES[shape]}
     config = LlamaConfig.from_hf(cfg)
@@ -60,7 +61,7 @@ def random_model(shape: str, vocab: int, dtype: torch.dtype, seed: int = 0) -> L
     hd = d // h
 
     def w(*shape: int) -> torch.Tensor:
-        return (0.02 * torch.randn(shape, generator=g, device=DEVICE)).to(dtype)
+        return (torch.randn(shape, generator=g, device=DEVICE) / shape[-1] ** 0.5).to(dtype)
 
     sd = {"model.embed_tokens.weight": w(vocab, d), "model.norm.weight": torch.ones(d, device=DEVICE, dtype=dtype)}
     if not config.tie_word_embeddings:
