@@ -59,7 +59,7 @@ def _pair(model, monkeypatch, script):
             log.append(logits if valid is None else logits[valid.bool()])
             return logits
 
-        script(model, pool, step)
+        script(model, pool, step, log)
         logs.append(log)
     return logs
 
@@ -69,7 +69,7 @@ def _pair(model, monkeypatch, script):
 def test_static_steps_give_the_eager_logits(monkeypatch, extra):
     model = _tiny(**extra)
 
-    def script(model, pool, step):
+    def script(model, pool, step, log):
         rng = torch.Generator().manual_seed(1)
         prompts = [[5, 9, 2, 7, 1], [3, 4], [8, 8, 8, 1, 2, 6, 0, 9]]
         cache = model.new_cache(3, 40, pool)
@@ -85,24 +85,28 @@ def test_static_steps_give_the_eager_logits(monkeypatch, extra):
         nxt = torch.randint(0, 103, (5,), generator=rng)
         for _ in range(4):
             nxt = step(forked, nxt[:, None]).argmax(-1)
-        # a multi-token forward between steps (a speculative verify): the mirror must follow
-        model.forward(torch.randint(0, 103, (5, 3), generator=rng), forked, valid=torch.tensor([3, 1, 2, 3, 0]))
+        # a speculative verify between steps (3 tokens a row, causal within them), rolled back
+        valid = torch.tensor([3, 1, 2, 3, 0])
+        block = model.forward(torch.randint(0, 103, (5, 3), generator=rng), forked, valid=valid)
+        log.extend(block[b, :int(valid[b])] for b in range(5))
         forked.truncate(forked.lengths - torch.tensor([1, 0, 1, 0, 0]))
         for _ in range(3):
             nxt = step(forked, nxt[:, None]).argmax(-1)
 
     eager, static = _pair(model, monkeypatch, script)
-    assert len(eager) == len(static) == 13
+    assert len(eager) == len(static) == 18
     for a, b in zip(eager, static, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
     stats = model.step_graph_stats()
-    assert stats["steps"] == 13 and stats["uploads"] >= 3 and stats["failures"] == []  # first use, the fork, the wide write
+    # 13 one-token steps and the verify; the table uploaded on first use and for the fork only
+    # (the verify's writes are mirrored by the step itself)
+    assert stats["steps"] == 14 and stats["uploads"] == 2 and stats["failures"] == []
 
 
 def test_static_steps_cross_key_buckets_and_row_buckets(monkeypatch):
     model = _tiny()
 
-    def script(model, pool, step):
+    def script(model, pool, step, log):
         cache = model.new_cache(3, 300, pool)
         prompts = torch.randint(0, 103, (3, 120), generator=torch.Generator().manual_seed(2))
         model.forward(prompts, cache, valid=torch.tensor([120, 100, 60]))
@@ -142,7 +146,7 @@ def test_a_capture_that_fails_falls_back_and_says_why(monkeypatch, caplog):
     model.forward(torch.tensor([[1, 2, 3], [4, 5, 6]]), cache)
     expected_cache = cache.fork([0, 1])
 
-    def broken(rows, keys):
+    def broken(rows, keys, width):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     runner.capture = True  # as on a GPU, but every capture fails
@@ -178,6 +182,23 @@ def test_the_generator_gives_the_same_tokens_with_static_steps(monkeypatch):
         outs.append([[c.token_ids for c in o] for o in out])
     assert outs[0] == outs[1]
     assert loaded.model.step_graph_stats()["steps"] >= 15  # the static step ran
+
+    # speculative decoding: the verify forwards (pending + drafts) take the static step too
+    from metaloom.speculative import Speculative
+    from metaloom.speculative.drafters.ngram import NgramDrafter
+
+    text = "The cat sat on the mat. The cat sat on the mat. The cat"
+    spec = [Request(text, SamplingParams(temperature=0, max_tokens=12)),
+            Request(text, SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=8))]
+    outs = []
+    for mode in ("off", "on"):
+        _mode(monkeypatch, mode)
+        before = loaded.model.step_graph_stats()["steps"]
+        gen = LocalGenerator(loaded, speculative=Speculative(NgramDrafter(), num_draft=4), prefill_overhead_tokens=16)
+        outs.append([[c.token_ids for c in o] for o in gen.generate(spec, ledger=Ledger())])
+        ran = loaded.model.step_graph_stats()["steps"] - before
+        assert (ran > 0) == (mode == "on")
+    assert outs[0] == outs[1]
 
 
 def test_a_cuda_device_this_machine_lacks_is_a_typed_error(monkeypatch):

@@ -281,8 +281,10 @@ class PagedKVCache:
         ones in the table (the lengths advance in `advance`). Returns [B, width] long slots."""
         return torch.from_numpy(self.prepare_host(valid, width)).to(self.pool.device)
 
-    def prepare_host(self, valid: Sequence[int], width: int) -> np.ndarray:
-        """`prepare`, returning the slots [B, width] as a host array (no device copy)."""
+    def prepare_host(self, valid: Sequence[int], width: int, *, mirrored: bool = False) -> np.ndarray:
+        """`prepare`, returning the slots [B, width] as a host array (no device copy).
+        ``mirrored``: the caller writes these slots into its own device copy of the table (a
+        static step, `metaloom.models.engine.graphs`), so the copy stays current."""
         self.reserve(width)
         keep = np.asarray(valid, dtype=np.int64)
         fresh = self.pool.allocate(int(keep.sum()))
@@ -291,7 +293,7 @@ class PagedKVCache:
             rows = np.flatnonzero(keep)
             out[rows, 0] = fresh
         else:
-            self.wide_writes += 1
+            self.wide_writes += not mirrored
             at = 0
             for b in np.flatnonzero(keep).tolist():
                 k = int(keep[b])

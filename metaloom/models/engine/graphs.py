@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 MODES = ("auto", "on", "off")
 ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIN_KEYS = 128
+MAX_WIDTH = 16  # tokens a row in one static step: 1 (decode) or a speculative verify's pending + drafts
 
 
 def mode() -> str:
@@ -83,9 +84,9 @@ def key_bucket(keys: int) -> int:
 class Buffers:
     """The static inputs of every bucket's step (a bucket reads the leading [R] / [R, L] part)."""
 
-    tokens: torch.Tensor  # [rows] long
-    positions: torch.Tensor  # [rows] long
-    slots: torch.Tensor  # [rows] long
+    tokens: torch.Tensor  # [rows, MAX_WIDTH] long
+    positions: torch.Tensor  # [rows] long: each row's length before the step
+    slots: torch.Tensor  # [rows, MAX_WIDTH] long
     table: torch.Tensor  # [rows, keys] long
 
     @classmethod
@@ -93,16 +94,18 @@ class Buffers:
         def z(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=torch.long, device=device)
 
-        return cls(z(rows), z(rows), z(rows), z(rows, keys))
+        return cls(z(rows, MAX_WIDTH), z(rows), z(rows, MAX_WIDTH), z(rows, keys))
 
 
-Step = Callable[[Buffers, int, int], tuple[torch.Tensor, torch.Tensor]]  # (buffers, R, L) -> (logits, hidden)
+# (buffers, R rows, L keys, W tokens a row) -> (logits [R, W, V], hidden [R, W, d])
+Step = Callable[[Buffers, int, int, int], tuple[torch.Tensor, torch.Tensor]]
 
 
 def static_step(model: object, pool: object) -> Step:
-    """The one-token step of a dense `metaloom.models.engine.llama.LlamaModel` over ``pool``, as
-    a function of the static buffers: (buffers, R, L) -> (logits [R, V], hidden [R, d]). It
-    writes each row's new key and value at its slot and its slot into the table."""
+    """The step of a dense `metaloom.models.engine.llama.LlamaModel` over ``pool`` for W new
+    tokens a row (W = 1: a decode step; W > 1: a speculative verify, causal within the block),
+    as a function of the static buffers: (buffers, R, L, W) -> (logits [R, W, V], hidden
+    [R, W, d]). It writes each new key and value at its slot and each slot into the table."""
     from metaloom.models.engine.llama import linear
 
     m = model
@@ -111,30 +114,35 @@ def static_step(model: object, pool: object) -> Step:
     g = h // hk
     window = c.sliding_window
 
-    def step(buf: Buffers, rows: int, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, positions, slots = buf.tokens[:rows], buf.positions[:rows], buf.slots[:rows]
+    def step(buf: Buffers, rows: int, keys: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, slots = buf.tokens[:rows, :width], buf.slots[:rows, :width]
+        positions = buf.positions[:rows, None] + torch.arange(width, device=tokens.device)  # [R, W]
         table = buf.table[:rows, :keys]
-        table.scatter_(1, positions[:, None], slots[:, None])  # the new position's slot, as the host's
+        table.scatter_(1, positions, slots)  # the new positions' slots, as the host's table has them
         k_pos = torch.arange(keys, device=tokens.device)
-        allowed = k_pos[None, :] <= positions[:, None]  # [R, L]
+        allowed = k_pos[None, None, :] <= positions[:, :, None]  # [R, W, L]: causal
         if window is not None:
-            allowed &= k_pos[None, :] > positions[:, None] - window
-        mask = allowed[:, None, None, :]  # [R, 1, 1, L]: the same for every query of a row
-        cos = m._cos[positions][:, None, None]  # type: ignore[attr-defined]  # [R, 1, 1, D]
-        sin = m._sin[positions][:, None, None]  # type: ignore[attr-defined]
-        x = F.embedding(tokens, m.embed)  # type: ignore[attr-defined]  # [R, d]
+            allowed &= k_pos[None, None, :] > positions[:, :, None] - window
+        # queries are (head of the group, position) pairs, g x W of them per key-value head
+        mask = allowed[:, None] if width == 1 else allowed[:, None, None].expand(-1, -1, g, -1, -1)
+        mask = mask.reshape(rows, 1, g * width if width > 1 else 1, keys)
+        cos = m._cos[positions][:, None]  # type: ignore[attr-defined]  # [R, 1, W, D]
+        sin = m._sin[positions][:, None]  # type: ignore[attr-defined]
+        flat = slots.reshape(-1)
+        x = F.embedding(tokens, m.embed)  # type: ignore[attr-defined]  # [R, W, d]
         for i, w in enumerate(m.layers):  # type: ignore[attr-defined]
             y = F.rms_norm(x, (c.hidden_size,), w.attn_norm, c.rms_norm_eps)
-            qkv = linear(y, w.qkv, w.qkv_bias).view(rows, h + 2 * hk, 1, d)
-            qk = apply_rope(qkv[:, :h + hk], cos, sin)  # [R, h + hk, 1, D]
-            k, v = qk[:, h:, 0], qkv[:, h + hk:, 0]  # [R, hk, D]
-            pool.keys[i].index_copy_(0, slots, k)  # type: ignore[attr-defined]
-            pool.values[i].index_copy_(0, slots, v)  # type: ignore[attr-defined]
+            qkv = linear(y, w.qkv, w.qkv_bias).view(rows, width, h + 2 * hk, d).transpose(1, 2)
+            qk = apply_rope(qkv[:, :h + hk], cos, sin)  # [R, h + hk, W, D]
+            k, v = qk[:, h:], qkv[:, h + hk:]  # [R, hk, W, D]
+            pool.keys[i].index_copy_(0, flat, k.transpose(1, 2).reshape(-1, hk, d))  # type: ignore[attr-defined]
+            pool.values[i].index_copy_(0, flat, v.transpose(1, 2).reshape(-1, hk, d))  # type: ignore[attr-defined]
             ks = pool.keys[i][table].transpose(1, 2)  # type: ignore[attr-defined]  # [R, hk, L, D]
             vs = pool.values[i][table].transpose(1, 2)  # type: ignore[attr-defined]
-            q = qk[:, :h].reshape(rows, hk, g, d)  # a group's query heads as g query positions
-            attn = F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask)  # [R, hk, g, D]
-            x = x + linear(attn.reshape(rows, h * d), w.o)
+            q = qk[:, :h].reshape(rows, hk, g * width, d)  # a group's query heads and positions as queries
+            attn = F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask)  # [R, hk, g W, D]
+            attn = attn.view(rows, h, width, d).transpose(1, 2).reshape(rows, width, h * d)
+            x = x + linear(attn, w.o)
             y = F.rms_norm(x, (c.hidden_size,), w.mlp_norm, c.rms_norm_eps)
             gate, up = linear(y, w.gate_up).chunk(2, dim=-1)
             x = x + linear(F.silu(gate) * up, w.down)
@@ -165,7 +173,7 @@ class StepGraphs:
         self.device = pool.device  # type: ignore[attr-defined]
         self._step = static_step(model, pool)
         self.buffers = Buffers.empty(ROW_BUCKETS[-1], MIN_KEYS, self.device)  # every row bucket: rows never regrow
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.mirror: tuple[int, int] | None = None  # (cache serial, its wide writes) the table holds
         self.mirror_rows = 0
         self.pool_key = self._pool_key()
@@ -175,7 +183,7 @@ class StepGraphs:
         self.steps = 0  # static steps run, captured or not
         self.uploads = 0  # whole-table uploads (the mirror could not follow the cache)
         self.cuda = self.device.type == "cuda"
-        self._staging = torch.empty((2, 0), dtype=torch.long, pin_memory=self.cuda)
+        self._staging = torch.empty((0,), dtype=torch.long, pin_memory=self.cuda)  # positions, then slots
         self._copied: torch.cuda.Event | None = None
         self.failure: str | None = None  # why capturing failed (the uncaptured step runs instead)
 
@@ -221,68 +229,67 @@ class StepGraphs:
         self.uploads += 1
 
     def run(self, tokens: torch.Tensor, cache: PagedKVCache, valid: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One step: tokens [B] (on the device), ``valid[b]`` 1 to keep row b's new position, 0
-        for a finished row (its key goes to scratch). -> (logits [B, V], hidden [B, d]), fresh
-        tensors. Advances the cache."""
-        b = tokens.shape[0]
+        """One step: tokens [B, W] (on the device, W <= MAX_WIDTH); row b keeps its first
+        ``valid[b]`` new positions (0: a finished row; the rest go to scratch). -> (logits
+        [B, W, V], hidden [B, W, d]), fresh tensors. Advances the cache."""
+        b, width = tokens.shape
         positions = cache.host_lengths()
-        keys = int(positions.max()) + 1
-        rows, width = row_bucket(b), key_bucket(keys)
-        assert rows is not None  # the caller checked `fits`
-        slots = cache.prepare_host(valid, 1)[:, 0]  # may grow the pool: checked next
-        self._ensure(rows, width)
-        self._sync_table(cache, b, width)
+        rows, keys = row_bucket(b), key_bucket(int(positions.max()) + width)
+        assert rows is not None and width <= MAX_WIDTH  # the caller checked
+        slots = cache.prepare_host(valid, width, mirrored=True)  # may grow the pool: checked next
+        self._ensure(rows, keys)
+        self._sync_table(cache, b, keys)
         buf = self.buffers
         if self._copied is not None:
             self._copied.synchronize()  # the last step's upload has left the staging buffer
-        if self._staging.shape[1] < rows:
-            self._staging = torch.empty((2, rows), dtype=torch.long, pin_memory=self.cuda)
-        stage = self._staging[:, :rows]
+        if self._staging.shape[0] < rows * (1 + width):
+            self._staging = torch.empty((rows * (1 + width),), dtype=torch.long, pin_memory=self.cuda)
+        stage = self._staging[:rows * (1 + width)]
         stage.fill_(SCRATCH)  # padded rows: position 0, the scratch slot
-        stage[0, :b] = torch.from_numpy(positions)
-        stage[1, :b] = torch.from_numpy(slots)
-        buf.positions[:rows].copy_(stage[0], non_blocking=True)
-        buf.slots[:rows].copy_(stage[1], non_blocking=True)
+        stage[:b] = torch.from_numpy(positions)
+        stage[rows:rows + b * width] = torch.from_numpy(slots.reshape(-1))
+        buf.positions[:rows].copy_(stage[:rows], non_blocking=True)
+        buf.slots[:rows, :width].copy_(stage[rows:].view(rows, width), non_blocking=True)
         if self.cuda:
             self._copied = torch.cuda.Event()
             self._copied.record()
-        buf.tokens[:b].copy_(tokens.reshape(-1))
+        buf.tokens[:b, :width].copy_(tokens)
         if rows > b:
             buf.tokens[b:rows].zero_()
             buf.table[b:rows].zero_()
-        logits, hidden = self._replay(rows, width)
+        logits, hidden = self._replay(rows, keys, width)
         self.steps += 1
         cache.advance(valid)
         return logits[:b].clone(), hidden[:b].clone()
 
-    def _replay(self, rows: int, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _replay(self, rows: int, keys: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.capture:
-            return self._step(self.buffers, rows, keys)
-        entry = self.graphs.get((rows, keys))
+            return self._step(self.buffers, rows, keys, width)
+        entry = self.graphs.get((rows, keys, width))
         if entry is None:
             try:
-                entry = self._capture(rows, keys)
+                entry = self._capture(rows, keys, width)
             except Exception as exc:  # an op capture does not support, memory, a driver error
                 self.failure = f"{type(exc).__name__}: {exc}"
                 self._drop()
                 self.capture = False
                 log.warning("CUDA graph capture failed (%s); decode steps run uncaptured from now on", self.failure)
-                return self._step(self.buffers, rows, keys)
+                return self._step(self.buffers, rows, keys, width)
         graph, logits, hidden = entry
         graph.replay()
         self.replays += 1
         return logits, hidden
 
-    def _capture(self, rows: int, keys: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+    def _capture(self, rows: int, keys: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up: lazy initialisation and workspace allocation happen here
-                self._step(self.buffers, rows, keys)
+                self._step(self.buffers, rows, keys, width)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
-            logits, hidden = self._step(self.buffers, rows, keys)
-        self.graphs[(rows, keys)] = (graph, logits, hidden)
+            logits, hidden = self._step(self.buffers, rows, keys, width)
+        self.graphs[(rows, keys, width)] = (graph, logits, hidden)
         self.captures += 1
         return graph, logits, hidden

@@ -310,9 +310,9 @@ class LlamaModel:
     def forward(self, tokens: torch.Tensor, cache: KVCache, *, valid: torch.Tensor | None = None,
                 last_only: bool = False) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, V] ([B, 1, V] with ``last_only``); see `LanguageModel`."""
-        static = self._static_step(tokens, cache, valid)
+        static = self._static_step(tokens, cache, valid, last_only)
         if static is not None:
-            return static[0][:, None]
+            return static[0]
         return linear(self._hidden(tokens, cache, valid, last_only), self.lm_head)
 
     @torch.inference_mode()
@@ -320,9 +320,9 @@ class LlamaModel:
                        last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` that also returns the final hidden states: (logits [B, T, V], hidden [B, T, d]),
         hidden after the last norm, what the LM head reads (speculator heads draft from them)."""
-        static = self._static_step(tokens, cache, valid)
+        static = self._static_step(tokens, cache, valid, last_only)
         if static is not None:
-            return static[0][:, None], static[1][:, None]
+            return static
         x = self._hidden(tokens, cache, valid, last_only)
         return linear(x, self.lm_head), x
 
@@ -348,19 +348,26 @@ class LlamaModel:
         out["failures"] = [r.failure for r in runners if r.failure is not None]
         return out
 
-    def _static_step(self, tokens: torch.Tensor, cache: KVCache,
-                     valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(logits [B, V], hidden [B, d]) of a one-token step through `step_graphs`, or None
-        when this forward is not one (the caller takes the eager path)."""
+    def _static_step(self, tokens: torch.Tensor, cache: KVCache, valid: torch.Tensor | None,
+                     last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(logits [B, T, V], hidden [B, T, d]) of a decode step (T = 1) or a speculative verify
+        (T <= MAX_WIDTH over rows that hold keys already) through `step_graphs`, or None when
+        this forward is neither (the caller takes the eager path)."""
         b, t = tokens.shape
-        if t != 1 or b == 0 or graphs.row_bucket(b) is None or not isinstance(cache, PagedKVCache):
+        if b == 0 or graphs.row_bucket(b) is None or not isinstance(cache, PagedKVCache) or t > graphs.MAX_WIDTH:
             return None
-        if cache.pool.layers != len(self.layers) or b != cache.batch:
-            return None
+        if cache.pool.layers != len(self.layers) or b != cache.batch or (t > 1 and not cache.host_lengths().all()):
+            return None  # a prefill of fresh rows takes the eager path (PyTorch's fused attention)
         runner = self.step_graphs(cache.pool)
         if runner is None:
             return None
-        return runner.run(tokens[:, 0], cache, [1] * b if valid is None else valid.tolist())
+        keep = [t] * b if valid is None else valid.tolist()
+        logits, hidden = runner.run(tokens, cache, keep)
+        if last_only:
+            last = torch.as_tensor([max(k, 1) - 1 for k in keep], device=logits.device)
+            index = torch.arange(b, device=logits.device)
+            return logits[index, last][:, None], hidden[index, last][:, None]
+        return logits, hidden
 
     def _hidden(self, tokens: torch.Tensor, cache: KVCache, valid: torch.Tensor | None,
                 last_only: bool) -> torch.Tensor:
