@@ -6,7 +6,6 @@ by multi-token forwards between steps, and a pool that grows under it."""
 from __future__ import annotations
 
 import logging
-import math
 
 import pytest
 import torch
@@ -15,30 +14,15 @@ from metaloom.errors import InvalidParameter
 from metaloom.models.engine import graphs
 from metaloom.models.engine.config import LlamaConfig
 from metaloom.models.engine.llama import LlamaModel
+from metaloom.testing.tiny import random_weights
 
 
 def _tiny(**extra) -> LlamaModel:
-    torch.manual_seed(0)
-    d, inter, heads, kv, vocab = 64, 96, 4, 2, 103
-    cfg = LlamaConfig.from_hf({"model_type": "llama", "vocab_size": vocab, "hidden_size": d,
-                               "intermediate_size": inter, "num_hidden_layers": 2, "num_attention_heads": heads,
-                               "num_key_value_heads": kv, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
-                               "tie_word_embeddings": False, **extra})
-    sd = {"model.embed_tokens.weight": torch.randn(vocab, d), "model.norm.weight": 1 + 0.1 * torch.randn(d),
-          "lm_head.weight": torch.randn(vocab, d) / math.sqrt(d)}
-    hd = d // heads
-    shapes = {"self_attn.q_proj": (heads * hd, d), "self_attn.k_proj": (kv * hd, d), "self_attn.v_proj": (kv * hd, d),
-              "self_attn.o_proj": (d, heads * hd), "mlp.gate_proj": (inter, d), "mlp.up_proj": (inter, d),
-              "mlp.down_proj": (d, inter)}
-    for i in range(2):
-        p = f"model.layers.{i}."
-        for name, shape in shapes.items():
-            sd[p + name + ".weight"] = torch.randn(shape) / math.sqrt(shape[1])
-            if cfg.attention_bias and name[-6:] in ("q_proj", "k_proj", "v_proj"):
-                sd[p + name + ".bias"] = 0.1 * torch.randn(shape[0])
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            sd[p + norm + ".weight"] = 1 + 0.1 * torch.randn(d)
-    return LlamaModel.from_state_dict(cfg, sd)
+    cfg = LlamaConfig.from_hf({"model_type": "llama", "vocab_size": 103, "hidden_size": 64, "intermediate_size": 96,
+                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+                               **extra})
+    return LlamaModel.from_state_dict(cfg, random_weights(cfg))
 
 
 def _mode(monkeypatch, value: str) -> None:
