@@ -30,8 +30,15 @@ def _streams(model: LanguageModel, cache: KVCache) -> list[tuple[Any, list[int]]
     """(model, per-row start lengths) of each stream a forward runs."""
     streams = getattr(model, "cost_streams", None)
     if streams is not None:
-        return [(m, c.lengths.tolist()) for m, c in streams(cache)]
-    return [(model, cache.lengths.tolist())]
+        return [(m, _lengths(c)) for m, c in streams(cache)]
+    return [(model, _lengths(cache))]
+
+
+def _lengths(cache: KVCache) -> list[int]:
+    """A cache's row lengths as ints: from the host where the cache keeps them there (a paged
+    cache on a GPU would otherwise copy them to the device and back: two synchronisations)."""
+    host = getattr(cache, "host_lengths", None)
+    return host().tolist() if host is not None else cache.lengths.tolist()
 
 
 def charge_forward(model: LanguageModel, streams: list[tuple[Any, list[int]]], counts: list[int], logit_rows: list[int],
