@@ -220,3 +220,39 @@ def test_a_pool_the_device_cannot_hold_is_cache_full(monkeypatch):
     assert pool.slots == 4 and pool.allocate(3).tolist() == [1, 2, 3]  # nothing lost
     with pytest.raises(CacheFull, match="does not fit"):
         KVPool(2, 2, 8, torch.float32, slots=100)
+
+
+def test_two_threads_stepping_one_pool_take_turns(monkeypatch):
+    """The static buffers are shared by a pool's steps: two threads decoding their own caches
+    in one pool (a scoring call beside the server's loop) get what each gets alone."""
+    import threading
+
+    model = _tiny()
+
+    def decode(pool, first, out, start=None):
+        cache = model.new_cache(2, 80, pool)
+        nxt = model.forward(torch.tensor([[first, 3, 4], [5, first, 6]]), cache)[:, -1].argmax(-1)
+        if start is not None:
+            start.wait()
+        for _ in range(30):
+            logits = model.forward(nxt[:, None], cache)[:, -1]
+            out.append(logits)
+            nxt = logits.argmax(-1)
+
+    _mode(monkeypatch, "off")
+    alone = {f: [] for f in (1, 2)}
+    for f in (1, 2):
+        decode(model.new_pool(), f, alone[f])
+    _mode(monkeypatch, "on")
+    pool, start = model.new_pool(slots=512), threading.Barrier(2)
+    together = {f: [] for f in (1, 2)}
+    threads = [threading.Thread(target=decode, args=(pool, f, together[f], start)) for f in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for f in (1, 2):
+        assert len(together[f]) == 30
+        for a, b in zip(alone[f], together[f], strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    assert model.step_graph_stats()["steps"] == 60

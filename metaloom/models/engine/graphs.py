@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -186,6 +187,7 @@ class StepGraphs:
         self._staging = torch.empty((0,), dtype=torch.long, pin_memory=self.cuda)  # positions, then slots
         self._copied: torch.cuda.Event | None = None
         self.failure: str | None = None  # why capturing failed (the uncaptured step runs instead)
+        self.lock = threading.Lock()
 
     def _pool_key(self) -> tuple[int, ...]:
         return tuple(t.data_ptr() for t in self.pool.keys[:1] + self.pool.values[:1])  # type: ignore[attr-defined]
@@ -232,6 +234,10 @@ class StepGraphs:
         """One step: tokens [B, W] (on the device, W <= MAX_WIDTH); row b keeps its first
         ``valid[b]`` new positions (0: a finished row; the rest go to scratch). -> (logits
         [B, W, V], hidden [B, W, d]), fresh tensors. Advances the cache."""
+        with self.lock:  # one set of static buffers: steps of two threads over one pool take turns
+            return self._run(tokens, cache, valid)
+
+    def _run(self, tokens: torch.Tensor, cache: PagedKVCache, valid: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         b, width = tokens.shape
         positions = cache.host_lengths()
         rows, keys = row_bucket(b), key_bucket(int(positions.max()) + width)

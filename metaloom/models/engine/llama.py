@@ -334,9 +334,10 @@ class LlamaModel:
         cuda = self.device.type == "cuda"
         if chosen == "off" or (chosen == "auto" and not cuda) or graphs.why_not(self) is not None:
             return None
-        runner = self._graphs.get(pool)
-        if runner is None:
-            runner = self._graphs[pool] = StepGraphs(self, pool, capture=cuda)
+        with pool.lock:  # one runner a pool, also when two threads ask at once
+            runner = self._graphs.get(pool)
+            if runner is None:
+                runner = self._graphs[pool] = StepGraphs(self, pool, capture=cuda)
         return runner
 
     def step_graph_stats(self) -> dict[str, int | list[str]]:
