@@ -19,7 +19,13 @@
 #   OUT                    where results go (default /tmp/gpu-bench-out)
 #   GPU_BENCH_PYTHON       interpreter (default python3)
 #   GPU_BENCH_DEVICE       cuda (cpu for a dry run here)
-#   GPU_BENCH_SHAPES       the benchmark's --shapes (default 1b,7b:greedy+s16,135m,7b:s64)
+#   GPU_BENCH_SHAPES       the benchmark's --shapes (default 1b,7b:greedy+s16,135m,7b:s64); a case list
+#                          may name spec (batch-1 greedy with n-gram speculative decoding: metaloom
+#                          graphs and eager speculating, and graphs without speculation; not a default case)
+#   GPU_BENCH_SPEC         shapes (comma-separated) that run the spec case first among their cases, e.g.
+#                          1b: SHAPES' item of that shape gets spec in front (1b -> 1b:spec+greedy+s16+s64),
+#                          or "SHAPE:spec" goes in front of SHAPES where it has no item (default none)
+#   GPU_BENCH_SPEC_DRAFT   the spec case's drafts a step, --spec-draft (default 4)
 #   GPU_BENCH_SMOKE_SHAPES the smoke's shapes (default 135m; none: no smoke)
 #   GPU_BENCH_EXTRA        more arguments for both (e.g. "--max-tokens 4 --dtype float32" on a CPU)
 #   GPU_BENCH_LIMIT_S      seconds for the whole script (default 420)
@@ -37,11 +43,41 @@ SHAPES=${GPU_BENCH_SHAPES:-1b,7b:greedy+s16,135m,7b:s64}
 SMOKE_SHAPES=${GPU_BENCH_SMOKE_SHAPES:-135m}
 LIMIT_S=${GPU_BENCH_LIMIT_S:-420}
 CHECKS_S=${GPU_BENCH_CHECKS_S:-0}
+SPEC=${GPU_BENCH_SPEC:-}
+SPEC_DRAFT=${GPU_BENCH_SPEC_DRAFT:-4}
+DEFAULT_CASES=greedy+s16+s64  # the benchmark's default --cases, for a shape item that names none
 read -r -a EXTRA <<< "${GPU_BENCH_EXTRA:-}"
 STARTED=$(date +%s)
 mkdir -p "$OUT"
 
 elapsed() { echo $(( $(date +%s) - STARTED )); }
+
+# SHAPES with the spec case first for each shape of SPEC (see GPU_BENCH_SPEC)
+with_spec() {
+    local -a items
+    local -a spec_shapes
+    local s i found
+    IFS=, read -r -a items <<< "$SHAPES"
+    IFS=, read -r -a spec_shapes <<< "$SPEC"
+    for s in "${spec_shapes[@]}"; do
+        [[ -n "$s" ]] || continue
+        found=0
+        for i in "${!items[@]}"; do
+            if [[ "${items[$i]%%:*}" == "$s" ]]; then
+                if [[ "${items[$i]}" == *:* ]]; then
+                    [[ "+${items[$i]#*:}+" == *+spec+* ]] || items[$i]="$s:spec+${items[$i]#*:}"
+                else
+                    items[$i]="$s:spec+$DEFAULT_CASES"
+                fi
+                found=1
+                break
+            fi
+        done
+        (( found )) || items=("$s:spec" "${items[@]}")
+    done
+    (IFS=,; echo "${items[*]}")
+}
+[[ -n "$SPEC" ]] && SHAPES=$(with_spec)
 
 main() {
     local site=""
@@ -96,7 +132,7 @@ EOF
     local baseline=()
     [[ -f .gpu/baseline/metaloom/__init__.py ]] && baseline=(--baseline-path .gpu/baseline)
     timeout -s INT -k 10 $(( budget + 20 )) "$PY" -m metaloom.cli bench gpu --shapes "$SHAPES" "${common[@]}" \
-        --repeats 3 --budget-s "$budget" "${baseline[@]}" "${systems[@]}" --out "$OUT/gpu-decode.json"
+        --spec-draft "$SPEC_DRAFT" --repeats 3 --budget-s "$budget" "${baseline[@]}" "${systems[@]}" --out "$OUT/gpu-decode.json"
     echo "benchmark exit status $? at $(elapsed) s"
     ls -la "$OUT"
 }

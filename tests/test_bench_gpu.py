@@ -125,3 +125,52 @@ def test_a_compilation_that_does_not_fit_is_skipped(capsys, monkeypatch):
     rows = {r["key"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
     assert rows["eager"]["error"] is None
     assert rows["tf-static"]["error"].startswith("time budget: compiling takes ~100000 s")
+
+
+def test_spec_case_speculates_with_graphs_on_and_off_and_reports_acceptance(capsys):
+    """The spec case (named only: not a default case): metaloom's rows speculating with the
+    n-gram drafter, graphs on (the uncaptured static step on the CPU) and off, and graphs on
+    without speculation as the reference; exact token counts, the ledger's acceptance figures,
+    and in float32 the same tokens on every path."""
+    assert "spec" not in parse().cases.split(",")  # the default runs are unchanged
+    k = 3
+    args = parse("--shapes", "tiny:spec", "--systems", "graphs,eager,tf-eager", "--max-tokens", "24",
+                 "--spec-draft", str(k))
+    assert args.run(args) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["complete"] and report["spec_draft"] == k
+    case = report["cases"]["spec"]
+    assert case["speculative"] == {"drafter": "ngram", "num_draft": k} and case["expected_tokens"] == 24
+    rows = {r["key"]: r for r in report["rows"]}
+    assert list(rows) == ["graphs", "eager", "graphs-nospec"]  # metaloom only; transformers does not run it
+    assert rows["graphs-nospec"]["system"] == "metaloom graphs, no speculation"
+    for key, row in rows.items():
+        assert row["error"] is None, row
+        assert row["tokens"] == 24 and len(row["token_ids"]) == 24 and row["tok_s"] > 0
+        ledger = row["ledger"]
+        assert ledger["output_tokens"] == 24 and row["forward_passes"] == ledger["forward_passes"] > 0
+        assert row["tokens_per_forward"] == 24 / row["forward_passes"] and row["forward_ms"] > 0
+        if key == "graphs-nospec":
+            assert row["speculation"] is None and ledger["verify_steps"] == 0 and row["forward_passes"] == 24
+            assert row["bandwidth_fraction"] is not None  # a step per token
+            continue
+        sp = row["speculation"]
+        assert sp["drafter"] == "ngram" and sp["num_draft"] == k and "bandwidth_fraction" not in row
+        assert ledger["verify_steps"] == sp["verify_steps"] > 0 and ledger["forward_passes"] == 1 + ledger["verify_steps"]
+        assert 0 <= sp["accepted_per_step"] <= k
+        assert ledger["accepted_tokens"] + ledger["rejected_tokens"] == ledger["drafted_tokens"] <= k * ledger["verify_steps"]
+        assert ledger["verify_steps"] + ledger["accepted_tokens"] == 24 - 1  # the prefill's token, then one + accepted a step
+        assert (sp["acceptance_rate"] is None) == (ledger["drafted_tokens"] == 0)
+    assert rows["graphs"]["ledger"] == rows["eager"]["ledger"]
+    # METALOOM_CUDA_GRAPHS=on: the verify forwards take the static step (uncaptured here); off: never
+    assert rows["graphs"]["graph_counters"]["steps"] > 0 and rows["graphs"]["graph_counters"]["replays"] == 0
+    assert rows["eager"]["graph_counters"]["steps"] == 0
+    # float32: graphs and eager speculating, and plain greedy, give the same tokens
+    assert rows["graphs"]["same_tokens_as_eager"] and rows["graphs-nospec"]["same_tokens_as_eager"]
+    assert rows["graphs"]["token_ids"] == rows["eager"]["token_ids"] == rows["graphs-nospec"]["token_ids"]
+    speedup = report["shapes"]["tiny"]["ratios"]["spec"]["graphs_speculation_speedup"]
+    assert speedup == rows["graphs"]["tok_s"] / rows["graphs-nospec"]["tok_s"]
+    assert "speculation vs none" in captured.err and "drafts accepted per verify step" in captured.err
+    with pytest.raises(InvalidParameter, match="spec_draft"):
+        gpu.options(parse("--spec-draft", "16"))

@@ -12,7 +12,13 @@ Cases, the same prompt token ids for every system, end of sequence ignored so ev
 exactly as long as asked (another count is an error on the row): ``greedy`` batch-1 greedy, 128
 tokens from the chat-templated prompt of `metaloom bench decode`; ``s16`` 16 samples x 64
 tokens from its ~350-token prompt at temperature 1, seeded; ``s64`` 64 samples x 128 tokens
-from the same prompt (the issue's target). ``--max-tokens`` caps the lengths (tests).
+from the same prompt (the issue's target); ``spec`` (only when named: not in the default
+``--cases``) batch-1 greedy, 128 tokens, with speculative decoding: metaloom's n-gram drafter
+(prompt lookup) proposes ``--spec-draft`` K tokens a step and the target verifies the pending
+token and the drafts in one forward (the static, CUDA-graph-captured step where graphs are on),
+on a chat-templated prompt asking to copy a passage it holds (`COPY_PROMPT`: input-grounded, so
+drafts can be accepted; with random weights acceptance is whatever it is, and the rows report
+it). ``--max-tokens`` caps the lengths (tests).
 
 Systems (rows): ``graphs`` / ``eager``: one `LocalGenerator` with METALOOM_CUDA_GRAPHS ``on`` /
 ``off`` around each call (the engine reads it at each step); ``tf-eager``: transformers
@@ -25,7 +31,14 @@ left (``--compile-s``, an estimate, and at most ``--compile-share`` of the budge
 compilations) is skipped with that reason;
 ``baseline``: the ``metaloom`` package in ``--baseline-path DIR`` (an older copy) measured in a
 worker process (`metaloom.bench.gpu_worker`) on the same weights (same seed; the checksum is
-compared), for ``--baseline-cases`` only.
+compared), for ``--baseline-cases`` only. The ``spec`` case runs metaloom's rows only: ``graphs``
+and ``eager`` (of ``--systems``) speculating, and as the reference the same request without
+speculation, graphs on ("metaloom graphs, no speculation"; graphs off where ``--systems`` has no
+graphs). Its rows also report their call's ledger: forward passes (the prefill included),
+tokens and milliseconds per forward, and speculating, drafted / accepted tokens, verify steps,
+accepted drafts per verify step (0 .. K) and the acceptance rate; the report's ratios give
+speculation's speed-up (tok/s with over without). Rows with graphs on keep the engine's graph
+counters (captures, replays, static steps); on CUDA a row without replays says so in its note.
 
 Timing: device synchronised around each call; per (shape, case) one warm-up call per system,
 then ``--repeats`` rounds alternating the systems; median and min-max tokens/s (all sequences'
@@ -33,8 +46,11 @@ tokens over the call's seconds; the prompt's prefill included), and per step the
 seconds over tokens per sequence. The device's copy bandwidth (a large device-to-device copy,
 bytes read + written, median of 10) is measured once; for batch-1 greedy rows, the weights one
 step reads (every linear layer and the LM head, embedding lookup excluded) over the median step
-time, and ``bandwidth_fraction``: that over the copy bandwidth. Each row says whether its token
-ids equal metaloom eager's (greedy: the first position that differs).
+time, and ``bandwidth_fraction``: that over the copy bandwidth (not for speculating rows, whose
+steps emit several tokens). Each row says whether its token ids equal metaloom eager's (greedy:
+the first position that differs; in the ``spec`` case eager is speculating too, so the reference
+row's comparison is speculation's exactness; in bfloat16 two correct paths may part at a near
+tie: reported).
 
 Time guard: ``--budget-s`` for the whole run; before each shape and each (shape, case, system)
 cell the cost is estimated (a prior from the shape and the copy bandwidth, scaled by what was
@@ -48,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import queue
@@ -72,15 +89,18 @@ class CaseShape:
     label: str
     n: int
     max_tokens: int
-    prompt: str  # "chat" (the short chat-templated prompt) or "long"
+    prompt: str  # "chat" (the short chat-templated prompt), "long" or "copy" (chat-templated: copy a passage)
     temperature: float
+    speculative: bool = False  # decoded with n-gram speculative decoding (--spec-draft tokens a step)
 
 
 CASES: dict[str, CaseShape] = {
     "greedy": CaseShape("batch-1 greedy", 1, 128, "chat", 0.0),
     "s16": CaseShape("16 samples", 16, 64, "long", 1.0),
     "s64": CaseShape("64 samples", 64, 128, "long", 1.0),
+    "spec": CaseShape("batch-1 greedy, n-gram speculative decoding", 1, 128, "copy", 0.0, speculative=True),
 }
+DEFAULT_CASES = ("greedy", "s16", "s64")  # spec only when named
 SMOKE_CASES: dict[str, CaseShape] = {
     "greedy": CASES["greedy"],
     "s4": CaseShape("4 seeded samples", 4, 64, "long", 1.0),
@@ -88,6 +108,18 @@ SMOKE_CASES: dict[str, CaseShape] = {
 SYSTEMS: dict[str, str] = {"graphs": "metaloom graphs", "eager": "metaloom eager", "baseline": "metaloom baseline",
                            "tf-eager": "transformers eager", "tf-static": "transformers static"}
 DEFAULT_SYSTEMS = "graphs,eager,baseline,tf-eager,tf-static"
+# the speculative case's reference rows: the same engine decoding the same request without speculation
+NO_SPECULATION = {"graphs": "graphs-nospec", "eager": "eager-nospec"}
+ROW_NAMES: dict[str, str] = SYSTEMS | {"graphs-nospec": "metaloom graphs, no speculation",
+                                       "eager-nospec": "metaloom eager, no speculation"}
+METALOOM_MODES = {"graphs": "on", "eager": "off", "graphs-nospec": "on", "eager-nospec": "off"}
+DRAFTER = "ngram"
+# the speculative case's passage, which its prompt asks to copy (the drafter copies from the prompt)
+PASSAGE = ("The city council met on Tuesday to discuss the new bicycle lanes on Main Street. Residents said the lanes "
+           "made cycling safer, but several shop owners complained that the loss of parking hurt their business. "
+           "The council agreed to count cyclists and parked cars for three months before deciding whether to keep "
+           "the lanes, and asked the transport office to publish the counts every week.")
+COPY_PROMPT = f"Copy the following passage exactly, word for word, twice.\n\n{PASSAGE}"
 TRANSFORMERS = ("tf-eager", "tf-static")
 RESERVE_S = 5.0  # kept back from the budget: freeing, the report
 WORKER_FILE = os.path.abspath(gw.__file__)
@@ -104,6 +136,7 @@ class Case:
     max_tokens: int
     temperature: float
     seed: int
+    num_draft: int | None = None  # speculative decoding with the n-gram drafter, this many tokens a step
 
     @property
     def expected_tokens(self) -> int:
@@ -128,6 +161,7 @@ class CallResult:
     counts: tuple[int, ...]  # tokens per sequence
     digest: str
     ids: tuple[int, ...] | None  # a single sequence's ids (batch-1 greedy), else None
+    usage: Any = None  # metaloom's `Usage` of the call (its ledger), where the row keeps it
 
 
 class TokenCountError(Exception):
@@ -184,10 +218,12 @@ class Options:
     seed: int
     dtype: str
     baseline_path: str | None
+    spec_draft: int = 4
 
 
 def options(args: argparse.Namespace) -> Options:
     """Every argument checked before anything is built."""
+    from metaloom.models.engine.graphs import MAX_WIDTH
     from metaloom.models.load import DTYPES
 
     cases = _names("cases", args.cases, list(CASES))
@@ -204,6 +240,10 @@ def options(args: argparse.Namespace) -> Options:
         _positive("max_tokens", args.max_tokens, integer=True)
     if args.dtype not in DTYPES:
         raise InvalidParameter("dtype", args.dtype, f"one of {sorted(DTYPES)}")
+    k = args.spec_draft
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_WIDTH - 1:
+        raise InvalidParameter("spec_draft", k, f"an integer in [1, {MAX_WIDTH - 1}] (a verify forward of the pending "
+                                                f"token and K drafts, at most {MAX_WIDTH} tokens, takes the static step)")
     path = args.baseline_path
     if path is not None and not os.path.isfile(os.path.join(path, "metaloom", "__init__.py")):
         raise InvalidParameter("baseline_path", path, "a folder holding a metaloom package (DIR/metaloom/__init__.py)")
@@ -214,28 +254,31 @@ def options(args: argparse.Namespace) -> Options:
                    static_cases=tuple(_names("static_cases", args.static_cases, list(CASES))),
                    repeats=args.repeats, budget_s=float(args.budget_s), compile_s=float(args.compile_s),
                    compile_share=float(args.compile_share), max_tokens=args.max_tokens, seed=args.seed,
-                   dtype=args.dtype, baseline_path=os.path.abspath(path) if path else None)
+                   dtype=args.dtype, baseline_path=os.path.abspath(path) if path else None, spec_draft=k)
 
 
 def make_cases(names: Sequence[str], table: Mapping[str, CaseShape], folder: str, seed: int,
-               max_tokens: int | None) -> dict[str, Case]:
+               max_tokens: int | None, num_draft: int = 4) -> dict[str, Case]:
     """The cases' prompt token ids from the tokenizer in ``folder`` (the prompts of `metaloom
-    bench decode`)."""
+    bench decode`, and `COPY_PROMPT`); speculative cases draft ``num_draft`` tokens a step."""
     from metaloom.bench.decode import GREEDY_PROMPT, LONG_PROMPT
     from metaloom.models.engine.tokenizer import HFTokenizer
 
     tok = HFTokenizer(folder)
     prompts = {"chat": tuple(tok.encode(tok.apply_chat_template([{"role": "user", "content": GREEDY_PROMPT}]),
                                         add_special_tokens=False)),
-               "long": tuple(tok.encode(LONG_PROMPT))}
+               "long": tuple(tok.encode(LONG_PROMPT)),
+               "copy": tuple(tok.encode(tok.apply_chat_template([{"role": "user", "content": COPY_PROMPT}]),
+                                        add_special_tokens=False))}
     out = {}
     for name in names:
         c = table[name]
         tokens = min(c.max_tokens, max_tokens) if max_tokens else c.max_tokens
         ids = prompts[c.prompt]
         label = f"{c.label}, {c.n} x {tokens} tokens, {len(ids)}-token {c.prompt} prompt" + (
-            f", temperature {c.temperature:g}, seeded" if c.temperature > 0 else "")
-        out[name] = Case(name, label, ids, c.n, tokens, c.temperature, seed)
+            f", temperature {c.temperature:g}, seeded" if c.temperature > 0 else "") + (
+            f", {DRAFTER} drafter, K={num_draft} drafts a step" if c.speculative else "")
+        out[name] = Case(name, label, ids, c.n, tokens, c.temperature, seed, num_draft if c.speculative else None)
     return out
 
 
@@ -492,13 +535,20 @@ class Runner:
     # each system's one call
     def caller(self, system: str, shape: Shape, case: Case, static_compile: list[bool]) -> Callable[[], CallResult]:
         dev = self.device
-        if system in ("graphs", "eager"):
-            req, mode = shape.requests[case.name], "on" if system == "graphs" else "off"
+        if system in METALOOM_MODES:
+            req, mode = shape.requests[case.name], METALOOM_MODES[system]
             counts = self.graph_counts.setdefault(system, {})
+            spec = gw.ngram_speculative(case.num_draft) if case.num_draft and system in NO_SPECULATION else None
+            keep_usage = case.num_draft is not None  # the speculative case's rows report their ledgers
 
             def metaloom() -> CallResult:
+                from metaloom.ledger import Ledger
+
                 before = gw.graph_counters(shape.gen)
-                result = _result(*gw.metaloom_call(shape.gen, req, dev, mode))
+                ledger = Ledger()
+                result = _result(*gw.metaloom_call(shape.gen, req, dev, mode, ledger=ledger, speculative=spec))
+                if keep_usage:
+                    result = dataclasses.replace(result, usage=ledger.usage)
                 after = gw.graph_counters(shape.gen)
                 if before is not None and after is not None:
                     for k, v in after.items():
@@ -572,7 +622,8 @@ class Runner:
                 if row.get("tok_s"):
                     self.log(f"  {row['system']:<20} {row['tok_s']:9.1f} tok/s  step {row['step_ms']:.2f} ms"
                              + (f"  {100 * row['bandwidth_fraction']:.0f}% of copy bandwidth"
-                                if row.get("bandwidth_fraction") else ""))
+                                if row.get("bandwidth_fraction") else "")
+                             + (f"  {_spec_note(row)}" if row.get("forward_passes") is not None else ""))
             self.save()
 
     def _compare(self, rows: dict[str, dict[str, Any]], case: Case, shape: Shape) -> None:
@@ -581,6 +632,9 @@ class Runner:
         for system, counts in self.graph_counts.items():
             if counts and system in rows:
                 rows[system]["graph_counters"] = counts  # the engine's StepGraphs counters, warm-up included
+                if (METALOOM_MODES.get(system) == "on" and self.device.startswith("cuda") and rows[system].get("tok_s")
+                        and not counts.get("replays")):
+                    rows[system]["note"] = _join(rows[system].get("note"), "no CUDA graph replays")
         if "graphs" in rows and shape.gen is not None and (failed := gw.graph_failures(shape.gen)):
             rows["graphs"]["capture_failures"] = failed  # the row then ran the static step uncaptured
         eager = rows.get("eager", {})
@@ -613,12 +667,12 @@ class Runner:
                 if compile_guess > share_left or not self.budget.fits(cost + compile_guess):
                     row["error"] = (f"time budget: compiling takes ~{compile_guess:.0f} s, {self.budget.left():.0f} s left "
                                     f"({max(0.0, share_left):.0f} s of them for compiling)")
-                    self.log(f"  {SYSTEMS[system]}: {row['error']}")
+                    self.log(f"  {ROW_NAMES[system]}: {row['error']}")
                     continue
                 cost += compile_guess
             if not self.budget.fits(cost):
                 row["error"] = f"time budget: ~{cost:.0f} s needed, {self.budget.left():.0f} s left"
-                self.log(f"  {SYSTEMS[system]}: {row['error']}")
+                self.log(f"  {ROW_NAMES[system]}: {row['error']}")
                 continue
             try:
                 if system == "baseline":
@@ -640,7 +694,7 @@ class Runner:
                 row["error"] = _error(exc)
                 gw.free_device_memory(self.device)
             if row.get("error"):
-                self.log(f"  {SYSTEMS[system]}: {row['error']}")
+                self.log(f"  {ROW_NAMES[system]}: {row['error']}")
         for r in range(o.repeats):
             for system, call in list(calls.items()):
                 done = results[system]
@@ -696,7 +750,8 @@ class Runner:
         cfg = gw.hf_config(spec.shape, self.vocab)
         guess, prior = self.estimator.build(cfg)
         first = cases[spec.cases[0]]
-        cheapest = min(self.estimator.call(s, cfg, first)[0] for s in self.opts.systems) * (1 + self.opts.repeats)
+        cheapest = min(self.estimator.call(s, cfg, first)[0]
+                       for s in self._systems_for(first.name) or self.opts.systems) * (1 + self.opts.repeats)
         if not self.budget.fits(guess + cheapest):
             for c in spec.cases:
                 for system in self._systems_for(c):
@@ -744,7 +799,12 @@ class Runner:
         return gw.step_weight_bytes(cfg, getattr(torch, self.opts.dtype).itemsize)
 
     def _systems_for(self, case: str) -> list[str]:
+        """The rows of ``case``: the chosen systems; for a speculative case metaloom's only, and
+        the same engine without speculation (graphs on, else off) as a reference."""
         o = self.opts
+        if CASES[case].speculative:
+            engines = [s for s in o.systems if s in NO_SPECULATION]
+            return [*engines, NO_SPECULATION[engines[0]]] if engines else []
         return [s for s in o.systems if (s != "baseline" or case in o.baseline_cases)
                 and (s != "tf-static" or case in o.static_cases)]
 
@@ -760,7 +820,7 @@ def _join(a: str | None, b: str) -> str:
 
 
 def _row(shape: str, case: Case, system: str) -> dict[str, Any]:
-    return {"shape": shape, "case": case.name, "system": SYSTEMS[system], "key": system,
+    return {"shape": shape, "case": case.name, "system": ROW_NAMES[system], "key": system,
             "expected_tokens": case.expected_tokens, "error": None, "note": None}
 
 
@@ -773,9 +833,39 @@ def _fill(row: dict[str, Any], done: Sequence[CallResult], case: Case, weight_by
             "digest": done[0].digest, "deterministic": len({r.digest for r in done}) == 1}
     if done[0].ids is not None:
         row["token_ids"] = list(done[0].ids)
-    if case.n == 1 and case.temperature == 0:
+    speculative = case.num_draft is not None and row["key"] in NO_SPECULATION
+    if case.n == 1 and case.temperature == 0 and not speculative:  # a step per token: the weights read once a token
         gbs = weight_bytes / (med / case.max_tokens) / 1e9
         row |= {"weight_gb_s": gbs, "bandwidth_fraction": gbs / copy_gbs}
+    if (u := done[0].usage) is not None:
+        _fill_usage(row, u, med, speculative, case)
+
+
+def _fill_usage(row: dict[str, Any], u: Any, median_s: float, speculative: bool, case: Case) -> None:
+    """A speculative case's row: its call's ledger (the first timed call's; greedy calls charge
+    alike) and what it gives: forward passes (the prompt's prefill included), tokens and
+    milliseconds per forward, and with speculation the drafts, accepted tokens per verify step
+    (0 .. K) and the acceptance rate."""
+    ledger = {k: getattr(u, k) for k in ("output_tokens", "forward_passes", "drafted_tokens", "accepted_tokens",
+                                         "rejected_tokens", "verify_steps")}
+    row |= {"ledger": ledger, "forward_passes": u.forward_passes,
+            "tokens_per_forward": u.output_tokens / u.forward_passes if u.forward_passes else None,
+            "forward_ms": 1e3 * median_s / u.forward_passes if u.forward_passes else None,
+            "speculation": None}
+    if speculative:
+        row["speculation"] = {"drafter": DRAFTER, "num_draft": case.num_draft, "accepted_per_step": u.accepted_per_step,
+                              "acceptance_rate": u.acceptance_rate, "verify_steps": u.verify_steps}
+
+
+def _spec_note(row: Mapping[str, Any]) -> str:
+    """A speculative case's row in a few words: forward passes, and accepted drafts per verify step."""
+    text = f"{row['forward_passes']} forwards"
+    if (sp := row.get("speculation")) and sp["accepted_per_step"] is not None:
+        rate = "" if sp["acceptance_rate"] is None else f", {100 * sp['acceptance_rate']:.0f}% of drafts"
+        text += f", {sp['accepted_per_step']:.2f} of K={sp['num_draft']} drafts accepted per verify step{rate}"
+    elif sp:
+        text += ", nothing drafted"
+    return text
 
 
 def _ratios(report: dict[str, Any], shape: str) -> None:
@@ -798,6 +888,9 @@ def _ratios(report: dict[str, Any], shape: str) -> None:
             for key in ("eager", "baseline"):
                 if key in rows:
                     r[f"graphs_vs_{key}"] = graphs["tok_s"] / rows[key]["tok_s"]
+        for key, plain in NO_SPECULATION.items():  # the speculative case: speculation's speed-up
+            if key in rows and plain in rows:
+                r[f"{key}_speculation_speedup"] = rows[key]["tok_s"] / rows[plain]["tok_s"]
         out[case] = r
     report["shapes"].setdefault(shape, {})["ratios"] = out
 
@@ -845,7 +938,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] | None = None) -> d
     budget = Budget(opts.budget_s, start)
     device, folder, vocab = _setup(args)
     names = list(dict.fromkeys(c for s in opts.shapes for c in s.cases))
-    cases = make_cases(names, CASES, folder, opts.seed, opts.max_tokens)
+    cases = make_cases(names, CASES, folder, opts.seed, opts.max_tokens, opts.spec_draft)
     baseline = BaselineWorker(opts.baseline_path) if opts.baseline_path and "baseline" in opts.systems else None
     try:
         copy_gbs = copy_bandwidth(device)
@@ -855,8 +948,11 @@ def run(args: argparse.Namespace, log: Callable[[str], None] | None = None) -> d
             "graphs_env": gw.GRAPHS_ENV, "graphs_env_before": os.environ.get(gw.GRAPHS_ENV),
             "cases": {c.name: {"label": c.label, "prompt_tokens": len(c.prompt_ids), "sequences": c.n,
                                "tokens_per_sequence": c.max_tokens, "expected_tokens": c.expected_tokens,
-                               "temperature": c.temperature} for c in cases.values()},
+                               "temperature": c.temperature}
+                      | ({"speculative": {"drafter": DRAFTER, "num_draft": c.num_draft}} if c.num_draft else {})
+                      for c in cases.values()},
             "systems": {k: SYSTEMS[k] for k in opts.systems},
+            "spec_draft": opts.spec_draft,
             "plan": [{"shape": s.shape, "cases": list(s.cases)} for s in opts.shapes],
             "baseline": {"path": opts.baseline_path, "cases": list(opts.baseline_cases)} if baseline else None,
             "shapes": {}, "rows": [], "complete": False}
@@ -966,15 +1062,18 @@ def format_report(report: dict[str, Any]) -> str:
              f"alternating rounds after a warm-up; {report['elapsed_s']:.0f} s of a {report['budget_s']:.0f} s budget"
              + ("" if report["complete"] else " (INCOMPLETE)")]
     lines += [f"  {name}: {c['label']}" for name, c in report["cases"].items()]
-    lines.append(f"{'shape':<5} {'case':<6} {'system':<19} {'tok/s':>9} {'(min-max)':>17} {'step ms':>8} {'bw':>5}  note")
+    width = max([19] + [len(row["system"]) for row in report["rows"]])
+    lines.append(f"{'shape':<5} {'case':<6} {'system':<{width}} {'tok/s':>9} {'(min-max)':>17} {'step ms':>8} {'bw':>5}  note")
     for row in report["rows"]:
-        head = f"{row['shape']:<5} {row['case']:<6} {row['system']:<19}"
+        head = f"{row['shape']:<5} {row['case']:<6} {row['system']:<{width}}"
         if row.get("error"):
             lines.append(f"{head} {'-':>9} {'':>17} {'':>8} {'':>5}  {row['error']}")
             continue
         span = f"({row['tok_s_min']:.0f}-{row['tok_s_max']:.0f})"
         bw = f"{100 * row['bandwidth_fraction']:.0f}%" if row.get("bandwidth_fraction") is not None else ""
         notes = [row["note"]] if row.get("note") else []
+        if row.get("forward_passes") is not None:
+            notes.append(_spec_note(row))
         if row.get("same_tokens_as_eager") is False:
             notes.append("tokens differ from eager" + (f" at {row['first_difference']}" if row.get("first_difference")
                                                         is not None else ""))
@@ -988,6 +1087,11 @@ def format_report(report: dict[str, Any]) -> str:
                 parts.append(f"{case} {r['graphs_vs_best_transformers']:.2f}x {r['best_transformers']}")
         if parts:
             lines.append(f"{shape}: metaloom graphs vs the best transformers row: " + ", ".join(parts))
+        for case, r in info.get("ratios", {}).items():
+            speedups = [f"{key} {r[f'{key}_speculation_speedup']:.2f}x" for key in NO_SPECULATION
+                        if f"{key}_speculation_speedup" in r]
+            if speedups:
+                lines.append(f"{shape} {case}: speculation vs none (tok/s), metaloom " + ", ".join(speedups))
     if (b := report.get("baseline")) and b.get("error"):
         lines.append(f"baseline: {b['error']}")
     return "\n".join(lines)
@@ -997,7 +1101,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", default="1b,7b,135m",
                    help=f"shapes in the order to run, comma-separated, of {', '.join(gw.SHAPES)}; SHAPE:CASE+CASE "
                         "names that shape's cases")
-    p.add_argument("--cases", default=",".join(CASES), help=f"cases of shapes that name none, of {', '.join(CASES)}")
+    p.add_argument("--cases", default=",".join(DEFAULT_CASES),
+                   help=f"cases of shapes that name none, of {', '.join(CASES)} (spec only when named)")
     p.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"rows, comma-separated, of {', '.join(SYSTEMS)} "
                                                               "(baseline only with --baseline-path)")
     p.add_argument("--tokenizer", default=None, metavar="FOLDER",
@@ -1017,6 +1122,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-share", type=float, default=0.4, help="at most this fraction of the budget compiling")
     p.add_argument("--max-tokens", type=int, default=None, help="cap every case's tokens per sequence (tests)")
     p.add_argument("--seed", type=int, default=0, help="weights and sampling seed")
+    p.add_argument("--spec-draft", type=int, default=4, metavar="K",
+                   help="the spec case's drafts a step (n-gram drafter; a verify forward is K+1 tokens a row)")
     p.add_argument("--smoke", action="store_true",
                    help="compare token ids with METALOOM_CUDA_GRAPHS on and off instead (exit status 1 if they differ "
                         "in float32)")

@@ -8,7 +8,8 @@ one repeated token, and comparing two paths' tokens means something), so two pro
 same seed, torch and device get the same weights (`checksum` tells); metaloom's `LlamaModel` is built from its
 state dict (the tensors it does not concatenate are shared, not copied) and wrapped in a
 `LocalGenerator` with the tokenizer of a folder. `metaloom_call` and `transformers_call` run
-one case once between two device synchronisations.
+one case once between two device synchronisations (`metaloom_call` optionally with speculative
+decoding, `ngram_speculative`, for that call).
 
 Run as a script (``python -P gpu_worker.py`` with ``PYTHONPATH`` naming a folder that holds
 another copy of the ``metaloom`` package), this module is the baseline worker: it serves JSON
@@ -152,23 +153,40 @@ def digest(sequences: Sequence[Sequence[int]]) -> str:
     return hashlib.sha256(json.dumps([list(s) for s in sequences]).encode()).hexdigest()[:16]
 
 
+def ngram_speculative(num_draft: int) -> Any:
+    """Speculative decoding with metaloom's n-gram (prompt lookup) drafter, ``num_draft`` tokens
+    a step (`metaloom.speculative.Speculative`)."""
+    from metaloom.speculative import Speculative
+    from metaloom.speculative.drafters.ngram import NgramDrafter
+
+    return Speculative(NgramDrafter(), num_draft=num_draft)
+
+
 def metaloom_call(gen: Any, request: Any, device: str, graphs: str | None,
-                  logprobs: list[list[float]] | None = None) -> tuple[float, list[list[int]]]:
+                  logprobs: list[list[float]] | None = None, *, ledger: Any = None,
+                  speculative: Any = None) -> tuple[float, list[list[int]]]:
     """(seconds, token ids per sample) of one ``generate``; ``graphs``: METALOOM_CUDA_GRAPHS for
     this call (None: as the environment has it); ``logprobs``: a list that receives each sample's
-    token log-probabilities."""
+    token log-probabilities; ``ledger``: the `Ledger` charged (default a fresh one);
+    ``speculative``: a `Speculative` the generator decodes this call with (set on it for the
+    call, its own restored after; None: the generator's own, none for the benchmark's)."""
     from metaloom.ledger import Ledger
 
     before = os.environ.get(GRAPHS_ENV)
+    own = getattr(gen, "speculative", None)
     if graphs is not None:
         os.environ[GRAPHS_ENV] = graphs
+    if speculative is not None:
+        gen.speculative = speculative
     try:
         synchronize(device)
         start = time.perf_counter()
-        out = gen.generate([request], ledger=Ledger())
+        out = gen.generate([request], ledger=Ledger() if ledger is None else ledger)
         synchronize(device)
         seconds = time.perf_counter() - start
     finally:
+        if speculative is not None:
+            gen.speculative = own
         if before is None:
             os.environ.pop(GRAPHS_ENV, None)
         else:
