@@ -2,7 +2,8 @@
 # Issue 35's one-shot GPU benchmark (metaloom bench gpu), run from a copy of the working tree on a
 # GPU machine without network: python3 there has torch, transformers and the rest, not metaloom
 # (it runs from the tree: PYTHONPATH), nor gguf, llguidance, math-verify, fastapi, uvicorn, openai
-# (not needed on this path). What it reads, carried in the ignored folder .gpu/:
+# (not needed on this path). What it reads, carried in the ignored folder .gpu/ (made here by
+# scripts/gpu_prepare.sh):
 #   .gpu/tokenizer/  the default model's tokenizer files (the shapes' vocabulary and prompts)
 #   .gpu/baseline/   `git archive c73a4ef metaloom`: the engine before CUDA graphs, the baseline rows
 #   .gpu/whl/        wheels installed to /tmp/site first, if any
