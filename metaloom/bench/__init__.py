@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
 # name -> the module holding its HELP, add_args(parser) and main(args): one parser per benchmark
 BENCHMARKS: dict[str, str] = {name: f"metaloom.bench.{name}" for name in
@@ -30,6 +31,17 @@ def model_args(p: argparse.ArgumentParser, *, repeats: int | None = 3, device: b
     if weights:
         p.add_argument("--weights", default="dense", choices=("auto", "native", "dense"),
                        help="native: the GGUF's quantised blocks; dense: dequantised (default)")
+
+
+def names(param: str, value: str, allowed: Sequence[str]) -> list[str]:
+    """A comma-separated list of names, each one of ``allowed``, in order, repeats dropped; an
+    unknown name is an `InvalidParameter` naming ``param``."""
+    from metaloom.errors import InvalidParameter
+
+    chosen = [n.strip() for n in value.split(",") if n.strip()]
+    if unknown := [n for n in chosen if n not in allowed]:
+        raise InvalidParameter(param, unknown, f"a comma-separated subset of {list(allowed)}")
+    return list(dict.fromkeys(chosen))
 
 
 def single_weights(args: argparse.Namespace) -> str:

@@ -33,9 +33,8 @@ import statistics
 import sys
 from typing import Any
 
-from metaloom.bench import model_args
+from metaloom.bench import model_args, names
 from metaloom.bench.peers import SystemRun, SystemSpec, measure
-from metaloom.errors import InvalidParameter
 
 GREEDY_PROMPT = "Explain in detail how a bicycle works, part by part."
 LONG_PROMPT = (
@@ -51,20 +50,13 @@ LINEAR = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight
 REFERENCES = {"llama.cpp": "llama.cpp", "metaloom_float32": "metaloom dense float32"}  # row names, or their first words
 
 
-def _names(param: str, value: str, allowed: tuple[str, ...]) -> list[str]:
-    names = [n.strip() for n in value.split(",") if n.strip()]
-    if unknown := [n for n in names if n not in allowed]:
-        raise InvalidParameter(param, unknown, f"a comma-separated subset of {list(allowed)}")
-    return list(dict.fromkeys(names))
-
-
 def options(args: argparse.Namespace) -> tuple[list[str], list[str], list[str]]:
     """(dtypes, weight modes, peers) from the arguments; a bad name raises before anything loads."""
     from metaloom.models.load import DTYPES
 
-    dtypes = _names("dtypes", args.dtypes, tuple(DTYPES)) or ["float32"]
-    weights = _names("weights", args.weights, WEIGHTS)
-    peers = _names("peers", args.peers, PEERS)
+    dtypes = names("dtypes", args.dtypes, tuple(DTYPES)) or ["float32"]
+    weights = names("weights", args.weights, WEIGHTS)
+    peers = names("peers", args.peers, PEERS)
     return dtypes, weights, peers
 
 
@@ -73,10 +65,10 @@ def isa_paths(args: argparse.Namespace) -> list[str | None]:
     path, or one this CPU lacks, is an `UnsupportedISA` before anything loads."""
     from metaloom.models.kernels import isa
 
-    names = _names("isa", args.isa or "", isa.NAMES)
-    for name in names:
+    paths = names("isa", args.isa or "", isa.NAMES)
+    for name in paths:
         isa.resolve(name)
-    return list(names) or [None]
+    return list(paths) or [None]
 
 
 def gguf_file(spec: str) -> str | None:

@@ -79,6 +79,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from metaloom.bench import gpu_worker as gw
+from metaloom.bench import names
 from metaloom.errors import InvalidParameter
 
 HELP = "the local engine on a GPU against transformers: random-weight Llama shapes, tokens/s and bandwidth"
@@ -165,21 +166,14 @@ class CallResult:
 
 
 class TokenCountError(Exception):
-    pass
+    """A system generated another number of tokens than the case asks for (its row's error)."""
 
 
 class BaselineFailed(Exception):
-    pass
+    """The baseline worker process failed, timed out or imported the wrong package."""
 
 
 # --- arguments -------------------------------------------------------------------------------------
-
-def _names(param: str, value: str, allowed: Sequence[str]) -> list[str]:
-    names = [n.strip() for n in value.split(",") if n.strip()]
-    if unknown := [n for n in names if n not in allowed]:
-        raise InvalidParameter(param, unknown, f"a comma-separated subset of {list(allowed)}")
-    return list(dict.fromkeys(names))
-
 
 def parse_shapes(value: str, default_cases: Sequence[str]) -> list[ShapeRun]:
     """``1b,7b:greedy+s16,135m`` -> shape runs in that order (a shape without cases gets
@@ -192,7 +186,7 @@ def parse_shapes(value: str, default_cases: Sequence[str]) -> list[ShapeRun]:
         if shape not in gw.SHAPES:
             raise InvalidParameter("shapes", shape, f"a comma-separated list of {list(gw.SHAPES)}, each optionally "
                                                     f"SHAPE:CASE+CASE with cases of {list(CASES)}")
-        chosen = _names("shapes", cases.replace("+", ","), list(CASES)) if cases else list(default_cases)
+        chosen = names("shapes", cases.replace("+", ","), list(CASES)) if cases else list(default_cases)
         runs.append(ShapeRun(shape, tuple(chosen)))
     if not runs:
         raise InvalidParameter("shapes", value, f"at least one of {list(gw.SHAPES)}")
@@ -226,9 +220,9 @@ def options(args: argparse.Namespace) -> Options:
     from metaloom.models.engine.graphs import MAX_WIDTH
     from metaloom.models.load import DTYPES
 
-    cases = _names("cases", args.cases, list(CASES))
+    cases = names("cases", args.cases, list(CASES))
     shapes = parse_shapes(args.shapes, cases)
-    systems = _names("systems", args.systems, list(SYSTEMS))
+    systems = names("systems", args.systems, list(SYSTEMS))
     if not systems:
         raise InvalidParameter("systems", args.systems, f"a comma-separated subset of {list(SYSTEMS)}, not empty")
     _positive("repeats", args.repeats, integer=True)
@@ -250,8 +244,8 @@ def options(args: argparse.Namespace) -> Options:
     if path is None:
         systems = [s for s in systems if s != "baseline"]
     return Options(shapes=tuple(shapes), systems=tuple(systems),
-                   baseline_cases=tuple(_names("baseline_cases", args.baseline_cases, list(CASES))),
-                   static_cases=tuple(_names("static_cases", args.static_cases, list(CASES))),
+                   baseline_cases=tuple(names("baseline_cases", args.baseline_cases, list(CASES))),
+                   static_cases=tuple(names("static_cases", args.static_cases, list(CASES))),
                    repeats=args.repeats, budget_s=float(args.budget_s), compile_s=float(args.compile_s),
                    compile_share=float(args.compile_share), max_tokens=args.max_tokens, seed=args.seed,
                    dtype=args.dtype, baseline_path=os.path.abspath(path) if path else None, spec_draft=k)
@@ -937,8 +931,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None] | None = None) -> d
     opts = options(args)
     budget = Budget(opts.budget_s, start)
     device, folder, vocab = _setup(args)
-    names = list(dict.fromkeys(c for s in opts.shapes for c in s.cases))
-    cases = make_cases(names, CASES, folder, opts.seed, opts.max_tokens, opts.spec_draft)
+    wanted = list(dict.fromkeys(c for s in opts.shapes for c in s.cases))
+    cases = make_cases(wanted, CASES, folder, opts.seed, opts.max_tokens, opts.spec_draft)
     baseline = BaselineWorker(opts.baseline_path) if opts.baseline_path and "baseline" in opts.systems else None
     try:
         copy_gbs = copy_bandwidth(device)
@@ -987,7 +981,7 @@ def smoke(args: argparse.Namespace, log: Callable[[str], None] | None = None) ->
     cases = make_cases(list(SMOKE_CASES), SMOKE_CASES, folder, opts.seed, opts.max_tokens)
     from metaloom.models.load import DTYPES
 
-    dtypes = _names("smoke_dtypes", args.smoke_dtypes, list(DTYPES))
+    dtypes = names("smoke_dtypes", args.smoke_dtypes, list(DTYPES))
     checks = []
     for dtype, spec in ((d, s) for d in dtypes for s in opts.shapes):
         shape = build_shape(spec.shape, vocab, device, dtype, opts.seed, folder, cases)
