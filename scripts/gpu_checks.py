@@ -7,8 +7,8 @@
 3. where a batch-1 step's time goes: a bare forward loop, `LocalGenerator` greedy and seeded,
    eager and captured, and the host's busiest calls in the eager generate (torch.profiler).
 
-Random-weight models built on the device (`random_model`), the default model's tokenizer from
-``--tokenizer``. Prints a table; ``--out FILE`` writes the figures as JSON.
+Random-weight models built on the device as `metaloom bench gpu` builds them (`random_generator`),
+the default model's tokenizer from ``--tokenizer``. Prints a table; ``--out FILE`` writes the figures as JSON.
 usage: python scripts/gpu_checks.py --tokenizer .gpu/tokenizer --out $OUT/checks.json
 """
 
@@ -22,27 +22,17 @@ from typing import Any
 
 import torch
 
+from metaloom.bench import gpu_worker as gw
 from metaloom.generator.local import LocalGenerator
 from metaloom.generator.types import Request, TokenIds
 from metaloom.ledger import Ledger
-from metaloom.models.engine.config import LlamaConfig
 from metaloom.models.engine.graphs import StepGraphs
 from metaloom.models.engine.llama import LlamaModel
 from metaloom.models.engine.tokenizer import HFTokenizer
-from metaloom.models.load import LoadedModel
 from metaloom.sampling import SamplingParams
 
-SHAPES = {
-    "135m": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-             "num_key_value_heads": 3, "tie_word_embeddings": True, "rope_theta": 100000.0},
-    "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
-           "num_key_value_heads": 8, "tie_word_embeddings": False, "rope_theta": 10000.0},
-}
 PROMPT = "Explain in detail how a bicycle works, part by part."
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: a dry run of the script's plumbing
-if DEVICE == "cpu":
-    SHAPES = {name: {**cfg, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                     "num_attention_heads": 4, "num_key_value_heads": 2} for name, cfg in SHAPES.items()}
 
 
 def sync() -> None:
@@ -50,36 +40,12 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def random_model(shape: str, vocab: int, dtype: torch.dtype, seed: int = 0) -> LlamaModel:
-    """A Llama-family model of ``shape`` with N(0, 1/inputs) weights (unit gain: N(0, 0.02)
-    makes every path repeat one token, which checks nothing), made on the device."""
-    cfg = {"model_type": "llama", "vocab_size": vocab, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
-           **SHAPES[shape]}
-    config = LlamaConfig.from_hf(cfg)
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
-    d, inter, h, hk = config.hidden_size, config.intermediate_size, config.num_attention_heads, config.num_key_value_heads
-    hd = d // h
-
-    def w(*shape: int) -> torch.Tensor:
-        return (torch.randn(shape, generator=g, device=DEVICE) / shape[-1] ** 0.5).to(dtype)
-
-    sd = {"model.embed_tokens.weight": w(vocab, d), "model.norm.weight": torch.ones(d, device=DEVICE, dtype=dtype)}
-    if not config.tie_word_embeddings:
-        sd["lm_head.weight"] = w(vocab, d)
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        sd.update({p + "self_attn.q_proj.weight": w(h * hd, d), p + "self_attn.k_proj.weight": w(hk * hd, d),
-                   p + "self_attn.v_proj.weight": w(hk * hd, d), p + "self_attn.o_proj.weight": w(d, h * hd),
-                   p + "mlp.gate_proj.weight": w(inter, d), p + "mlp.up_proj.weight": w(inter, d),
-                   p + "mlp.down_proj.weight": w(d, inter),
-                   p + "input_layernorm.weight": torch.ones(d, device=DEVICE, dtype=dtype),
-                   p + "post_attention_layernorm.weight": torch.ones(d, device=DEVICE, dtype=dtype)})
-    return LlamaModel.from_state_dict(config, sd, dtype=dtype, device=DEVICE)
-
-
-def generator(model: LlamaModel, tok: HFTokenizer, folder: str) -> LocalGenerator:
-    loaded = LoadedModel(model=model, tokenizer=tok, name="random", folder=folder, dtype=model.dtype)
-    return LocalGenerator(loaded, prefill_overhead_tokens=32)
+def random_generator(shape: str, vocab: int, dtype: str, folder: str) -> LocalGenerator:
+    """A `LocalGenerator` on a random-weight model of ``shape`` (`metaloom.bench.gpu_worker`'s
+    shapes and weights, as `metaloom bench gpu` builds them; the tiny shape on the CPU)."""
+    cfg = gw.hf_config(shape if DEVICE == "cuda" else "tiny", vocab)
+    hf = gw.build_transformers(cfg, DEVICE, dtype, seed=0)
+    return gw.metaloom_generator(hf, cfg, folder, DEVICE, dtype, f"random {shape}")
 
 
 def run(gen: LocalGenerator, mode: str, requests: list[Request]) -> tuple[list[list[tuple[int, ...]]], float]:
@@ -103,8 +69,8 @@ def first_difference(a: list[tuple[int, ...]], b: list[tuple[int, ...]]) -> int 
 
 def exactness(tok: HFTokenizer, folder: str, ids: list[int]) -> dict[str, Any]:
     """Float32 (135m shape): on and off give the same tokens."""
-    model = random_model("135m", tok.vocab_size, torch.float32)
-    gen = generator(model, tok, folder)
+    gen = random_generator("135m", tok.vocab_size, "float32", folder)
+    model = gen.model
     greedy = [Request(TokenIds(tuple(ids)), SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))]
     seeded = [Request(TokenIds(tuple(ids)), SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=32,
                                                            ignore_eos=True)),
@@ -116,8 +82,9 @@ def exactness(tok: HFTokenizer, folder: str, ids: list[int]) -> dict[str, Any]:
         on, _ = run(gen, "on", requests)
         out[f"float32_{name}_equal"] = off == on
         out[f"float32_{name}_first_difference"] = first_difference([t for o in off for t in o], [t for o in on for t in o])
-    runner = next(iter(model._graphs.values()))  # made by the "on" runs
-    out["float32_captures"], out["float32_replays"], out["capture_failure"] = runner.captures, runner.replays, runner.failure
+    stats = model.step_graph_stats()
+    out["float32_captures"], out["float32_replays"] = stats["captures"], stats["replays"]
+    out["capture_failure"] = "; ".join(stats["failures"]) or None  # type: ignore[arg-type]  # a list of reasons
     del gen, model
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
@@ -135,8 +102,8 @@ def fidelity(model: LlamaModel, ids: list[int], steps: int = 24) -> dict[str, An
     nxt = logits.argmax(-1)
     worst, equal = 0.0, True
     for _ in range(steps):
-        a, _ = captured.run(nxt, cache, [1] * 4)
-        b, _ = plain.run(nxt, other, [1] * 4)
+        a = captured.run(nxt[:, None], cache, [1] * 4)[0][:, -1]
+        b = plain.run(nxt[:, None], other, [1] * 4)[0][:, -1]
         equal &= bool(torch.equal(a, b))
         worst = max(worst, float((a.float() - b.float()).abs().max()))
         nxt = a.argmax(-1)
@@ -197,9 +164,9 @@ def main() -> None:
     report: dict[str, Any] = {"device": name, "torch": torch.__version__}
     report.update(exactness(tok, args.tokenizer, ids))
     print({k: v for k, v in report.items()}, flush=True)
-    model = random_model("1b", tok.vocab_size, torch.bfloat16)
+    gen = random_generator("1b", tok.vocab_size, "bfloat16", args.tokenizer)
+    model = gen.model
     report.update(fidelity(model, ids))
-    gen = generator(model, tok, args.tokenizer)
     greedy = [Request(TokenIds(tuple(ids)), SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))]
     off, _ = run(gen, "off", greedy)
     on, _ = run(gen, "on", greedy)
