@@ -39,14 +39,18 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from metaloom.errors import InvalidParameter
-from metaloom.models.engine.cache import SCRATCH, PagedKVCache
+from metaloom.models.engine.cache import SCRATCH, KVPool, PagedKVCache
 from metaloom.models.engine.rope import apply_rope
+
+if TYPE_CHECKING:
+    from metaloom.models.engine.llama import LlamaModel
 
 log = logging.getLogger(__name__)
 
@@ -102,15 +106,14 @@ class Buffers:
 Step = Callable[[Buffers, int, int, int], tuple[torch.Tensor, torch.Tensor]]
 
 
-def static_step(model: object, pool: object) -> Step:
+def static_step(m: LlamaModel, pool: KVPool) -> Step:
     """The step of a dense `metaloom.models.engine.llama.LlamaModel` over ``pool`` for W new
     tokens a row (W = 1: a decode step; W > 1: a speculative verify, causal within the block),
     as a function of the static buffers: (buffers, R, L, W) -> (logits [R, W, V], hidden
     [R, W, d]). It writes each new key and value at its slot and each slot into the table."""
-    from metaloom.models.engine.llama import linear
+    from metaloom.models.engine.llama import embed_tokens, linear
 
-    m = model
-    c = m.config  # type: ignore[attr-defined]
+    c = m.config
     h, hk, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     g = h // hk
     window = c.sliding_window
@@ -127,19 +130,19 @@ def static_step(model: object, pool: object) -> Step:
         # queries are (head of the group, position) pairs, g x W of them per key-value head
         mask = allowed[:, None] if width == 1 else allowed[:, None, None].expand(-1, -1, g, -1, -1)
         mask = mask.reshape(rows, 1, g * width if width > 1 else 1, keys)
-        cos = m._cos[positions][:, None]  # type: ignore[attr-defined]  # [R, 1, W, D]
-        sin = m._sin[positions][:, None]  # type: ignore[attr-defined]
+        cos = m._cos[positions][:, None]  # [R, 1, W, D]
+        sin = m._sin[positions][:, None]
         flat = slots.reshape(-1)
-        x = F.embedding(tokens, m.embed)  # type: ignore[attr-defined]  # [R, W, d]
-        for i, w in enumerate(m.layers):  # type: ignore[attr-defined]
+        x = embed_tokens(m.embed, tokens, m.dtype)  # [R, W, d]
+        for i, w in enumerate(m.layers):
             y = F.rms_norm(x, (c.hidden_size,), w.attn_norm, c.rms_norm_eps)
             qkv = linear(y, w.qkv, w.qkv_bias).view(rows, width, h + 2 * hk, d).transpose(1, 2)
             qk = apply_rope(qkv[:, :h + hk], cos, sin)  # [R, h + hk, W, D]
             k, v = qk[:, h:], qkv[:, h + hk:]  # [R, hk, W, D]
-            pool.keys[i].index_copy_(0, flat, k.transpose(1, 2).reshape(-1, hk, d))  # type: ignore[attr-defined]
-            pool.values[i].index_copy_(0, flat, v.transpose(1, 2).reshape(-1, hk, d))  # type: ignore[attr-defined]
-            ks = pool.keys[i][table].transpose(1, 2)  # type: ignore[attr-defined]  # [R, hk, L, D]
-            vs = pool.values[i][table].transpose(1, 2)  # type: ignore[attr-defined]
+            pool.keys[i].index_copy_(0, flat, k.transpose(1, 2).reshape(-1, hk, d))
+            pool.values[i].index_copy_(0, flat, v.transpose(1, 2).reshape(-1, hk, d))
+            ks = pool.keys[i][table].transpose(1, 2)  # [R, hk, L, D]
+            vs = pool.values[i][table].transpose(1, 2)
             q = qk[:, :h].reshape(rows, hk, g * width, d)  # a group's query heads and positions as queries
             attn = F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask)  # [R, hk, g W, D]
             attn = attn.view(rows, h, width, d).transpose(1, 2).reshape(rows, width, h * d)
@@ -147,8 +150,8 @@ def static_step(model: object, pool: object) -> Step:
             y = F.rms_norm(x, (c.hidden_size,), w.mlp_norm, c.rms_norm_eps)
             gate, up = linear(y, w.gate_up).chunk(2, dim=-1)
             x = x + linear(F.silu(gate) * up, w.down)
-        hidden = F.rms_norm(x, (c.hidden_size,), m.norm, c.rms_norm_eps)  # type: ignore[attr-defined]
-        return linear(hidden, m.lm_head), hidden  # type: ignore[attr-defined]
+        hidden = F.rms_norm(x, (c.hidden_size,), m.norm, c.rms_norm_eps)
+        return linear(hidden, m.lm_head), hidden
 
     return step
 
@@ -169,14 +172,13 @@ class StepGraphs:
     """A model's static one-token steps over one KV pool: buffers, the table mirror and the
     captured graphs (``capture``: CUDA graphs; False runs the same step uncaptured)."""
 
-    def __init__(self, model: object, pool: object, *, capture: bool) -> None:
+    def __init__(self, model: LlamaModel, pool: KVPool, *, capture: bool) -> None:
         self.model, self.pool, self.capture = model, pool, capture
-        self.device = pool.device  # type: ignore[attr-defined]
+        self.device = pool.device
         self._step = static_step(model, pool)
         self.buffers = Buffers.empty(ROW_BUCKETS[-1], MIN_KEYS, self.device)  # every row bucket: rows never regrow
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.mirror: tuple[int, int] | None = None  # (cache serial, its wide writes) the table holds
-        self.mirror_rows = 0
         self.pool_key = self._pool_key()
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
         self.captures = 0  # graphs captured so far (recaptures after a pool growth included)
@@ -190,7 +192,7 @@ class StepGraphs:
         self.lock = threading.Lock()
 
     def _pool_key(self) -> tuple[int, ...]:
-        return tuple(t.data_ptr() for t in self.pool.keys[:1] + self.pool.values[:1])  # type: ignore[attr-defined]
+        return tuple(t.data_ptr() for t in self.pool.keys[:1] + self.pool.values[:1])
 
     def _ensure(self, rows: int, keys: int) -> None:
         """Buffers of at least (rows, keys), keeping what they hold; growing them (new
@@ -221,13 +223,13 @@ class StepGraphs:
         """Upload the cache's table when the mirror cannot be current (another cache, or writes
         a step does not mirror); the new position's slot is written by the step itself."""
         state = (cache.serial, cache.wide_writes)
-        if state == self.mirror and rows <= self.mirror_rows:
+        if state == self.mirror:  # the same cache (a serial keeps its rows), nothing unmirrored since
             return
         width = min(keys, cache.capacity)
         table = torch.from_numpy(np.ascontiguousarray(cache.slots[:rows, :width]))
         self.buffers.table[:rows].zero_()
         self.buffers.table[:rows, :width].copy_(table.to(self.device))
-        self.mirror, self.mirror_rows = state, rows
+        self.mirror = state
         self.uploads += 1
 
     def run(self, tokens: torch.Tensor, cache: PagedKVCache, valid: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
