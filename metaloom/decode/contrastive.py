@@ -184,4 +184,4 @@ def truncated_llama(model: object, layers: int) -> LlamaModel:
     if not isinstance(layers, int) or isinstance(layers, bool) or not 1 <= layers <= total:
         raise InvalidParameter("amateur layers", layers, f"an integer in [1, {total}]")
     config = dataclasses.replace(model.config, num_hidden_layers=layers)
-    return LlamaModel(config, model.embed, model.layers[:layers], model.norm, model.lm_head, model.fused)
+    return LlamaModel(config, model.embed, model.layers[:layers], model.norm, model.lm_head, model.fused, model.options)

@@ -25,6 +25,7 @@ from metaloom.models.engine import graphs
 from metaloom.models.engine.cache import KVPool, PagedKVCache
 from metaloom.models.engine.config import LlamaConfig
 from metaloom.models.engine.graphs import StepGraphs
+from metaloom.models.engine.options import EngineOptions
 from metaloom.models.engine.rope import apply_rope, rope_tables
 from metaloom.models.engine.stack import Plan, pointers
 from metaloom.models.engine.stack import plan as stack_plan
@@ -148,15 +149,18 @@ def stack(ws: list[Weight]) -> Weight:
 
 class LlamaModel:
     def __init__(self, config: LlamaConfig, embed: Embedding, layers: list[LayerWeights],
-                 norm: torch.Tensor, lm_head: Weight, fused: FusedKernels | None = None) -> None:
+                 norm: torch.Tensor, lm_head: Weight, fused: FusedKernels | None = None,
+                 options: EngineOptions | None = None) -> None:
         """``fused``: the CPU kernels for one-token steps (`metaloom.models.kernels.fused`), or None for
-        PyTorch ops only; an `UnsupportedModel` error says why a model cannot take them. The
+        PyTorch ops only; an `UnsupportedModel` error says why a model cannot take them.
+        ``options``: how the KV cache is held and read (`metaloom.models.engine.options`). The
         activations' dtype and device are the final norm's (the embedding and the linear weights
         may be quantised blocks, `metaloom.models.engine.native`)."""
         if fused is not None and (why := unsupported_reason(config, norm.dtype, norm.device)) is not None:
             raise UnsupportedModel(why)
         self.config = config
         self.fused = fused
+        self.options = options or EngineOptions()
         self.embed = embed
         # quantised weights in the layout their batch-1 kernels read fastest (quant.c's panels)
         self.layers = [replace(w, qkv=panelled(w.qkv), o=panelled(w.o), gate_up=panelled(w.gate_up),
@@ -230,7 +234,7 @@ class LlamaModel:
             return pack(w) if isinstance(w, torch.Tensor) else w
 
         layers = [replace(w, qkv=p(w.qkv), o=p(w.o), gate_up=p(w.gate_up), down=p(w.down)) for w in self.layers]
-        return LlamaModel(self.config, self.embed, layers, self.norm, p(self.lm_head), self.fused)
+        return LlamaModel(self.config, self.embed, layers, self.norm, p(self.lm_head), self.fused, self.options)
 
     def own_bf16(self) -> LlamaModel:
         """The same model with its bfloat16 linear weights multiplied by metaloom's own bfloat16
@@ -244,13 +248,19 @@ class LlamaModel:
             return own_bf16(w) if ok else w  # type: ignore[arg-type]  # a tensor, checked
 
         layers = [replace(w, qkv=p(w.qkv), o=p(w.o), gate_up=p(w.gate_up), down=p(w.down)) for w in self.layers]
-        return LlamaModel(self.config, self.embed, layers, self.norm, p(self.lm_head), self.fused)
+        return LlamaModel(self.config, self.embed, layers, self.norm, p(self.lm_head), self.fused, self.options)
 
     def with_fused(self, fused: FusedKernels | None) -> LlamaModel:
         """The same weights, taking one-token steps through ``fused`` (None: PyTorch ops only)."""
         if type(self) is not LlamaModel:
             raise UnsupportedModel(f"with_fused is for plain LlamaModel weights, not {type(self).__name__}")
-        return LlamaModel(self.config, self.embed, self.layers, self.norm, self.lm_head, fused)
+        return LlamaModel(self.config, self.embed, self.layers, self.norm, self.lm_head, fused, self.options)
+
+    def with_options(self, options: EngineOptions) -> LlamaModel:
+        """The same weights, holding and reading the KV cache as ``options`` say."""
+        if type(self) is not LlamaModel:
+            raise UnsupportedModel(f"with_options is for plain LlamaModel weights, not {type(self).__name__}")
+        return LlamaModel(self.config, self.embed, self.layers, self.norm, self.lm_head, self.fused, options)
 
     def linear_weight_bytes(self) -> int:
         """Bytes of the plain linear weights (what packing copies)."""
