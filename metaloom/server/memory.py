@@ -81,8 +81,8 @@ def storage_parts(obj: Any, max_depth: int = 8) -> dict[str, int]:
 
 
 def kv_pool_bytes(pool: Any) -> int:
-    """Bytes the pool's key and value tensors hold now."""
-    return sum(t.untyped_storage().nbytes() for t in [*pool.keys, *pool.values])
+    """Bytes the pool's key and value tensors (and an int8 pool's scales) hold now."""
+    return sum(t.untyped_storage().nbytes() for t in pool.tensors())
 
 
 def kv_pool_limit(bytes_per_slot: int, max_rows: int, context: int, available_bytes: int,

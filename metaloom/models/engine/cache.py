@@ -15,6 +15,12 @@ slot is written once, by the row that allocated it, before anyone can share it.
 Reading: the fused one-token kernels (`metaloom.models.kernels.fused`) read keys through the table;
 the PyTorch path gathers a batch's keys into [B, H_kv, L, D] per layer (`PagedKVCache.gather`).
 
+Storage: a pool stores keys and values in its ``dtype`` and hands them out in its
+``compute_dtype`` (the model's). They differ with ``--kv-dtype``: bfloat16 storage under a
+float32 model converts on write and read; int8 storage (`metaloom.models.engine.kv_int8`) keeps
+a float32 scale per slot and kv head beside the codes, [slots, H_kv] per layer, quantising on
+write and dequantising on read.
+
 Slot 0 is a scratch slot owned by the pool: positions a forward computes but does not keep
 (right padding, rows that already finished) are written there and never read.
 
@@ -33,27 +39,53 @@ import numpy as np
 import torch
 
 from metaloom.errors import CacheFull, InvalidParameter
+from metaloom.models.engine.kv_int8 import dequantize, quantize
 
 SCRATCH = 0  # the slot padding writes go to
+KV_STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}  # --kv-dtype's types
 _SERIALS = itertools.count(1)  # PagedKVCache.serial: ids never reused (id() can be, after collection)
+
+
+def storage_dtype(kv_dtype: str, compute: torch.dtype) -> torch.dtype:
+    """The pool dtype ``--kv-dtype`` asks for under a model computing in ``compute`` (``auto``:
+    ``compute`` itself)."""
+    if kv_dtype == "auto":
+        return compute
+    if kv_dtype not in KV_STORAGE:
+        raise InvalidParameter("kv_dtype", kv_dtype, f"one of {['auto', *KV_STORAGE]}")
+    return KV_STORAGE[kv_dtype]
 
 
 class KVPool:
     """Keys and values for ``slots`` token slots of every layer, [slots, H_kv, D] each, with a
     reference count per slot. Grows (doubling, copying once) when a request needs more free
-    slots than it has; ``max_slots`` bounds it (`CacheFull` beyond). Thread-safe."""
+    slots than it has; ``max_slots`` bounds it (`CacheFull` beyond). Thread-safe.
+
+    ``dtype``: what the tensors store, a float dtype or torch.int8 (then ``key_scales`` and
+    ``value_scales`` hold a float32 scale per slot and kv head, [slots, H_kv] per layer; empty
+    lists for a float pool). ``compute_dtype``: what `PagedKVCache.gather` returns and `write`
+    takes (default: ``dtype``, float32 for an int8 pool)."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", slots: int = 256, max_slots: int | None = None) -> None:
+                 device: torch.device | str = "cpu", slots: int = 256, max_slots: int | None = None, *,
+                 compute_dtype: torch.dtype | None = None) -> None:
         if slots < 2:
             raise InvalidParameter("slots", slots, ">= 2 (slot 0 is scratch)")
+        if not (dtype.is_floating_point or dtype == torch.int8):
+            raise InvalidParameter("dtype", dtype, "a float dtype or torch.int8")
+        if compute_dtype is not None and not compute_dtype.is_floating_point:
+            raise InvalidParameter("compute_dtype", compute_dtype, "a float dtype")
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
+        self.compute_dtype = compute_dtype or (dtype if dtype.is_floating_point else torch.float32)
         self.max_slots = max_slots
         shape = (slots, kv_heads, head_dim)
         try:
             self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
             self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+            scales = layers if self.quantized else 0
+            self.key_scales = [torch.zeros(shape[:2], dtype=torch.float32, device=device) for _ in range(scales)]
+            self.value_scales = [torch.zeros(shape[:2], dtype=torch.float32, device=device) for _ in range(scales)]
         except torch.OutOfMemoryError as exc:
             raise CacheFull(f"a KV pool of {slots} slots ({slots * self.bytes_per_slot / 2**30:.2f} GiB) does not fit "
                             f"on {self.device}: out of memory") from exc
@@ -73,8 +105,20 @@ class KVPool:
         return self.slots - 1 - self._nfree
 
     @property
+    def quantized(self) -> bool:
+        """int8 codes with per-slot scales (`metaloom.models.engine.kv_int8`)."""
+        return self.dtype == torch.int8
+
+    @property
     def bytes_per_slot(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        """A token's keys and values over every layer, the int8 pool's float32 scales included."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        scales = 2 * self.layers * self.kv_heads * 4 if self.quantized else 0
+        return 2 * self.layers * self.kv_heads * self.head_dim * element + scales
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the pool stores (keys, values, then any scales), for memory accounting."""
+        return [*self.keys, *self.values, *self.key_scales, *self.value_scales]
 
     @property
     def used_bytes(self) -> int:
@@ -125,15 +169,16 @@ class KVPool:
             new = self.max_slots
             if new - old < extra:
                 raise CacheFull(f"KV pool needs {old + extra - self._nfree} slots in use but is capped at {self.max_slots}")
+        lists = (self.keys, self.values, self.key_scales, self.value_scales)
         try:
-            keys = [torch.zeros((new, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in self.keys]
-            values = [torch.zeros((new, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in self.values]
+            grown = [[torch.zeros((new, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in ts] for ts in lists]
         except torch.OutOfMemoryError as exc:  # a GPU too small for the pool asked of it
             raise CacheFull(f"KV pool cannot grow from {old} to {new} slots ({new * self.bytes_per_slot / 2**30:.2f} GiB) "
                             f"on {self.device}: out of memory") from exc
-        for grown, t in zip(keys + values, self.keys + self.values, strict=True):
-            grown[:old] = t
-        self.keys[:], self.values[:] = keys, values  # the same lists: holders of pool.keys see the new tensors
+        for ts, gs in zip(lists, grown, strict=True):
+            for g, t in zip(gs, ts, strict=True):
+                g[:old] = t
+            ts[:] = gs  # the same lists: holders of pool.keys (or its scales) see the new tensors
         self.refs = np.concatenate([self.refs, np.zeros(new - old, dtype=np.int64)])
         # the free stack pops from its end: the new slots go below the old free ones, so low
         # slot ids are reused first
@@ -231,17 +276,17 @@ class PagedKVCache:
         """The same rows in ``pool`` (their keys and values copied; rows that shared a slot still
         share its copy). This cache is spent."""
         p = self.pool
-        if (pool.layers, pool.kv_heads, pool.head_dim, pool.dtype) != (p.layers, p.kv_heads, p.head_dim, p.dtype):
-            raise InvalidParameter("pool", (pool.layers, pool.kv_heads, pool.head_dim, pool.dtype),
-                                   "a pool of the same shape and dtype")
+        shape = (pool.layers, pool.kv_heads, pool.head_dim, pool.dtype, pool.compute_dtype)
+        if shape != (p.layers, p.kv_heads, p.head_dim, p.dtype, p.compute_dtype):
+            raise InvalidParameter("pool", shape, "a pool of the same shape, storage and compute dtype")
         held = self._held()
         old = np.unique(held)
         new = pool.allocate(len(old))
         src = torch.from_numpy(old).to(p.device)
         dst = torch.from_numpy(new).to(pool.device)
-        for layer in range(p.layers):
-            pool.keys[layer][dst] = p.keys[layer][src].to(pool.device)
-            pool.values[layer][dst] = p.values[layer][src].to(pool.device)
+        # codes and scales copied as stored: a moved row reads exactly the keys it read before
+        for to, come in zip(pool.tensors(), p.tensors(), strict=True):
+            to[dst] = come[src].to(pool.device)
         # every reference a row held moves: one per occurrence, the allocation gave one per slot
         pool.retain(new[np.searchsorted(old, held)])
         pool.release(new)
@@ -323,17 +368,28 @@ class PagedKVCache:
         return self._table
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Store k, v [B, H_kv, T, D] at ``slots`` [B, T] (from `prepare`)."""
+        """Store k, v [B, H_kv, T, D] at ``slots`` [B, T] (from `prepare`): quantised into an
+        int8 pool, converted into a float pool of another dtype."""
         flat = slots.reshape(-1)
         kv_heads, dim = k.shape[1], k.shape[3]
-        self.pool.keys[layer][flat] = k.transpose(1, 2).reshape(-1, kv_heads, dim)
-        self.pool.values[layer][flat] = v.transpose(1, 2).reshape(-1, kv_heads, dim)
+        k = k.transpose(1, 2).reshape(-1, kv_heads, dim)  # [B T, H_kv, D]
+        v = v.transpose(1, 2).reshape(-1, kv_heads, dim)
+        pool = self.pool
+        if pool.quantized:
+            (kq, ks), (vq, vs) = quantize(k), quantize(v)
+            pool.keys[layer][flat], pool.key_scales[layer][flat] = kq, ks
+            pool.values[layer][flat], pool.value_scales[layer][flat] = vq, vs
+            return
+        pool.keys[layer][flat] = k.to(pool.dtype)  # a no-op for a pool of the compute dtype
+        pool.values[layer][flat] = v.to(pool.dtype)
 
     def run_start(self, length: int) -> int | None:
         """The first slot when this is a single row whose positions ``0 .. length - 1`` sit in one
         ascending run of slots (batch-1 decoding, a speculative verify), else None. Asked once
-        per forward: `gather` then reads a view of the pool instead of copying."""
-        if self.batch != 1 or length <= 0:
+        per forward: `gather` then reads a view of the pool instead of copying (a float pool of
+        the compute dtype; any other is converted on read, so there is no view to take)."""
+        pool = self.pool
+        if self.batch != 1 or length <= 0 or pool.dtype != pool.compute_dtype:
             return None
         run = self.slots[0, :length]
         first = int(run[0])
@@ -344,13 +400,21 @@ class PagedKVCache:
     def gather(self, layer: int, length: int, run: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions ``0 .. length - 1`` of every row, [B, H_kv, length, D]
         (positions past a row's length hold stale data and must be masked): a copy, or with
-        ``run`` (from `run_start`) a view of the pool, read in place."""
+        ``run`` (from `run_start`) a view of the pool, read in place. In the pool's
+        ``compute_dtype``: an int8 pool's keys dequantised, another float dtype's converted."""
+        pool = self.pool
         if run is not None:
-            k = self.pool.keys[layer][run:run + length]  # [L, H, D]
-            v = self.pool.values[layer][run:run + length]
+            k = pool.keys[layer][run:run + length]  # [L, H, D]
+            v = pool.values[layer][run:run + length]
             return k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         index = self.table()[:, :length]
-        return (self.pool.keys[layer][index].transpose(1, 2), self.pool.values[layer][index].transpose(1, 2))
+        k, v = pool.keys[layer][index], pool.values[layer][index]  # [B, L, H, D]
+        if pool.quantized:
+            k = dequantize(k, pool.key_scales[layer][index], pool.compute_dtype)
+            v = dequantize(v, pool.value_scales[layer][index], pool.compute_dtype)
+        elif pool.dtype != pool.compute_dtype:
+            k, v = k.to(pool.compute_dtype), v.to(pool.compute_dtype)
+        return k.transpose(1, 2), v.transpose(1, 2)
 
     # --- rows as slot lists (the prefix cache) ---------------------------------------------
     def row_slots(self, row: int, start: int, end: int) -> np.ndarray:

@@ -156,8 +156,10 @@ def static_step(m: LlamaModel, pool: KVPool) -> Step:
     return step
 
 
-def why_not(model: object) -> str | None:
-    """Why ``model`` cannot take static steps (None: it can): dense tensor weights only."""
+def why_not(model: object, pool: KVPool | None = None) -> str | None:
+    """Why ``model`` cannot take static steps (over ``pool``, when given) (None: it can): dense
+    tensor weights only, and a KV pool stored in the model's own dtype, which the step writes
+    and reads as it is (an int8 pool's codes would be read as numbers, its scales ignored)."""
     from metaloom.models.engine.llama import LlamaModel
 
     if not isinstance(model, LlamaModel):
@@ -165,6 +167,11 @@ def why_not(model: object) -> str | None:
     weights = [model.embed, model.lm_head] + [t for w in model.layers for t in (w.qkv, w.o, w.gate_up, w.down)]
     if not all(isinstance(t, torch.Tensor) for t in weights):
         return "static steps need dense tensor weights (quantised or packed ones are CPU kernels)"
+    stored = [model.kv_dtype] + ([] if pool is None else [pool.dtype, pool.compute_dtype])
+    other = next((d for d in stored if d != model.dtype), None)
+    if other is not None:
+        return (f"static steps read a KV pool stored in the model's dtype ({model.dtype}), not {other} "
+                f"(kv_dtype={model.options.kv_dtype!r}; the eager step converts it)")
     return None
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from metaloom.errors import ContextWindowExceeded, InvalidParameter, NotAModel, UnsupportedModel
 from metaloom.models.engine import graphs
-from metaloom.models.engine.cache import KVPool, PagedKVCache
+from metaloom.models.engine.cache import KVPool, PagedKVCache, storage_dtype
 from metaloom.models.engine.config import LlamaConfig
 from metaloom.models.engine.graphs import StepGraphs
 from metaloom.models.engine.options import EngineOptions
@@ -289,24 +289,31 @@ class LlamaModel:
             n += w.qkv_bias.numel() if w.qkv_bias is not None else 0
         return n
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """What this model's KV pools store (``options.kv_dtype``; ``auto``: the activations' dtype)."""
+        return storage_dtype(self.options.kv_dtype, self.dtype)
+
     def new_pool(self, slots: int = 256, max_slots: int | None = None) -> KVPool:
         """Empty KV memory for this model's caches (`metaloom.models.engine.cache`): caches made from
-        one pool share keys and values without copying them."""
+        one pool share keys and values without copying them. Stored as ``options.kv_dtype`` says,
+        read in the model's dtype."""
         c = self.config
-        return KVPool(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype, self.device,
-                      slots=slots, max_slots=max_slots)
+        return KVPool(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.kv_dtype, self.device,
+                      slots=slots, max_slots=max_slots, compute_dtype=self.dtype)
 
     def new_cache(self, batch: int, capacity: int, pool: KVPool | None = None) -> PagedKVCache:
         """``batch`` empty rows of up to ``capacity`` positions, in ``pool`` (default: a pool of
         their own, sized for them)."""
         if capacity > self.max_context:
             raise ContextWindowExceeded(capacity, self.max_context, "the requested cache")
+        c = self.config
         if pool is None:
             pool = self.new_pool(slots=max(2, batch * capacity + 1))
-        elif (pool.layers, pool.kv_heads, pool.head_dim, pool.dtype) != (
-                self.config.num_hidden_layers, self.config.num_key_value_heads, self.config.head_dim, self.dtype):
-            raise InvalidParameter("pool", (pool.layers, pool.kv_heads, pool.head_dim, pool.dtype),
-                                   "a KV pool of this model's shape (model.new_pool())")
+        elif (pool.layers, pool.kv_heads, pool.head_dim, pool.dtype, pool.compute_dtype) != (
+                c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.kv_dtype, self.dtype):
+            raise InvalidParameter("pool", (pool.layers, pool.kv_heads, pool.head_dim, pool.dtype, pool.compute_dtype),
+                                   "a KV pool of this model's shape and kv dtype (model.new_pool())")
         return PagedKVCache(pool, batch, capacity)
 
     def flops(self, new_tokens: int, attended: int, logit_rows: int) -> float:
@@ -342,7 +349,7 @@ class LlamaModel:
         (on only); None where they are off or this model cannot take them."""
         chosen = graphs.mode()
         cuda = self.device.type == "cuda"
-        if chosen == "off" or (chosen == "auto" and not cuda) or graphs.why_not(self) is not None:
+        if chosen == "off" or (chosen == "auto" and not cuda) or graphs.why_not(self, pool) is not None:
             return None
         with pool.lock:  # one runner a pool, also when two threads ask at once
             runner = self._graphs.get(pool)
@@ -393,7 +400,7 @@ class LlamaModel:
             valid = torch.full((b,), t, dtype=torch.long, device=tokens.device)
         lengths = cache.lengths  # before this forward
         slots = cache.prepare(valid.tolist(), t)  # [B, T]: where the new keys and values go
-        if t == 1 and self.fused is not None and b > 0:
+        if t == 1 and self.fused is not None and b > 0 and self.fused_reads(cache.pool):
             return self._step_fused(tokens, cache, lengths, valid, self.fused)
         uniform = bool((lengths == lengths[0]).all()) if b else True
         fresh = uniform and (not b or int(lengths[0]) == 0)  # nothing cached: attend to this forward's keys
@@ -424,6 +431,12 @@ class LlamaModel:
         if last_only:
             x = x[torch.arange(b, device=x.device), valid - 1][:, None]
         return F.rms_norm(x, (c.hidden_size,), self.norm, c.rms_norm_eps)
+
+    def fused_reads(self, pool: KVPool) -> bool:
+        """Whether the fused kernels read ``pool`` as it stores keys: a float pool of the model's
+        dtype. Any other (``--kv-dtype`` int8, or a float type not the model's) takes the
+        PyTorch ops' one-token step, which converts on write and read."""
+        return pool.dtype == self.dtype and pool.compute_dtype == self.dtype
 
     def _step_fused(self, tokens: torch.Tensor, cache: PagedKVCache, lengths: torch.Tensor, valid: torch.Tensor,
                     k: FusedKernels) -> torch.Tensor:
