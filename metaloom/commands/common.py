@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import fields
-from typing import Any
+from typing import Any, TypedDict
 
 from metaloom.errors import InvalidParameter
 from metaloom.sampling import SamplingParams
@@ -42,6 +42,12 @@ _SAMPLER_FLAGS: tuple[tuple[str, type, str], ...] = (
 )
 
 
+# metaloom.models.engine.options' KV_DTYPES and SHARED_PREFIX_MODES, written out: importing that
+# module imports torch (through metaloom.models), which the CLI must not need to parse flags or
+# to talk to a remote server; tests/test_kv_int8.py checks the two agree
+KV_DTYPES = ("auto", "float32", "bfloat16", "int8")
+SHARED_PREFIX_MODES = ("auto", "on", "off")
+
 _SCALAR_DESTS = (*(name for name, _, _ in _SAMPLER_FLAGS), "max_tokens", "n", "seed")
 # every dest `add_sampling_args` defines
 SAMPLER_DESTS = (*_SCALAR_DESTS, "stop", "logit_bias", "dry_sequence_breakers", "no_dry_sequence_breakers")
@@ -58,6 +64,12 @@ def add_model_args(p: argparse.ArgumentParser, *, remote: bool = False) -> None:
     p.add_argument("--weights", default="auto", choices=("auto", "native", "dense"),
                    help="a GGUF's weights: native = its quantised blocks as they are (quantised CPU kernels), "
                         "dense = dequantised to --dtype, auto = whichever decodes faster here (measured once)")
+    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
+                   help="the native engine's KV cache: auto = --dtype; int8 = int8 keys and values with a float32 "
+                        "scale per token and head (3.8x less memory than float32 at head_dim 64)")
+    p.add_argument("--shared-prefix-attention", default="auto", choices=SHARED_PREFIX_MODES,
+                   help="the native engine's attention over keys several rows share (forks of one prompt): "
+                        "on, off, or auto = where the step shares enough to gain")
     if remote:
         g = p.add_argument_group("a remote server (--backend openai: vLLM, SGLang, llama.cpp, metaloom serve, ...)")
         g.add_argument("--base-url", default=None, help="the server, e.g. http://127.0.0.1:8000 (or .../v1)")
@@ -72,7 +84,30 @@ def add_model_args(p: argparse.ArgumentParser, *, remote: bool = False) -> None:
                        help="retries of a request on 429, 5xx and dropped connections (never on other 4xx)")
 
 
-_LOCAL_ONLY = ("dtype", "device", "weights")  # flags a remote server decides for itself
+# flags a remote server decides for itself, with their defaults
+_LOCAL_ONLY = {"dtype": "float32", "device": "auto", "weights": "auto", "kv_dtype": "auto",
+               "shared_prefix_attention": "auto"}
+
+
+def refuse_local_only(args: argparse.Namespace) -> None:
+    """With ``--backend openai``: an `InvalidParameter` naming the first flag a remote server
+    decides for itself that was set away from its default (never silently dropped)."""
+    for name, default in _LOCAL_ONLY.items():
+        if getattr(args, name, default) != default:
+            raise InvalidParameter(name.replace("_", "-"), getattr(args, name),
+                                   "left unset with --backend openai (the server decides it)")
+
+
+class EngineFlags(TypedDict):
+    """The native engine's options, as `metaloom.models.load.load` takes them."""
+
+    kv_dtype: str
+    shared_prefix_attention: str
+
+
+def engine_options(args: argparse.Namespace) -> EngineFlags:
+    """``--kv-dtype`` and ``--shared-prefix-attention`` (`add_model_args`), for ``load(**...)``."""
+    return EngineFlags(kv_dtype=args.kv_dtype, shared_prefix_attention=args.shared_prefix_attention)
 
 
 def remote_generator(args: argparse.Namespace, local_only: dict[str, object] | None = None) -> Any:
@@ -84,10 +119,7 @@ def remote_generator(args: argparse.Namespace, local_only: dict[str, object] | N
             if getattr(args, name, None) is not None:
                 raise InvalidParameter(name.replace("_", "-"), getattr(args, name), "set only with --backend openai")
         return None
-    defaults = {"dtype": "float32", "device": "auto", "weights": "auto"}
-    for name in _LOCAL_ONLY:
-        if getattr(args, name) != defaults[name]:
-            raise InvalidParameter(name, getattr(args, name), "left unset with --backend openai (the server decides it)")
+    refuse_local_only(args)
     for name, value in (local_only or {}).items():
         if value not in (None, False):
             raise InvalidParameter(name, value, "unset with --backend openai (it needs the local engine)")

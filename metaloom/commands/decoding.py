@@ -69,6 +69,8 @@ def amateur_model(args: argparse.Namespace, loaded: LoadedModel) -> LanguageMode
         except ValueError as exc:
             raise InvalidParameter("amateur_model", spec, "'layers:K' with an integer K, or a model") from exc
         return truncated_llama(loaded.model, layers)
+    from metaloom.commands.common import engine_options
     from metaloom.models import load
 
-    return load(spec, dtype=args.dtype, device=args.device, backend=args.backend, weights=args.weights).model
+    return load(spec, dtype=args.dtype, device=args.device, backend=args.backend, weights=args.weights,
+                **engine_options(args)).model

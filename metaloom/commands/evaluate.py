@@ -12,7 +12,7 @@ import math
 import sys
 from typing import Any
 
-from metaloom.commands.common import add_model_args
+from metaloom.commands.common import add_model_args, engine_options, refuse_local_only
 from metaloom.errors import InvalidParameter
 
 
@@ -62,8 +62,11 @@ def setup_of(args: argparse.Namespace) -> Any:
         raise InvalidParameter("select-budget", args.select_budget, "FLOPs > 0")
     if args.backend == "openai" and not args.base_url:
         raise InvalidParameter("base-url", None, "the server's URL with --backend openai (e.g. http://127.0.0.1:8000)")
+    if args.backend == "openai":
+        refuse_local_only(args)
     return Setup(task=args.task, limit=args.limit, seed=args.seed, model=args.model, dtype=args.dtype,
-                 device=args.device, backend=args.backend, weights=args.weights, base_url=args.base_url,
+                 device=args.device, backend=args.backend, weights=args.weights, **engine_options(args),
+                 base_url=args.base_url,
                  api_key=args.api_key, model_params=args.model_params, tokenizer=args.tokenizer,
                  max_tokens=args.max_tokens, temperature=args.temperature, prefix_cache_mb=args.prefix_cache_mb,
                  threads=args.threads)

@@ -7,7 +7,14 @@ import dataclasses
 import json
 import sys
 
-from metaloom.commands.common import add_model_args, add_sampling_args, kernel_usage, remote_generator, sampling_params
+from metaloom.commands.common import (
+    add_model_args,
+    add_sampling_args,
+    engine_options,
+    kernel_usage,
+    remote_generator,
+    sampling_params,
+)
 from metaloom.commands.constraint import add_constraint_args, constraint_spec
 from metaloom.commands.decoding import add_decoder_args, amateur_model, decoder_spec
 from metaloom.commands.speculative import add_speculative_args, check_speculative_args, speculative_option, speculative_report
@@ -42,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     if remote is not None:
         generator, name = remote, args.model
     else:
-        loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend, weights=args.weights)
+        loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend, weights=args.weights,
+                      **engine_options(args))
         speculative = speculative_option(args, loaded)
         generator, name = LocalGenerator(loaded, amateur=amateur_model(args, loaded), speculative=speculative), loaded.name
     request = Request(args.prompt, params) if args.raw else Request.chat(args.prompt, params, system=args.system)

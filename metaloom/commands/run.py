@@ -21,7 +21,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from metaloom.commands.common import SAMPLER_DESTS, add_model_args, add_sampling_args, remote_generator, sampling_kwargs
+from metaloom.commands.common import (
+    SAMPLER_DESTS,
+    add_model_args,
+    add_sampling_args,
+    engine_options,
+    remote_generator,
+    sampling_kwargs,
+)
 from metaloom.errors import InvalidParameter
 from metaloom.ledger import parse_budget
 from metaloom.wiring.engines import prefix_cache
@@ -159,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
     if generator is not None:
         name = args.model
     else:
-        loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend, weights=args.weights)
+        loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend, weights=args.weights,
+                      **engine_options(args))
         generator, name = LocalGenerator(loaded, prefix_cache=prefix_cache(args.prefix_cache_mb, loaded)), loaded.name
     bar = None
     if args.progress or sys.stderr.isatty():

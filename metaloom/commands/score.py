@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from metaloom.commands.common import add_model_args
+from metaloom.commands.common import add_model_args, engine_options
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,7 +33,8 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidParameter("batch_size", args.batch_size, "an integer >= 1")
     if any(not c for c in args.continuation):
         raise InvalidParameter("continuation", "", "non-empty text")
-    loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend, weights=args.weights)
+    loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend, weights=args.weights,
+                  **engine_options(args))
     tok = loaded.tokenizer
     if args.raw:
         context, special = args.prompt, True

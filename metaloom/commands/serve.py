@@ -15,7 +15,7 @@ import logging
 from types import FrameType
 from typing import Any
 
-from metaloom.commands.common import add_model_args
+from metaloom.commands.common import add_model_args, engine_options
 from metaloom.errors import InvalidParameter
 
 log = logging.getLogger("metaloom.server")
@@ -56,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.shutdown_timeout >= 0:
         raise InvalidParameter("shutdown_timeout", args.shutdown_timeout, ">= 0 seconds")
     prefix_cache(args.prefix_cache_mb, None)  # validated before the load
-    loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend, weights=args.weights)
+    loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend, weights=args.weights,
+                  **engine_options(args))
     generator = LocalGenerator(loaded, prefix_cache=prefix_cache(args.prefix_cache_mb, loaded))
     # configured before the app: it logs the pool sizes it chose
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from metaloom.commands.common import add_model_args
+from metaloom.commands.common import add_model_args, engine_options
 from metaloom.errors import InvalidParameter
 
 
@@ -116,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     # dense: the heads learn from (and are matched by) the dequantised weights
-    loaded = load(args.model, dtype=args.dtype, device=args.device, backend="native", weights="dense")
+    loaded = load(args.model, dtype=args.dtype, device=args.device, backend="native", weights="dense",
+                  **engine_options(args))
     phase1 = args.phase1_steps if args.phase1_steps is not None else round(0.4 * args.steps)
     phase2 = args.phase2_steps if args.phase2_steps is not None else args.steps - phase1
     config = TrainConfig(stages=args.stages, inner_size=args.inner_size, draft_vocab=args.draft_vocab,

@@ -56,6 +56,8 @@ class Setup:
     device: str = "auto"
     backend: str = "auto"
     weights: str = "auto"
+    kv_dtype: str = "auto"
+    shared_prefix_attention: str = "auto"
     base_url: str | None = None
     api_key: str | None = None
     model_params: float | None = None
@@ -72,6 +74,11 @@ class Setup:
         d = dataclasses.asdict(self)
         for k in ("api_key", "threads", "prefix_cache_mb"):
             d.pop(k)
+        # the engine options at their default are left out: a sweep written before they existed
+        # ran with them at auto, and stays comparable (resumable) with one run now
+        for k in ("kv_dtype", "shared_prefix_attention"):
+            if d[k] == "auto":
+                d.pop(k)
         return d
 
 
@@ -130,7 +137,8 @@ class Worker:
             from metaloom.models.load import load
 
             self.loaded = load(setup.model, dtype=setup.dtype, device=setup.device, backend=setup.backend,
-                               weights=setup.weights)
+                               weights=setup.weights, kv_dtype=setup.kv_dtype,
+                               shared_prefix_attention=setup.shared_prefix_attention)
             self.row_flops = model_row_flops(self.loaded.model)
 
     def generator_for_run(self, problem: int, pooled: bool, saved: str | None = None) -> Any:

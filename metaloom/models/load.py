@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from metaloom.errors import InvalidParameter, ModelNotFound, NotAModel
+from metaloom.errors import InvalidParameter, ModelNotFound, NotAModel, UnsupportedModel
 from metaloom.models.engine.config import NATIVE_MODEL_TYPES, LlamaConfig
+from metaloom.models.engine.options import EngineOptions
 from metaloom.models.engine.tokenizer import HFTokenizer
 from metaloom.models.protocols import LanguageModel, Tokenizer
 
@@ -190,7 +191,7 @@ def pick_device(device: str | None) -> torch.device:
 
 def load(spec: str | None = "default", *, dtype: str = "float32", device: str | None = None,
          backend: str = "auto", pack: bool | None = None, fused: bool | None = None,
-         weights: str | None = None) -> LoadedModel:
+         weights: str | None = None, kv_dtype: str = "auto", shared_prefix_attention: str = "auto") -> LoadedModel:
     """Load a model (see the module docstring). For the native model:
 
     - ``weights``: ``native`` keeps a GGUF's quantised blocks and multiplies by them in the
@@ -202,15 +203,20 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
       quarter of the machine's memory, and for bfloat16 on a CPU where oneDNN has no bfloat16
       kernels multiplies by metaloom's own instead (`Bf16Linear`, the same storage);
     - ``fused``: take one-token decode steps through the fused CPU kernels
-      (`metaloom.models.kernels.fused`, float32 and bfloat16); None uses them where they build and apply.
+      (`metaloom.models.kernels.fused`, float32 and bfloat16); None uses them where they build and apply;
+    - ``kv_dtype`` (auto, float32, bfloat16, int8) and ``shared_prefix_attention`` (auto, on,
+      off): how the KV cache is held and read (`metaloom.models.engine.options.EngineOptions`).
 
-    True for either where it cannot be done is an `InvalidParameter` naming why."""
+    True for either of pack and fused where it cannot be done is an `InvalidParameter` naming
+    why; so is a kv_dtype or shared_prefix_attention other than auto for the transformers
+    backend, which keeps its own cache."""
     if dtype not in DTYPES:
         raise InvalidParameter("dtype", dtype, f"one of {sorted(DTYPES)}")
     if backend not in BACKENDS:
         raise InvalidParameter("backend", backend, f"one of {list(BACKENDS)}")
     if weights not in (None, *WEIGHTS):
         raise InvalidParameter("weights", weights, f"one of {list(WEIGHTS)}")
+    options = EngineOptions(kv_dtype=kv_dtype, shared_prefix_attention=shared_prefix_attention)  # validates both
     name, folder = resolve(spec)
     try:
         with open(os.path.join(folder, "config.json")) as f:
@@ -220,6 +226,8 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
     dev = pick_device(device)
     native = hf_cfg.get("model_type") in NATIVE_MODEL_TYPES
     use_native = backend == "native" or (backend == "auto" and native)
+    if not use_native:  # refuse before reading any weights
+        _refuse_engine_options(options, hf_cfg.get("model_type"))
     gguf = gguf_source(spec)
     why_dense = _why_not_native(gguf, use_native, dtype, dev)
     if weights == "native" and why_dense is not None:
@@ -234,6 +242,12 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
             mode = "native"
         blocks = gguf if mode == "native" else None
         model: LanguageModel = measured or _native(config, folder, DTYPES[dtype], dev, pack, fused, blocks)
+        if options != EngineOptions():
+            from metaloom.models.engine.llama import LlamaModel
+
+            if not isinstance(model, LlamaModel):  # pragma: no cover - _native builds one
+                raise UnsupportedModel(f"engine options need the native LlamaModel, not {type(model).__name__}")
+            model = model.with_options(options)
         eos = config.eos_token_id
     else:
         from metaloom.models.engine.hf_adapter import HFModel
@@ -243,6 +257,18 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
         eos = tuple(eos_cfg) if isinstance(eos_cfg, list) else ((eos_cfg,) if eos_cfg is not None else ())
     tokenizer = HFTokenizer(folder, extra_eos_ids=eos)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, folder=folder, dtype=DTYPES[dtype], weights=mode)
+
+
+def _refuse_engine_options(options: EngineOptions, model_type: object) -> None:
+    """An `InvalidParameter` for an engine option set away from auto on the transformers backend:
+    it keeps transformers' own KV cache (the model's dtype, no slot pool), so an int8 or
+    shared-prefix setting would be silently ignored there."""
+    for field in ("kv_dtype", "shared_prefix_attention"):
+        value = getattr(options, field)
+        if value != "auto":
+            raise InvalidParameter(field, value, f"auto with the transformers backend (model type {model_type!r}): it "
+                                                 "keeps its own KV cache in the model's dtype; the native engine's "
+                                                 "KV pool is what this option sets")
 
 
 def _why_not_native(gguf: str | None, native_backend: bool, dtype: str, device: torch.device) -> str | None:
