@@ -12,6 +12,7 @@ its parent's keys where they are.
 
 from __future__ import annotations
 
+import ctypes
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -27,6 +28,7 @@ from metaloom.models.engine.config import LlamaConfig
 from metaloom.models.engine.graphs import StepGraphs
 from metaloom.models.engine.options import EngineOptions
 from metaloom.models.engine.rope import apply_rope, rope_tables
+from metaloom.models.engine.sharing import Sharing, find_sharing
 from metaloom.models.engine.stack import Plan, pointers
 from metaloom.models.engine.stack import plan as stack_plan
 from metaloom.models.flops import forward_flops
@@ -34,6 +36,11 @@ from metaloom.models.kernels import quant
 from metaloom.models.kernels.fused import PARALLEL_MIN_KEYS, FusedKernels, unsupported_reason
 from metaloom.models.kernels.packed import Bf16Linear, PackedLinear, own_bf16, pack
 from metaloom.models.protocols import KVCache
+
+# shared-prefix attention's ``auto``: on when a step's rows share at least this many key reads
+# per layer and kv head (the sum over shared spans of (rows - 1) x span length); below it the
+# per-row kernel is as fast (measured: `metaloom bench fork --case shared`)
+AUTO_SHARED_READS = 4096
 
 
 class MatMul(Protocol):
@@ -457,16 +464,17 @@ class LlamaModel:
         # split attention over threads only when there is enough of it (each parallel region
         # costs a few microseconds, 2 per layer)
         threads = torch.get_num_threads() if b * (int(lengths.max()) + 1) >= PARALLEL_MIN_KEYS else 1
+        sharing = self._sharing(cache)
         plan = self._plan(b)
         if plan is not None:  # every layer in one call: the same kernels, in the same order (metaloom.models.engine.stack)
-            delta = self._step_stack(plan, k, x, y, attn, act, lengths, table, pool, threads)
+            delta = self._step_stack(plan, k, x, y, attn, act, lengths, table, pool, threads, sharing)
         else:
             delta = None  # the last sublayer's output, added to x by the next norm
             for i, w in enumerate(self.layers):
                 k.residual_rms_norm(x, delta, w.attn_norm, y, c.rms_norm_eps)
                 qkv = linear(y, w.qkv, w.qkv_bias).contiguous()
                 k.rope_attend(qkv, self._cos, self._sin, lengths, table, pool.keys[i], pool.values[i], attn, h,
-                              c.sliding_window, threads)
+                              c.sliding_window, threads, sharing)
                 k.residual_rms_norm(x, linear(attn, w.o).contiguous(), w.mlp_norm, y, c.rms_norm_eps)
                 k.silu_mul(linear(y, w.gate_up).contiguous(), act)
                 delta = linear(act, w.down).contiguous()
@@ -476,7 +484,7 @@ class LlamaModel:
 
     def _step_stack(self, plan: Plan, k: FusedKernels, x: torch.Tensor, y: torch.Tensor, attn: torch.Tensor,
                     act: torch.Tensor, lengths: torch.Tensor, table: torch.Tensor, pool: KVPool,
-                    threads: int) -> torch.Tensor:
+                    threads: int, sharing: Sharing | None = None) -> torch.Tensor:
         """`_step_fused`'s layers in one C call (fused.c's ``decode_layers``), on the same buffers;
         -> the last sublayer's output (x is the residual stream before it, as the loop leaves it)."""
         c = self.config
@@ -489,10 +497,23 @@ class LlamaModel:
                                  self._sin.data_ptr(), lengths.data_ptr(), table.data_ptr(), table.shape[1],
                                  pointers(pool.keys), pointers(pool.values), b, c.hidden_size, h, hk, c.head_dim,
                                  c.intermediate_size, c.sliding_window or 0, threads, torch.get_num_threads(),
-                                 c.rms_norm_eps, self.dtype == torch.bfloat16)
+                                 c.rms_norm_eps, self.dtype == torch.bfloat16,
+                                 None if sharing is None else ctypes.byref(sharing.desc()))
         if rc:
             raise RuntimeError(f"decode_layers failed with code {rc}")  # the plan's shapes were checked: a bug
         return delta
+
+    def _sharing(self, cache: PagedKVCache) -> Sharing | None:
+        """The positions this step's rows share in the pool, for shared-prefix attention
+        (`metaloom.models.engine.sharing`), or None: turned off, a sliding window (its rows
+        attend different spans), nothing shared, or (``auto``) too little shared to gain."""
+        mode = self.options.shared_prefix_attention
+        if mode == "off" or cache.batch < 2 or self.config.sliding_window is not None:
+            return None
+        found = find_sharing(cache.slots, cache.host_lengths())
+        if found is None or (mode == "auto" and found.saved_reads() < AUTO_SHARED_READS):
+            return None
+        return found
 
     def _plan(self, rows: int) -> Plan | None:
         """The one-call plan of this model's layers for the quantised kernels running now, or None

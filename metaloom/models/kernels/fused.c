@@ -18,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define ABI_VERSION 4
+#define ABI_VERSION 5
 #define INLINE static inline __attribute__((always_inline))
 
 /* W lanes per vector: one AVX-512 register; 8 on every other path, one AVX2 register or two NEON
@@ -159,15 +159,17 @@ INLINE void rope(const void *x, int64_t xi, const void *cs, const void *sn, int6
     }
 }
 
-/* One query head against its cached keys and values, positions lo..pos: out = softmax(q . K^T *
- * scale) V. Position t of the row lives in slot slots[t]; this head's key is at element
- * slots[t] * stride + off of K (and likewise V). nv = dim / W is a compile-time constant at each
- * call site (see head_attend), so q and the output stay in registers. */
-INLINE void head_attend_n(const void *q, const void *K, const void *V, const int64_t *slots, int64_t stride,
-                          int64_t off, float *scores, void *out, int64_t oi, int64_t lo, int64_t pos, float scale,
-                          const int nv, const int bf) {
-    vec qv[MAX_VECTORS], acc[MAX_VECTORS];
-    for (int i = 0; i < nv; i++) qv[i] = ld(q, W * i, bf);
+/* One query head against its cached keys and values, positions lo..pos, unnormalised: returns
+ * the largest score m and l = sum e^(score - m), and leaves acc = sum e^(score - m) V (what
+ * shared-prefix attention merges with other parts of the same row). Position t of the row lives
+ * in slot slots[t]; this head's key is at element slots[t] * stride + off of K (and likewise V).
+ * nv = dim / W is a compile-time constant at each call site (see head_attend), so q and acc
+ * stay in registers. */
+INLINE void head_partial_n(const void *q, int64_t qi, const void *K, const void *V, const int64_t *slots,
+                           int64_t stride, int64_t off, float *scores, int64_t lo, int64_t pos, float scale, vec *acc,
+                           float *m_out, float *l_out, const int nv, const int bf) {
+    vec qv[MAX_VECTORS];
+    for (int i = 0; i < nv; i++) qv[i] = ld(q, qi + W * i, bf);
     float mx = -INFINITY;
     for (int64_t t = lo; t <= pos; t++) {
         int64_t at = slots[t] * stride + off;
@@ -189,7 +191,18 @@ INLINE void head_attend_n(const void *q, const void *K, const void *V, const int
         int64_t at = slots[t] * stride + off;
         for (int i = 0; i < nv; i++) acc[i] += scores[t] * ld(V, at + W * i, bf);
     }
-    float inv = 1.0f / hsum(sums);
+    *m_out = mx;
+    *l_out = hsum(sums);
+}
+
+/* out = softmax(q . K^T * scale) V over positions lo..pos (head_partial_n, normalised) */
+INLINE void head_attend_n(const void *q, const void *K, const void *V, const int64_t *slots, int64_t stride,
+                          int64_t off, float *scores, void *out, int64_t oi, int64_t lo, int64_t pos, float scale,
+                          const int nv, const int bf) {
+    vec acc[MAX_VECTORS];
+    float m, l;
+    head_partial_n(q, 0, K, V, slots, stride, off, scores, lo, pos, scale, acc, &m, &l, nv, bf);
+    float inv = 1.0f / l;
     for (int i = 0; i < nv; i++) st(out, oi + W * i, acc[i] * inv, bf);
 }
 
@@ -254,6 +267,217 @@ INLINE int rope_attend_t(const void *qkv, const void *cs, const void *sn, const 
     return failed ? -1 : 0;
 }
 
+/* ---- shared-prefix attention (Hydragen) ---------------------------------------------------- *
+ * Rows forked from one prompt hold the same slots for the prompt's positions. Per row, the
+ * attention above reads every shared key and value once per row and step: 64 samples of a
+ * 4,000-token prompt read the prompt's KV 64 times per layer. Here the positions a group of rows
+ * shares (a span, metaloom/models/engine/sharing.py) are read once for all their queries: the
+ * span's keys and values go through the cache in blocks of KB positions, and every query of
+ * every row of the group is scored against a block while it is in L1 (Juravsky et al. 2024,
+ * "Hydragen", a matrix-matrix product per kv head instead of a matrix-vector product per row).
+ * Each part (a span, the row's own private positions) leaves an unnormalised partial softmax
+ * (max m, sum l, acc); a row's parts are merged by their log-sum-exp, which gives the row's full
+ * softmax to float rounding (§3: attention over a concatenation of keys decomposes exactly). */
+
+typedef struct {
+    int64_t spans;                 /* spans of shared positions */
+    const int64_t *lo, *hi, *ptr;  /* span s: positions lo[s]..hi[s]-1 of rows[ptr[s]..ptr[s+1]-1] */
+    const int64_t *rows;           /* the rows of every span, one (span, row) pair each */
+    int64_t npairs;                /* = ptr[spans] */
+    const int64_t *private_from;   /* row r attends private_from[r]..lengths[r] on its own */
+    const int64_t *row_ptr, *pairs; /* row r's pairs: pairs[row_ptr[r]..row_ptr[r+1]-1] */
+} sharing_desc;
+
+#define KB 32       /* positions of a span's key block (32 x 256 floats of keys and of values at most) */
+#define SPAN_ROWS 16 /* rows of a span task: a span is read once per 16 rows (and kv head) */
+
+/* The partial softmax of every query head of kv head j of `nrows` rows (rows[0..nrows-1],
+ * their pairs k0 + i) over the span's positions lo..hi-1, blocked by KB positions:
+ * state[(pair * h + g) * (dim + 2)] = m, l, acc[dim]. q [rows, h, dim] holds the rotated queries. */
+INLINE void span_partial_n(const void *q, const void *K, const void *V, const int64_t *slots, int64_t stride,
+                           int64_t off, int64_t lo, int64_t hi, const int64_t *rows, int64_t nrows, int64_t k0,
+                           int64_t h, int64_t j, int64_t group, float *state, float scale, const int nv,
+                           const int bf) {
+    const int64_t dim = nv * W, sw = dim + 2;
+    for (int64_t i = 0; i < nrows; i++)
+        for (int64_t g = j * group; g < (j + 1) * group; g++) {
+            float *s = state + ((k0 + i) * h + g) * sw;
+            s[0] = -INFINITY;
+            s[1] = 0.0f;
+            memset(s + 2, 0, sizeof(float) * (size_t)dim);
+        }
+    float sc[KB];
+    for (int64_t t0 = lo; t0 < hi; t0 += KB) {
+        const int64_t n = hi - t0 < KB ? hi - t0 : KB;
+        for (int64_t i = 0; i < nrows; i++)
+            for (int64_t g = j * group; g < (j + 1) * group; g++) {
+                vec qv[MAX_VECTORS], acc[MAX_VECTORS];
+                int64_t qi = (rows[i] * h + g) * dim;
+                for (int v = 0; v < nv; v++) qv[v] = ld(q, qi + W * v, bf);
+                float bm = -INFINITY;
+                for (int64_t t = 0; t < n; t++) {
+                    int64_t at = slots[t0 + t] * stride + off;
+                    vec d = qv[0] * ld(K, at, bf);
+                    for (int v = 1; v < nv; v++) d += qv[v] * ld(K, at + W * v, bf);
+                    sc[t] = hsum(d) * scale;
+                    bm = sc[t] > bm ? sc[t] : bm;
+                }
+                float *s = state + ((k0 + i) * h + g) * sw;
+                float m = s[0], l = s[1];
+                for (int v = 0; v < nv; v++) memcpy(&acc[v], s + 2 + W * v, sizeof(vec));
+                if (bm > m) { /* a new maximum: rescale what was summed under the old one */
+                    float c = vexp(splat(m - bm))[0] * (m > -INFINITY);
+                    l *= c;
+                    for (int v = 0; v < nv; v++) acc[v] *= c;
+                    m = bm;
+                }
+                vec sums = splat(0.0f);
+                for (int64_t t = 0; t < n; t += W) {
+                    vec e = vexp(ld(sc, t, 0) - m);
+                    for (int64_t k = n - t; k < W; k++) e[k] = 0.0f; /* past the block: not summed */
+                    memcpy(sc + t, &e, sizeof e);
+                    sums += e;
+                }
+                for (int64_t t = 0; t < n; t++) {
+                    int64_t at = slots[t0 + t] * stride + off;
+                    for (int v = 0; v < nv; v++) acc[v] += sc[t] * ld(V, at + W * v, bf);
+                }
+                s[0] = m;
+                s[1] = l + hsum(sums);
+                for (int v = 0; v < nv; v++) memcpy(s + 2 + W * v, &acc[v], sizeof(vec));
+            }
+    }
+}
+
+#define SPAN_PARTIAL(NV) span_partial_n(q, K, V, slots, stride, off, lo, hi, rows, nrows, k0, h, j, group, state, scale, NV, bf)
+
+INLINE void span_partial(const void *q, const void *K, const void *V, const int64_t *slots, int64_t stride,
+                         int64_t off, int64_t lo, int64_t hi, const int64_t *rows, int64_t nrows, int64_t k0,
+                         int64_t h, int64_t j, int64_t group, float *state, float scale, int64_t nv, const int bf) {
+    switch (nv * W) {
+    case 64: SPAN_PARTIAL(64 / W); break;
+    case 128: SPAN_PARTIAL(128 / W); break;
+    case 256: SPAN_PARTIAL(256 / W); break;
+    default: SPAN_PARTIAL((int)nv);
+    }
+}
+
+#define HEAD_PARTIAL(NV) head_partial_n(q, qi, K, V, slots, stride, off, scores, lo, pos, scale, acc, &s[0], &s[1], NV, bf)
+
+/* Row r, kv head j: write the row's new key and value (as attend_task), rotate its query heads
+ * into q [rows, h, dim], and leave each query head's partial softmax over the row's private
+ * positions private_from[r]..pos in state [rows, h, dim + 2]. */
+INLINE void private_task(const void *qkv, const void *cs, const void *sn, const int64_t *lengths,
+                         const int64_t *table, int64_t width, void *kc, void *vc, void *q, float *state,
+                         const sharing_desc *sh, int64_t r, int64_t j, int64_t h, int64_t hk, int64_t dim,
+                         float scale, float *scores, const int bf) {
+    int64_t stride_qkv = (h + 2 * hk) * dim, group = h / hk, elem = bf ? 2 : 4, nv = dim / W;
+    int64_t pos = lengths[r], lo = sh->private_from[r];
+    int64_t row = r * stride_qkv, at = pos * dim;
+    const int64_t *slots = table + r * width;
+    int64_t slot = slots[pos] * hk * dim + j * dim;
+    rope(qkv, row + (h + j) * dim, cs, sn, at, kc, slot, dim, bf);
+    memcpy((char *)vc + slot * elem, (const char *)qkv + (row + (h + hk + j) * dim) * elem, (size_t)(dim * elem));
+    const void *K = kc, *V = vc;
+    int64_t stride = hk * dim, off = j * dim;
+    for (int64_t g = j * group; g < (j + 1) * group; g++) {
+        int64_t qi = (r * h + g) * dim;
+        rope(qkv, row + g * dim, cs, sn, at, q, qi, dim, bf);
+        float *s = state + (r * h + g) * (dim + 2);
+        vec acc[MAX_VECTORS];
+        switch (dim) {
+        case 64: HEAD_PARTIAL(64 / W); break;
+        case 128: HEAD_PARTIAL(128 / W); break;
+        case 256: HEAD_PARTIAL(256 / W); break;
+        default: HEAD_PARTIAL((int)nv);
+        }
+        for (int64_t v = 0; v < nv; v++) memcpy(s + 2 + W * v, &acc[v], sizeof(vec));
+    }
+}
+
+/* out[r, g] = the merge of row r's private part and its spans' parts for query head g */
+INLINE void merge_task(const float *priv, const float *pstate, const sharing_desc *sh, void *out, int64_t r,
+                       int64_t g, int64_t h, int64_t dim, const int bf) {
+    const int64_t sw = dim + 2, nv = dim / W;
+    const float *p = priv + (r * h + g) * sw;
+    float m = p[0];
+    for (int64_t e = sh->row_ptr[r]; e < sh->row_ptr[r + 1]; e++) {
+        float mk = pstate[(sh->pairs[e] * h + g) * sw];
+        m = mk > m ? mk : m;
+    }
+    vec acc[MAX_VECTORS];
+    float c = vexp(splat(p[0] - m))[0], l = p[1] * c;
+    for (int64_t v = 0; v < nv; v++) {
+        memcpy(&acc[v], p + 2 + W * v, sizeof(vec));
+        acc[v] *= c;
+    }
+    for (int64_t e = sh->row_ptr[r]; e < sh->row_ptr[r + 1]; e++) {
+        const float *s = pstate + (sh->pairs[e] * h + g) * sw;
+        float ck = vexp(splat(s[0] - m))[0];
+        l += s[1] * ck;
+        for (int64_t v = 0; v < nv; v++) {
+            vec a;
+            memcpy(&a, s + 2 + W * v, sizeof(vec));
+            acc[v] += a * ck;
+        }
+    }
+    float inv = 1.0f / l;
+    for (int64_t v = 0; v < nv; v++) st(out, (r * h + g) * dim + W * v, acc[v] * inv, bf);
+}
+
+INLINE int rope_attend_shared_t(const void *qkv, const void *cs, const void *sn, const int64_t *lengths,
+                                const int64_t *table, int64_t width, void *kc, void *vc, void *out, int64_t rows,
+                                int64_t h, int64_t hk, int64_t dim, int64_t threads, const sharing_desc *sh,
+                                const int bf) {
+    float scale = 1.0f / sqrtf((float)dim);
+    int64_t longest = 0, group = h / hk, sw = dim + 2;
+    for (int64_t r = 0; r < rows; r++) longest = lengths[r] > longest ? lengths[r] : longest;
+    /* q [rows, h, dim] in the activations' dtype (4 bytes an element is room for either), the
+     * private parts' states [rows, h, dim + 2], the spans' [pairs, h, dim + 2] */
+    size_t nq = (size_t)(rows * h * dim), npriv = (size_t)(rows * h * sw), npairs = (size_t)(sh->npairs * h * sw);
+    float *buf = malloc(sizeof(float) * (nq + npriv + npairs));
+    if (!buf) return -1;
+    float *q = buf, *priv = buf + nq, *pstate = priv + npriv;
+    /* span tasks: (span, kv head, block of SPAN_ROWS rows) */
+    int64_t chunks = 0;
+    for (int64_t s = 0; s < sh->spans; s++) chunks += (sh->ptr[s + 1] - sh->ptr[s] + SPAN_ROWS - 1) / SPAN_ROWS;
+    int failed = 0;
+    size_t scratch = (size_t)(longest + 1 + W);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float *scores = malloc(sizeof(float) * scratch);
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < rows * hk; task++)
+            if (scores)
+                private_task(qkv, cs, sn, lengths, table, width, kc, vc, q, priv, sh, task / hk, task % hk, h, hk,
+                             dim, scale, scores, bf);
+        /* the implicit barrier: every row's new key is written and its queries rotated */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < chunks * hk; task++) {
+            int64_t c = task / hk, j = task % hk, s = 0;
+            for (;; s++) { /* the span of chunk c */
+                int64_t n = (sh->ptr[s + 1] - sh->ptr[s] + SPAN_ROWS - 1) / SPAN_ROWS;
+                if (c < n) break;
+                c -= n;
+            }
+            int64_t k0 = sh->ptr[s] + c * SPAN_ROWS, end = sh->ptr[s + 1];
+            int64_t nrows = end - k0 < SPAN_ROWS ? end - k0 : SPAN_ROWS;
+            const int64_t *slots = table + sh->rows[sh->ptr[s]] * width; /* the span's slots: any of its rows' */
+            span_partial(q, kc, vc, slots, hk * dim, j * dim, sh->lo[s], sh->hi[s], sh->rows + k0, nrows, k0, h, j,
+                         group, pstate, scale, dim / W, bf);
+        }
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < rows * h; task++) merge_task(priv, pstate, sh, out, task / h, task % h, h, dim, bf);
+        free(scores);
+    }
+    free(buf);
+    return failed ? -1 : 0;
+}
+
 /* One new token per row, at position lengths[r]:
  *   qkv [rows, (h + 2 hk) * dim]: q heads, then k heads, then v heads (the fused projection);
  *   cs, sn [positions, dim] (cos, sin); table [rows, width]: the KV slot of each position of each row;
@@ -261,10 +485,18 @@ INLINE int rope_attend_t(const void *qkv, const void *cs, const void *sn, const 
  * Writes the rotated k and the v in slot table[r, lengths[r]], then for every query head g (kv
  * head g / (h / hk)) out[r, g] = softmax(q . K^T / sqrt(dim)) V over positions lo..pos (lo > 0
  * only with a sliding window). out [rows, h * dim]. Work is split over up to `threads` OpenMP
- * threads by (row, kv head) when compiled with OpenMP. Returns 0; -1 out of memory; -2 dim > 256. */
+ * threads by (row, kv head) when compiled with OpenMP. With `sh` (not NULL; no sliding window),
+ * the positions rows share are attended once for all of them (shared-prefix attention, above).
+ * Returns 0; -1 out of memory; -2 dim > 256; -3 sharing with a sliding window. */
 int rope_attend(const void *qkv, const void *cs, const void *sn, const int64_t *lengths, const int64_t *table,
                 int64_t width, void *kc, void *vc, void *out, int64_t rows, int64_t h, int64_t hk, int64_t dim,
-                int64_t window, int64_t threads, int bf16) {
+                int64_t window, int64_t threads, int bf16, const sharing_desc *sh) {
+    if (dim > W * MAX_VECTORS) return -2;
+    if (sh && sh->spans) {
+        if (window > 0) return -3;
+        if (bf16) return rope_attend_shared_t(qkv, cs, sn, lengths, table, width, kc, vc, out, rows, h, hk, dim, threads, sh, 1);
+        return rope_attend_shared_t(qkv, cs, sn, lengths, table, width, kc, vc, out, rows, h, hk, dim, threads, sh, 0);
+    }
     if (bf16) return rope_attend_t(qkv, cs, sn, lengths, table, width, kc, vc, out, rows, h, hk, dim, window, threads, 1);
     return rope_attend_t(qkv, cs, sn, lengths, table, width, kc, vc, out, rows, h, hk, dim, window, threads, 0);
 }
@@ -346,20 +578,20 @@ static int matmul(const weight_desc *w, const void *x, void *y, int64_t rows, in
  *   output is added, out), delta [rows, d]: that last output (the caller's final norm adds it);
  *   y [rows, d], qkv [rows, (h + 2 hk) dim], attn [rows, h dim], gu [rows, 2 inter], act [rows,
  *   inter]: scratch; keys[i], values[i]: layer i's KV pool [slots, hk, dim]; the rest as
- *   `rope_attend` and `residual_rms_norm`. Returns 0, or the first failing kernel's code (a
+ *   `rope_attend` and `residual_rms_norm` (sh: shared-prefix attention, or NULL). Returns 0, or the first failing kernel's code (a
  *   matmul's -1 or -2 plus -10, rope_attend's -1 or -2). */
 int decode_layers(const layer_desc *layers, int64_t n_layers, void *x, void *delta, void *y, void *qkv, void *attn,
                   void *gu, void *act, const void *cs, const void *sn, const int64_t *lengths, const int64_t *table,
                   int64_t width, void *const *keys, void *const *values, int64_t rows, int64_t d, int64_t h,
                   int64_t hk, int64_t dim, int64_t inter, int64_t window, int64_t attn_threads, int64_t threads,
-                  float eps, int bf16) {
+                  float eps, int bf16, const sharing_desc *sh) {
     for (int64_t i = 0; i < n_layers; i++) {
         const layer_desc *l = layers + i;
         int rc;
         residual_rms_norm(x, i ? delta : NULL, l->attn_norm, y, rows, d, eps, bf16);
         if ((rc = matmul(&l->qkv, y, qkv, rows, threads, bf16))) return rc - 10;
         if ((rc = rope_attend(qkv, cs, sn, lengths, table, width, keys[i], values[i], attn, rows, h, hk, dim, window,
-                              attn_threads, bf16)))
+                              attn_threads, bf16, sh)))
             return rc;
         if ((rc = matmul(&l->o, attn, delta, rows, threads, bf16))) return rc - 10;
         residual_rms_norm(x, delta, l->mlp_norm, y, rows, d, eps, bf16);

@@ -36,10 +36,11 @@ import torch
 
 from metaloom.errors import UnsupportedModel
 from metaloom.models.engine.config import LlamaConfig
+from metaloom.models.engine.sharing import Sharing
 from metaloom.models.kernels import cbuild
 
 SOURCE = Path(__file__).with_name("fused.c")
-ABI_VERSION = 4  # must match fused.c
+ABI_VERSION = 5  # must match fused.c
 # From this many (row, cached key) pairs per step, fused.c's attention splits over PyTorch's
 # threads (OpenMP); below it, one thread (a parallel region costs microseconds per layer).
 PARALLEL_MIN_KEYS = 2048
@@ -71,20 +72,25 @@ class FusedKernels:
 
     def rope_attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: torch.Tensor,
                     table: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, out: torch.Tensor, heads: int,
-                    window: int | None, threads: int = 1) -> None:
+                    window: int | None, threads: int = 1, sharing: Sharing | None = None) -> None:
         """qkv [R, (H + 2 H_kv) D]; cos, sin [positions, D]; lengths [R] int64 (each row's new
         position); table [R, width] int64: the KV slot of each position of each row (the new
         position's slot included); keys, values [slots, H_kv, D]: the layer's KV pool (the new
         key and value are written at the new position's slot); out [R, H D] = attention of the
         rotated queries over positions 0..length (the last ``window`` of them with a sliding
-        window). ``threads``: OpenMP threads to split rows x kv heads over (1: this thread)."""
+        window). ``threads``: OpenMP threads to split rows x kv heads over (1: this thread).
+        ``sharing``: the positions rows share in the pool (`metaloom.models.engine.sharing`),
+        attended once for all their queries (shared-prefix attention; not with a sliding window)."""
         rows, width = table.shape
         _, kv_heads, dim = keys.shape
         rc = self.lib.rope_attend(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), lengths.data_ptr(), table.data_ptr(),
                                   width, keys.data_ptr(), values.data_ptr(), out.data_ptr(), rows, heads, kv_heads,
-                                  dim, window or 0, threads, out.dtype == torch.bfloat16)
+                                  dim, window or 0, threads, out.dtype == torch.bfloat16,
+                                  None if sharing is None else ctypes.byref(sharing.desc()))
         if rc == -1:
             raise MemoryError("fused attention could not allocate its score buffer")
+        if rc == -3:
+            raise UnsupportedModel("shared-prefix attention does not apply with a sliding window")
         if rc != 0:
             raise UnsupportedModel(f"fused attention refused head_dim {dim} (at most {MAX_HEAD_DIM})")
 
@@ -116,11 +122,11 @@ def _bind(lib: ctypes.CDLL, path: Path, isa: str = "") -> FusedKernels:
     lib.residual_rms_norm.restype = None
     lib.silu_mul.argtypes = [_P, _P, _I, _I, ctypes.c_int]
     lib.silu_mul.restype = None
-    lib.rope_attend.argtypes = [_P, _P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int]
+    lib.rope_attend.argtypes = [_P, _P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int, _P]
     lib.rope_attend.restype = ctypes.c_int
     lib.metaloom_fused_openmp.restype = ctypes.c_int
     lib.decode_layers.argtypes = [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I,
-                                  _I, _I, _I, ctypes.c_float, ctypes.c_int]  # see metaloom.models.engine.stack
+                                  _I, _I, _I, ctypes.c_float, ctypes.c_int, _P]  # see metaloom.models.engine.stack
     lib.decode_layers.restype = ctypes.c_int
     return FusedKernels(lib, str(path), bool(lib.metaloom_fused_openmp()), isa)
 
