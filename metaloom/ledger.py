@@ -12,6 +12,17 @@ Token fields follow the OpenAI convention:
 - ``cached_tokens``: the part of ``input_tokens`` that was not computed because its KV entries
   were already present (prefix cache);
 - ``output_tokens``: generated tokens, an end-of-sequence token included.
+
+Every figure but one is a count, and usages add field by field. ``kv_bytes_peak`` is a high-water
+mark (`PEAKS`): the most KV-cache bytes the rows charged to a ledger held at once — the distinct
+KV slots of those rows (keys shared by forks of one prompt, or handed over by the prefix cache,
+counted once) times the KV pool's bytes per slot; several streams (the amateur of contrastive
+decoding, a draft model) add their own. Two usages combine by taking the larger peak: right for
+calls made one after another (a strategy's rounds, a chain), an undercount for calls that run at
+the same time on different batches (a server's concurrent requests charged to one parent ledger,
+a strategy's threads), whose memory adds up while the ledger keeps only the largest. Rows of one
+ledger decoded in one batch are measured together, so a `generate` of several requests on one
+ledger reports what they held together.
 """
 
 from __future__ import annotations
@@ -44,6 +55,9 @@ class Usage:
     accepted_tokens: int = 0
     rejected_tokens: int = 0
     verify_steps: int = 0
+    # the most KV-cache bytes the charge's rows held at once: a high-water mark, combined by max
+    # (see the module docstring), never summed
+    kv_bytes_peak: int = 0
     # figures a charge could not count (a remote server reports no forward passes): reported as
     # None, never as a misleading 0; and figures partly estimated (FLOPs from a parameter count)
     unknown: frozenset[str] = frozenset()
@@ -61,8 +75,22 @@ class Usage:
         return self.accepted_tokens / self.verify_steps if self.verify_steps else None
 
     def __add__(self, other: Usage) -> Usage:
-        return Usage(**{name: getattr(self, name) + getattr(other, name) for name in COUNTED},  # type: ignore[arg-type]
-                     unknown=self.unknown | other.unknown, estimated=self.estimated | other.estimated)
+        """Counts add; a peak is the larger of the two (see the module docstring)."""
+        amounts = {name: max(getattr(self, name), getattr(other, name)) if name in PEAKS
+                   else getattr(self, name) + getattr(other, name) for name in COUNTED}
+        return Usage(**amounts, unknown=self.unknown | other.unknown,  # type: ignore[arg-type]
+                     estimated=self.estimated | other.estimated)
+
+    def since(self, before: Usage) -> Usage:
+        """What was charged after ``before`` (an earlier snapshot of the same ledger): counts are
+        differences; a peak is known where it rose or where there was none before (the part
+        after ``before`` then reached exactly this peak), else it is unknown: a later part that
+        stayed under the earlier peak could have held anything up to it, and subtracting peaks
+        means nothing."""
+        fell = frozenset(name for name in PEAKS if 0 < getattr(self, name) <= getattr(before, name))
+        amounts = {name: 0 if name in fell else getattr(self, name) if name in PEAKS
+                   else getattr(self, name) - getattr(before, name) for name in COUNTED}
+        return Usage(**amounts, unknown=self.unknown | fell, estimated=self.estimated)  # type: ignore[arg-type]
 
     def to_dict(self) -> dict[str, Any]:
         """Every figure (None where it is unknown), and ``estimated``: the figures that are estimates."""
@@ -73,6 +101,8 @@ class Usage:
 
 
 COUNTED = tuple(f.name for f in dataclasses.fields(Usage) if f.name not in ("unknown", "estimated"))
+# the figures that are high-water marks, not counts: combined by max, never summed or subtracted
+PEAKS = ("kv_bytes_peak",)
 
 
 @dataclass(frozen=True)
@@ -90,6 +120,7 @@ class Budget:
     accepted_tokens: int | None = None
     rejected_tokens: int | None = None
     verify_steps: int | None = None
+    kv_bytes_peak: int | None = None  # a cap on memory: the rows of a ledger past it end ("budget")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -172,8 +203,9 @@ class Ledger:
         if self.lock is None:
             self.lock = self.parent.lock if self.parent is not None else threading.RLock()
 
-    def charge(self, **amounts: float) -> None:
-        """Add ``amounts`` (names of `Usage` fields) here and in every ancestor.
+    def charge(self, **amounts: float | frozenset[str]) -> None:
+        """Add ``amounts`` (names of `Usage` fields; ``unknown`` / ``estimated``: the figures
+        this charge could not count / estimated) here and in every ancestor.
 
         Raises `BudgetExceeded` *after* recording the charge: the work was done, so it is
         reported; the caller stops before doing more.

@@ -21,6 +21,10 @@ A step, for every decoder:
    ``max_tokens`` end a row exactly where they occur), roll the cache back past rejected
    drafts, charge each row's ledger.
 
+Each ledger is also charged the most KV memory its rows held at once (``kv_bytes_peak``,
+measured after every join and every forward, before a rejected draft is rolled back:
+`metaloom.decode.memory.BatchMemory`).
+
 Rows of different requests may belong to different ledgers: each ledger is charged for its own
 rows (`metaloom.models.forward`), and a ledger over its budget ends only its own rows, with
 finish "budget" and what they produced so far. Plain sampling, contrastive decoding and
@@ -41,6 +45,7 @@ import numpy as np
 import torch
 
 from metaloom.constrain import Constraint
+from metaloom.decode.memory import BatchMemory
 from metaloom.decode.prefill import release_cache
 from metaloom.decode.rows import RowState, emit
 from metaloom.decode.select import draw, most_likely, raw_logprobs, verify
@@ -168,6 +173,7 @@ class DecodeBatch:
         self.pending: torch.Tensor | None = None  # [B] each row's last emitted token, not yet fed
         self.drafter: DraftState | None = None
         self.cursors: list[Constraint | None] = []
+        self.memory = BatchMemory()  # per ledger, the KV its rows hold (kv_bytes_peak)
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -248,9 +254,11 @@ class DecodeBatch:
 
     def _join(self, rows: list[Row], cache: KVCache, sampler: Sampler, state: SamplingState, pending: torch.Tensor,
               drafter: DraftState | None, cursors: list[Constraint | None]) -> None:
+        self.memory.join(cache, [row.spec.ledger for row in rows])
         if self.cache is None:
             self.cache, self.sampler, self.state, self.pending, self.drafter = cache, sampler, state, pending, drafter
             self.rows, self.cursors = list(rows), list(cursors)
+            self._measure()
             return
         assert self.sampler is not None and self.state is not None and self.pending is not None
         joined = getattr(self.cache, "join", None)
@@ -264,6 +272,11 @@ class DecodeBatch:
             self.drafter = self.drafter.join(drafter)
         self.rows += rows
         self.cursors += cursors
+        self._measure()
+
+    def _measure(self) -> None:
+        """Charge each ledger the KV its rows hold now, where that is a new high."""
+        self.memory.measure(self.cache, getattr(self.drafter, "cache", None))  # a draft model's own cache
 
     # --- stepping ---------------------------------------------------------------------------
     def step(self) -> list[Row]:
@@ -280,6 +293,7 @@ class DecodeBatch:
         if self.speculative is None:
             valid = torch.tensor([0 if d else 1 for d in done], dtype=torch.long, device=device)
             raw, scores, _ = charged_forward_both(self.model, self.pending[:, None], self.cache, ledgers, valid=valid)
+            self._measure()
             got = draw(self.sampler, self.state, raw[:, -1], scores[:, -1], cursors, rngs, _keys(self.rows), skip=done)
             self.state = self.sampler.advance(self.state, got.tokens, got.logprobs)
             self.pending = got.tokens
@@ -307,6 +321,7 @@ class DecodeBatch:
         needs_hidden = bool(getattr(self.drafter, "needs_hidden", False))
         raw, scores, hidden = charged_forward_both(self.model, tokens, self.cache, ledgers, valid=valid,
                                                    hidden=needs_hidden)
+        self._measure()  # the drafts' KV is held until the rejected ones are rolled back below
         live_cursors = None if cursors is None else [None if d else c for c, d in zip(cursors, done, strict=True)]
         out = verify(self.sampler, self.state, scores, draft, live_cursors, rngs)
         acc = out.acceptance
@@ -395,6 +410,7 @@ class DecodeBatch:
         """Keep only the rows at ``positions`` (batch order); the others leave and free their cache."""
         if not positions:
             release_cache(self.cache)
+            self.memory.select([])
             self.rows, self.cursors = [], []
             self.cache = self.sampler = self.state = self.pending = self.drafter = None
             return
@@ -405,6 +421,7 @@ class DecodeBatch:
         old = self.cache
         self.cache = old.fork(positions)
         release_cache(old)
+        self.memory.select(positions)
         self.sampler = self.sampler.select(positions)
         self.state = self.state.select(positions)
         self.pending = self.pending[torch.as_tensor(positions, dtype=torch.long, device=self.pending.device)]

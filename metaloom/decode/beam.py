@@ -33,9 +33,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from metaloom.constrain import Constraint, batch_mask
+from metaloom.decode.memory import beyond_bytes, charge_peak, held_bytes
 from metaloom.decode.prefill import release_cache
 from metaloom.decode.rows import RowState, emit
 from metaloom.decode.select import most_likely
@@ -159,6 +161,13 @@ def beam_search(model: LanguageModel, cache: KVCache, logits: torch.Tensor, samp
     live = [[[_Beam(rows[b].fork(), 0.0, b, None if cursors is None else cursors[b])] for _ in range(params.num_beam_groups)]
             for b in range(b_count)]
     owner = list(range(b_count))  # prompt of each cache row
+    # KV held (kv_bytes_peak): the prompts' slots, shared by all their beams, counted once; past
+    # them each step counts the distinct slots of the beams (forked beams share their past), a
+    # beams-by-generated-tokens `np.unique`, small beside the forward
+    prompts = held_bytes(cache)
+    prompt_lengths = np.asarray(cache.lengths.tolist(), dtype=np.int64)
+    charge_peak(ledger, prompts)
+    high = prompts or 0
     if state is None:
         state = sampler.start()
     step = 0
@@ -202,5 +211,10 @@ def beam_search(model: LanguageModel, cache: KVCache, logits: torch.Tensor, samp
             release_cache(old)
         state = sampler.select(owner).advance(state.select(sources), tokens, lp[index])
         logits = charged_forward(model, tokens[:, None], cache, ledger)[:, -1]
+        if prompts is not None:
+            beyond = beyond_bytes(cache, prompt_lengths[owner])
+            if beyond is None or prompts + beyond > high:
+                high = prompts + (beyond or 0)
+                charge_peak(ledger, None if beyond is None else high)
     release_cache(cache)
     return [sorted((h for group in groups[b] for h in group.hyps), key=lambda h: -h.score) for b in range(b_count)]

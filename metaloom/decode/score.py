@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from metaloom.decode.memory import charge_peak, held_bytes
 from metaloom.decode.prefill import new_cache, prefill, prefill_cached, release_cache
 from metaloom.errors import ContextWindowExceeded, InvalidParameter
 from metaloom.ledger import Ledger
@@ -71,6 +72,7 @@ def score_continuations(model: LanguageModel, prompt: Sequence[int], continuatio
         cache, last = prefill(model, [list(prompt)], len(prompt) + longest, ledger, pool=pool)
     first = torch.log_softmax(last[0].float(), dim=-1)  # [V]: scores each continuation's first token
     out: list[ContinuationScore] = []
+    high = -1
     for start in range(0, len(continuations), batch_size):
         batch = [list(c) for c in continuations[start:start + batch_size]]
         width = max(len(c) for c in batch)
@@ -81,6 +83,11 @@ def score_continuations(model: LanguageModel, prompt: Sequence[int], continuatio
         # the last token's logits are not needed, but dropping it would leave 1-token rows empty
         rows = cache.fork([0] * len(batch))
         logits = charged_forward(model, tokens, rows, ledger, valid=valid)
+        # the batch's rows hold the prompt's slots (once) and every continuation token's
+        held = held_bytes(rows)
+        if held is None or held > high:
+            high = held if held is not None else high
+            charge_peak(ledger, held)
         release_cache(rows)
         lp = torch.log_softmax(logits.float(), dim=-1)  # [N, T, V]
         for i, c in enumerate(batch):
@@ -176,6 +183,7 @@ def _positions(model: LanguageModel, prompt: list[int], start: int, k: int, cach
     for begin in range(start, len(prompt) - 1, chunk):  # the last token's logits score nothing
         piece = ids[begin:min(begin + chunk, len(prompt) - 1)]
         lp = torch.log_softmax(charged_forward(model, piece[None], cache, ledger)[0].float(), dim=-1)  # [t, V]
+        charge_peak(ledger, held_bytes(cache))  # one row, growing a chunk at a time: the last chunk is its peak
         nxt = ids[begin + 1:begin + 1 + len(piece)]
         chosen = lp.gather(-1, nxt[:, None])[:, 0]
         ranks = (lp > chosen[:, None]).sum(-1) + 1

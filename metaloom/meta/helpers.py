@@ -11,7 +11,7 @@ from typing import Any
 
 from metaloom.errors import BudgetExceeded, InvalidParameter, ScorerFailed
 from metaloom.generator.types import Completion, Generator, Request, render
-from metaloom.ledger import COUNTED, Ledger, Usage
+from metaloom.ledger import Ledger, Usage
 from metaloom.meta.types import Event, Result, Strategy, usage_dict
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.answers import Extractor
@@ -41,9 +41,8 @@ class Run:
         self.ledger.notify(kind, data)
 
     def spent_since(self, before: Usage) -> dict[str, Any]:
-        after = self.ledger.usage
-        return usage_dict(Usage(**{name: getattr(after, name) - getattr(before, name) for name in COUNTED},
-                                unknown=after.unknown, estimated=after.estimated))
+        # `Usage.since`: counts subtract, a memory peak does not (it is known only where it rose)
+        return usage_dict(self.ledger.usage.since(before))
 
     def result(self, stopped_reason: str | None = None) -> Result:
         best = self.best_text

@@ -130,7 +130,8 @@ class RemoteGenerator:
         flops = "exact (server)" if exact else "estimate (2 * model_params * tokens)" if self.model_params else "unknown"
         return {"input_tokens": "exact (server usage)", "cached_tokens": "exact (server usage)",
                 "output_tokens": "exact (server usage)", "forward_passes": "exact (server)" if exact else "unknown",
-                "flops": flops, "seconds": "wall time of the call"}
+                "flops": flops, "seconds": "wall time of the call",
+                "kv_bytes_peak": "exact (server), where it reports it" if exact else "unknown"}
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def close(self) -> None:

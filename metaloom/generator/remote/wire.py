@@ -195,7 +195,9 @@ def usage_charge(usage: object, model_params: float | None) -> dict[str, Any]:
     """Ledger amounts for a response's ``usage``: prompt, cached and completion tokens; forward
     passes and FLOPs exactly where the server reports them (metaloom's ``usage.metaloom``), else
     forward passes marked unknown and FLOPs estimated as 2 · parameters · tokens computed when the
-    parameter count is known (marked as an estimate), unknown when it is not."""
+    parameter count is known (marked as an estimate), unknown when it is not. The KV memory the
+    request held (``kv_bytes_peak``) is the server's where it reports one, else unknown: no
+    estimate from tokens, since the server's sharing, paging and cache dtype are out of sight."""
     if not isinstance(usage, dict):
         return {}
     prompt = _count(usage.get("prompt_tokens"))
@@ -204,16 +206,22 @@ def usage_charge(usage: object, model_params: float | None) -> dict[str, Any]:
     cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else 0
     out: dict[str, Any] = {"input_tokens": prompt, "cached_tokens": min(cached, prompt), "output_tokens": output}
     exact = usage.get("metaloom")
+    peak = exact.get("kv_bytes_peak") if isinstance(exact, dict) else None
+    memory = frozenset() if isinstance(peak, int) and not isinstance(peak, bool) else frozenset({"kv_bytes_peak"})
     if isinstance(exact, dict):
         out["forward_passes"] = _count(exact.get("forward_passes"))
         flops = exact.get("flops")
         if isinstance(flops, (int, float)) and not isinstance(flops, bool) and flops >= 0:
             out["flops"] = float(flops)
+        if not memory:
+            out["kv_bytes_peak"] = _count(peak)
     elif model_params is not None:
         out["flops"] = 2.0 * model_params * (prompt - min(cached, prompt) + output)
         out["estimated"], out["unknown"] = frozenset({"flops"}), frozenset({"forward_passes"})
     else:
         out["unknown"] = frozenset({"forward_passes", "flops"})
+    if memory:
+        out["unknown"] = out.get("unknown", frozenset()) | memory
     return out
 
 
