@@ -179,3 +179,27 @@ def test_auto_turns_sharing_on_only_where_enough_is_shared(monkeypatch):
     root = windowed.new_cache(1, 60)
     windowed.forward(torch.randint(0, 103, (1, 20), generator=_g(6)), root)
     assert windowed._sharing(root.fork([0, 0])) is None  # rows of a sliding window attend their own spans
+
+
+@needs
+@pytest.mark.parametrize("threads", [1, 2])
+def test_spans_cut_into_pieces_attend_as_one(threads):
+    """A long shared span comes as pieces (one kernel task each); the result is the same."""
+    rows, prefix, dim, heads, kv_heads = 5, 300, 64, 4, 2
+    table = np.zeros((rows, prefix + 8), dtype=np.int64)
+    table[:, :prefix] = np.arange(1, prefix + 1)
+    for r in range(rows):
+        table[r, prefix:prefix + 4] = np.arange(400 + 10 * r, 404 + 10 * r)
+    lengths = np.full(rows, prefix + 3)
+    whole, pieces = find_sharing(table, lengths, piece=10**6), find_sharing(table, lengths, piece=37)
+    assert _spans(whole) == [(0, prefix, list(range(rows)))]
+    assert [s[:2] for s in _spans(pieces)] == [(lo, min(lo + 37, prefix)) for lo in range(0, prefix, 37)]
+    assert whole.saved_reads() == pieces.saved_reads() == (rows - 1) * prefix
+    cos, sin = rope_tables(dim, 10000.0, None, 512, torch.float32, CPU)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=_g(7))
+    keys, values = torch.randn(500, kv_heads, dim, generator=_g(8)), torch.randn(500, kv_heads, dim, generator=_g(9))
+    tl, tt = torch.from_numpy(lengths), torch.from_numpy(table)
+    outs = [_attend(qkv, cos, sin, tl, tt, keys.clone(), values.clone(), heads, threads, s, torch.float32)
+            for s in (None, whole, pieces)]
+    assert (outs[0] - outs[1]).abs().max().item() <= 2e-6
+    assert (outs[0] - outs[2]).abs().max().item() <= 2e-6

@@ -8,6 +8,9 @@ Reported per side: KV memory right after the fork and at the end (in units of th
 KV memory: the prefix alone is 1.0, and the 64 x 32 new tokens add their own ~1.0 at the end),
 the memory of the fork itself (KV plus slot tables, beyond the prefix), and seconds for the
 fork and for the 32 steps.
+
+``--case shared`` measures something else: shared-prefix attention on and off over forked rows
+(`metaloom.bench.fork_shared`), at each ``--prefixes`` x ``--rows``.
 """
 
 from __future__ import annotations
@@ -106,9 +109,17 @@ HELP = "what forking costs: branches that share a prefix's keys against branches
 
 def add_args(p: argparse.ArgumentParser) -> None:
     model_args(p, device=True, dtypes="float32")
+    p.add_argument("--case", default="copy", choices=("copy", "shared"),
+                   help="copy: shared vs copied forks (memory, fork and decode time); shared: shared-prefix "
+                        "attention on vs off over forked rows")
+    p.add_argument("--prefixes", default="2000,8000", help="--case shared: prompt lengths, comma-separated")
+    p.add_argument("--rows", default="16,64", help="--case shared: forked rows, comma-separated")
+    p.add_argument("--tokens", type=int, default=8, help="--case shared: decode steps a side runs each repeat")
 
 def main(args: argparse.Namespace) -> int:
     loaded = load(args.model, dtype=args.dtype, device=args.device, weights=single_weights(args))
+    if args.case == "shared":
+        return _shared(args, loaded)
     result = measure(loaded.model, repeats=args.repeats)
     result["model"], result["dtype"] = loaded.name, args.dtype
     if args.json:
@@ -123,3 +134,29 @@ def main(args: argparse.Namespace) -> int:
               f"32 steps {r['decode_s']:.2f} s")
     print(f"  shared vs copied: fork {result['fork_speedup']:.0f}x faster, decode {result['decode_speedup']:.2f}x faster")
     return 0
+
+
+def _shared(args: argparse.Namespace, loaded: Any) -> int:
+    from metaloom.bench.fork_shared import measure_shared, print_shared
+    from metaloom.models.kernels.isa import chosen, cpu_name
+
+    result = measure_shared(loaded.model, _ints("prefixes", args.prefixes), _ints("rows", args.rows),
+                            tokens=args.tokens, repeats=args.repeats)
+    result.update(model=loaded.name, dtype=args.dtype, weights=loaded.weights, cpu=cpu_name(), isa=chosen().name,
+                  threads=torch.get_num_threads())
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_shared(result)
+    return 0
+
+
+def _ints(param: str, value: str) -> list[int]:
+    """Comma-separated whole numbers >= 1, else `InvalidParameter` naming ``param``."""
+    try:
+        out = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise InvalidParameter(param, value, "comma-separated whole numbers >= 1")
+    return out

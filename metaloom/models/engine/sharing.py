@@ -69,10 +69,17 @@ class SharingDesc(ctypes.Structure):
                 ("private_from", ctypes.c_void_p), ("row_ptr", ctypes.c_void_p), ("pairs", ctypes.c_void_p)]
 
 
-def find_sharing(slots: np.ndarray, lengths: np.ndarray) -> Sharing | None:
+# a shared span is cut into pieces of this many positions: the kernel's work for a span is one
+# task per piece (and kv head, and 64 rows), so a long prompt shared by a few rows still spreads
+# over threads, and each task's key block serves every row of the piece
+PIECE = 512
+
+
+def find_sharing(slots: np.ndarray, lengths: np.ndarray, piece: int = PIECE) -> Sharing | None:
     """The sharing tree of rows with slot table ``slots`` [R, capacity] and ``lengths`` [R]
     cached positions each (a decode step's new position, ``lengths[r]``, is never shared), or
-    None when no two rows share a position."""
+    None when no two rows share a position. Spans longer than ``piece`` come as consecutive
+    spans of the same rows."""
     n_rows = len(lengths)
     if n_rows < 2:
         return None
@@ -90,8 +97,7 @@ def find_sharing(slots: np.ndarray, lengths: np.ndarray) -> Sharing | None:
         same = (block == block[0]).all(axis=0)
         shared = int(np.argmin(same)) if not bool(same.all()) else end - start
         at = start + shared
-        if shared:
-            spans.append((start, at, rows))
+        spans.extend((lo, min(lo + piece, at), rows) for lo in range(start, at, piece))
         # each step either emits a span, finishes rows, or splits the group in two or more,
         # so the walk ends
         done = lengths[rows] == at

@@ -48,6 +48,13 @@ INLINE float hsum(vec v) {
     return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
 }
 
+/* the largest lane */
+INLINE float hmax(vec v) {
+    float m = v[0];
+    for (int i = 1; i < W; i++) m = v[i] > m ? v[i] : m;
+    return m;
+}
+
 /* W elements at p[i..], as floats: float32 storage, or bfloat16 (the top half of a float) */
 INLINE vec ld(const void *p, int64_t i, const int bf) {
     if (!bf) {
@@ -289,11 +296,52 @@ typedef struct {
 } sharing_desc;
 
 #define KB 32       /* positions of a span's key block (32 x 256 floats of keys and of values at most) */
-#define SPAN_ROWS 16 /* rows of a span task: a span is read once per 16 rows (and kv head) */
+#define SPAN_ROWS 64 /* rows of a span task: a span is read (and its key blocks transposed) once per 64 rows */
+
+/* One query's running partial softmax state s = (m, l, acc[dim]) after a block of n <= KB
+ * keys whose scores (unscaled) are dots and whose values are vb [KB][dim] (float32). */
+INLINE void block_update(float *s, const vec *dots, int64_t n, float scale, const float *vb, const int nv) {
+    const int64_t dim = nv * W;
+    float sc[KB] __attribute__((aligned(64)));
+    vec acc[MAX_VECTORS];
+    vec vmax = splat(-INFINITY);
+    for (int u = 0; u < KB / W; u++) {
+        vec x = dots[u] * scale;
+        memcpy(sc + u * W, &x, sizeof x);
+        if ((u + 1) * W <= n) vmax = pick(x > vmax, x, vmax);
+    }
+    float bm = hmax(vmax);
+    for (int64_t t = (n / W) * W; t < n; t++) bm = sc[t] > bm ? sc[t] : bm; /* a last partial vector */
+    float m = s[0], l = s[1];
+    for (int v = 0; v < nv; v++) memcpy(&acc[v], s + 2 + W * v, sizeof(vec));
+    if (bm > m) { /* a new maximum: rescale what was summed under the old one */
+        float c = vexp(splat(m - bm))[0] * (m > -INFINITY);
+        l *= c;
+        for (int v = 0; v < nv; v++) acc[v] *= c;
+        m = bm;
+    }
+    vec sums = splat(0.0f);
+    for (int64_t t = 0; t < n; t += W) {
+        vec e = vexp(ld(sc, t, 0) - m);
+        for (int64_t k = n - t; k < W; k++) e[k] = 0.0f; /* past the block: not summed */
+        memcpy(sc + t, &e, sizeof e);
+        sums += e;
+    }
+    for (int64_t t = 0; t < n; t++) {
+        const float e = sc[t];
+        for (int v = 0; v < nv; v++) acc[v] += e * ld(vb, t * dim + W * v, 0);
+    }
+    s[0] = m;
+    s[1] = l + hsum(sums);
+    for (int v = 0; v < nv; v++) memcpy(s + 2 + W * v, &acc[v], sizeof(vec));
+}
 
 /* The partial softmax of every query head of kv head j of `nrows` rows (rows[0..nrows-1],
  * their pairs k0 + i) over the span's positions lo..hi-1, blocked by KB positions:
- * state[(pair * h + g) * (dim + 2)] = m, l, acc[dim]. q [rows, h, dim] holds the rotated queries. */
+ * state[(pair * h + g) * (dim + 2)] = m, l, acc[dim]. q [rows, h, dim] holds the rotated queries.
+ * A block's keys are first transposed into kt [dim][KB] (and its values converted to float32),
+ * once for all the task's queries: a query's KB scores are then dim vector multiply-adds across
+ * keys, with no horizontal sum per key as the per-row kernel needs. */
 INLINE void span_partial_n(const void *q, const void *K, const void *V, const int64_t *slots, int64_t stride,
                            int64_t off, int64_t lo, int64_t hi, const int64_t *rows, int64_t nrows, int64_t k0,
                            int64_t h, int64_t j, int64_t group, float *state, float scale, const int nv,
@@ -306,46 +354,49 @@ INLINE void span_partial_n(const void *q, const void *K, const void *V, const in
             s[1] = 0.0f;
             memset(s + 2, 0, sizeof(float) * (size_t)dim);
         }
-    float sc[KB];
+    float kt[MAX_VECTORS * W * KB] __attribute__((aligned(64)));
+    float vb[KB * MAX_VECTORS * W] __attribute__((aligned(64)));
     for (int64_t t0 = lo; t0 < hi; t0 += KB) {
         const int64_t n = hi - t0 < KB ? hi - t0 : KB;
-        for (int64_t i = 0; i < nrows; i++)
-            for (int64_t g = j * group; g < (j + 1) * group; g++) {
-                vec qv[MAX_VECTORS], acc[MAX_VECTORS];
-                int64_t qi = (rows[i] * h + g) * dim;
-                for (int v = 0; v < nv; v++) qv[v] = ld(q, qi + W * v, bf);
-                float bm = -INFINITY;
-                for (int64_t t = 0; t < n; t++) {
-                    int64_t at = slots[t0 + t] * stride + off;
-                    vec d = qv[0] * ld(K, at, bf);
-                    for (int v = 1; v < nv; v++) d += qv[v] * ld(K, at + W * v, bf);
-                    sc[t] = hsum(d) * scale;
-                    bm = sc[t] > bm ? sc[t] : bm;
+        for (int64_t t = 0; t < KB; t++) {
+            if (t < n) {
+                int64_t at = slots[t0 + t] * stride + off;
+                for (int v = 0; v < nv; v++) {
+                    vec kv = ld(K, at + W * v, bf);
+                    for (int e = 0; e < W; e++) kt[(W * v + e) * KB + t] = kv[e];
+                    vec vv = ld(V, at + W * v, bf);
+                    memcpy(vb + t * dim + W * v, &vv, sizeof vv);
                 }
-                float *s = state + ((k0 + i) * h + g) * sw;
-                float m = s[0], l = s[1];
-                for (int v = 0; v < nv; v++) memcpy(&acc[v], s + 2 + W * v, sizeof(vec));
-                if (bm > m) { /* a new maximum: rescale what was summed under the old one */
-                    float c = vexp(splat(m - bm))[0] * (m > -INFINITY);
-                    l *= c;
-                    for (int v = 0; v < nv; v++) acc[v] *= c;
-                    m = bm;
-                }
-                vec sums = splat(0.0f);
-                for (int64_t t = 0; t < n; t += W) {
-                    vec e = vexp(ld(sc, t, 0) - m);
-                    for (int64_t k = n - t; k < W; k++) e[k] = 0.0f; /* past the block: not summed */
-                    memcpy(sc + t, &e, sizeof e);
-                    sums += e;
-                }
-                for (int64_t t = 0; t < n; t++) {
-                    int64_t at = slots[t0 + t] * stride + off;
-                    for (int v = 0; v < nv; v++) acc[v] += sc[t] * ld(V, at + W * v, bf);
-                }
-                s[0] = m;
-                s[1] = l + hsum(sums);
-                for (int v = 0; v < nv; v++) memcpy(s + 2 + W * v, &acc[v], sizeof(vec));
+            } else {
+                for (int64_t d = 0; d < dim; d++) kt[d * KB + t] = 0.0f;
             }
+        }
+        /* queries two at a time: each key vector loaded serves two of them */
+        const int64_t nq = nrows * group;
+        for (int64_t a = 0; a < nq; a += 2) {
+            const int two = a + 1 < nq;
+            vec d0[KB / W], d1[KB / W];
+            float q0[MAX_VECTORS * W], q1[MAX_VECTORS * W];
+            int64_t qa = (rows[a / group] * h + j * group + a % group) * dim;
+            int64_t qb = two ? (rows[(a + 1) / group] * h + j * group + (a + 1) % group) * dim : qa;
+            for (int v = 0; v < nv; v++) {
+                vec x = ld(q, qa + W * v, bf), y = ld(q, qb + W * v, bf);
+                memcpy(q0 + W * v, &x, sizeof x);
+                memcpy(q1 + W * v, &y, sizeof y);
+            }
+            for (int u = 0; u < KB / W; u++) d0[u] = d1[u] = splat(0.0f);
+            for (int64_t d = 0; d < dim; d++) {
+                const float x = q0[d], y = q1[d];
+                for (int u = 0; u < KB / W; u++) {
+                    const vec kv = ld(kt, d * KB + u * W, 0);
+                    d0[u] += x * kv;
+                    d1[u] += y * kv;
+                }
+            }
+            block_update(state + ((k0 + a / group) * h + j * group + a % group) * sw, d0, n, scale, vb, nv);
+            if (two) block_update(state + ((k0 + (a + 1) / group) * h + j * group + (a + 1) % group) * sw, d1, n, scale,
+                                  vb, nv);
+        }
     }
 }
 
@@ -438,7 +489,7 @@ INLINE int rope_attend_shared_t(const void *qkv, const void *cs, const void *sn,
     float *buf = malloc(sizeof(float) * (nq + npriv + npairs));
     if (!buf) return -1;
     float *q = buf, *priv = buf + nq, *pstate = priv + npriv;
-    /* span tasks: (span, kv head, block of SPAN_ROWS rows) */
+    /* span tasks: (span, kv head, block of SPAN_ROWS rows); long spans come in pieces (sharing.py) */
     int64_t chunks = 0;
     for (int64_t s = 0; s < sh->spans; s++) chunks += (sh->ptr[s + 1] - sh->ptr[s] + SPAN_ROWS - 1) / SPAN_ROWS;
     int failed = 0;
