@@ -345,8 +345,12 @@ def test_a_server_without_exact_counts_marks_forward_passes_unknown_and_flops_es
 
     usage = {"prompt_tokens": 10, "completion_tokens": 5, "prompt_tokens_details": {"cached_tokens": 4}}
     estimated = usage_charge(usage, 1e6)
-    assert estimated["flops"] == 2e6 * (10 - 4 + 5) and estimated["unknown"] == {"forward_passes"}
+    # the KV memory a request held is the server's alone to know: unknown unless metaloom reports it
+    assert estimated["flops"] == 2e6 * (10 - 4 + 5) and estimated["unknown"] == {"forward_passes", "kv_bytes_peak"}
     assert estimated["estimated"] == {"flops"}
-    assert usage_charge(usage, None)["unknown"] == {"forward_passes", "flops"}
-    exact = usage_charge({**usage, "metaloom": {"forward_passes": 3, "flops": 7.0}}, 1e6)
+    assert usage_charge(usage, None)["unknown"] == {"forward_passes", "flops", "kv_bytes_peak"}
+    exact = usage_charge({**usage, "metaloom": {"forward_passes": 3, "flops": 7.0, "kv_bytes_peak": 4096}}, 1e6)
     assert "unknown" not in exact and "estimated" not in exact and exact["forward_passes"] == 3
+    assert exact["kv_bytes_peak"] == 4096
+    older = usage_charge({**usage, "metaloom": {"forward_passes": 3, "flops": 7.0}}, 1e6)  # a server before the figure
+    assert older["unknown"] == {"kv_bytes_peak"} and older["forward_passes"] == 3

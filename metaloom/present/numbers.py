@@ -1,5 +1,5 @@
 """Numbers as people read them: scores to 3 decimals, counts with thousands separators, FLOPs
-in engineering units, usage figures with "?" for what a run could not count and "~" for an
+in engineering units, memory in binary units, usage figures with "?" for what a run could not count and "~" for an
 estimate. Shared by `metaloom tree` (`metaloom.present.tree`) and `metaloom report`
 (`metaloom.eval.report.cells`, which shows a missing figure as "–")."""
 
@@ -58,7 +58,24 @@ def fmt_seconds(v: Any) -> str:
     return f"{v:.2f}" if finite(v) else clean(v)
 
 
-_USAGE_FORMAT = {"flops": fmt_flops, "seconds": fmt_seconds}
+_BINARY = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def fmt_bytes(v: Any) -> str:
+    """Bytes in binary units, as memory is sized: 5632 -> "5.5 KiB", 2**30 -> "1 GiB"."""
+    if not finite(v):
+        return clean(v)
+    exp = min(max(math.floor(math.log2(abs(v)) / 10), 0), len(_BINARY) - 1) if v else 0
+    if exp == 0:
+        return f"{v:g} B"
+    mantissa = float(f"{v / 1024 ** exp:.3g}")
+    if abs(mantissa) >= 1024 and exp < len(_BINARY) - 1:  # 1023.9 KiB rounds to 1.02e3: say 1 MiB
+        exp += 1
+        mantissa = float(f"{v / 1024 ** exp:.3g}")
+    return f"{mantissa:g} {_BINARY[exp]}"
+
+
+_USAGE_FORMAT = {"flops": fmt_flops, "seconds": fmt_seconds, "kv_bytes_peak": fmt_bytes}
 
 
 def fmt_usage(key: str, v: Any, estimated: bool = False) -> str:

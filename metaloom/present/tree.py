@@ -24,6 +24,7 @@ from rich.style import Style
 from rich.table import Table
 from rich.text import Span, Text
 
+from metaloom.ledger import PEAKS
 from metaloom.present.numbers import UNKNOWN, finite, fmt_compact, fmt_count, fmt_score, fmt_usage, is_int
 from metaloom.present.text import ELLIPSIS, NEWLINE, clean, one_line
 from metaloom.search.trace import NODE_KEYS, TreeRecord, index_tree, state_counts
@@ -259,9 +260,18 @@ def _total(values: Sequence[Any]) -> Any:
     return sum(values) if all(finite(v) for v in values) else None
 
 
+def _highest(values: Sequence[Any]) -> Any:
+    """A peak's total: the highest known value, or None when none is known. A round's peak is
+    unknown where it stayed under an earlier one (`metaloom.ledger.Usage.since`), so the
+    highest known is the run's peak over its rounds."""
+    known = [v for v in values if finite(v)]
+    return max(known) if known else None
+
+
 def rounds_table(tree: Mapping[str, Any]) -> Table | None:
     """The rounds: nodes expanded, children made, and the usage each cost, with a total row
-    ("?" where a figure is unknown, in a round or so in the total; "~" an estimate). Beyond
+    ("?" where a figure is unknown, in a round or so in the total; "~" an estimate; a peak's
+    total is its highest round, not a sum). Beyond
     the usual five figures, a column for any other usage figure some round has non-zero.
     None without rounds."""
     rounds = [r for r in tree.get("rounds") or () if isinstance(r, dict)]
@@ -281,7 +291,7 @@ def rounds_table(tree: Mapping[str, Any]) -> Table | None:
     table.add_column("expanded", footer=fmt_usage("expanded", _total(expanded)))
     table.add_column("children", justify="right", no_wrap=True, footer=fmt_usage("children", _total(children)))
     for key, heading in columns.items():
-        total = _total([u.get(key) for u in usages])
+        total = (_highest if key in PEAKS else _total)([u.get(key) for u in usages])
         table.add_column(heading, justify="right", no_wrap=True,
                          footer=fmt_usage(key, total, any(key in e for e in estimated)))
     for k, (r, usage) in enumerate(zip(rounds, usages, strict=True)):
