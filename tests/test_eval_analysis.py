@@ -211,10 +211,19 @@ def test_the_hand_built_selection_matches_the_sweeps_own():
 
 
 def test_subset_cost_is_shared_plus_the_subsets_own():
-    r = pooled([cand("1", tokens=3, flops=10.0, seconds=0.25), cand("2", tokens=5, flops=20.0, seconds=0.5)],
-               Selection("majority_vote", (0, 1)), shared={"flops": 100.0, "seconds": 1.0, "input_tokens": 7.0})
-    assert subset_cost(r, [1]) == {"output_tokens": 5, "flops": 120.0, "seconds": 1.5}
-    assert subset_cost(r, [0, 1]) == {"output_tokens": 8, "flops": 130.0, "seconds": 1.75}
+    cands = [replace(cand("1", tokens=3, flops=10.0, seconds=0.25), kv_bytes=512.0),
+             replace(cand("2", tokens=5, flops=20.0, seconds=0.5), kv_bytes=1024.0)]
+    r = pooled(cands, Selection("majority_vote", (0, 1)),
+               shared={"flops": 100.0, "seconds": 1.0, "input_tokens": 7.0, "kv_bytes_peak": 1792.0})
+    assert subset_cost(r, [1]) == {"output_tokens": 5, "flops": 120.0, "seconds": 1.5, "kv_bytes_peak": 2816.0}
+    assert subset_cost(r, [0, 1]) == {"output_tokens": 8, "flops": 130.0, "seconds": 1.75, "kv_bytes_peak": 3328.0}
+
+
+def test_a_record_without_a_measured_peak_has_no_memory_cost():
+    """Records written before peaks were measured (or by a remote server): NaN, never 0."""
+    r = pooled([cand("1", tokens=3), cand("2", tokens=5)], Selection("majority_vote", (0, 1)))
+    assert math.isnan(subset_cost(r, [0])["kv_bytes_peak"]) and math.isnan(outcome(r, 1).cost["kv_bytes_peak"])
+    assert math.isnan(outcome(single("p", "greedy", True), None).cost["kv_bytes_peak"])
 
 
 def test_expected_accuracy_is_the_average_over_ordered_subsets():

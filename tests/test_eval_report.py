@@ -250,10 +250,12 @@ def test_header_and_summary(written) -> None:
     rows = re.findall(r"<tr><td class=\"strategy\">(.*?)</td>(.*?)</tr>", summary, re.S)
     assert [name for name, _ in rows] == STRATEGIES
     cells = {name: re.findall(r'<td class="num[^"]*">(.*?)</td>', rest, re.S) for name, rest in rows}
-    # accuracy with the analysis's interval, mean tokens, FLOPs in engineering units, errors, budget stops
+    # accuracy with the analysis's interval, mean tokens, FLOPs in engineering units, peak KV
+    # memory, errors, budget stops
     assert cells[MV][0] == '75.0%<span class="interval">[55.0, 90.0]</span>'
-    assert cells[GREEDY][2] == "3/4" and cells[GREEDY][6] == "1"  # p3's greedy run failed
-    assert cells[BON][7] == "1"  # p2's best-of-N stopped at its budget
+    assert cells[GREEDY][2] == "3/4" and cells[GREEDY][7] == "1"  # p3's greedy run failed
+    assert cells[GREEDY][6] == "–"  # these records hold no measured peak
+    assert cells[BON][8] == "1"  # p2's best-of-N stopped at its budget
     assert cells[GREEDY][3] == "14" and cells[GREEDY][4] == "3.78 GFLOP"
     # seconds are what the runs were charged (the ledger's), not the record's wall time: a pool
     # replayed from another run of the sweep took none

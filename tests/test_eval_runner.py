@@ -418,12 +418,16 @@ def test_a_sweep_against_an_openai_compatible_server(tmp_path):
     # the server reports no FLOPs: unknown stays unknown (None), never a misleading 0
     assert pooled.usage["flops"] is None
     assert all(c.flops is None for c in pooled.candidates) and pooled.shared.get("flops") is None
+    # nor any KV memory: its peak is unknown too, and so is every sample's share of it
+    assert pooled.usage["kv_bytes_peak"] is None and by["greedy"].usage["kv_bytes_peak"] is None
+    assert all(c.kv_bytes is None for c in pooled.candidates) and pooled.shared.get("kv_bytes_peak") is None
     assert pooled.usage["output_tokens"] == sum(c.tokens for c in pooled.candidates)
     from metaloom.eval.analysis import analyze
 
     analysis = analyze(records, seed=0, draws=20, bootstrap=50)
     mv = next(c for c in analysis["curves"] if c["family"] == "majority_vote")
     assert [p["flops"] for p in mv["points"]] == [None] * len(mv["points"])  # unknown, not zero
+    assert [p["kv_bytes_peak"] for p in mv["points"]] == [None] * len(mv["points"])
     assert all(p["output_tokens"] > 0 for p in mv["points"])
 
 

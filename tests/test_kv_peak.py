@@ -9,6 +9,8 @@ slots at its peak.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -203,3 +205,62 @@ def test_the_measure_needs_no_pass_over_every_slot_per_step(tiny, monkeypatch):
     monkeypatch.setattr(BatchMemory, "_count_shared", lambda self, parts: calls.append(1) or real(self, parts))
     assert _peak(LocalGenerator(tiny), Request("abcdef", _greedy(20, n=2))) == (6 + 2 * 19) * SLOT
     assert len(calls) == 1  # when the rows joined; 19 steps later they leave together, uncounted
+
+
+# --- metaloom eval: accuracy against memory ------------------------------------------------------
+
+
+def tiny_engine() -> LocalGenerator:
+    """The factory the sweep below names (``Setup.factory``)."""
+    return LocalGenerator(tiny_llama())
+
+
+def test_eval_draws_accuracy_against_peak_kv_memory(tmp_path):
+    from metaloom.eval.analysis import analyze
+    from metaloom.eval.report.figures import draw_accuracy, family_styles
+    from metaloom.eval.runner import Setup, plan_sweep, run_sweep
+
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "answer": "x"}) + "\n" for p in ("abcdef", "ghij")))
+    setup = Setup(task=f"jsonl:{path}", factory=f"{__name__}:tiny_engine", max_tokens=6, temperature=1.0)
+    records = run_sweep(plan_sweep(setup, ["greedy", "majority_vote@n=4"], str(tmp_path / "out")))
+    by = {(r.problem, r.strategy): r for r in records}
+    first = sorted({r.problem for r in records})[0]
+    greedy, pooled = by[(first, "greedy")], by[(first, "majority_vote@n=4")]
+    prompt = greedy.usage["input_tokens"]
+    assert greedy.usage["kv_bytes_peak"] == (prompt + greedy.usage["output_tokens"] - 1) * SLOT
+    # a pooled run's peak is split into the prompt's share and each sample's own; they add up
+    assert pooled.shared["kv_bytes_peak"] + sum(c.kv_bytes for c in pooled.candidates) == pytest.approx(
+        pooled.usage["kv_bytes_peak"])
+    assert pooled.shared["kv_bytes_peak"] == pytest.approx(
+        pooled.usage["kv_bytes_peak"] * prompt / (prompt + sum(c.tokens - 1 for c in pooled.candidates)))
+
+    analysis = analyze(records, seed=0, draws=20, bootstrap=50)
+    assert "kv_bytes_peak" in analysis["frontier"]
+    mv = next(c for c in analysis["curves"] if c["family"] == "majority_vote")
+    memory = [p["kv_bytes_peak"] for p in mv["points"]]  # n = 1, 2, 4 read off the one pool of 4
+    assert len(memory) == 3 and memory == sorted(memory) and memory[0] > 0
+    fig, _ = draw_accuracy(analysis["curves"], analysis["frontier"], family_styles([c["family"] for c in analysis["curves"]]))
+    assert [ax.get_xlabel() for ax in fig.axes][-1] == "mean peak KV memory per problem (bytes)"
+    # without a measured peak (a server that reports none, an older sweep) the panel is left out
+    for curve in analysis["curves"]:
+        for p in curve["points"]:
+            p["kv_bytes_peak"] = None
+    fig, _ = draw_accuracy(analysis["curves"], analysis["frontier"], family_styles([c["family"] for c in analysis["curves"]]))
+    assert len(fig.axes) == 3
+
+
+def test_the_rounds_table_totals_a_peak_by_its_highest_round():
+    from rich.console import Console
+
+    from metaloom.present.tree import rounds_table
+
+    # round 2 stayed under round 1's peak, so its own is unknown (`Usage.since`); the run's is 3 KiB
+    rounds = [{"round": r, "usage": {"output_tokens": 4, "kv_bytes_peak": kv}} for r, kv in ((1, 2048), (2, None), (3, 3072))]
+    table = rounds_table({"rounds": rounds})
+    console = Console(width=200, record=True)
+    console.print(table)
+    text = console.export_text()
+    total = next(line for line in text.splitlines() if line.strip().startswith("total"))
+    assert "3 KiB" in total and "12" in total and "7 KiB" not in total  # max, not a sum; counts still add
+    assert "2 KiB" in text and "?" in text

@@ -73,7 +73,8 @@ def setup_of(args: argparse.Namespace) -> Any:
 
 
 def summary(records: list[Any], specs: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    """Per spec: problems, accuracy, mean output tokens, FLOPs and seconds, errors. Accuracy is
+    """Per spec: problems, accuracy, mean output tokens, FLOPs, seconds and peak KV bytes (None
+    where no run measured it), errors. Accuracy is
     defined as in the report and `scripts/run_tables.py` (`metaloom.eval.analysis`): a sampling
     strategy's is its expected accuracy over the order of its samples (a vote's tie goes to the
     answer seen first, and which one that is depends on the order), not the one order the run
@@ -95,16 +96,28 @@ def summary(records: list[Any], specs: tuple[str, ...]) -> dict[str, dict[str, A
                      "flops": sum(float(r.usage.get("flops") or 0.0) for r in rs) / n,
                      # the ledger's seconds: what the run cost (a replayed draw took no wall time here)
                      "seconds": sum(float(r.usage.get("seconds") or r.seconds) for r in rs) / n,
+                     # the most KV memory a run held at once, its mean over the runs that measured it
+                     "kv_bytes_peak": _mean_known([r.usage.get("kv_bytes_peak") for r in rs]),
                      "errors": sum(r.error is not None for r in rs),
                      "budget_stops": sum(r.stopped_reason == "budget" for r in rs)}
     return out
 
 
+def _mean_known(values: list[Any]) -> float | None:
+    """The mean of the numbers among ``values`` (None: unknown, e.g. behind a remote server)."""
+    known = [float(v) for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+    return sum(known) / len(known) if known else None
+
+
 def table(rows: dict[str, dict[str, Any]]) -> str:
-    lines = ["| strategy | problems | accuracy | output tokens | TFLOP | seconds | errors |", "|---|---|---|---|---|---|---|"]
+    from metaloom.present.numbers import fmt_bytes
+
+    lines = ["| strategy | problems | accuracy | output tokens | TFLOP | seconds | peak KV | errors |",
+             "|---|---|---|---|---|---|---|---|"]
     for spec, s in rows.items():
+        memory = fmt_bytes(s["kv_bytes_peak"]) if s.get("kv_bytes_peak") is not None else "?"
         lines.append(f"| {spec} | {s['problems']} | {s['accuracy']:.3f} | {s['output_tokens']:.0f} | "
-                     f"{s['flops'] / 1e12:.3f} | {s['seconds']:.2f} | {s['errors']} |")
+                     f"{s['flops'] / 1e12:.3f} | {s['seconds']:.2f} | {memory} | {s['errors']} |")
     return "\n".join(lines)
 
 

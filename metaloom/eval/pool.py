@@ -20,6 +20,14 @@ at the full N the parts add up to the run's charged usage exactly. Without a for
 server) the sampling call's FLOPs are split by tokens. Seconds are split in proportion to
 FLOPs: an attribution, not a measurement — a batch of 32 rows does not take 32 times one row's
 time.
+
+Memory is a peak, not a sum, and has no per-row formula: the run's ``kv_bytes_peak`` is split
+by the KV each part holds when every sample is alive at once — the prompt's P slots, shared by
+the forks, and each sample's own L - 1 (its last token is never fed) — so ``shared`` is
+peak · P / (P + Σ (L_i - 1)) and sample i's share peak · (L_i - 1) / (P + Σ (L_i - 1)). At the
+full N the parts add up to the run's peak; a subset's sum is what its samples would hold
+decoded together. An attribution, like seconds: samples that finish early free their slots
+before the others peak, and a scorer may set the peak with memory of its own.
 """
 
 from __future__ import annotations
@@ -59,18 +67,35 @@ def _usage_of(result: Result, kind: str) -> Mapping[str, Any]:
     return total
 
 
+def kv_shares(result: Result) -> tuple[list[float | None], float | None]:
+    """(each candidate's share of the run's peak KV bytes, the prompt's share); see the module
+    docstring. A peak the run could not measure (a remote server) stays None."""
+    usage = result.usage
+    if "kv_bytes_peak" in usage.unknown:
+        return [None] * len(result.candidates), None
+    peak = float(usage.kv_bytes_peak)
+    prompt = float(_usage_of(result, "sample").get("input_tokens", 0))
+    own = [float(max(len(c.token_ids) - 1, 0)) for c in result.candidates]
+    held = prompt + sum(own)
+    if held <= 0:
+        return [0.0] * len(own), peak
+    return [peak * t / held for t in own], peak * prompt / held
+
+
 def attribute(result: Result, row_flops: RowFlops | None) -> tuple[list[tuple[float | None, float]], dict[str, float | None]]:
     """((flops, seconds) of each candidate, shared usage {flops, seconds, input_tokens,
-    cached_tokens, scorer_calls}); see the module docstring. FLOPs the run could not count (a
-    server that reports none, without ``--model-params``) stay None: no attribution of an
-    unknown."""
+    cached_tokens, scorer_calls, kv_bytes_peak}); see the module docstring. FLOPs the run could
+    not count (a server that reports none, without ``--model-params``) stay None: no
+    attribution of an unknown. Each candidate's KV share is `kv_shares`'s (`candidates_of`)."""
     usage = result.usage
+    kv_shared = kv_shares(result)[1]
     if "flops" in usage.unknown:
         share = [len(c.token_ids) for c in result.candidates]
         secs_unknown = [float(usage.seconds) * t / sum(share) if sum(share) else 0.0 for t in share]
         return ([(None, s) for s in secs_unknown],
                 {"flops": None, "seconds": 0.0, "input_tokens": float(usage.input_tokens),
-                 "cached_tokens": float(usage.cached_tokens), "scorer_calls": float(usage.scorer_calls)})
+                 "cached_tokens": float(usage.cached_tokens), "scorer_calls": float(usage.scorer_calls),
+                 "kv_bytes_peak": kv_shared})
     sampled = _usage_of(result, "sample")
     prompt = int(sampled.get("input_tokens", 0) + sampled.get("cached_tokens", 0))
     tokens = [len(c.token_ids) for c in result.candidates]
@@ -90,7 +115,7 @@ def attribute(result: Result, row_flops: RowFlops | None) -> tuple[list[tuple[fl
     secs = [seconds_total * f / flops_total if flops_total else 0.0 for f in own]
     shared: dict[str, float | None] = {"flops": flops_total - sum(own), "seconds": max(0.0, seconds_total - sum(secs)),
               "input_tokens": float(usage.input_tokens), "cached_tokens": float(usage.cached_tokens),
-              "scorer_calls": float(usage.scorer_calls)}
+              "scorer_calls": float(usage.scorer_calls), "kv_bytes_peak": kv_shared}
     return list(zip(own, secs, strict=True)), shared
 
 
@@ -112,6 +137,7 @@ def selection_of(kind: str, result: Result, extractor: Extractor | None, transfo
 
 def candidates_of(result: Result, grades: Sequence[Grade], costs: Sequence[tuple[float | None, float]]) -> tuple[Candidate, ...]:
     scores = list(result.scores) if len(result.scores) == len(result.candidates) else [None] * len(result.candidates)
+    kv = kv_shares(result)[0]
     return tuple(Candidate(text=c.text, tokens=len(c.token_ids), flops=f, seconds=s, answer=g.answer, correct=g.correct,
-                           score=None if sc is None else float(sc))
-                 for c, g, (f, s), sc in zip(result.candidates, grades, costs, scores, strict=True))
+                           score=None if sc is None else float(sc), kv_bytes=m)
+                 for c, g, (f, s), sc, m in zip(result.candidates, grades, costs, scores, kv, strict=True))

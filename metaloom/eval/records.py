@@ -29,8 +29,9 @@ POOLED = ("majority_vote", "weighted_vote", "best_of_n", "mbr")
 
 @dataclass(frozen=True)
 class Candidate:
-    """One sample of a pooled strategy: ``tokens`` generated, the ``flops`` and ``seconds``
-    attributed to it (its own decode steps; see `metaloom.eval.pool`), its extracted
+    """One sample of a pooled strategy: ``tokens`` generated, the ``flops``, ``seconds`` and
+    ``kv_bytes`` (its share of the run's peak KV memory) attributed to it (its own decode
+    steps; see `metaloom.eval.pool`), its extracted
     ``answer``, whether it is ``correct``, and the strategy's ``score`` for it (None where the
     strategy does not score). ``text`` is kept for the report's drill-down."""
 
@@ -41,6 +42,7 @@ class Candidate:
     answer: str | None
     correct: bool
     score: float | None = None
+    kv_bytes: float | None = None  # None: unknown (a remote server; a record written before it was measured)
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ from metaloom.errors import InvalidParameter
 from metaloom.eval.analysis.curves import Point, latest
 from metaloom.eval.analysis.subsample import COSTS, subset_cost
 from metaloom.eval.records import POOLED, Record
+from metaloom.ledger import PEAKS
 from metaloom.wiring.spec import parse_spec
 
 BASELINES = ("majority_vote", "best_of_n")
@@ -176,9 +177,12 @@ def bin_of(bins: Sequence[Bin], difficulty: float) -> str:
 
 
 def budget_metric(pts: Sequence[Point], problems: Sequence[str], preferred: str = "flops") -> str:
-    """``preferred`` where every point's cost on it is known and some is non-zero, else output tokens."""
-    if preferred not in COSTS:
-        raise InvalidParameter("metric", preferred, f"one of {COSTS}")
+    """``preferred`` where every point's cost on it is known and some is non-zero, else output
+    tokens. A peak (`metaloom.ledger.PEAKS`: KV memory) is no budget metric: a choice's cost
+    here is the strategy's plus its probe's, and the peaks of two calls made one after the
+    other do not add up."""
+    if preferred not in COSTS or preferred in PEAKS:
+        raise InvalidParameter("metric", preferred, f"one of {[c for c in COSTS if c not in PEAKS]}")
     costs = [p.mean_cost(preferred, problems) for p in pts]
     if costs and all(math.isfinite(c) for c in costs) and any(c > 0 for c in costs):
         return preferred

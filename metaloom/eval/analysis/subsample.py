@@ -41,7 +41,9 @@ import numpy as np
 from metaloom.errors import InvalidParameter
 from metaloom.eval.records import POOLED, Record, Selection
 
-COSTS = ("output_tokens", "flops", "seconds")
+# what a point costs, per problem: each is an x axis of the curves. ``kv_bytes_peak`` is the most
+# KV memory the run held at once (`metaloom.ledger`), a peak where the others are totals
+COSTS = ("output_tokens", "flops", "seconds", "kv_bytes_peak")
 TRANSFORMS = ("identity", "exp")
 _NEAR = 1e-9  # relative gap under which a float-matrix MBR decision is re-made exactly
 
@@ -246,22 +248,26 @@ def _num(value: object) -> float:
 def subset_cost(record: Record, subset: Sequence[int]) -> dict[str, float]:
     """What drawing only ``subset`` would have cost: ``shared`` (the prefill, scorer calls over
     the set — what no single sample caused; `metaloom.eval.pool`) plus the subset's candidates'
-    own output tokens, FLOPs and seconds. Unknown figures are NaN."""
+    own output tokens, FLOPs, seconds and KV memory (the prompt's share of the peak plus each
+    sample's own, as `metaloom.eval.pool` attributes it). Unknown figures are NaN."""
     idx = _check_subset(record, subset)
     cands = record.candidates
     return {
         "output_tokens": _num(record.shared.get("output_tokens", 0.0)) + sum(cands[i].tokens for i in idx),
         "flops": _num(record.shared.get("flops", 0.0)) + math.fsum(_num(cands[i].flops) for i in idx),
         "seconds": _num(record.shared.get("seconds", 0.0)) + math.fsum(cands[i].seconds for i in idx),
+        "kv_bytes_peak": _num(record.shared.get("kv_bytes_peak")) + math.fsum(_num(cands[i].kv_bytes) for i in idx),
     }
 
 
 def record_cost(record: Record) -> dict[str, float]:
     """A whole run's cost from its usage: output tokens, FLOPs, seconds (the ledger's seconds;
-    the record's wall-clock ``seconds`` where the usage has none). Unknown figures are NaN."""
+    the record's wall-clock ``seconds`` where the usage has none), peak KV bytes. Unknown
+    figures (and a peak a record written before it was measured lacks) are NaN."""
     usage = record.usage
     seconds = usage.get("seconds") if usage.get("seconds") is not None else record.seconds
-    return {"output_tokens": _num(usage.get("output_tokens")), "flops": _num(usage.get("flops")), "seconds": _num(seconds)}
+    return {"output_tokens": _num(usage.get("output_tokens")), "flops": _num(usage.get("flops")), "seconds": _num(seconds),
+            "kv_bytes_peak": _num(usage.get("kv_bytes_peak"))}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -319,8 +325,11 @@ def outcome(record: Record, k: int | None, *, seed: int = 0, draws: int = 200) -
     sub = draw_subsets(n, kk, draws, subset_rng(seed, record.problem, kk))
     own = {"output_tokens": np.array([c.tokens for c in cands], dtype=np.float64),
            "flops": np.array([c.flops for c in cands], dtype=np.float64),
-           "seconds": np.array([c.seconds for c in cands], dtype=np.float64)}
-    cost = {name: _num(record.shared.get(name, 0.0)) + float(own[name][sub].sum(axis=1).mean()) for name in COSTS}
+           "seconds": np.array([c.seconds for c in cands], dtype=np.float64),
+           "kv_bytes_peak": np.array([_num(c.kv_bytes) for c in cands], dtype=np.float64)}
+    # a record without a shared peak (written before peaks were measured) has no memory cost: NaN
+    shared = {name: record.shared.get(name, None if name == "kv_bytes_peak" else 0.0) for name in COSTS}
+    cost = {name: _num(shared[name]) + float(own[name][sub].sum(axis=1).mean()) for name in COSTS}
     if failed:
         return Outcome(0.0, 0.0, cost)
     picked = pick_many(record, sub)

@@ -20,6 +20,11 @@ def fmt_flops(v: Any) -> str:
     return numbers.fmt_flops(v) if finite(v) else MISSING
 
 
+def fmt_bytes(v: Any) -> str:
+    """Bytes in binary units (`metaloom.present.numbers.fmt_bytes`)."""
+    return numbers.fmt_bytes(v) if finite(v) else MISSING
+
+
 def fmt_tokens(v: Any) -> str:
     """A token count: an integer as it is, a mean to one decimal."""
     if not finite(v):

@@ -24,14 +24,25 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 from matplotlib.transforms import offset_copy
 
-from metaloom.present.numbers import finite
+from metaloom.present.numbers import finite, fmt_bytes
 
-# (point field, axis label with its unit) for the three costs a curve is drawn against
+# (point field, axis label with its unit) for the costs a curve is drawn against
+# (`metaloom.eval.analysis.subsample.COSTS`)
 COST_AXES = (
     ("output_tokens", "mean output tokens per problem (tokens)"),
     ("flops", "mean compute per problem (FLOPs)"),
     ("seconds", "mean wall time per problem (s)"),
+    ("kv_bytes_peak", "mean peak KV memory per problem (bytes)"),
 )
+# costs drawn only where some point has them: a sweep written before peaks were measured, or
+# run against a server that reports none, keeps its three panels instead of an empty fourth
+MEASURED_ONLY = frozenset({"kv_bytes_peak"})
+
+
+def cost_axes(points: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """The `COST_AXES` to draw for ``points``: all but a `MEASURED_ONLY` cost no point has."""
+    return [(key, label) for key, label in COST_AXES
+            if key not in MEASURED_ONLY or any(finite(p.get(key)) for p in points)]
 ACCURACY_LABEL = "accuracy (fraction correct)"
 DPI = 120  # 1 inch of figure = 120 px: sharp at the page's 1200 px width without a heavy file
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
@@ -235,9 +246,15 @@ def _plain(v: float, _pos: Any = None) -> str:
     return f"{v:g}"
 
 
-# tick labels per cost: FLOPs and tokens in engineering units (4G, 20k), seconds as numbers
+def _bytes(v: float, _pos: Any = None) -> str:
+    return fmt_bytes(v).replace(" ", "")
+
+
+# tick labels per cost: FLOPs and tokens in engineering units (4G, 20k), seconds as numbers,
+# memory in binary units (64KiB)
 TICK_FORMATS: dict[str, Any] = {"flops": lambda: EngFormatter(sep=""), "output_tokens": lambda: EngFormatter(sep=""),
-                                "seconds": lambda: FuncFormatter(_plain), "k": lambda: FuncFormatter(_plain)}
+                                "seconds": lambda: FuncFormatter(_plain), "k": lambda: FuncFormatter(_plain),
+                                "kv_bytes_peak": lambda: FuncFormatter(_bytes)}
 
 
 def _log_ticks(ax: Any, key: str) -> None:
@@ -308,7 +325,8 @@ def accuracy_figure(curves: Sequence[Mapping[str, Any]], frontier: Mapping[str, 
 
 def draw_accuracy(curves: Sequence[Mapping[str, Any]], frontier: Mapping[str, Sequence[str]],
                   styles: Mapping[str, Style], outside: Sequence[Mapping[str, Any]] = ()) -> tuple[Figure, int] | None:
-    """Accuracy against each cost (output tokens, FLOPs, seconds; log x), one line per family
+    """Accuracy against each cost (output tokens, FLOPs, seconds; peak KV memory where measured,
+    `cost_axes`; log x), one line per family
     in its style with its 95% band, the Pareto frontier of that cost ringed; y fitted to the
     points and their intervals; curves that coincide drawn a little apart and labelled.
     ``curves``: the points compared on one problem set; ``outside``: families' points measured
@@ -321,10 +339,11 @@ def draw_accuracy(curves: Sequence[Mapping[str, Any]], frontier: Mapping[str, Se
         return None
     by_label = {p["label"]: p for p in points if "label" in p}
     ylim = _ylim([*points, *apart], ("accuracy",))
-    fig = Figure(figsize=(13, 4.3))
-    axes = fig.subplots(1, len(COST_AXES), sharey=True)
+    costs = cost_axes([*points, *apart])
+    fig = Figure(figsize=(4.3 * len(costs), 4.3))
+    axes = fig.subplots(1, len(costs), sharey=True)
     missing = 0
-    for k, (ax, (key, xlabel)) in enumerate(zip(axes, COST_AXES, strict=True)):
+    for k, (ax, (key, xlabel)) in enumerate(zip(axes, costs, strict=True)):
         series = {c["family"]: _placed(c.get("points") or (), key, "accuracy") for c in curves}
         groups = coincident(series, OVERLAP_TOLERANCE * (ylim[1] - ylim[0]))
         shift = offsets(groups)

@@ -19,6 +19,7 @@ from metaloom.eval.report import figures
 from metaloom.eval.report.cells import (
     MISSING,
     clip,
+    fmt_bytes,
     fmt_flops,
     fmt_interval,
     fmt_pct,
@@ -101,6 +102,7 @@ def summary_rows(records: Sequence[Record], strategies: Sequence[str],
             "output_tokens": fmt_tokens(_mean(r.usage.get("output_tokens") for r in recs)),
             "flops": fmt_flops(_mean(r.usage.get("flops") for r in recs)),
             "seconds": fmt_seconds(_mean(run_seconds(r) for r in recs)),
+            "kv_bytes_peak": fmt_bytes(_mean(r.usage.get("kv_bytes_peak") for r in recs)),
             "errors": sum(r.error is not None for r in recs),
             "budget_stops": sum(r.stopped_reason == "budget" for r in recs),
         })
@@ -120,11 +122,11 @@ def compared_points(analysis: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]
 def frontier_view(analysis: Mapping[str, Any]) -> dict[str, Any]:
     """Per cost, the frontier's points in cost order with that cost and their accuracy, on
     the problems they were compared on; and the points left out for running other problems."""
-    fmt = {"output_tokens": fmt_tokens, "flops": fmt_flops, "seconds": fmt_seconds}
+    fmt = {"output_tokens": fmt_tokens, "flops": fmt_flops, "seconds": fmt_seconds, "kv_bytes_peak": fmt_bytes}
     points = compared_points(analysis)
     out = []
     frontier = analysis.get("frontier") or {}
-    for key, axis in figures.COST_AXES:
+    for key, axis in figures.cost_axes(list(points.values())):
         rows = []
         for label in frontier.get(key) or ():
             p = points.get(label, {})
