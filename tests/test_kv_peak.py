@@ -264,3 +264,33 @@ def test_the_rounds_table_totals_a_peak_by_its_highest_round():
     total = next(line for line in text.splitlines() if line.strip().startswith("total"))
     assert "3 KiB" in total and "12" in total and "7 KiB" not in total  # max, not a sum; counts still add
     assert "2 KiB" in text and "?" in text
+
+
+def test_a_draft_models_own_cache_counts_too(tiny, monkeypatch):
+    from metaloom.speculative.drafters.draft_model import DraftModelDrafter
+
+    draft = tiny_llama(seed=1).model  # the tiny shape: its own pool, 256 bytes a slot too
+    seen: list[int] = []
+    drafted: list[object] = []
+    inner_draft = draft.forward
+
+    def draft_forward(tokens, cache, **kw):
+        drafted[:] = [cache]  # the draft cache of the step being verified next
+        return inner_draft(tokens, cache, **kw)
+
+    inner = tiny.model.forward
+
+    def target_forward(tokens, cache, **kw):
+        out = inner(tokens, cache, **kw)
+        seen.append((held_bytes(cache) or 0) + (held_bytes(drafted[0]) or 0 if drafted else 0))
+        return out
+
+    gen = LocalGenerator(tiny, speculative=Speculative(DraftModelDrafter(draft), num_draft=3))
+    monkeypatch.setattr(draft, "forward", draft_forward)
+    monkeypatch.setattr(tiny.model, "forward", target_forward)
+    ledger = Ledger()
+    out = gen.generate([Request("abcdef", _greedy(10, n=2))], ledger=ledger)[0]
+    assert ledger.usage.verify_steps > 0
+    assert ledger.usage.kv_bytes_peak == max(seen)
+    # more than the target's rows alone ever need: the draft model holds each row's context too
+    assert ledger.usage.kv_bytes_peak > (6 + sum(len(c.token_ids) - 1 for c in out)) * SLOT
