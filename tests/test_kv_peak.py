@@ -294,3 +294,24 @@ def test_a_draft_models_own_cache_counts_too(tiny, monkeypatch):
     assert ledger.usage.kv_bytes_peak == max(seen)
     # more than the target's rows alone ever need: the draft model holds each row's context too
     assert ledger.usage.kv_bytes_peak > (6 + sum(len(c.token_ids) - 1 for c in out)) * SLOT
+
+
+def test_the_servers_usage_reports_each_requests_peak_and_a_remote_generator_takes_it():
+    import httpx2 as httpx
+
+    from metaloom.generator.remote import RemoteGenerator
+    from metaloom.server.app import create_app
+    from metaloom.testing.served import serve_app
+
+    app = create_app(LocalGenerator(tiny_llama()), model_ids=["default"], max_rows=8)
+    with serve_app(app) as url:
+        body = {"model": "default", "prompt": "abcdef", "n": 4, "max_tokens": 5, "temperature": 1, "ignore_eos": True}
+        usage = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["usage"]
+        assert usage["prompt_tokens"] == 6 and usage["metaloom"]["kv_bytes_peak"] == (6 + 4 * 4) * SLOT
+        remote = RemoteGenerator(url, model="default")
+        try:
+            ledger = Ledger()
+            remote.generate([Request(TokenIds((0, 1, 2, 3, 4, 5)), _greedy(5, n=4))], ledger=ledger)
+        finally:
+            remote.close()
+    assert ledger.usage.kv_bytes_peak == (6 + 4 * 4) * SLOT and "kv_bytes_peak" not in ledger.usage.unknown
