@@ -440,10 +440,11 @@ class LlamaModel:
         return F.rms_norm(x, (c.hidden_size,), self.norm, c.rms_norm_eps)
 
     def fused_reads(self, pool: KVPool) -> bool:
-        """Whether the fused kernels read ``pool`` as it stores keys: a float pool of the model's
-        dtype. Any other (``--kv-dtype`` int8, or a float type not the model's) takes the
-        PyTorch ops' one-token step, which converts on write and read."""
-        return pool.dtype == self.dtype and pool.compute_dtype == self.dtype
+        """Whether the fused kernels read ``pool`` as it stores keys: a pool of the model's dtype,
+        or an int8 one (codes and scales, read and written in C). A float pool of another type
+        (``--kv-dtype bfloat16`` under a float32 model) takes the PyTorch ops' one-token step,
+        which converts on write and read."""
+        return pool.compute_dtype == self.dtype and pool.dtype in (self.dtype, torch.int8)
 
     def _step_fused(self, tokens: torch.Tensor, cache: PagedKVCache, lengths: torch.Tensor, valid: torch.Tensor,
                     k: FusedKernels) -> torch.Tensor:
@@ -459,7 +460,7 @@ class LlamaModel:
         lengths = lengths.contiguous()
         table = cache.table()
         pool = cache.pool
-        if pool.dtype != self.dtype or not pool.keys[0].is_contiguous() or not table.is_contiguous():
+        if not self.fused_reads(pool) or not pool.keys[0].is_contiguous() or not table.is_contiguous():
             raise UnsupportedModel("the fused step needs the contiguous KV pool of new_cache()")
         # split attention over threads only when there is enough of it (each parallel region
         # costs a few microseconds, 2 per layer)
@@ -473,8 +474,9 @@ class LlamaModel:
             for i, w in enumerate(self.layers):
                 k.residual_rms_norm(x, delta, w.attn_norm, y, c.rms_norm_eps)
                 qkv = linear(y, w.qkv, w.qkv_bias).contiguous()
+                scales = (pool.key_scales[i], pool.value_scales[i]) if pool.quantized else None
                 k.rope_attend(qkv, self._cos, self._sin, lengths, table, pool.keys[i], pool.values[i], attn, h,
-                              c.sliding_window, threads, sharing)
+                              c.sliding_window, threads, sharing, scales)
                 k.residual_rms_norm(x, linear(attn, w.o).contiguous(), w.mlp_norm, y, c.rms_norm_eps)
                 k.silu_mul(linear(y, w.gate_up).contiguous(), act)
                 delta = linear(act, w.down).contiguous()
@@ -498,7 +500,9 @@ class LlamaModel:
                                  pointers(pool.keys), pointers(pool.values), b, c.hidden_size, h, hk, c.head_dim,
                                  c.intermediate_size, c.sliding_window or 0, threads, torch.get_num_threads(),
                                  c.rms_norm_eps, self.dtype == torch.bfloat16,
-                                 None if sharing is None else ctypes.byref(sharing.desc()))
+                                 None if sharing is None else ctypes.byref(sharing.desc()),
+                                 pointers(pool.key_scales) if pool.quantized else None,
+                                 pointers(pool.value_scales) if pool.quantized else None)
         if rc:
             raise RuntimeError(f"decode_layers failed with code {rc}")  # the plan's shapes were checked: a bug
         return delta

@@ -12,13 +12,19 @@
  * transformers'; only summation orders differ. Vectors are GCC/Clang vector extensions, so
  * this compiles on any target those compilers know. Sizes must be multiples of 16 elements
  * (head_dim of 32, for RoPE's halves); fused.py checks before calling.
+ *
+ * The KV pool stores keys and values in the activations' type, or as int8 codes with a float32
+ * scale per slot and kv head (`q8`; metaloom/models/engine/kv_int8.py): the attention then
+ * multiplies each key's dot product and each value's weight by its scale, and the new key and
+ * value are quantised here exactly as the Python pool's write does (absmax / 127, round half to
+ * even, so the same key gets the same codes on either path).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define ABI_VERSION 5
+#define ABI_VERSION 6
 #define INLINE static inline __attribute__((always_inline))
 
 /* W lanes per vector: one AVX-512 register; 8 on every other path, one AVX2 register or two NEON
@@ -34,6 +40,7 @@ typedef float vec __attribute__((vector_size(4 * W)));
 typedef int32_t veci __attribute__((vector_size(4 * W)));
 typedef uint32_t vecu __attribute__((vector_size(4 * W)));
 typedef uint16_t vecb __attribute__((vector_size(2 * W)));
+typedef int8_t vec8 __attribute__((vector_size(W)));
 
 INLINE vec splat(float x) { return (vec){0} + x; }
 INLINE vec pick(veci mask, vec a, vec b) { return (vec)((mask & (veci)a) | (~mask & (veci)b)); }
@@ -66,6 +73,17 @@ INLINE vec ld(const void *p, int64_t i, const int bf) {
     memcpy(&h, (const uint16_t *)p + i, sizeof h);
     return (vec)(__builtin_convertvector(h, vecu) << 16);
 }
+
+/* W int8 codes at p[i..], as floats */
+INLINE vec ld8(const void *p, int64_t i) {
+    vec8 c;
+    memcpy(&c, (const int8_t *)p + i, sizeof c);
+    return __builtin_convertvector(c, vec);
+}
+
+/* W stored keys or values at p[i..], as floats: the activations' type, or int8 codes (q8: the
+ * caller applies the slot's scale) */
+INLINE vec ldkv(const void *p, int64_t i, const int bf, const int q8) { return q8 ? ld8(p, i) : ld(p, i, bf); }
 
 /* store W floats at p[i..]; bfloat16 rounds to nearest-even, NaN stays a (quiet) NaN */
 INLINE void st(void *p, int64_t i, vec v, const int bf) {
@@ -166,23 +184,68 @@ INLINE void rope(const void *x, int64_t xi, const void *cs, const void *sn, int6
     }
 }
 
+/* One new key or value x [dim] (the activations' type) into the int8 pool: codes [dim] at
+ * codes[0..] and its scale at *scale, as kv_int8.quantize does: scale = max|x| / 127 (0 for a
+ * zero vector, whose codes are then 0), codes = x / scale rounded half to even (the float
+ * add-and-subtract of 1.5 * 2^23 rounds as the FPU's default mode does: to nearest, ties to
+ * even; |x / scale| <= 127 is far below 2^22), clamped to [-127, 127]. Division, not a product
+ * by the reciprocal: torch divides, and the codes must be the same bits. */
+INLINE void put_q8(const void *x, int64_t xi, int8_t *codes, float *scale, int64_t dim, const int bf) {
+    vec mx = splat(0.0f);
+    for (int64_t i = 0; i < dim; i += W) {
+        vec v = ld(x, xi + i, bf);
+        v = pick(v < splat(0.0f), -v, v);
+        mx = pick(v > mx, v, mx);
+    }
+    float s = hmax(mx) / 127.0f;
+    vec safe = splat(s > 0.0f ? s : 1.0f);
+    for (int64_t i = 0; i < dim; i += W) {
+        vec y = ld(x, xi + i, bf) / safe;
+        y = (y + 12582912.0f) - 12582912.0f;
+        y = pick(y > splat(127.0f), splat(127.0f), y);
+        y = pick(y < splat(-127.0f), splat(-127.0f), y);
+        vec8 c = __builtin_convertvector(__builtin_convertvector(y, veci), vec8);
+        memcpy(codes + i, &c, sizeof c);
+    }
+    *scale = s;
+}
+
+/* Write row r's new key (rotated, at position `at` of the RoPE tables) and value of kv head j
+ * into the pool at element `slot` (= its slot * hk * dim + j * dim; scale index si = its slot
+ * * hk + j). tmp [dim] of the activations' type: the rotated key before it is quantised, rounded
+ * as PyTorch's RoPE output is. */
+INLINE void put_kv(const void *qkv, int64_t ki, int64_t vi, const void *cs, const void *sn, int64_t at, void *kc,
+                   void *vc, float *ks, float *vs, int64_t slot, int64_t si, int64_t dim, void *tmp, const int bf,
+                   const int q8) {
+    if (!q8) {
+        const int64_t elem = bf ? 2 : 4;
+        rope(qkv, ki, cs, sn, at, kc, slot, dim, bf);
+        memcpy((char *)vc + slot * elem, (const char *)qkv + vi * elem, (size_t)(dim * elem));
+        return;
+    }
+    rope(qkv, ki, cs, sn, at, tmp, 0, dim, bf);
+    put_q8(tmp, 0, (int8_t *)kc + slot, ks + si, dim, bf);
+    put_q8(qkv, vi, (int8_t *)vc + slot, vs + si, dim, bf);
+}
+
 /* One query head against its cached keys and values, positions lo..pos, unnormalised: returns
  * the largest score m and l = sum e^(score - m), and leaves acc = sum e^(score - m) V (what
  * shared-prefix attention merges with other parts of the same row). Position t of the row lives
  * in slot slots[t]; this head's key is at element slots[t] * stride + off of K (and likewise V).
  * nv = dim / W is a compile-time constant at each call site (see head_attend), so q and acc
  * stay in registers. */
-INLINE void head_partial_n(const void *q, int64_t qi, const void *K, const void *V, const int64_t *slots,
-                           int64_t stride, int64_t off, float *scores, int64_t lo, int64_t pos, float scale, vec *acc,
-                           float *m_out, float *l_out, const int nv, const int bf) {
+INLINE void head_partial_n(const void *q, int64_t qi, const void *K, const void *V, const float *KS,
+                           const float *VS, const int64_t *slots, int64_t stride, int64_t off, int64_t sst,
+                           int64_t sof, float *scores, int64_t lo, int64_t pos, float scale, vec *acc, float *m_out,
+                           float *l_out, const int nv, const int bf, const int q8) {
     vec qv[MAX_VECTORS];
     for (int i = 0; i < nv; i++) qv[i] = ld(q, qi + W * i, bf);
     float mx = -INFINITY;
     for (int64_t t = lo; t <= pos; t++) {
         int64_t at = slots[t] * stride + off;
-        vec d = qv[0] * ld(K, at, bf);
-        for (int i = 1; i < nv; i++) d += qv[i] * ld(K, at + W * i, bf);
-        float x = hsum(d) * scale;
+        vec d = qv[0] * ldkv(K, at, bf, q8);
+        for (int i = 1; i < nv; i++) d += qv[i] * ldkv(K, at + W * i, bf, q8);
+        float x = hsum(d) * (q8 ? KS[slots[t] * sst + sof] * scale : scale);
         scores[t] = x;
         mx = x > mx ? x : mx;
     }
@@ -196,28 +259,32 @@ INLINE void head_partial_n(const void *q, int64_t qi, const void *K, const void 
     for (int i = 0; i < nv; i++) acc[i] = splat(0.0f);
     for (int64_t t = lo; t <= pos; t++) {
         int64_t at = slots[t] * stride + off;
-        for (int i = 0; i < nv; i++) acc[i] += scores[t] * ld(V, at + W * i, bf);
+        float p = q8 ? scores[t] * VS[slots[t] * sst + sof] : scores[t];
+        for (int i = 0; i < nv; i++) acc[i] += p * ldkv(V, at + W * i, bf, q8);
     }
     *m_out = mx;
     *l_out = hsum(sums);
 }
 
 /* out = softmax(q . K^T * scale) V over positions lo..pos (head_partial_n, normalised) */
-INLINE void head_attend_n(const void *q, const void *K, const void *V, const int64_t *slots, int64_t stride,
-                          int64_t off, float *scores, void *out, int64_t oi, int64_t lo, int64_t pos, float scale,
-                          const int nv, const int bf) {
+INLINE void head_attend_n(const void *q, const void *K, const void *V, const float *KS, const float *VS,
+                          const int64_t *slots, int64_t stride, int64_t off, int64_t sst, int64_t sof, float *scores,
+                          void *out, int64_t oi, int64_t lo, int64_t pos, float scale, const int nv, const int bf,
+                          const int q8) {
     vec acc[MAX_VECTORS];
     float m, l;
-    head_partial_n(q, 0, K, V, slots, stride, off, scores, lo, pos, scale, acc, &m, &l, nv, bf);
+    head_partial_n(q, 0, K, V, KS, VS, slots, stride, off, sst, sof, scores, lo, pos, scale, acc, &m, &l, nv, bf, q8);
     float inv = 1.0f / l;
     for (int i = 0; i < nv; i++) st(out, oi + W * i, acc[i] * inv, bf);
 }
 
-#define HEAD_ATTEND(NV) head_attend_n(q, K, V, slots, stride, off, scores, out, oi, lo, pos, scale, NV, bf)
+#define HEAD_ATTEND(NV) \
+    head_attend_n(q, K, V, KS, VS, slots, stride, off, sst, sof, scores, out, oi, lo, pos, scale, NV, bf, q8)
 
-INLINE void head_attend(const void *q, const void *K, const void *V, const int64_t *slots, int64_t stride,
-                        int64_t off, float *scores, void *out, int64_t oi, int64_t lo, int64_t pos, float scale,
-                        int64_t nv, const int bf) {
+INLINE void head_attend(const void *q, const void *K, const void *V, const float *KS, const float *VS,
+                        const int64_t *slots, int64_t stride, int64_t off, int64_t sst, int64_t sof, float *scores,
+                        void *out, int64_t oi, int64_t lo, int64_t pos, float scale, int64_t nv, const int bf,
+                        const int q8) {
     switch (nv * W) { /* head_dim 64, 128, 256 unrolled; other multiples of 32 generic */
     case 64: HEAD_ATTEND(64 / W); break;
     case 128: HEAD_ATTEND(128 / W); break;
@@ -229,26 +296,28 @@ INLINE void head_attend(const void *q, const void *K, const void *V, const int64
 /* One (row, kv head) task: write the row's rotated key and its value for kv head j at the
  * row's new position, then attend every query head of that group. */
 INLINE void attend_task(const void *qkv, const void *cs, const void *sn, const int64_t *lengths,
-                        const int64_t *table, int64_t width, void *kc, void *vc, void *out, int64_t r, int64_t j,
-                        int64_t h, int64_t hk, int64_t dim, int64_t window, float scale, float *scores, float *q,
-                        const int bf) {
-    int64_t stride = (h + 2 * hk) * dim, group = h / hk, elem = bf ? 2 : 4;
+                        const int64_t *table, int64_t width, void *kc, void *vc, float *ks, float *vs, void *out,
+                        int64_t r, int64_t j, int64_t h, int64_t hk, int64_t dim, int64_t window, float scale,
+                        float *scores, float *q, const int bf, const int q8) {
+    int64_t stride = (h + 2 * hk) * dim, group = h / hk;
     int64_t pos = lengths[r];
     int64_t lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
     int64_t row = r * stride, at = pos * dim;
     const int64_t *slots = table + r * width;
     int64_t slot = slots[pos] * hk * dim + j * dim;
-    rope(qkv, row + (h + j) * dim, cs, sn, at, kc, slot, dim, bf);
-    memcpy((char *)vc + slot * elem, (const char *)qkv + (row + (h + hk + j) * dim) * elem, (size_t)(dim * elem));
+    put_kv(qkv, row + (h + j) * dim, row + (h + hk + j) * dim, cs, sn, at, kc, vc, ks, vs, slot, slots[pos] * hk + j,
+           dim, q, bf, q8); /* q is free until the first query head is rotated into it */
     for (int64_t g = j * group; g < (j + 1) * group; g++) {
         rope(qkv, row + g * dim, cs, sn, at, q, 0, dim, bf);
-        head_attend(q, kc, vc, slots, hk * dim, j * dim, scores, out, (r * h + g) * dim, lo, pos, scale, dim / W, bf);
+        head_attend(q, kc, vc, ks, vs, slots, hk * dim, j * dim, hk, j, scores, out, (r * h + g) * dim, lo, pos, scale,
+                    dim / W, bf, q8);
     }
 }
 
 INLINE int rope_attend_t(const void *qkv, const void *cs, const void *sn, const int64_t *lengths,
-                         const int64_t *table, int64_t width, void *kc, void *vc, void *out, int64_t rows, int64_t h,
-                         int64_t hk, int64_t dim, int64_t window, int64_t threads, const int bf) {
+                         const int64_t *table, int64_t width, void *kc, void *vc, float *ks, float *vs, void *out,
+                         int64_t rows, int64_t h, int64_t hk, int64_t dim, int64_t window, int64_t threads,
+                         const int bf, const int q8) {
     if (dim > W * MAX_VECTORS) return -2;
     float scale = 1.0f / sqrtf((float)dim);
     int64_t longest = 0;
@@ -267,8 +336,8 @@ INLINE int rope_attend_t(const void *qkv, const void *cs, const void *sn, const 
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++)
             if (scores)
-                attend_task(qkv, cs, sn, lengths, table, width, kc, vc, out, task / hk, task % hk, h, hk, dim, window,
-                            scale, scores, scores + longest + 1 + W, bf);
+                attend_task(qkv, cs, sn, lengths, table, width, kc, vc, ks, vs, out, task / hk, task % hk, h, hk, dim,
+                            window, scale, scores, scores + longest + 1 + W, bf, q8);
         free(scores);
     }
     return failed ? -1 : 0;
@@ -342,10 +411,10 @@ INLINE void block_update(float *s, const vec *dots, int64_t n, float scale, cons
  * A block's keys are first transposed into kt [dim][KB] (and its values converted to float32),
  * once for all the task's queries: a query's KB scores are then dim vector multiply-adds across
  * keys, with no horizontal sum per key as the per-row kernel needs. */
-INLINE void span_partial_n(const void *q, const void *K, const void *V, const int64_t *slots, int64_t stride,
-                           int64_t off, int64_t lo, int64_t hi, const int64_t *rows, int64_t nrows, int64_t k0,
-                           int64_t h, int64_t j, int64_t group, float *state, float scale, const int nv,
-                           const int bf) {
+INLINE void span_partial_n(const void *q, const void *K, const void *V, const float *KS, const float *VS,
+                           const int64_t *slots, int64_t stride, int64_t off, int64_t sst, int64_t sof, int64_t lo,
+                           int64_t hi, const int64_t *rows, int64_t nrows, int64_t k0, int64_t h, int64_t j,
+                           int64_t group, float *state, float scale, const int nv, const int bf, const int q8) {
     const int64_t dim = nv * W, sw = dim + 2;
     for (int64_t i = 0; i < nrows; i++)
         for (int64_t g = j * group; g < (j + 1) * group; g++) {
@@ -361,10 +430,15 @@ INLINE void span_partial_n(const void *q, const void *K, const void *V, const in
         for (int64_t t = 0; t < KB; t++) {
             if (t < n) {
                 int64_t at = slots[t0 + t] * stride + off;
+                /* an int8 pool's keys and values dequantised here, once per block for every query */
+                const float kscale = q8 ? KS[slots[t0 + t] * sst + sof] : 1.0f;
+                const float vscale = q8 ? VS[slots[t0 + t] * sst + sof] : 1.0f;
                 for (int v = 0; v < nv; v++) {
-                    vec kv = ld(K, at + W * v, bf);
+                    vec kv = ldkv(K, at + W * v, bf, q8);
+                    if (q8) kv *= kscale;
                     for (int e = 0; e < W; e++) kt[(W * v + e) * KB + t] = kv[e];
-                    vec vv = ld(V, at + W * v, bf);
+                    vec vv = ldkv(V, at + W * v, bf, q8);
+                    if (q8) vv *= vscale;
                     memcpy(vb + t * dim + W * v, &vv, sizeof vv);
                 }
             } else {
@@ -400,11 +474,14 @@ INLINE void span_partial_n(const void *q, const void *K, const void *V, const in
     }
 }
 
-#define SPAN_PARTIAL(NV) span_partial_n(q, K, V, slots, stride, off, lo, hi, rows, nrows, k0, h, j, group, state, scale, NV, bf)
+#define SPAN_PARTIAL(NV) \
+    span_partial_n(q, K, V, KS, VS, slots, stride, off, sst, sof, lo, hi, rows, nrows, k0, h, j, group, state, scale, \
+                   NV, bf, q8)
 
-INLINE void span_partial(const void *q, const void *K, const void *V, const int64_t *slots, int64_t stride,
-                         int64_t off, int64_t lo, int64_t hi, const int64_t *rows, int64_t nrows, int64_t k0,
-                         int64_t h, int64_t j, int64_t group, float *state, float scale, int64_t nv, const int bf) {
+INLINE void span_partial(const void *q, const void *K, const void *V, const float *KS, const float *VS,
+                         const int64_t *slots, int64_t stride, int64_t off, int64_t sst, int64_t sof, int64_t lo,
+                         int64_t hi, const int64_t *rows, int64_t nrows, int64_t k0, int64_t h, int64_t j,
+                         int64_t group, float *state, float scale, int64_t nv, const int bf, const int q8) {
     switch (nv * W) {
     case 64: SPAN_PARTIAL(64 / W); break;
     case 128: SPAN_PARTIAL(128 / W); break;
@@ -413,23 +490,25 @@ INLINE void span_partial(const void *q, const void *K, const void *V, const int6
     }
 }
 
-#define HEAD_PARTIAL(NV) head_partial_n(q, qi, K, V, slots, stride, off, scores, lo, pos, scale, acc, &s[0], &s[1], NV, bf)
+#define HEAD_PARTIAL(NV) \
+    head_partial_n(q, qi, K, V, KS, VS, slots, stride, off, hk, j, scores, lo, pos, scale, acc, &s[0], &s[1], NV, bf, q8)
 
 /* Row r, kv head j: write the row's new key and value (as attend_task), rotate its query heads
  * into q [rows, h, dim], and leave each query head's partial softmax over the row's private
  * positions private_from[r]..pos in state [rows, h, dim + 2]. */
 INLINE void private_task(const void *qkv, const void *cs, const void *sn, const int64_t *lengths,
-                         const int64_t *table, int64_t width, void *kc, void *vc, void *q, float *state,
-                         const sharing_desc *sh, int64_t r, int64_t j, int64_t h, int64_t hk, int64_t dim,
-                         float scale, float *scores, const int bf) {
-    int64_t stride_qkv = (h + 2 * hk) * dim, group = h / hk, elem = bf ? 2 : 4, nv = dim / W;
+                         const int64_t *table, int64_t width, void *kc, void *vc, float *ks, float *vs, void *q,
+                         float *state, const sharing_desc *sh, int64_t r, int64_t j, int64_t h, int64_t hk,
+                         int64_t dim, float scale, float *scores, float *tmp, const int bf, const int q8) {
+    int64_t stride_qkv = (h + 2 * hk) * dim, group = h / hk, nv = dim / W;
     int64_t pos = lengths[r], lo = sh->private_from[r];
     int64_t row = r * stride_qkv, at = pos * dim;
     const int64_t *slots = table + r * width;
     int64_t slot = slots[pos] * hk * dim + j * dim;
-    rope(qkv, row + (h + j) * dim, cs, sn, at, kc, slot, dim, bf);
-    memcpy((char *)vc + slot * elem, (const char *)qkv + (row + (h + hk + j) * dim) * elem, (size_t)(dim * elem));
+    put_kv(qkv, row + (h + j) * dim, row + (h + hk + j) * dim, cs, sn, at, kc, vc, ks, vs, slot, slots[pos] * hk + j,
+           dim, tmp, bf, q8);
     const void *K = kc, *V = vc;
+    const float *KS = ks, *VS = vs;
     int64_t stride = hk * dim, off = j * dim;
     for (int64_t g = j * group; g < (j + 1) * group; g++) {
         int64_t qi = (r * h + g) * dim;
@@ -477,9 +556,9 @@ INLINE void merge_task(const float *priv, const float *pstate, const sharing_des
 }
 
 INLINE int rope_attend_shared_t(const void *qkv, const void *cs, const void *sn, const int64_t *lengths,
-                                const int64_t *table, int64_t width, void *kc, void *vc, void *out, int64_t rows,
-                                int64_t h, int64_t hk, int64_t dim, int64_t threads, const sharing_desc *sh,
-                                const int bf) {
+                                const int64_t *table, int64_t width, void *kc, void *vc, float *ks, float *vs,
+                                void *out, int64_t rows, int64_t h, int64_t hk, int64_t dim, int64_t threads,
+                                const sharing_desc *sh, const int bf, const int q8) {
     float scale = 1.0f / sqrtf((float)dim);
     int64_t longest = 0, group = h / hk, sw = dim + 2;
     for (int64_t r = 0; r < rows; r++) longest = lengths[r] > longest ? lengths[r] : longest;
@@ -493,7 +572,7 @@ INLINE int rope_attend_shared_t(const void *qkv, const void *cs, const void *sn,
     int64_t chunks = 0;
     for (int64_t s = 0; s < sh->spans; s++) chunks += (sh->ptr[s + 1] - sh->ptr[s] + SPAN_ROWS - 1) / SPAN_ROWS;
     int failed = 0;
-    size_t scratch = (size_t)(longest + 1 + W);
+    size_t scratch = (size_t)(longest + 1 + W + dim); /* scores, then the new key before it is quantised */
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         float *scores = malloc(sizeof(float) * scratch);
@@ -504,8 +583,8 @@ INLINE int rope_attend_shared_t(const void *qkv, const void *cs, const void *sn,
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < rows * hk; task++)
             if (scores)
-                private_task(qkv, cs, sn, lengths, table, width, kc, vc, q, priv, sh, task / hk, task % hk, h, hk,
-                             dim, scale, scores, bf);
+                private_task(qkv, cs, sn, lengths, table, width, kc, vc, ks, vs, q, priv, sh, task / hk, task % hk, h,
+                             hk, dim, scale, scores, scores + longest + 1 + W, bf, q8);
         /* the implicit barrier: every row's new key is written and its queries rotated */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < chunks * hk; task++) {
@@ -518,8 +597,8 @@ INLINE int rope_attend_shared_t(const void *qkv, const void *cs, const void *sn,
             int64_t k0 = sh->ptr[s] + c * SPAN_ROWS, end = sh->ptr[s + 1];
             int64_t nrows = end - k0 < SPAN_ROWS ? end - k0 : SPAN_ROWS;
             const int64_t *slots = table + sh->rows[sh->ptr[s]] * width; /* the span's slots: any of its rows' */
-            span_partial(q, kc, vc, slots, hk * dim, j * dim, sh->lo[s], sh->hi[s], sh->rows + k0, nrows, k0, h, j,
-                         group, pstate, scale, dim / W, bf);
+            span_partial(q, kc, vc, ks, vs, slots, hk * dim, j * dim, hk, j, sh->lo[s], sh->hi[s], sh->rows + k0,
+                         nrows, k0, h, j, group, pstate, scale, dim / W, bf, q8);
         }
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < rows * h; task++) merge_task(priv, pstate, sh, out, task / h, task % h, h, dim, bf);
@@ -532,24 +611,31 @@ INLINE int rope_attend_shared_t(const void *qkv, const void *cs, const void *sn,
 /* One new token per row, at position lengths[r]:
  *   qkv [rows, (h + 2 hk) * dim]: q heads, then k heads, then v heads (the fused projection);
  *   cs, sn [positions, dim] (cos, sin); table [rows, width]: the KV slot of each position of each row;
- *   kc, vc [slots, hk, dim] (the layer's KV pool).
+ *   kc, vc [slots, hk, dim] (the layer's KV pool): the activations' type, or int8 codes when ks, vs
+ *   (their scales, [slots, hk] float32) are not NULL.
  * Writes the rotated k and the v in slot table[r, lengths[r]], then for every query head g (kv
  * head g / (h / hk)) out[r, g] = softmax(q . K^T / sqrt(dim)) V over positions lo..pos (lo > 0
  * only with a sliding window). out [rows, h * dim]. Work is split over up to `threads` OpenMP
  * threads by (row, kv head) when compiled with OpenMP. With `sh` (not NULL; no sliding window),
  * the positions rows share are attended once for all of them (shared-prefix attention, above).
  * Returns 0; -1 out of memory; -2 dim > 256; -3 sharing with a sliding window. */
+#define SHARED(BF, Q8) \
+    rope_attend_shared_t(qkv, cs, sn, lengths, table, width, kc, vc, ks, vs, out, rows, h, hk, dim, threads, sh, BF, Q8)
+#define PER_ROW(BF, Q8) \
+    rope_attend_t(qkv, cs, sn, lengths, table, width, kc, vc, ks, vs, out, rows, h, hk, dim, window, threads, BF, Q8)
+
 int rope_attend(const void *qkv, const void *cs, const void *sn, const int64_t *lengths, const int64_t *table,
-                int64_t width, void *kc, void *vc, void *out, int64_t rows, int64_t h, int64_t hk, int64_t dim,
-                int64_t window, int64_t threads, int bf16, const sharing_desc *sh) {
+                int64_t width, void *kc, void *vc, float *ks, float *vs, void *out, int64_t rows, int64_t h,
+                int64_t hk, int64_t dim, int64_t window, int64_t threads, int bf16, const sharing_desc *sh) {
     if (dim > W * MAX_VECTORS) return -2;
+    const int q8 = ks != NULL;
     if (sh && sh->spans) {
         if (window > 0) return -3;
-        if (bf16) return rope_attend_shared_t(qkv, cs, sn, lengths, table, width, kc, vc, out, rows, h, hk, dim, threads, sh, 1);
-        return rope_attend_shared_t(qkv, cs, sn, lengths, table, width, kc, vc, out, rows, h, hk, dim, threads, sh, 0);
+        if (q8) return bf16 ? SHARED(1, 1) : SHARED(0, 1);
+        return bf16 ? SHARED(1, 0) : SHARED(0, 0);
     }
-    if (bf16) return rope_attend_t(qkv, cs, sn, lengths, table, width, kc, vc, out, rows, h, hk, dim, window, threads, 1);
-    return rope_attend_t(qkv, cs, sn, lengths, table, width, kc, vc, out, rows, h, hk, dim, window, threads, 0);
+    if (q8) return bf16 ? PER_ROW(1, 1) : PER_ROW(0, 1);
+    return bf16 ? PER_ROW(1, 0) : PER_ROW(0, 0);
 }
 
 /* ---- every layer of a one-token step in one call ----------------------------------------------- *
@@ -628,21 +714,22 @@ static int matmul(const weight_desc *w, const void *x, void *y, int64_t rows, in
  *   x [rows, d]: the residual stream (the embeddings in; the stream before the last sublayer's
  *   output is added, out), delta [rows, d]: that last output (the caller's final norm adds it);
  *   y [rows, d], qkv [rows, (h + 2 hk) dim], attn [rows, h dim], gu [rows, 2 inter], act [rows,
- *   inter]: scratch; keys[i], values[i]: layer i's KV pool [slots, hk, dim]; the rest as
+ *   inter]: scratch; keys[i], values[i]: layer i's KV pool [slots, hk, dim] (int8 codes when
+ *   kscales and vscales are not NULL: kscales[i], vscales[i] [slots, hk]); the rest as
  *   `rope_attend` and `residual_rms_norm` (sh: shared-prefix attention, or NULL). Returns 0, or the first failing kernel's code (a
  *   matmul's -1 or -2 plus -10, rope_attend's -1 or -2). */
 int decode_layers(const layer_desc *layers, int64_t n_layers, void *x, void *delta, void *y, void *qkv, void *attn,
                   void *gu, void *act, const void *cs, const void *sn, const int64_t *lengths, const int64_t *table,
                   int64_t width, void *const *keys, void *const *values, int64_t rows, int64_t d, int64_t h,
                   int64_t hk, int64_t dim, int64_t inter, int64_t window, int64_t attn_threads, int64_t threads,
-                  float eps, int bf16, const sharing_desc *sh) {
+                  float eps, int bf16, const sharing_desc *sh, void *const *kscales, void *const *vscales) {
     for (int64_t i = 0; i < n_layers; i++) {
         const layer_desc *l = layers + i;
         int rc;
         residual_rms_norm(x, i ? delta : NULL, l->attn_norm, y, rows, d, eps, bf16);
         if ((rc = matmul(&l->qkv, y, qkv, rows, threads, bf16))) return rc - 10;
-        if ((rc = rope_attend(qkv, cs, sn, lengths, table, width, keys[i], values[i], attn, rows, h, hk, dim, window,
-                              attn_threads, bf16, sh)))
+        if ((rc = rope_attend(qkv, cs, sn, lengths, table, width, keys[i], values[i], kscales ? kscales[i] : NULL,
+                              vscales ? vscales[i] : NULL, attn, rows, h, hk, dim, window, attn_threads, bf16, sh)))
             return rc;
         if ((rc = matmul(&l->o, attn, delta, rows, threads, bf16))) return rc - 10;
         residual_rms_norm(x, delta, l->mlp_norm, y, rows, d, eps, bf16);

@@ -20,6 +20,11 @@ is compiled with OpenMP where the compiler has it). Arithmetic is float32; bfloa
 are rounded where PyTorch's ops would round them. Results agree with the PyTorch path to float
 rounding (tests/test_fused.py).
 
+An int8 KV pool (``--kv-dtype int8``, `metaloom.models.engine.kv_int8`) is read as it is
+stored: each key's dot product and each value's weight are multiplied by the slot's scale, and
+the new key and value are quantised in C with the Python write's rounding (the same codes for
+the same key; tests/test_kv_int8.py).
+
 The C file is compiled on first use with the machine's C compiler (``$CC``, else ``cc``,
 ``gcc`` or ``clang``) into ``~/.cache/metaloom/kernels/<hash>/`` (about a second), keyed by the
 source, the compiler and the CPU, so later processes just load it (`metaloom.models.kernels.cbuild`).
@@ -40,7 +45,7 @@ from metaloom.models.engine.sharing import Sharing
 from metaloom.models.kernels import cbuild
 
 SOURCE = Path(__file__).with_name("fused.c")
-ABI_VERSION = 5  # must match fused.c
+ABI_VERSION = 6  # must match fused.c
 # From this many (row, cached key) pairs per step, fused.c's attention splits over PyTorch's
 # threads (OpenMP); below it, one thread (a parallel region costs microseconds per layer).
 PARALLEL_MIN_KEYS = 2048
@@ -51,7 +56,8 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 @dataclass(frozen=True)
 class FusedKernels:
     """The loaded library. Every tensor argument must be a contiguous CPU tensor of the
-    documented shape, all float32 or all bfloat16 (``lengths`` int64). The model's fused step
+    documented shape, all float32 or all bfloat16 (``lengths`` int64; an int8 pool's keys and
+    values int8 with float32 scales). The model's fused step
     guarantees it; these calls check nothing, since a check per call would cost a good part of
     what fusing saves."""
 
@@ -72,7 +78,8 @@ class FusedKernels:
 
     def rope_attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: torch.Tensor,
                     table: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, out: torch.Tensor, heads: int,
-                    window: int | None, threads: int = 1, sharing: Sharing | None = None) -> None:
+                    window: int | None, threads: int = 1, sharing: Sharing | None = None,
+                    scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """qkv [R, (H + 2 H_kv) D]; cos, sin [positions, D]; lengths [R] int64 (each row's new
         position); table [R, width] int64: the KV slot of each position of each row (the new
         position's slot included); keys, values [slots, H_kv, D]: the layer's KV pool (the new
@@ -80,12 +87,15 @@ class FusedKernels:
         rotated queries over positions 0..length (the last ``window`` of them with a sliding
         window). ``threads``: OpenMP threads to split rows x kv heads over (1: this thread).
         ``sharing``: the positions rows share in the pool (`metaloom.models.engine.sharing`),
-        attended once for all their queries (shared-prefix attention; not with a sliding window)."""
+        attended once for all their queries (shared-prefix attention; not with a sliding window).
+        ``scales``: (key scales, value scales) [slots, H_kv] float32 of an int8 pool, whose keys
+        and values are then int8 codes (None: they are in ``out``'s dtype)."""
         rows, width = table.shape
         _, kv_heads, dim = keys.shape
+        ks, vs = (None, None) if scales is None else (scales[0].data_ptr(), scales[1].data_ptr())
         rc = self.lib.rope_attend(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), lengths.data_ptr(), table.data_ptr(),
-                                  width, keys.data_ptr(), values.data_ptr(), out.data_ptr(), rows, heads, kv_heads,
-                                  dim, window or 0, threads, out.dtype == torch.bfloat16,
+                                  width, keys.data_ptr(), values.data_ptr(), ks, vs, out.data_ptr(), rows, heads,
+                                  kv_heads, dim, window or 0, threads, out.dtype == torch.bfloat16,
                                   None if sharing is None else ctypes.byref(sharing.desc()))
         if rc == -1:
             raise MemoryError("fused attention could not allocate its score buffer")
@@ -122,11 +132,11 @@ def _bind(lib: ctypes.CDLL, path: Path, isa: str = "") -> FusedKernels:
     lib.residual_rms_norm.restype = None
     lib.silu_mul.argtypes = [_P, _P, _I, _I, ctypes.c_int]
     lib.silu_mul.restype = None
-    lib.rope_attend.argtypes = [_P, _P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int, _P]
+    lib.rope_attend.argtypes = [_P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int, _P]
     lib.rope_attend.restype = ctypes.c_int
     lib.metaloom_fused_openmp.restype = ctypes.c_int
     lib.decode_layers.argtypes = [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I,
-                                  _I, _I, _I, ctypes.c_float, ctypes.c_int, _P]  # see metaloom.models.engine.stack
+                                  _I, _I, _I, ctypes.c_float, ctypes.c_int, _P, _P, _P]  # see metaloom.models.engine.stack
     lib.decode_layers.restype = ctypes.c_int
     return FusedKernels(lib, str(path), bool(lib.metaloom_fused_openmp()), isa)
 
