@@ -202,9 +202,29 @@ def test_the_measure_needs_no_pass_over_every_slot_per_step(tiny, monkeypatch):
     or leave, not once per step."""
     calls = []
     real = BatchMemory._count_shared
-    monkeypatch.setattr(BatchMemory, "_count_shared", lambda self, parts: calls.append(1) or real(self, parts))
+    monkeypatch.setattr(BatchMemory, "_count_shared", lambda self, parts: calls.append(len(self.dirty)) or real(self, parts))
     assert _peak(LocalGenerator(tiny), Request("abcdef", _greedy(20, n=2))) == (6 + 2 * 19) * SLOT
-    assert len(calls) == 1  # when the rows joined; 19 steps later they leave together, uncounted
+    assert calls == [1]  # when the rows joined; 19 steps later they leave together, uncounted
+
+
+def test_rows_that_leave_free_their_slots_and_only_their_ledger_is_counted_again(tiny, monkeypatch):
+    calls = []
+    real = BatchMemory._count_shared
+    monkeypatch.setattr(BatchMemory, "_count_shared", lambda self, parts: calls.append(len(self.dirty)) or real(self, parts))
+    gen = LocalGenerator(tiny, prefill_overhead_tokens=0)  # each prompt length prefills (and joins) apart
+    batch = gen.new_batch()
+    mine, other = Ledger(), Ledger()
+    rows = [*gen.rows_for(Request("abcdefghijklmnopqrst", _greedy(2)), mine),
+            *gen.rows_for(Request("ab", _greedy(30)), mine), *gen.rows_for(Request("cd", _greedy(30)), other)]
+    batch.admit(rows)
+    while batch.rows:
+        batch.step()
+    # after step 1 the 20-token prompt's row (21 slots) leaves beside the other's 3; alone, that
+    # row then reaches 2 + 29: 31 slots, where keeping the gone prompt would say 22 + 29
+    assert mine.usage.kv_bytes_peak == 31 * SLOT and other.usage.kv_bytes_peak == 31 * SLOT
+    # the two 2-token prompts join (both ledgers), then the 20-token one (mine); when its row
+    # leaves, only mine is counted again
+    assert calls == [2, 1, 1]
 
 
 # --- metaloom eval: accuracy against memory ------------------------------------------------------

@@ -18,8 +18,8 @@ So the rows of one ledger hold
 
     distinct(slots below each row's join length) + Σ (length − join length)
 
-slots. The first term is counted with `np.unique` only when rows join or leave (rare); the
-second is an O(rows) numpy sum after every forward, where memory can grow. Leaving only lowers
+slots. The first term is counted with `np.unique` only when a ledger's rows join or leave (rare), for
+that ledger's rows alone; the second is an O(rows) numpy sum after every forward, where memory can grow. Leaving only lowers
 memory, so measuring after every join and every forward (before a speculative step rolls its
 rejected drafts back: their KV was written and held) finds the peak exactly.
 
@@ -53,13 +53,16 @@ def streams(cache: object) -> list[PagedKVCache] | None:
     return None
 
 
-def span_slots(cache: PagedKVCache, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(slot ids, their rows) of every row b's positions ``lo[b] .. hi[b] - 1``, row-major."""
+def span_slots(cache: PagedKVCache, lo: np.ndarray, hi: np.ndarray,
+               rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(slot ids, their rows) of positions ``lo[i] .. hi[i] - 1`` of row ``rows[i]`` (default:
+    every row in order), row-major."""
+    index = np.arange(cache.batch) if rows is None else rows
     width = int(hi.max()) if hi.size else 0
     at = np.arange(width)
     mask = (at[None, :] >= lo[:, None]) & (at[None, :] < hi[:, None])
-    rows = np.broadcast_to(np.arange(cache.batch)[:, None], mask.shape)
-    return cache.slots[:, :width][mask], rows[mask]
+    owner = np.broadcast_to(index[:, None], mask.shape)
+    return cache.slots[index, :width][mask], owner[mask]
 
 
 def held_bytes(cache: object) -> int | None:
@@ -107,7 +110,8 @@ class BatchMemory:
         self.joined: list[np.ndarray] = []
         self.ledgers: list[Ledger] = []  # row b is charged to ledgers[owner[b]]
         self.owner = np.zeros(0, dtype=np.int64)
-        self.shared: np.ndarray | None = None  # per ledger: bytes below the join lengths; None: to count
+        self.shared: dict[int, int] = {}  # per ledger id: bytes of its rows' distinct slots below their join lengths
+        self.dirty: set[int] = set()  # ledger ids whose rows came or went: their shared part is counted again
         self.high: dict[int, int] = {}  # per ledger id: the most this batch has charged it
         self.unknown: set[int] = set()  # ledger ids already told the figure is unknown here
 
@@ -118,14 +122,15 @@ class BatchMemory:
         if not self.joined or len(self.joined) != len(lengths):
             self.joined = [np.zeros(0, dtype=np.int64) for _ in lengths]
         self.joined = [np.concatenate([j, n]) for j, n in zip(self.joined, lengths, strict=True)]
-        self._own(self._owners() + list(ledgers))
+        self._own(self._owners() + list(ledgers), {id(ledger) for ledger in ledgers})
 
     def select(self, positions: Sequence[int]) -> None:
         """Keep only the rows at ``positions`` (the batch's `keep`)."""
         at = np.asarray(list(positions), dtype=np.int64)
         self.joined = [j[at] for j in self.joined]
         owners = self._owners()
-        self._own([owners[i] for i in at.tolist()])
+        kept = set(at.tolist())
+        self._own([owners[i] for i in at.tolist()], {id(owners[i]) for i in range(len(owners)) if i not in kept})
 
     def measure(self, cache: object, drafted: object = None) -> None:
         """Charge each ledger whose rows now hold more than it was charged by this batch."""
@@ -138,15 +143,16 @@ class BatchMemory:
         if parts is None or len(parts) != len(self.joined):
             self._unknown()
             return
-        if self.shared is None:
-            self.shared = self._count_shared(parts)
+        if self.dirty:
+            self._count_shared(parts)
         tails = np.zeros(len(self.owner), dtype=np.int64)
         for part, joined in zip(parts, self.joined, strict=True):
             tails += (part.host_lengths() - joined) * part.pool.bytes_per_slot
         if extra is not None:
             tails += extra[0].host_lengths() * extra[0].pool.bytes_per_slot
-        held = self.shared + np.bincount(self.owner, weights=tails, minlength=len(self.ledgers)).astype(np.int64)
-        for ledger, now in zip(self.ledgers, held.tolist(), strict=True):
+        own = np.bincount(self.owner, weights=tails, minlength=len(self.ledgers)).astype(np.int64)
+        for ledger, tail in zip(self.ledgers, own.tolist(), strict=True):
+            now = self.shared[id(ledger)] + tail
             if now > self.high.get(id(ledger), 0):
                 self.high[id(ledger)] = now
                 with contextlib.suppress(BudgetExceeded):  # the loop asks each ledger afterwards
@@ -156,7 +162,8 @@ class BatchMemory:
     def _owners(self) -> list[Ledger]:
         return [self.ledgers[i] for i in self.owner.tolist()]
 
-    def _own(self, owners: list[Ledger]) -> None:
+    def _own(self, owners: list[Ledger], changed: set[int]) -> None:
+        """Rows are now charged to ``owners``; the ledgers ``changed`` gained or lost rows."""
         index: dict[int, int] = {}
         self.ledgers = []
         for ledger in owners:
@@ -167,19 +174,23 @@ class BatchMemory:
         # forget ledgers with no rows left: a long-lived batch (the server's) sees many, and the
         # id of one that was collected may come back as another's
         self.high = {k: v for k, v in self.high.items() if k in index}
+        self.shared = {k: v for k, v in self.shared.items() if k in index}
         self.unknown &= index.keys()
-        self.shared = None  # rows came or went: the shared part is counted again at the next measure
+        # only the ledgers whose rows changed are counted again (a server request whose sample
+        # finished, not every request in the batch)
+        self.dirty = (self.dirty | changed) & index.keys()
 
-    def _count_shared(self, parts: Sequence[PagedKVCache]) -> np.ndarray:
-        """Per ledger, the bytes of the distinct slots below its rows' join lengths: one
-        `np.unique` over (ledger, slot) pairs per stream."""
-        out = np.zeros(len(self.ledgers), dtype=np.int64)
-        for part, joined in zip(parts, self.joined, strict=True):
-            slots, rows = span_slots(part, np.zeros_like(joined), joined)
-            width = int(slots.max()) + 1 if slots.size else 1
-            pairs = np.unique(self.owner[rows] * width + slots)
-            out += np.bincount(pairs // width, minlength=len(self.ledgers)) * part.pool.bytes_per_slot
-        return out
+    def _count_shared(self, parts: Sequence[PagedKVCache]) -> None:
+        """For each dirty ledger, the bytes of the distinct slots below its rows' join lengths."""
+        where = {id(ledger): i for i, ledger in enumerate(self.ledgers)}
+        for key in self.dirty:
+            rows = np.flatnonzero(self.owner == where[key])
+            total = 0
+            for part, joined in zip(parts, self.joined, strict=True):
+                slots, _ = span_slots(part, np.zeros(len(rows), dtype=np.int64), joined[rows], rows)
+                total += int(np.unique(slots).size) * part.pool.bytes_per_slot
+            self.shared[key] = total
+        self.dirty = set()
 
     def _unknown(self) -> None:
         for ledger in self.ledgers:
