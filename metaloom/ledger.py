@@ -76,8 +76,9 @@ class Usage:
 
     def __add__(self, other: Usage) -> Usage:
         """Counts add; a peak is the larger of the two (see the module docstring)."""
-        amounts = {name: max(getattr(self, name), getattr(other, name)) if name in PEAKS
-                   else getattr(self, name) + getattr(other, name) for name in COUNTED}
+        amounts = {name: getattr(self, name) + getattr(other, name) for name in SUMMED}
+        for name in PEAKS:
+            amounts[name] = max(getattr(self, name), getattr(other, name))
         return Usage(**amounts, unknown=self.unknown | other.unknown,  # type: ignore[arg-type]
                      estimated=self.estimated | other.estimated)
 
@@ -103,6 +104,7 @@ class Usage:
 COUNTED = tuple(f.name for f in dataclasses.fields(Usage) if f.name not in ("unknown", "estimated"))
 # the figures that are high-water marks, not counts: combined by max, never summed or subtracted
 PEAKS = ("kv_bytes_peak",)
+SUMMED = tuple(name for name in COUNTED if name not in PEAKS)
 
 
 @dataclass(frozen=True)

@@ -258,7 +258,7 @@ class DecodeBatch:
         if self.cache is None:
             self.cache, self.sampler, self.state, self.pending, self.drafter = cache, sampler, state, pending, drafter
             self.rows, self.cursors = list(rows), list(cursors)
-            self._measure()
+            self.memory.charge_highs(self._measure())
             return
         assert self.sampler is not None and self.state is not None and self.pending is not None
         joined = getattr(self.cache, "join", None)
@@ -272,11 +272,12 @@ class DecodeBatch:
             self.drafter = self.drafter.join(drafter)
         self.rows += rows
         self.cursors += cursors
-        self._measure()
+        self.memory.charge_highs(self._measure())
 
-    def _measure(self) -> None:
-        """Charge each ledger the KV its rows hold now, where that is a new high."""
-        self.memory.measure(self.cache, getattr(self.drafter, "cache", None))  # a draft model's own cache
+    def _measure(self) -> list[tuple[Ledger, int]]:
+        """The ledgers whose rows hold more KV now than before, with what they hold (charged
+        with the step's output tokens: one charge per ledger per step)."""
+        return self.memory.measure(self.cache, getattr(self.drafter, "cache", None))  # a draft model's own cache
 
     # --- stepping ---------------------------------------------------------------------------
     def step(self) -> list[Row]:
@@ -293,12 +294,12 @@ class DecodeBatch:
         if self.speculative is None:
             valid = torch.tensor([0 if d else 1 for d in done], dtype=torch.long, device=device)
             raw, scores, _ = charged_forward_both(self.model, self.pending[:, None], self.cache, ledgers, valid=valid)
-            self._measure()
+            highs = self._measure()
             got = draw(self.sampler, self.state, raw[:, -1], scores[:, -1], cursors, rngs, _keys(self.rows), skip=done)
             self.state = self.sampler.advance(self.state, got.tokens, got.logprobs)
             self.pending = got.tokens
             stepped = [row for row, d in zip(self.rows, done, strict=True) if not d]
-            self._emit_drawn(self.rows, got, self.cursors, skip=done, raw=raw[:, -1])
+            self._emit_drawn(self.rows, got, self.cursors, skip=done, raw=raw[:, -1], highs=highs)
         else:
             stepped = self._speculative_step(done, ledgers, rngs, cursors)
         self._settle()
@@ -321,7 +322,7 @@ class DecodeBatch:
         needs_hidden = bool(getattr(self.drafter, "needs_hidden", False))
         raw, scores, hidden = charged_forward_both(self.model, tokens, self.cache, ledgers, valid=valid,
                                                    hidden=needs_hidden)
-        self._measure()  # the drafts' KV is held until the rejected ones are rolled back below
+        highs = self._measure()  # the drafts' KV is held until the rejected ones are rolled back below
         live_cursors = None if cursors is None else [None if d else c for c, d in zip(cursors, done, strict=True)]
         out = verify(self.sampler, self.state, scores, draft, live_cursors, rngs)
         acc = out.acceptance
@@ -333,6 +334,7 @@ class DecodeBatch:
         chosen_lp = chosen.tolist()
         tops = _tops(self.rows, done, raw)
         stepped, per_ledger = [], _Tally()
+        per_ledger.peaks(highs)
         for b, row in enumerate(self.rows):
             if done[b]:
                 continue
@@ -361,10 +363,11 @@ class DecodeBatch:
         return stepped
 
     def _emit_drawn(self, rows: Sequence[Row], got: Any, cursors: Sequence[Constraint | None],
-                    skip: Sequence[bool] = (), *, raw: torch.Tensor) -> None:
+                    skip: Sequence[bool] = (), *, raw: torch.Tensor, highs: Sequence[tuple[Ledger, int]] = ()) -> None:
         """Emit each row's drawn token; ``raw`` [B, V]: the logits it was drawn after (for the
-        rows that record their most likely tokens)."""
+        rows that record their most likely tokens); ``highs``: KV peaks to charge with the tokens."""
         tally = _Tally()
+        tally.peaks(highs)
         # one device-to-host copy for the three (token ids are exact in float64)
         tokens_f, raw_lp, chosen = torch.stack([got.tokens.double(), got.raw.double(), got.chosen.double()]).tolist()
         tokens = [int(t) for t in tokens_f]
@@ -453,6 +456,12 @@ class _Tally:
         entry = self.by.setdefault(id(ledger), (ledger, {}))[1]
         for k, v in amounts.items():
             entry[k] = entry.get(k, 0) + v
+
+    def peaks(self, highs: Sequence[tuple[Ledger, int]]) -> None:
+        """KV peaks (`metaloom.decode.memory.BatchMemory.measure`), charged with the rest: a
+        ledger's usage keeps the larger peak, so one charge carries it as well as two."""
+        for ledger, now in highs:
+            self.by.setdefault(id(ledger), (ledger, {}))[1]["kv_bytes_peak"] = now
 
     def charge(self) -> None:
         for ledger, amounts in self.by.values():

@@ -132,8 +132,10 @@ class BatchMemory:
         kept = set(at.tolist())
         self._own([owners[i] for i in at.tolist()], {id(owners[i]) for i in range(len(owners)) if i not in kept})
 
-    def measure(self, cache: object, drafted: object = None) -> None:
-        """Charge each ledger whose rows now hold more than it was charged by this batch."""
+    def measure(self, cache: object, drafted: object = None) -> list[tuple[Ledger, int]]:
+        """Each ledger whose rows now hold more than this batch has reported, with what they
+        hold: the caller charges them (`charge_highs`, or with the step's other charges, one
+        charge per ledger per step: a server's batch has a ledger per request)."""
         parts = streams(cache)
         extra = None
         if drafted is not None:
@@ -142,7 +144,7 @@ class BatchMemory:
                 parts = None
         if parts is None or len(parts) != len(self.joined):
             self._unknown()
-            return
+            return []
         if self.dirty:
             self._count_shared(parts)
         tails = np.zeros(len(self.owner), dtype=np.int64)
@@ -151,12 +153,13 @@ class BatchMemory:
         if extra is not None:
             tails += extra[0].host_lengths() * extra[0].pool.bytes_per_slot
         own = np.bincount(self.owner, weights=tails, minlength=len(self.ledgers)).astype(np.int64)
+        highs = []
         for ledger, tail in zip(self.ledgers, own.tolist(), strict=True):
             now = self.shared[id(ledger)] + tail
             if now > self.high.get(id(ledger), 0):
                 self.high[id(ledger)] = now
-                with contextlib.suppress(BudgetExceeded):  # the loop asks each ledger afterwards
-                    ledger.charge(kv_bytes_peak=now)
+                highs.append((ledger, now))
+        return highs
 
     # --- bookkeeping ------------------------------------------------------------------------
     def _owners(self) -> list[Ledger]:
@@ -191,6 +194,14 @@ class BatchMemory:
                 total += int(np.unique(slots).size) * part.pool.bytes_per_slot
             self.shared[key] = total
         self.dirty = set()
+
+    @staticmethod
+    def charge_highs(highs: Sequence[tuple[Ledger, int]]) -> None:
+        """Charge `measure`'s new highs, each its own charge (never raising: the decode loop
+        asks each ledger afterwards)."""
+        for ledger, now in highs:
+            with contextlib.suppress(BudgetExceeded):
+                ledger.charge(kv_bytes_peak=now)
 
     def _unknown(self) -> None:
         for ledger in self.ledgers:
