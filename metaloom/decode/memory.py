@@ -18,10 +18,11 @@ So the rows of one ledger hold
 
     distinct(slots below each row's join length) + Σ (length − join length)
 
-slots. The first term is counted with `np.unique` only when a ledger's rows join or leave (rare), for
-that ledger's rows alone; the second is an O(rows) numpy sum after every forward, where memory can grow. Leaving only lowers
-memory, so measuring after every join and every forward (before a speculative step rolls its
-rejected drafts back: their KV was written and held) finds the peak exactly.
+slots. The first term is counted with `np.unique` only when a ledger's rows join or leave
+(rare), over that ledger's rows alone; the second is an O(rows) numpy sum after every forward,
+where memory can grow. Leaving only lowers memory, so measuring after every join and every
+forward (before a speculative step rolls its rejected drafts back: their KV was written and
+held) finds the peak exactly.
 
 Caches that keep no slots (the HF adapter, the toy models of the tests) cannot be measured:
 their ledgers get ``kv_bytes_peak`` unknown, never a misleading 0.
