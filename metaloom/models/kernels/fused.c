@@ -472,8 +472,7 @@ INLINE void span_partial_n(const void *q, const void *K, const void *V, const fl
             const int two = a + 1 < nq;
             vec d0[KB / W], d1[KB / W];
             float q0[MAX_VECTORS * W], q1[MAX_VECTORS * W];
-            int64_t qa = (rows[a / group] * h + j * group + a % group) * dim;
-            int64_t qb = two ? (rows[(a + 1) / group] * h + j * group + (a + 1) % group) * dim : qa;
+            int64_t qa = a * dim, qb = two ? (a + 1) * dim : qa; /* q: this task's rotated queries */
             for (int v = 0; v < nv; v++) {
                 vec x = ld(q, qa + W * v, bf), y = ld(q, qb + W * v, bf);
                 memcpy(q0 + W * v, &x, sizeof x);
@@ -593,23 +592,29 @@ INLINE int rope_attend_shared_t(const void *qkv, const void *cs, const void *sn,
     int64_t chunks = 0;
     for (int64_t s = 0; s < sh->spans; s++) chunks += (sh->ptr[s + 1] - sh->ptr[s] + SPAN_ROWS - 1) / SPAN_ROWS;
     int failed = 0;
-    size_t scratch = (size_t)(longest + 1 + W + dim); /* scores, then the new key before it is quantised */
+    /* per thread: scores, then the new key before it is quantised, then a span task's rotated queries */
+    size_t scratch = (size_t)(longest + 1 + W + dim), qspan = (size_t)(SPAN_ROWS * group * dim);
+    const int64_t privates = rows * hk;
+    /* One loop of independent tasks, so a call has a single barrier (a thread descheduled by a busy
+     * machine stalls every barrier a time slice): a row's private task writes its new key and
+     * value and reads positions from private_from on; a span task reads only shared positions,
+     * below every private_from, and rotates its rows' queries itself. */
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        float *scores = malloc(sizeof(float) * scratch);
+        float *scores = malloc(sizeof(float) * (scratch + qspan));
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < rows * hk; task++)
-            if (scores)
+        for (int64_t task = 0; task < privates + chunks * hk; task++) {
+            if (!scores) continue;
+            if (task < privates) {
                 private_task(qkv, cs, sn, lengths, table, width, kc, vc, ks, vs, q, priv, sh, task / hk, task % hk, h,
                              hk, dim, scale, scores, scores + longest + 1 + W, bf, q8);
-        /* the implicit barrier: every row's new key is written and its queries rotated */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < chunks * hk; task++) {
-            int64_t c = task / hk, j = task % hk, s = 0;
+                continue;
+            }
+            int64_t c = (task - privates) / hk, j = (task - privates) % hk, s = 0;
             for (;; s++) { /* the span of chunk c */
                 int64_t n = (sh->ptr[s + 1] - sh->ptr[s] + SPAN_ROWS - 1) / SPAN_ROWS;
                 if (c < n) break;
@@ -617,14 +622,22 @@ INLINE int rope_attend_shared_t(const void *qkv, const void *cs, const void *sn,
             }
             int64_t k0 = sh->ptr[s] + c * SPAN_ROWS, end = sh->ptr[s + 1];
             int64_t nrows = end - k0 < SPAN_ROWS ? end - k0 : SPAN_ROWS;
+            float *qt = scores + scratch;
+            for (int64_t i = 0; i < nrows; i++) { /* the rows' query heads of kv head j, rotated as private_task does */
+                int64_t r = sh->rows[k0 + i];
+                for (int64_t g = 0; g < group; g++)
+                    rope(qkv, r * (h + 2 * hk) * dim + (j * group + g) * dim, cs, sn, lengths[r] * dim, qt,
+                         (i * group + g) * dim, dim, bf);
+            }
             const int64_t *slots = table + sh->rows[sh->ptr[s]] * width; /* the span's slots: any of its rows' */
-            span_partial(q, kc, vc, ks, vs, slots, hk * dim, j * dim, hk, j, sh->lo[s], sh->hi[s], sh->rows + k0,
+            span_partial(qt, kc, vc, ks, vs, slots, hk * dim, j * dim, hk, j, sh->lo[s], sh->hi[s], sh->rows + k0,
                          nrows, k0, h, j, group, pstate, scale, dim / W, bf, q8);
         }
-#pragma omp for schedule(static)
-        for (int64_t task = 0; task < rows * h; task++) merge_task(priv, pstate, sh, out, task / h, task % h, h, dim, bf);
         free(scores);
     }
+    /* the merge: a few vector operations per (row, head, part), on this thread */
+    if (!failed)
+        for (int64_t task = 0; task < rows * h; task++) merge_task(priv, pstate, sh, out, task / h, task % h, h, dim, bf);
     free(buf);
     return failed ? -1 : 0;
 }
