@@ -43,3 +43,20 @@ def test_size_lists_parse_or_name_the_flag():
     for bad in ("", "0", "16,x", "-4"):
         with pytest.raises(InvalidParameter, match="rows"):
             _ints("rows", bad)
+
+
+def test_a_copied_fork_copies_an_int8_pools_scales_too():
+    import torch
+
+    from metaloom.bench.fork import copied
+    from metaloom.models.engine.options import EngineOptions
+
+    model = _tiny().with_options(EngineOptions(kv_dtype="int8"))
+    cache = model.new_cache(1, 20)
+    model.forward(torch.randint(0, 103, (1, 12), generator=torch.Generator().manual_seed(0)), cache)
+    fork = copied(cache, [0, 0])
+    assert set(fork.slots[0, :12].tolist()).isdisjoint(cache.slots[0, :12].tolist())  # copies, not shared slots
+    for layer in range(2):
+        keys, values = cache.gather(layer, 12)
+        fk, fv = fork.gather(layer, 12)
+        assert torch.equal(fk[1], keys[0]) and torch.equal(fv[0], values[0])

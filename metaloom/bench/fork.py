@@ -44,9 +44,8 @@ def copied(cache: PagedKVCache, rows: list[int]) -> PagedKVCache:
         dst_np = pool.allocate(n)
         block = n > 0 and int(dst_np[-1]) - int(dst_np[0]) == n - 1 and bool((np.diff(dst_np) == 1).all())
         dst = slice(int(dst_np[0]), int(dst_np[-1]) + 1) if block else torch.from_numpy(dst_np).to(pool.device)
-        for layer in range(pool.layers):
-            pool.keys[layer][dst] = pool.keys[layer][src]
-            pool.values[layer][dst] = pool.values[layer][src]
+        for stored in pool.tensors():  # keys, values, and an int8 pool's scales
+            stored[dst] = stored[src]
         new.slots[i, :n] = dst_np
         new._n[i] = n
     new._lengths = None

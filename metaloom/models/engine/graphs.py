@@ -145,7 +145,8 @@ def static_step(m: LlamaModel, pool: KVPool) -> Step:
             vs = pool.values[i][table].transpose(1, 2)
             q = qk[:, :h].reshape(rows, hk, g * width, d)  # a group's query heads and positions as queries
             attn = F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask)  # [R, hk, g W, D]
-            attn = attn.view(rows, h, width, d).transpose(1, 2).reshape(rows, width, h * d)
+            # reshape, not view: on CUDA, SDPA's float32 kernels may return other strides
+            attn = attn.reshape(rows, h, width, d).transpose(1, 2).reshape(rows, width, h * d)
             x = x + linear(attn, w.o)
             y = F.rms_norm(x, (c.hidden_size,), w.mlp_norm, c.rms_norm_eps)
             gate, up = linear(y, w.gate_up).chunk(2, dim=-1)
