@@ -70,7 +70,7 @@ def _steps_s(model: LlamaModel, cache: Any, tokens: int) -> float:
 
 
 def measure_shared(model: LlamaModel, prefixes: list[int], rows: list[int], tokens: int = 8, repeats: int = 3,
-                   calls: int = 5) -> dict[str, Any]:
+                   calls: int = 9) -> dict[str, Any]:
     """Attention and step times with shared-prefix attention on and off, per (prefix, rows)."""
     for name, value in (("tokens", tokens), ("repeats", repeats), ("calls", calls)):
         if not isinstance(value, int) or value < 1:
@@ -96,9 +96,15 @@ def measure_shared(model: LlamaModel, prefixes: list[int], rows: list[int], toke
         for n in rows:
             runs: dict[str, dict[str, list[float]]] = {m: {"attention_s": [], "step_s": []} for m in SIDES}
             for _ in range(repeats):
+                # attention first, both sides on one fork back to back: a step's matmuls between
+                # them leave the threads in another state (measured: both sides' calls ran up
+                # to 1.7x slower, unevenly, right after steps)
+                cache = root.fork([0] * n)
+                for m in SIDES:
+                    runs[m]["attention_s"].append(_attention_s(sides[m], cache, m == "on", calls))
+                cache.release()
                 for m in SIDES:
                     cache = root.fork([0] * n)
-                    runs[m]["attention_s"].append(_attention_s(sides[m], cache, m == "on", calls))
                     runs[m]["step_s"].append(_steps_s(sides[m], cache, tokens))
                     cache.release()
             cell: dict[str, Any] = {"prefix_tokens": prefix, "rows": n, "prefill_s": prefill_s}
