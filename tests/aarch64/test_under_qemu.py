@@ -195,8 +195,43 @@ def test_fused_decode_kernels(driver, dtype):
     ref_keys, ref_values = keys.clone(), values.clone()
     expected = _reference_attend(qkv, cos, sin, lengths, table, ref_keys, ref_values, heads, None)
     rc, (k_after, v_after, out) = driver.call("rope_attend", qkv, cos, sin, lengths, table, cap, InOut(keys), InOut(values),
-                                              Out((rows, heads * dim), dtype), rows, heads, kv_heads, dim, 0, 2, bf)
+                                              None, None, Out((rows, heads * dim), dtype), rows, heads, kv_heads, dim, 0, 2,
+                                              bf, None)
     assert rc == 0
     assert (out.float() - expected.float()).abs().max() <= tol * max(1.0, expected.abs().max().item())
     assert (k_after.float() - ref_keys.float()).abs().max() <= tol * max(1.0, ref_keys.abs().max().item())
     assert torch.equal(v_after, ref_values)
+
+
+def test_fused_attention_over_an_int8_pool(driver):
+    """rope_attend over an int8 pool (codes widened by NEON on that path): the new key and
+    value quantised as the Python write does (codes within one step of it, the same scales),
+    the output as attention over the dequantised pool computes it."""
+    from metaloom.models.engine.kv_int8 import dequantize, quantize
+
+    heads, kv_heads, dim, rows, cap, slots = 6, 2, 64, 4, 40, 160
+    g = torch.Generator().manual_seed(29)
+    lengths = torch.tensor([0, 7, 33, 20])
+    cos, sin = rope_tables(dim, 10000.0, None, 64, torch.float32, torch.device("cpu"))
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=g)
+    codes_k, scales_k = quantize(torch.randn(slots, kv_heads, dim, generator=g))
+    codes_v, scales_v = quantize(torch.randn(slots, kv_heads, dim, generator=g))
+    table = torch.randperm(slots, generator=g)[:rows * cap].view(rows, cap).clone()
+    table[3, :20] = table[2, :20]
+    rc, (k_after, v_after, ks_after, vs_after, out) = driver.call(
+        "rope_attend", qkv, cos, sin, lengths, table, cap, InOut(codes_k), InOut(codes_v), InOut(scales_k),
+        InOut(scales_v), Out((rows, heads * dim), torch.float32), rows, heads, kv_heads, dim, 0, 2, 0, None)
+    assert rc == 0
+    # the reference writes the exact rotated new keys and values into a float copy of the pool
+    ref_keys, ref_values = dequantize(codes_k, scales_k, torch.float32), dequantize(codes_v, scales_v, torch.float32)
+    expected = _reference_attend(qkv, cos, sin, lengths, table, ref_keys, ref_values, heads, None)
+    new = table[torch.arange(rows), lengths]
+    want_k, want_ks = quantize(ref_keys[new])
+    want_v, want_vs = quantize(ref_values[new])
+    assert (k_after[new].int() - want_k.int()).abs().max() <= 1 and torch.allclose(ks_after[new], want_ks, rtol=1e-6)
+    assert torch.equal(v_after[new], want_v) and torch.equal(vs_after[new], want_vs)
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[new] = False
+    assert torch.equal(k_after[untouched], codes_k[untouched]) and torch.equal(ks_after[untouched], scales_k[untouched])
+    # attention read the dequantised pool: off from the float reference only by the new keys' rounding
+    assert (out - expected).abs().max() <= 2e-2 * max(1.0, expected.abs().max().item())
