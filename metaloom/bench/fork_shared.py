@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,6 @@ import torch
 
 from metaloom.errors import InvalidParameter
 from metaloom.models.engine.llama import LlamaModel
-from metaloom.models.engine.options import EngineOptions
 from metaloom.models.engine.sharing import find_sharing
 
 SIDES = ("on", "off")
@@ -82,7 +82,7 @@ def measure_shared(model: LlamaModel, prefixes: list[int], rows: list[int], toke
     for p in prefixes:
         if p < 1 or p + tokens + 2 > model.max_context:
             raise InvalidParameter("prefixes", p, f"prompt lengths in [1, {model.max_context - tokens - 2}]")
-    sides = {m: model.with_options(EngineOptions(shared_prefix_attention=m)) for m in SIDES}
+    sides = {m: model.with_options(replace(model.options, shared_prefix_attention=m)) for m in SIDES}  # the rest as loaded
     gen = np.random.default_rng(0)
     edge = min(100, model.vocab_size // 4)  # away from the special tokens at either end
     cells = []

@@ -26,6 +26,7 @@ import json
 import math
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ import torch
 from metaloom.bench import model_args, single_weights
 from metaloom.errors import InvalidParameter
 from metaloom.models import load
-from metaloom.models.engine.options import KV_DTYPES, EngineOptions
+from metaloom.models.engine.options import KV_DTYPES
 
 HELP = "a compressed KV cache (--kv-dtype) against the full one: perplexity, retrieval, memory per token, speed"
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -135,8 +136,7 @@ def measure(loaded: Any, kv_dtypes: list[str], text_tokens: int = 4000, haystack
     if len(ids) < max(need, haystack) or need > base.max_context or haystack + 64 > base.max_context:
         raise InvalidParameter("text_tokens", text_tokens,
                                f"at most {min(len(ids) - 1, base.max_context - 1)} (the text and the context window)")
-    models = {kv: base.with_options(EngineOptions(kv_dtype=kv, shared_prefix_attention=base.options.shared_prefix_attention))
-              for kv in kv_dtypes}
+    models = {kv: base.with_options(replace(base.options, kv_dtype=kv)) for kv in kv_dtypes}
     out: dict[str, Any] = {"text_tokens": text_tokens, "haystack_tokens": haystack, "chunk": chunk,
                            "depths": list(depths), "codes": list(codes), "sides": {}}
     for kv, model in models.items():

@@ -500,7 +500,7 @@ class LlamaModel:
                                  pointers(pool.keys), pointers(pool.values), b, c.hidden_size, h, hk, c.head_dim,
                                  c.intermediate_size, c.sliding_window or 0, threads, torch.get_num_threads(),
                                  c.rms_norm_eps, self.dtype == torch.bfloat16,
-                                 None if sharing is None else ctypes.byref(sharing.desc()),
+                                 None if sharing is None else ctypes.byref(sharing.desc),
                                  pointers(pool.key_scales) if pool.quantized else None,
                                  pointers(pool.value_scales) if pool.quantized else None)
         if rc:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -53,9 +54,10 @@ class Sharing:
         sizes = np.diff(self.ptr)
         return int(((sizes - 1) * (self.hi - self.lo)).sum())
 
+    @cached_property
     def desc(self) -> SharingDesc:
-        """The C view (`fused.c`'s ``sharing_desc``); it points into these arrays, so keep this
-        object alive while the view is used."""
+        """The C view (`fused.c`'s ``sharing_desc``), made once: a step passes it to every layer.
+        It points into these arrays, so keep this object alive while the view is used."""
         def p(a: np.ndarray) -> int:
             return int(a.ctypes.data)
 

@@ -96,7 +96,7 @@ class FusedKernels:
         rc = self.lib.rope_attend(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), lengths.data_ptr(), table.data_ptr(),
                                   width, keys.data_ptr(), values.data_ptr(), ks, vs, out.data_ptr(), rows, heads,
                                   kv_heads, dim, window or 0, threads, out.dtype == torch.bfloat16,
-                                  None if sharing is None else ctypes.byref(sharing.desc()))
+                                  None if sharing is None else ctypes.byref(sharing.desc))
         if rc == -1:
             raise MemoryError("fused attention could not allocate its score buffer")
         if rc == -3:
