@@ -105,6 +105,8 @@ class PrefixCache:
         how many tokens were stored anew (fewer than missing when the budget is short)."""
         if cache.pool is not self.pool:
             raise InvalidParameter("cache", type(cache).__name__, "a cache in the prefix cache's KV pool")
+        if cache.shift[row]:  # its entries are no longer positions 0.. (a --kv-policy dropped some)
+            return 0
         if int(cache.lengths[row]) < len(tokens):
             raise InvalidParameter("tokens", len(tokens), f"at most the row's length {int(cache.lengths[row])}")
         hit = self.match(tokens)  # pin the present part, so making room never evicts it

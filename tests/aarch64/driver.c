@@ -32,7 +32,8 @@ void residual_rms_norm(void *x, const void *delta, const void *w, void *y, int64
 void silu_mul(const void *gu, void *y, int64_t rows, int64_t inter, int bf16);
 int rope_attend(const void *qkv, const void *cs, const void *sn, const int64_t *lengths, const int64_t *table,
                 int64_t width, void *kc, void *vc, float *ks, float *vs, void *out, int64_t rows, int64_t h,
-                int64_t hk, int64_t dim, int64_t window, int64_t threads, int bf16, const void *sharing);
+                int64_t hk, int64_t dim, int64_t window, int64_t threads, int bf16, const void *sharing,
+                const int64_t *shift, const int64_t *sinks, float *probs);
 
 #define MAX_ARGS 20
 
@@ -116,7 +117,7 @@ int main(int argc, char **argv) {
         silu_mul(P(0), P(1), I(2), I(3), (int)I(4));
     else if (!strcmp(fn, "rope_attend"))
         rc = rope_attend(P(0), P(1), P(2), P(3), P(4), I(5), P(6), P(7), P(8), P(9), P(10), I(11), I(12), I(13), I(14),
-                         I(15), I(16), (int)I(17), P(18));
+                         I(15), I(16), (int)I(17), P(18), NULL, NULL, NULL);
     else {
         fprintf(stderr, "driver: unknown function %s\n", fn);
         return 2;

@@ -25,7 +25,15 @@ Slot 0 is a scratch slot owned by the pool: positions a forward computes but doe
 (right padding, rows that already finished) are written there and never read.
 
 Reference counts free a slot when the last row (or prefix-cache entry) holding it lets go:
-`PagedKVCache.release`, `truncate`, and garbage collection of a cache nobody released.
+`PagedKVCache.release`, `truncate`, `evict`, and garbage collection of a cache nobody released.
+
+Dropped positions (``--kv-policy``, `metaloom.models.engine.dropping`): `evict` takes entries
+out of a row's table and closes the gap, so a row's entries are no longer its positions. Per
+row, ``shift`` counts the positions dropped (the next token's position is ``length + shift``;
+keys stay rotated at their own positions) and ``sinks`` how many leading entries a query attends
+at their in-cache positions (StreamingLLM's sinks); ``mass`` ([B, capacity], or None) is the
+attention each entry has accumulated, for H2O. Eviction only lets go of references, so a slot
+another row (a fork, the prefix cache) still holds stays as it is.
 """
 
 from __future__ import annotations
@@ -209,6 +217,9 @@ class PagedKVCache:
         # of a row at once); a one-token step it mirrors itself, and truncation needs nothing
         self.serial = next(_SERIALS)
         self.wide_writes = 0
+        self.shift = np.zeros(batch, dtype=np.int64)  # positions dropped before each row's entries end
+        self.sinks = np.zeros(batch, dtype=np.int64)  # leading entries attended at in-cache positions
+        self.mass: np.ndarray | None = None  # [B, capacity] accumulated attention (H2O), once asked for
 
     # --- the KVCache protocol ---------------------------------------------------------
     @property
@@ -221,6 +232,53 @@ class PagedKVCache:
     def host_lengths(self) -> np.ndarray:
         """[B] int64 lengths on the host (a copy; no device transfer)."""
         return self._n.copy()
+
+    def host_positions(self) -> np.ndarray:
+        """[B] int64: the position each row's next token takes, its length plus the positions it
+        dropped (equal to the lengths when nothing was dropped)."""
+        return self._n + self.shift
+
+    @property
+    def drops(self) -> bool:
+        """Whether any row has dropped positions (its entries are no longer its positions)."""
+        return bool(self.shift.any())
+
+    def evict(self, row: int, keep: np.ndarray, *, sinks: int = 0) -> int:
+        """Keep only entries ``keep`` (ascending indices below the row's length) of row ``row``,
+        moved to the front in order; the others let go of their slots. Their count is added to
+        the row's ``shift``; ``sinks`` becomes the row's count of leading entries attended at
+        in-cache positions. Returns how many entries were dropped."""
+        n = int(self._n[row]) if 0 <= row < self.batch else -1
+        keep = np.asarray(keep, dtype=np.int64)
+        if n < 0 or (keep.size and (int(keep[0]) < 0 or int(keep[-1]) >= n or bool((np.diff(keep) <= 0).any()))):
+            raise InvalidParameter("keep", keep.tolist(), f"ascending entries of a row in [0, {self.batch}) below its length")
+        if not 0 <= sinks <= keep.size:
+            raise InvalidParameter("sinks", sinks, f"in [0, {keep.size}] (the kept entries)")
+        gone = n - keep.size
+        if gone:
+            dropped = np.ones(n, dtype=bool)
+            dropped[keep] = False
+            self.pool.release(self.slots[row, :n][dropped])
+            self.slots[row, :keep.size] = self.slots[row, keep]
+            self.slots[row, keep.size:n] = SCRATCH
+            if self.mass is not None:
+                self.mass[row, :keep.size] = self.mass[row, keep]
+                self.mass[row, keep.size:n] = 0.0
+            self._n = self._n.copy()
+            self._n[row] = keep.size
+            self.shift[row] += gone
+            self._lengths = None
+            self.wide_writes += 1  # a device copy of the table cannot follow this
+            if self.pool.device.type != "cpu":
+                self._table = None
+        self.sinks[row] = sinks
+        return gone
+
+    def attention_mass(self) -> np.ndarray:
+        """[B, capacity] float64: what H2O accumulates per entry, made (zeros) on first use."""
+        if self.mass is None or self.mass.shape != self.slots.shape:
+            self.mass = np.zeros(self.slots.shape)
+        return self.mass
 
     @property
     def capacity(self) -> int:
@@ -239,6 +297,9 @@ class PagedKVCache:
         new._n = self._n[index].copy()
         used = int(new._n.max()) if len(index) else 0
         new.slots[:, :used] = self.slots[index, :used]
+        new.shift, new.sinks = self.shift[index].copy(), self.sinks[index].copy()
+        if self.mass is not None:
+            new.mass = self.mass[index].copy()
         self.pool.retain(new._held())
         return new
 
@@ -250,6 +311,9 @@ class PagedKVCache:
         dropped = [self.slots[b, new[b]:self._n[b]] for b in range(self.batch) if new[b] < self._n[b]]
         if dropped:
             self.pool.release(np.concatenate(dropped))
+        if self.mass is not None:
+            for b in range(self.batch):
+                self.mass[b, new[b]:self._n[b]] = 0.0
         self._n = new.copy()
         self._lengths = None
 
@@ -266,6 +330,13 @@ class PagedKVCache:
         new.slots[:self.batch, :self.capacity] = self.slots
         new.slots[self.batch:, :other.capacity] = other.slots
         new._n = np.concatenate([self._n, other._n])
+        new.shift = np.concatenate([self.shift, other.shift])
+        new.sinks = np.concatenate([self.sinks, other.sinks])
+        if self.mass is not None or other.mass is not None:
+            new.mass = np.zeros((new.batch, capacity))
+            for at, part in ((0, self), (self.batch, other)):
+                if part.mass is not None:
+                    new.mass[at:at + part.batch, :part.capacity] = part.mass
         for spent in (self, other):
             spent._n = np.zeros(0, dtype=np.int64)
             spent.slots = np.zeros((0, 0), dtype=np.int64)
@@ -292,6 +363,8 @@ class PagedKVCache:
         pool.release(new)
         moved = PagedKVCache(pool, self.batch, self.capacity)
         moved._n = self._n.copy()
+        moved.shift, moved.sinks = self.shift.copy(), self.sinks.copy()
+        moved.mass = None if self.mass is None else self.mass.copy()
         for b in range(self.batch):
             n = int(self._n[b])
             moved.slots[b, :n] = new[np.searchsorted(old, self.slots[b, :n])]
@@ -425,9 +498,12 @@ class PagedKVCache:
 
     # --- rows as slot lists (the prefix cache) ---------------------------------------------
     def row_slots(self, row: int, start: int, end: int) -> np.ndarray:
-        """The slots of row ``row``'s positions ``start .. end - 1`` (a copy of the ids)."""
+        """The slots of row ``row``'s positions ``start .. end - 1`` (a copy of the ids). A row that
+        dropped positions (`evict`) has none to give: its entries are not its positions."""
         if not 0 <= row < self.batch or not 0 <= start <= end <= int(self._n[row]):
             raise InvalidParameter("span", (row, start, end), f"a row in [0, {self.batch}) and 0 <= start <= end <= its length")
+        if self.shift[row]:
+            raise InvalidParameter("row", row, "a row that dropped no positions (its entries are not its positions)")
         return self.slots[row, start:end].copy()
 
     def append_slots(self, row: int, slots: np.ndarray) -> None:
@@ -435,6 +511,8 @@ class PagedKVCache:
         row ``row``, taking a reference to each."""
         if not 0 <= row < self.batch:
             raise InvalidParameter("row", row, f"a row in [0, {self.batch})")
+        if self.shift[row]:
+            raise InvalidParameter("row", row, "a row that dropped no positions (cached positions follow position 0..)")
         start, n = int(self._n[row]), len(slots)
         if start + n > self.capacity:
             raise CacheFull(f"KV cache row needs {start + n} positions but was allocated {self.capacity}")

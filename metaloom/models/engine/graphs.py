@@ -168,6 +168,9 @@ def why_not(model: object, pool: KVPool | None = None) -> str | None:
     weights = [model.embed, model.lm_head] + [t for w in model.layers for t in (w.qkv, w.o, w.gate_up, w.down)]
     if not all(isinstance(t, torch.Tensor) for t in weights):
         return "static steps need dense tensor weights (quantised or packed ones are CPU kernels)"
+    if model.options.drops:
+        return (f"static steps keep every position (kv_policy={model.options.kv_policy!r} drops some; the eager "
+                "step follows each row's positions)")
     stored = [model.kv_dtype] + ([] if pool is None else [pool.dtype, pool.compute_dtype])
     other = next((d for d in stored if d != model.dtype), None)
     if other is not None:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from metaloom.errors import ContextWindowExceeded, InvalidParameter, NotAModel, UnsupportedModel
-from metaloom.models.engine import graphs
+from metaloom.models.engine import dropping, graphs
 from metaloom.models.engine.cache import KVPool, PagedKVCache, storage_dtype
 from metaloom.models.engine.config import LlamaConfig
 from metaloom.models.engine.graphs import StepGraphs
@@ -33,7 +33,7 @@ from metaloom.models.engine.stack import Plan, pointers
 from metaloom.models.engine.stack import plan as stack_plan
 from metaloom.models.flops import forward_flops
 from metaloom.models.kernels import quant
-from metaloom.models.kernels.fused import PARALLEL_MIN_KEYS, FusedKernels, unsupported_reason
+from metaloom.models.kernels.fused import PARALLEL_MIN_KEYS, Drops, FusedKernels, unsupported_reason
 from metaloom.models.kernels.packed import Bf16Linear, PackedLinear, own_bf16, pack
 from metaloom.models.protocols import KVCache
 
@@ -168,6 +168,10 @@ class LlamaModel:
         self.config = config
         self.fused = fused
         self.options = options or EngineOptions()
+        if self.options.drops and config.sliding_window is not None:
+            raise InvalidParameter("kv_policy", self.options.kv_policy,
+                                   f"'full' for a model with a sliding window ({config.sliding_window} tokens): its "
+                                   "window counts positions, which a row that dropped some no longer holds in order")
         self.embed = embed
         # quantised weights in the layout their batch-1 kernels read fastest (quant.c's panels)
         self.layers = [replace(w, qkv=panelled(w.qkv), o=panelled(w.o), gate_up=panelled(w.gate_up),
@@ -405,18 +409,36 @@ class LlamaModel:
             raise InvalidParameter("tokens", tuple(tokens.shape), f"a batch of {cache.batch} rows (the cache's)")
         if valid is None:
             valid = torch.full((b,), t, dtype=torch.long, device=tokens.device)
+        opts = self.options
+        if opts.drops:  # --kv-policy: rows past the budget drop positions first (metaloom.models.engine.dropping)
+            dropping.before_forward(opts, cache, valid.cpu().numpy())
+        before = cache.host_lengths()
         lengths = cache.lengths  # before this forward
         slots = cache.prepare(valid.tolist(), t)  # [B, T]: where the new keys and values go
         if t == 1 and self.fused is not None and b > 0 and self.fused_reads(cache.pool):
-            return self._step_fused(tokens, cache, lengths, valid, self.fused)
+            y = self._step_fused(tokens, cache, lengths, valid, self.fused)
+            if opts.drops:
+                dropping.after_forward(opts, cache, 1, before, None)
+            return y
         uniform = bool((lengths == lengths[0]).all()) if b else True
         fresh = uniform and (not b or int(lengths[0]) == 0)  # nothing cached: attend to this forward's keys
-        positions = lengths[:, None] + torch.arange(t, device=tokens.device)  # [B, T]
+        entries = lengths[:, None] + torch.arange(t, device=tokens.device)  # [B, T]: where each token sits in its row
+        # its position: the entry plus the positions the row dropped (--kv-policy), which RoPE sees
+        positions = entries + torch.from_numpy(cache.shift).to(tokens.device)[:, None] if cache.drops else entries
         cos = self._cos[positions][:, None]  # [B, 1, T, D]
         sin = self._sin[positions][:, None]
         keys_len = int(lengths.max()) + t
-        mask, causal = self._mask(positions, keys_len, uniform)
+        mask, causal = self._mask(entries, keys_len, uniform)
         run = None if fresh else cache.run_start(keys_len)  # one row in one run of slots: read in place
+        # rows that dropped positions with sinks (StreamingLLM), or attention to record (H2O,
+        # SnapKV's prompt): attention written out (dropping.attend) instead of SDPA
+        mass = dropping.needs_mass(opts, t) if opts.drops else None
+        sinks = bool(cache.sinks.any()) and cache.drops
+        explicit = mass is not None or sinks
+        if explicit:
+            into = torch.zeros(b, keys_len, dtype=torch.float32, device=tokens.device) if mass else None
+            sink_counts = torch.from_numpy(cache.sinks).to(tokens.device)
+            cos_in, sin_in = (self._cos[entries][:, None], self._sin[entries][:, None]) if sinks else (None, None)
 
         x = embed_tokens(self.embed, tokens, self.dtype)  # [B, T, d]
         h, hk, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -428,13 +450,24 @@ class LlamaModel:
             v = qkv[:, h + hk:]
             cache.write(i, k, v, slots)
             keys, values = (k, v) if fresh else cache.gather(i, keys_len, run)
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
-                                                  enable_gqa=hk != h)
+            if explicit:
+                q_in = None if cos_in is None else apply_rope(qkv[:, :h], cos_in, sin_in)  # type: ignore[arg-type]
+                attn = dropping.attend(q, q_in, keys, values, entries, sink_counts, valid, mass, into)
+            else:
+                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
+                                                      enable_gqa=hk != h)
             x = x + linear(attn.transpose(1, 2).reshape(b, t, h * d), w.o)
             y = F.rms_norm(x, (c.hidden_size,), w.mlp_norm, c.rms_norm_eps)
             gate, up = linear(y, w.gate_up).chunk(2, dim=-1)
             x = x + linear(F.silu(gate) * up, w.down)
         cache.advance(valid)
+        if opts.drops:
+            votes = None
+            if mass == "all":
+                cache.attention_mass()[:, :keys_len] += into.cpu().double().numpy()  # type: ignore[union-attr]
+            elif mass == "window":
+                votes = into.cpu().double().numpy()  # type: ignore[union-attr]
+            dropping.after_forward(opts, cache, t, before, votes)
         if last_only:
             x = x[torch.arange(b, device=x.device), valid - 1][:, None]
         return F.rms_norm(x, (c.hidden_size,), self.norm, c.rms_norm_eps)
@@ -465,10 +498,11 @@ class LlamaModel:
         # split attention over threads only when there is enough of it (each parallel region
         # costs a few microseconds, 2 per layer)
         threads = torch.get_num_threads() if b * (int(lengths.max()) + 1) >= PARALLEL_MIN_KEYS else 1
-        sharing = self._sharing(cache)
+        drops = self._drops(cache, table.shape[1])
+        sharing = None if drops.sinks is not None or drops.probs is not None else self._sharing(cache)
         plan = self._plan(b)
         if plan is not None:  # every layer in one call: the same kernels, in the same order (metaloom.models.engine.stack)
-            delta = self._step_stack(plan, k, x, y, attn, act, lengths, table, pool, threads, sharing)
+            delta = self._step_stack(plan, k, x, y, attn, act, lengths, table, pool, threads, sharing, drops)
         else:
             delta = None  # the last sublayer's output, added to x by the next norm
             for i, w in enumerate(self.layers):
@@ -476,17 +510,29 @@ class LlamaModel:
                 qkv = linear(y, w.qkv, w.qkv_bias).contiguous()
                 scales = (pool.key_scales[i], pool.value_scales[i]) if pool.quantized else None
                 k.rope_attend(qkv, self._cos, self._sin, lengths, table, pool.keys[i], pool.values[i], attn, h,
-                              c.sliding_window, threads, sharing, scales)
+                              c.sliding_window, threads, sharing, scales, drops)
                 k.residual_rms_norm(x, linear(attn, w.o).contiguous(), w.mlp_norm, y, c.rms_norm_eps)
                 k.silu_mul(linear(y, w.gate_up).contiguous(), act)
                 delta = linear(act, w.down).contiguous()
         k.residual_rms_norm(x, delta, self.norm, y, c.rms_norm_eps)
+        if drops.probs is not None:  # H2O: each entry's attention this step, summed over heads and layers
+            cache.attention_mass()[:, :table.shape[1]] += drops.probs.sum(1).double().numpy()
         cache.advance(valid)
         return y[:, None]
 
+    def _drops(self, cache: PagedKVCache, width: int) -> Drops:
+        """What the fused kernels need of rows that dropped positions (``--kv-policy``): each
+        row's shift, its sinks (StreamingLLM), a buffer for H2O's attention probabilities."""
+        shift = torch.from_numpy(cache.shift) if cache.drops else None
+        sinks = torch.from_numpy(cache.sinks) if shift is not None and cache.sinks.any() else None
+        probs = None
+        if self.options.kv_policy == "h2o":
+            probs = torch.zeros(cache.batch, self.config.num_key_value_heads, width, dtype=torch.float32)
+        return Drops(shift, sinks, probs)
+
     def _step_stack(self, plan: Plan, k: FusedKernels, x: torch.Tensor, y: torch.Tensor, attn: torch.Tensor,
                     act: torch.Tensor, lengths: torch.Tensor, table: torch.Tensor, pool: KVPool,
-                    threads: int, sharing: Sharing | None = None) -> torch.Tensor:
+                    threads: int, sharing: Sharing | None = None, drops: Drops | None = None) -> torch.Tensor:
         """`_step_fused`'s layers in one C call (fused.c's ``decode_layers``), on the same buffers;
         -> the last sublayer's output (x is the residual stream before it, as the loop leaves it)."""
         c = self.config
@@ -502,7 +548,8 @@ class LlamaModel:
                                  c.rms_norm_eps, self.dtype == torch.bfloat16,
                                  None if sharing is None else ctypes.byref(sharing.desc),
                                  pointers(pool.key_scales) if pool.quantized else None,
-                                 pointers(pool.value_scales) if pool.quantized else None)
+                                 pointers(pool.value_scales) if pool.quantized else None,
+                                 *(drops or Drops()).pointers())
         if rc:
             raise RuntimeError(f"decode_layers failed with code {rc}")  # the plan's shapes were checked: a bug
         return delta

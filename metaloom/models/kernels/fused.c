@@ -29,7 +29,7 @@
 #include <arm_neon.h>
 #endif
 
-#define ABI_VERSION 6
+#define ABI_VERSION 7
 #define INLINE static inline __attribute__((always_inline))
 
 /* W lanes per vector: one AVX-512 register; 8 on every other path, one AVX2 register or two NEON
@@ -287,8 +287,9 @@ INLINE void head_partial_n(const void *q, int64_t qi, const void *K, const void 
     *l_out = hsum(sums);
 }
 
-/* out = softmax(q . K^T * scale) V over positions lo..pos (head_partial_n, normalised) */
-INLINE void head_attend_n(const void *q, const void *K, const void *V, const float *KS, const float *VS,
+/* out = softmax(q . K^T * scale) V over positions lo..pos (head_partial_n, normalised); returns
+ * the softmax's sum l (scores[t] / l is then position t's attention probability) */
+INLINE float head_attend_n(const void *q, const void *K, const void *V, const float *KS, const float *VS,
                           const int64_t *slots, int64_t stride, int64_t off, int64_t sst, int64_t sof, float *scores,
                           void *out, int64_t oi, int64_t lo, int64_t pos, float scale, const int nv, const int bf,
                           const int q8) {
@@ -297,54 +298,112 @@ INLINE void head_attend_n(const void *q, const void *K, const void *V, const flo
     head_partial_n(q, 0, K, V, KS, VS, slots, stride, off, sst, sof, scores, lo, pos, scale, acc, &m, &l, nv, bf, q8);
     float inv = 1.0f / l;
     for (int i = 0; i < nv; i++) st(out, oi + W * i, acc[i] * inv, bf);
+    return l;
+}
+
+/* head_attend_n for a row with `sinks` leading entries attended at their in-cache positions
+ * (StreamingLLM, metaloom/models/engine/kv_policy.py): qs is the query rotated at its in-cache
+ * position for entries 0..sinks-1, q rotated at its own position for sinks..pos; the two
+ * partial softmaxes are merged by their log-sum-exp, as shared-prefix attention merges. */
+INLINE void head_attend_sinks_n(const void *q, const void *qs, const void *K, const void *V, const float *KS,
+                                const float *VS, const int64_t *slots, int64_t stride, int64_t off, int64_t sst,
+                                int64_t sof, float *scores, void *out, int64_t oi, int64_t sinks, int64_t pos,
+                                float scale, const int nv, const int bf, const int q8) {
+    vec a[MAX_VECTORS], b[MAX_VECTORS];
+    float ma, la, mb, lb;
+    head_partial_n(qs, 0, K, V, KS, VS, slots, stride, off, sst, sof, scores, 0, sinks - 1, scale, a, &ma, &la, nv, bf,
+                   q8);
+    head_partial_n(q, 0, K, V, KS, VS, slots, stride, off, sst, sof, scores, sinks, pos, scale, b, &mb, &lb, nv, bf,
+                   q8);
+    float m = ma > mb ? ma : mb;
+    float ca = vexp(splat(ma - m))[0], cb = vexp(splat(mb - m))[0];
+    float inv = 1.0f / (la * ca + lb * cb);
+    for (int i = 0; i < nv; i++) st(out, oi + W * i, (a[i] * ca + b[i] * cb) * inv, bf);
 }
 
 #define HEAD_ATTEND(NV) \
-    head_attend_n(q, K, V, KS, VS, slots, stride, off, sst, sof, scores, out, oi, lo, pos, scale, NV, bf, q8)
+    return head_attend_n(q, K, V, KS, VS, slots, stride, off, sst, sof, scores, out, oi, lo, pos, scale, NV, bf, q8)
+#define HEAD_SINKS(NV) \
+    head_attend_sinks_n(q, qs, K, V, KS, VS, slots, stride, off, sst, sof, scores, out, oi, sinks, pos, scale, NV, bf, q8)
 
-INLINE void head_attend(const void *q, const void *K, const void *V, const float *KS, const float *VS,
+INLINE void head_attend_sinks(const void *q, const void *qs, const void *K, const void *V, const float *KS,
+                              const float *VS, const int64_t *slots, int64_t stride, int64_t off, int64_t sst,
+                              int64_t sof, float *scores, void *out, int64_t oi, int64_t sinks, int64_t pos,
+                              float scale, int64_t nv, const int bf, const int q8) {
+    switch (nv * W) {
+    case 64: HEAD_SINKS(64 / W); break;
+    case 128: HEAD_SINKS(128 / W); break;
+    case 256: HEAD_SINKS(256 / W); break;
+    default: HEAD_SINKS((int)nv);
+    }
+}
+
+INLINE float head_attend(const void *q, const void *K, const void *V, const float *KS, const float *VS,
                         const int64_t *slots, int64_t stride, int64_t off, int64_t sst, int64_t sof, float *scores,
                         void *out, int64_t oi, int64_t lo, int64_t pos, float scale, int64_t nv, const int bf,
                         const int q8) {
     switch (nv * W) { /* head_dim 64, 128, 256 unrolled; other multiples of 32 generic */
-    case 64: HEAD_ATTEND(64 / W); break;
-    case 128: HEAD_ATTEND(128 / W); break;
-    case 256: HEAD_ATTEND(256 / W); break;
+    case 64: HEAD_ATTEND(64 / W);
+    case 128: HEAD_ATTEND(128 / W);
+    case 256: HEAD_ATTEND(256 / W);
     default: HEAD_ATTEND((int)nv);
     }
 }
+
+/* The dropped-positions state of a step (--kv-policy, metaloom/models/engine/dropping.py), each
+ * pointer NULL when unused: row r's next token is at position lengths[r] + shift[r] (its entry is
+ * lengths[r]); its first sinks[r] entries are attended at their in-cache positions; probs
+ * [rows, hk, width] accumulates each entry's attention probability, summed over the group's
+ * query heads (and over layers, call after call). */
+typedef struct {
+    const int64_t *shift, *sinks;
+    float *probs;
+} drop_args;
 
 /* One (row, kv head) task: write the row's rotated key and its value for kv head j at the
  * row's new position, then attend every query head of that group. */
 INLINE void attend_task(const void *qkv, const void *cs, const void *sn, const int64_t *lengths,
                         const int64_t *table, int64_t width, void *kc, void *vc, float *ks, float *vs, void *out,
                         int64_t r, int64_t j, int64_t h, int64_t hk, int64_t dim, int64_t window, float scale,
-                        float *scores, float *q, const int bf, const int q8) {
+                        float *scores, float *q, const drop_args *dr, const int bf, const int q8) {
     int64_t stride = (h + 2 * hk) * dim, group = h / hk;
     int64_t pos = lengths[r];
     int64_t lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
-    int64_t row = r * stride, at = pos * dim;
+    int64_t row = r * stride, at = (pos + (dr->shift ? dr->shift[r] : 0)) * dim;
+    int64_t sinks = dr->sinks ? dr->sinks[r] : 0;
+    float *qs = q + dim; /* the query at its in-cache position, for the sinks */
     const int64_t *slots = table + r * width;
     int64_t slot = slots[pos] * hk * dim + j * dim;
     put_kv(qkv, row + (h + j) * dim, row + (h + hk + j) * dim, cs, sn, at, kc, vc, ks, vs, slot, slots[pos] * hk + j,
            dim, q, bf, q8); /* q is free until the first query head is rotated into it */
     for (int64_t g = j * group; g < (j + 1) * group; g++) {
         rope(qkv, row + g * dim, cs, sn, at, q, 0, dim, bf);
-        head_attend(q, kc, vc, ks, vs, slots, hk * dim, j * dim, hk, j, scores, out, (r * h + g) * dim, lo, pos, scale,
-                    dim / W, bf, q8);
+        if (sinks > 0 && at != pos * dim) {
+            rope(qkv, row + g * dim, cs, sn, pos * dim, qs, 0, dim, bf);
+            head_attend_sinks(q, qs, kc, vc, ks, vs, slots, hk * dim, j * dim, hk, j, scores, out, (r * h + g) * dim,
+                              sinks, pos, scale, dim / W, bf, q8);
+            continue;
+        }
+        float l = head_attend(q, kc, vc, ks, vs, slots, hk * dim, j * dim, hk, j, scores, out, (r * h + g) * dim, lo,
+                              pos, scale, dim / W, bf, q8);
+        if (dr->probs) { /* scores hold e^(score - max) for lo..pos */
+            float inv = 1.0f / l, *p = dr->probs + (r * hk + j) * width;
+            for (int64_t t = lo; t <= pos; t++) p[t] += scores[t] * inv;
+        }
     }
 }
 
 INLINE int rope_attend_t(const void *qkv, const void *cs, const void *sn, const int64_t *lengths,
                          const int64_t *table, int64_t width, void *kc, void *vc, float *ks, float *vs, void *out,
                          int64_t rows, int64_t h, int64_t hk, int64_t dim, int64_t window, int64_t threads,
-                         const int bf, const int q8) {
+                         const drop_args *dr, const int bf, const int q8) {
     if (dim > W * MAX_VECTORS) return -2;
     float scale = 1.0f / sqrtf((float)dim);
     int64_t longest = 0;
     for (int64_t r = 0; r < rows; r++) longest = lengths[r] > longest ? lengths[r] : longest;
-    /* per thread: scores [longest + 1 + W] (the last block of W may run past pos), then the rotated q [dim] */
-    size_t scratch = (size_t)(longest + 1 + W + dim);
+    /* per thread: scores [longest + 1 + W] (the last block of W may run past pos), then the
+     * rotated q [dim] and the one at its in-cache position [dim] */
+    size_t scratch = (size_t)(longest + 1 + W + 2 * dim);
     int failed = 0;
     int64_t tasks = rows * hk;
 #pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1)
@@ -358,7 +417,7 @@ INLINE int rope_attend_t(const void *qkv, const void *cs, const void *sn, const 
         for (int64_t task = 0; task < tasks; task++)
             if (scores)
                 attend_task(qkv, cs, sn, lengths, table, width, kc, vc, ks, vs, out, task / hk, task % hk, h, hk, dim,
-                            window, scale, scores, scores + longest + 1 + W, bf, q8);
+                            window, scale, scores, scores + longest + 1 + W, dr, bf, q8);
         free(scores);
     }
     return failed ? -1 : 0;
@@ -519,10 +578,11 @@ INLINE void span_partial(const void *q, const void *K, const void *V, const floa
 INLINE void private_task(const void *qkv, const void *cs, const void *sn, const int64_t *lengths,
                          const int64_t *table, int64_t width, void *kc, void *vc, float *ks, float *vs, void *q,
                          float *state, const sharing_desc *sh, int64_t r, int64_t j, int64_t h, int64_t hk,
-                         int64_t dim, float scale, float *scores, float *tmp, const int bf, const int q8) {
+                         int64_t dim, float scale, float *scores, float *tmp, const int64_t *shift, const int bf,
+                         const int q8) {
     int64_t stride_qkv = (h + 2 * hk) * dim, group = h / hk, nv = dim / W;
     int64_t pos = lengths[r], lo = sh->private_from[r];
-    int64_t row = r * stride_qkv, at = pos * dim;
+    int64_t row = r * stride_qkv, at = (pos + (shift ? shift[r] : 0)) * dim;
     const int64_t *slots = table + r * width;
     int64_t slot = slots[pos] * hk * dim + j * dim;
     put_kv(qkv, row + (h + j) * dim, row + (h + hk + j) * dim, cs, sn, at, kc, vc, ks, vs, slot, slots[pos] * hk + j,
@@ -578,7 +638,7 @@ INLINE void merge_task(const float *priv, const float *pstate, const sharing_des
 INLINE int rope_attend_shared_t(const void *qkv, const void *cs, const void *sn, const int64_t *lengths,
                                 const int64_t *table, int64_t width, void *kc, void *vc, float *ks, float *vs,
                                 void *out, int64_t rows, int64_t h, int64_t hk, int64_t dim, int64_t threads,
-                                const sharing_desc *sh, const int bf, const int q8) {
+                                const sharing_desc *sh, const int64_t *shift, const int bf, const int q8) {
     float scale = 1.0f / sqrtf((float)dim);
     int64_t longest = 0, group = h / hk, sw = dim + 2;
     for (int64_t r = 0; r < rows; r++) longest = lengths[r] > longest ? lengths[r] : longest;
@@ -611,7 +671,7 @@ INLINE int rope_attend_shared_t(const void *qkv, const void *cs, const void *sn,
             if (!scores) continue;
             if (task < privates) {
                 private_task(qkv, cs, sn, lengths, table, width, kc, vc, ks, vs, q, priv, sh, task / hk, task % hk, h,
-                             hk, dim, scale, scores, scores + longest + 1 + W, bf, q8);
+                             hk, dim, scale, scores, scores + longest + 1 + W, shift, bf, q8);
                 continue;
             }
             int64_t c = (task - privates) / hk, j = (task - privates) % hk, s = 0;
@@ -626,7 +686,8 @@ INLINE int rope_attend_shared_t(const void *qkv, const void *cs, const void *sn,
             for (int64_t i = 0; i < nrows; i++) { /* the rows' query heads of kv head j, rotated as private_task does */
                 int64_t r = sh->rows[k0 + i];
                 for (int64_t g = 0; g < group; g++)
-                    rope(qkv, r * (h + 2 * hk) * dim + (j * group + g) * dim, cs, sn, lengths[r] * dim, qt,
+                    rope(qkv, r * (h + 2 * hk) * dim + (j * group + g) * dim, cs, sn,
+                         (lengths[r] + (shift ? shift[r] : 0)) * dim, qt,
                          (i * group + g) * dim, dim, bf);
             }
             const int64_t *slots = table + sh->rows[sh->ptr[s]] * width; /* the span's slots: any of its rows' */
@@ -652,19 +713,27 @@ INLINE int rope_attend_shared_t(const void *qkv, const void *cs, const void *sn,
  * only with a sliding window). out [rows, h * dim]. Work is split over up to `threads` OpenMP
  * threads by (row, kv head) when compiled with OpenMP. With `sh` (not NULL; no sliding window),
  * the positions rows share are attended once for all of them (shared-prefix attention, above).
- * Returns 0; -1 out of memory; -2 dim > 256; -3 sharing with a sliding window. */
+ * shift, sinks, probs: dropped positions (drop_args above; each may be NULL; sinks and probs not
+ * with sharing or a sliding window, shift not with a sliding window).
+ * Returns 0; -1 out of memory; -2 dim > 256; -3 sharing with a sliding window; -4 sinks or probs
+ * with sharing, or dropped positions with a sliding window. */
 #define SHARED(BF, Q8) \
-    rope_attend_shared_t(qkv, cs, sn, lengths, table, width, kc, vc, ks, vs, out, rows, h, hk, dim, threads, sh, BF, Q8)
+    rope_attend_shared_t(qkv, cs, sn, lengths, table, width, kc, vc, ks, vs, out, rows, h, hk, dim, threads, sh, \
+                         shift, BF, Q8)
 #define PER_ROW(BF, Q8) \
-    rope_attend_t(qkv, cs, sn, lengths, table, width, kc, vc, ks, vs, out, rows, h, hk, dim, window, threads, BF, Q8)
+    rope_attend_t(qkv, cs, sn, lengths, table, width, kc, vc, ks, vs, out, rows, h, hk, dim, window, threads, &dr, BF, Q8)
 
 int rope_attend(const void *qkv, const void *cs, const void *sn, const int64_t *lengths, const int64_t *table,
                 int64_t width, void *kc, void *vc, float *ks, float *vs, void *out, int64_t rows, int64_t h,
-                int64_t hk, int64_t dim, int64_t window, int64_t threads, int bf16, const sharing_desc *sh) {
+                int64_t hk, int64_t dim, int64_t window, int64_t threads, int bf16, const sharing_desc *sh,
+                const int64_t *shift, const int64_t *sinks, float *probs) {
     if (dim > W * MAX_VECTORS) return -2;
     const int q8 = ks != NULL;
+    const drop_args dr = {shift, sinks, probs};
+    if (window > 0 && (shift || sinks || probs)) return -4;
     if (sh && sh->spans) {
         if (window > 0) return -3;
+        if (sinks || probs) return -4;
         if (q8) return bf16 ? SHARED(1, 1) : SHARED(0, 1);
         return bf16 ? SHARED(1, 0) : SHARED(0, 0);
     }
@@ -750,20 +819,23 @@ static int matmul(const weight_desc *w, const void *x, void *y, int64_t rows, in
  *   y [rows, d], qkv [rows, (h + 2 hk) dim], attn [rows, h dim], gu [rows, 2 inter], act [rows,
  *   inter]: scratch; keys[i], values[i]: layer i's KV pool [slots, hk, dim] (int8 codes when
  *   kscales and vscales are not NULL: kscales[i], vscales[i] [slots, hk]); the rest as
- *   `rope_attend` and `residual_rms_norm` (sh: shared-prefix attention, or NULL). Returns 0, or the first failing kernel's code (a
+ *   `rope_attend` and `residual_rms_norm` (sh: shared-prefix attention, or NULL; shift, sinks,
+ *   probs: dropped positions, each may be NULL; probs sums over layers). Returns 0, or the first failing kernel's code (a
  *   matmul's -1 or -2 plus -10, rope_attend's -1 or -2). */
 int decode_layers(const layer_desc *layers, int64_t n_layers, void *x, void *delta, void *y, void *qkv, void *attn,
                   void *gu, void *act, const void *cs, const void *sn, const int64_t *lengths, const int64_t *table,
                   int64_t width, void *const *keys, void *const *values, int64_t rows, int64_t d, int64_t h,
                   int64_t hk, int64_t dim, int64_t inter, int64_t window, int64_t attn_threads, int64_t threads,
-                  float eps, int bf16, const sharing_desc *sh, void *const *kscales, void *const *vscales) {
+                  float eps, int bf16, const sharing_desc *sh, void *const *kscales, void *const *vscales,
+                  const int64_t *shift, const int64_t *sinks, float *probs) {
     for (int64_t i = 0; i < n_layers; i++) {
         const layer_desc *l = layers + i;
         int rc;
         residual_rms_norm(x, i ? delta : NULL, l->attn_norm, y, rows, d, eps, bf16);
         if ((rc = matmul(&l->qkv, y, qkv, rows, threads, bf16))) return rc - 10;
         if ((rc = rope_attend(qkv, cs, sn, lengths, table, width, keys[i], values[i], kscales ? kscales[i] : NULL,
-                              vscales ? vscales[i] : NULL, attn, rows, h, hk, dim, window, attn_threads, bf16, sh)))
+                              vscales ? vscales[i] : NULL, attn, rows, h, hk, dim, window, attn_threads, bf16, sh, shift,
+                              sinks, probs)))
             return rc;
         if ((rc = matmul(&l->o, attn, delta, rows, threads, bf16))) return rc - 10;
         residual_rms_norm(x, delta, l->mlp_norm, y, rows, d, eps, bf16);

@@ -45,7 +45,7 @@ from metaloom.models.engine.sharing import Sharing
 from metaloom.models.kernels import cbuild
 
 SOURCE = Path(__file__).with_name("fused.c")
-ABI_VERSION = 6  # must match fused.c
+ABI_VERSION = 7  # must match fused.c
 # From this many (row, cached key) pairs per step, fused.c's attention splits over PyTorch's
 # threads (OpenMP); below it, one thread (a parallel region costs microseconds per layer).
 PARALLEL_MIN_KEYS = 2048
@@ -79,7 +79,7 @@ class FusedKernels:
     def rope_attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: torch.Tensor,
                     table: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, out: torch.Tensor, heads: int,
                     window: int | None, threads: int = 1, sharing: Sharing | None = None,
-                    scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                    scales: tuple[torch.Tensor, torch.Tensor] | None = None, drops: Drops | None = None) -> None:
         """qkv [R, (H + 2 H_kv) D]; cos, sin [positions, D]; lengths [R] int64 (each row's new
         position); table [R, width] int64: the KV slot of each position of each row (the new
         position's slot included); keys, values [slots, H_kv, D]: the layer's KV pool (the new
@@ -89,21 +89,45 @@ class FusedKernels:
         ``sharing``: the positions rows share in the pool (`metaloom.models.engine.sharing`),
         attended once for all their queries (shared-prefix attention; not with a sliding window).
         ``scales``: (key scales, value scales) [slots, H_kv] float32 of an int8 pool, whose keys
-        and values are then int8 codes (None: they are in ``out``'s dtype)."""
+        and values are then int8 codes (None: they are in ``out``'s dtype). ``drops``: rows that
+        dropped positions (``--kv-policy``; not with a sliding window, and its sinks and probs
+        not with ``sharing``)."""
         rows, width = table.shape
         _, kv_heads, dim = keys.shape
         ks, vs = (None, None) if scales is None else (scales[0].data_ptr(), scales[1].data_ptr())
         rc = self.lib.rope_attend(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), lengths.data_ptr(), table.data_ptr(),
                                   width, keys.data_ptr(), values.data_ptr(), ks, vs, out.data_ptr(), rows, heads,
                                   kv_heads, dim, window or 0, threads, out.dtype == torch.bfloat16,
-                                  None if sharing is None else ctypes.byref(sharing.desc))
+                                  None if sharing is None else ctypes.byref(sharing.desc), *(drops or NO_DROPS).pointers())
         if rc == -1:
             raise MemoryError("fused attention could not allocate its score buffer")
         if rc == -3:
             raise UnsupportedModel("shared-prefix attention does not apply with a sliding window")
+        if rc == -4:
+            raise UnsupportedModel("dropped positions do not apply with a sliding window, nor sinks or "
+                                   "attention probabilities with shared-prefix attention")
         if rc != 0:
             raise UnsupportedModel(f"fused attention refused head_dim {dim} (at most {MAX_HEAD_DIM})")
 
+
+@dataclass(frozen=True)
+class Drops:
+    """What a step of rows that dropped positions (``--kv-policy``,
+    `metaloom.models.engine.dropping`) tells the kernels, each None when unused: ``shift`` [R]
+    int64, the positions each row dropped (its new token is at length + shift); ``sinks`` [R]
+    int64, its leading entries attended at in-cache positions (StreamingLLM); ``probs`` [R,
+    H_kv, width] float32, to which each entry's attention probability is added, summed over
+    query heads (and over layers, call after call), for H2O. Contiguous CPU tensors."""
+
+    shift: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
+    probs: torch.Tensor | None = None
+
+    def pointers(self) -> tuple[int | None, int | None, int | None]:
+        return tuple(None if t is None else t.data_ptr() for t in (self.shift, self.sinks, self.probs))  # type: ignore[return-value]
+
+
+NO_DROPS = Drops()
 
 Availability = cbuild.Availability  # of FusedKernels: the kernels of one path, or why not
 
@@ -132,11 +156,12 @@ def _bind(lib: ctypes.CDLL, path: Path, isa: str = "") -> FusedKernels:
     lib.residual_rms_norm.restype = None
     lib.silu_mul.argtypes = [_P, _P, _I, _I, ctypes.c_int]
     lib.silu_mul.restype = None
-    lib.rope_attend.argtypes = [_P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int, _P]
+    lib.rope_attend.argtypes = [_P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int, _P, _P, _P, _P]
     lib.rope_attend.restype = ctypes.c_int
     lib.metaloom_fused_openmp.restype = ctypes.c_int
     lib.decode_layers.argtypes = [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I,
-                                  _I, _I, _I, ctypes.c_float, ctypes.c_int, _P, _P, _P]  # see metaloom.models.engine.stack
+                                  _I, _I, _I, ctypes.c_float, ctypes.c_int, _P, _P, _P,
+                                  _P, _P, _P]  # see metaloom.models.engine.stack
     lib.decode_layers.restype = ctypes.c_int
     return FusedKernels(lib, str(path), bool(lib.metaloom_fused_openmp()), isa)
 
