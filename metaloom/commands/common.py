@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import fields
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 from metaloom.errors import InvalidParameter
 from metaloom.sampling import SamplingParams
@@ -42,11 +42,13 @@ _SAMPLER_FLAGS: tuple[tuple[str, type, str], ...] = (
 )
 
 
-# metaloom.models.engine.options' KV_DTYPES and SHARED_PREFIX_MODES, written out: importing that
-# module imports torch (through metaloom.models), which the CLI must not need to parse flags or
-# to talk to a remote server; tests/test_kv_int8.py checks the two agree
+# metaloom.models.engine.options' KV_DTYPES and SHARED_PREFIX_MODES and
+# metaloom.models.engine.kv_policy's POLICIES, written out: importing those modules imports torch
+# (through metaloom.models), which the CLI must not need to parse flags or to talk to a remote
+# server; tests/test_kv_int8.py and tests/test_kv_policy_flags.py check they agree
 KV_DTYPES = ("auto", "float32", "bfloat16", "int8")
 SHARED_PREFIX_MODES = ("auto", "on", "off")
+KV_POLICIES = ("full", "streaming", "h2o", "snapkv")
 
 _SCALAR_DESTS = (*(name for name, _, _ in _SAMPLER_FLAGS), "max_tokens", "n", "seed")
 # every dest `add_sampling_args` defines
@@ -70,6 +72,12 @@ def add_model_args(p: argparse.ArgumentParser, *, remote: bool = False) -> None:
     p.add_argument("--shared-prefix-attention", default="auto", choices=SHARED_PREFIX_MODES,
                    help="the native engine's attention over keys several rows share (forks of one prompt): "
                         "on, off, or auto = where the step shares enough to gain")
+    p.add_argument("--kv-policy", default="full", choices=KV_POLICIES,
+                   help="which positions a row keeps once it holds --kv-budget tokens: full keeps all; "
+                        "streaming = StreamingLLM attention sinks + recent window; h2o = heavy hitters by "
+                        "accumulated attention + recent; snapkv = the prompt compressed by its last 32 "
+                        "queries' attention")
+    p.add_argument("--kv-budget", type=int, default=None, help="KV positions a row may hold under --kv-policy")
     if remote:
         g = p.add_argument_group("a remote server (--backend openai: vLLM, SGLang, llama.cpp, metaloom serve, ...)")
         g.add_argument("--base-url", default=None, help="the server, e.g. http://127.0.0.1:8000 (or .../v1)")
@@ -86,7 +94,7 @@ def add_model_args(p: argparse.ArgumentParser, *, remote: bool = False) -> None:
 
 # flags a remote server decides for itself, with their defaults
 _LOCAL_ONLY = {"dtype": "float32", "device": "auto", "weights": "auto", "kv_dtype": "auto",
-               "shared_prefix_attention": "auto"}
+               "shared_prefix_attention": "auto", "kv_policy": "full", "kv_budget": None}
 
 
 def refuse_local_only(args: argparse.Namespace) -> None:
@@ -99,15 +107,27 @@ def refuse_local_only(args: argparse.Namespace) -> None:
 
 
 class EngineFlags(TypedDict):
-    """The native engine's options, as `metaloom.models.load.load` takes them."""
+    """The native engine's options, as `metaloom.models.load.load` takes them; the KV policy
+    and budget only when set away from full (``load``'s defaults), so a load without them
+    passes what it passed before they existed."""
 
     kv_dtype: str
     shared_prefix_attention: str
+    kv_policy: NotRequired[str]
+    kv_budget: NotRequired[int | None]
 
 
 def engine_options(args: argparse.Namespace) -> EngineFlags:
-    """``--kv-dtype`` and ``--shared-prefix-attention`` (`add_model_args`), for ``load(**...)``."""
-    return EngineFlags(kv_dtype=args.kv_dtype, shared_prefix_attention=args.shared_prefix_attention)
+    """``--kv-dtype``, ``--shared-prefix-attention``, ``--kv-policy`` and ``--kv-budget``
+    (`add_model_args`), for ``load(**...)``. A policy and budget that do not go together are an
+    `InvalidParameter` naming ``kv_policy`` or ``kv_budget`` here, before any model is read."""
+    flags = EngineFlags(kv_dtype=args.kv_dtype, shared_prefix_attention=args.shared_prefix_attention)
+    if (args.kv_policy, args.kv_budget) != ("full", None):
+        from metaloom.models.engine.kv_policy import check_policy  # imports torch: only when set
+
+        check_policy(args.kv_policy, args.kv_budget)
+        flags["kv_policy"], flags["kv_budget"] = args.kv_policy, args.kv_budget
+    return flags
 
 
 def remote_generator(args: argparse.Namespace, local_only: dict[str, object] | None = None) -> Any:

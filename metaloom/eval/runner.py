@@ -58,6 +58,8 @@ class Setup:
     weights: str = "auto"
     kv_dtype: str = "auto"
     shared_prefix_attention: str = "auto"
+    kv_policy: str = "full"
+    kv_budget: int | None = None
     base_url: str | None = None
     api_key: str | None = None
     model_params: float | None = None
@@ -75,9 +77,10 @@ class Setup:
         for k in ("api_key", "threads", "prefix_cache_mb"):
             d.pop(k)
         # the engine options at their default are left out: a sweep written before they existed
-        # ran with them at auto, and stays comparable (resumable) with one run now
-        for k in ("kv_dtype", "shared_prefix_attention"):
-            if d[k] == "auto":
+        # ran with them at their defaults, and stays comparable (resumable) with one run now
+        for k, default in (("kv_dtype", "auto"), ("shared_prefix_attention", "auto"), ("kv_policy", "full"),
+                           ("kv_budget", None)):
+            if d[k] == default:
                 d.pop(k)
         return d
 
@@ -138,7 +141,8 @@ class Worker:
 
             self.loaded = load(setup.model, dtype=setup.dtype, device=setup.device, backend=setup.backend,
                                weights=setup.weights, kv_dtype=setup.kv_dtype,
-                               shared_prefix_attention=setup.shared_prefix_attention)
+                               shared_prefix_attention=setup.shared_prefix_attention,
+                               kv_policy=setup.kv_policy, kv_budget=setup.kv_budget)
             self.row_flops = model_row_flops(self.loaded.model)
 
     def generator_for_run(self, problem: int, pooled: bool, saved: str | None = None) -> Any:

@@ -191,7 +191,8 @@ def pick_device(device: str | None) -> torch.device:
 
 def load(spec: str | None = "default", *, dtype: str = "float32", device: str | None = None,
          backend: str = "auto", pack: bool | None = None, fused: bool | None = None,
-         weights: str | None = None, kv_dtype: str = "auto", shared_prefix_attention: str = "auto") -> LoadedModel:
+         weights: str | None = None, kv_dtype: str = "auto", shared_prefix_attention: str = "auto",
+         kv_policy: str = "full", kv_budget: int | None = None) -> LoadedModel:
     """Load a model (see the module docstring). For the native model:
 
     - ``weights``: ``native`` keeps a GGUF's quantised blocks and multiplies by them in the
@@ -205,18 +206,22 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
     - ``fused``: take one-token decode steps through the fused CPU kernels
       (`metaloom.models.kernels.fused`, float32 and bfloat16); None uses them where they build and apply;
     - ``kv_dtype`` (auto, float32, bfloat16, int8) and ``shared_prefix_attention`` (auto, on,
-      off): how the KV cache is held and read (`metaloom.models.engine.options.EngineOptions`).
+      off): how the KV cache is held and read (`metaloom.models.engine.options.EngineOptions`);
+    - ``kv_policy`` (full, streaming, h2o, snapkv) and ``kv_budget`` (tokens; set exactly when
+      the policy is not full): which positions a row keeps once it holds ``kv_budget``
+      (`metaloom.models.engine.kv_policy`).
 
     True for either of pack and fused where it cannot be done is an `InvalidParameter` naming
-    why; so is a kv_dtype or shared_prefix_attention other than auto for the transformers
-    backend, which keeps its own cache."""
+    why; so is a kv_dtype or shared_prefix_attention other than auto, a kv_policy other than
+    full or a kv_budget for the transformers backend, which keeps its own cache."""
     if dtype not in DTYPES:
         raise InvalidParameter("dtype", dtype, f"one of {sorted(DTYPES)}")
     if backend not in BACKENDS:
         raise InvalidParameter("backend", backend, f"one of {list(BACKENDS)}")
     if weights not in (None, *WEIGHTS):
         raise InvalidParameter("weights", weights, f"one of {list(WEIGHTS)}")
-    options = EngineOptions(kv_dtype=kv_dtype, shared_prefix_attention=shared_prefix_attention)  # validates both
+    options = EngineOptions(kv_dtype=kv_dtype, shared_prefix_attention=shared_prefix_attention,
+                            kv_policy=kv_policy, kv_budget=kv_budget)  # validates them
     name, folder = resolve(spec)
     try:
         with open(os.path.join(folder, "config.json")) as f:
@@ -260,15 +265,17 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
 
 
 def _refuse_engine_options(options: EngineOptions, model_type: object) -> None:
-    """An `InvalidParameter` for an engine option set away from auto on the transformers backend:
-    it keeps transformers' own KV cache (the model's dtype, no slot pool), so an int8 or
-    shared-prefix setting would be silently ignored there."""
-    for field in ("kv_dtype", "shared_prefix_attention"):
+    """An `InvalidParameter` for an engine option set away from its default on the transformers
+    backend: it keeps transformers' own KV cache (the model's dtype, no slot pool, every
+    position), so an int8, shared-prefix or KV-policy setting would be silently ignored there."""
+    for field, default in (("kv_dtype", "auto"), ("shared_prefix_attention", "auto"), ("kv_policy", "full"),
+                           ("kv_budget", None)):
         value = getattr(options, field)
-        if value != "auto":
-            raise InvalidParameter(field, value, f"auto with the transformers backend (model type {model_type!r}): it "
-                                                 "keeps its own KV cache in the model's dtype; the native engine's "
-                                                 "KV pool is what this option sets")
+        if value != default:
+            want = "unset" if default is None else default
+            raise InvalidParameter(field, value, f"{want} with the transformers backend (model type {model_type!r}): "
+                                                 "it keeps its own KV cache in the model's dtype; the native "
+                                                 "engine's KV pool is what this option sets")
 
 
 def _why_not_native(gguf: str | None, native_backend: bool, dtype: str, device: torch.device) -> str | None:
