@@ -17,6 +17,9 @@ same weights, side by side in one run:
 
 Perplexity and retrieval are deterministic (greedy, fixed text), so one run each; speed takes
 the median of ``--repeats`` alternated rounds. Every figure names the CPU.
+
+With ``--kv-policies`` (e.g. ``full,streaming:512,h2o:512,snapkv:512``) it compares token
+dropping policies instead, under the protocol `metaloom.bench.kv_drop` describes.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from metaloom.errors import InvalidParameter
 from metaloom.models import load
 from metaloom.models.engine.options import KV_DTYPES
 
-HELP = "a compressed KV cache (--kv-dtype) against the full one: perplexity, retrieval, memory per token, speed"
+HELP = ("a compressed KV cache (--kv-dtype, or --kv-policy with --kv-policies) against the full one: perplexity, "
+        "retrieval, memory, speed")
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 # the question as a continuation to complete, not a chat turn: a 135M model copies a fact it
 # read (induction) far more reliably than it follows an instruction about it
@@ -160,20 +164,33 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-tokens", type=int, default=4000, help="tokens of held-out text for perplexity")
     p.add_argument("--haystack", type=int, default=2000, help="tokens of passage around the planted fact")
     p.add_argument("--chunk", type=int, default=256, help="tokens per forward when reading text into the cache")
+    p.add_argument("--kv-policies", default=None,
+                   help="compare token dropping instead: full and POLICY:BUDGET entries, comma-separated "
+                        "(e.g. full,streaming:512,h2o:512,snapkv:512), on the model's own --kv-dtype")
+    p.add_argument("--prompt-tokens", type=int, default=2000,
+                   help="with --kv-policies: the text's tokens read as one prompt before the rest is scored step by step")
 
 
 def main(args: argparse.Namespace) -> int:
-    from metaloom.bench import names
+    from metaloom.bench import kv_drop, names
     from metaloom.models.kernels.isa import cpu_name
 
+    policies = None if args.kv_policies is None else kv_drop.parse_policies(args.kv_policies)
     kv_dtypes = names("kv-dtypes", args.kv_dtypes, KV_DTYPES)
     loaded = load(args.model, dtype=args.dtype, weights=single_weights(args))
-    result = measure(loaded, kv_dtypes, text_tokens=args.text_tokens, haystack=args.haystack, chunk=args.chunk,
-                     repeats=args.repeats)
+    if policies is not None:
+        result = kv_drop.measure(loaded, policies, text_tokens=args.text_tokens, prompt_tokens=args.prompt_tokens,
+                                 haystack=args.haystack, repeats=args.repeats)
+    else:
+        result = measure(loaded, kv_dtypes, text_tokens=args.text_tokens, haystack=args.haystack, chunk=args.chunk,
+                         repeats=args.repeats)
     result.update(model=loaded.name, dtype=args.dtype, weights=loaded.weights, cpu=cpu_name(),
                   threads=torch.get_num_threads())
     if args.json:
         print(json.dumps(result, default=lambda x: x.item() if isinstance(x, np.generic) else str(x)))
+        return 0
+    if policies is not None:
+        kv_drop.show(result)
         return 0
     print(f"{result['model']} ({result['dtype']}, {result['weights']} weights; {result['cpu']}, {result['threads']} "
           f"threads): perplexity of {result['text_tokens']} tokens of docs/*.md in chunks of {result['chunk']}; "
