@@ -319,3 +319,57 @@ def test_streaming_memory_stays_within_the_budget_over_a_long_decode():
     assert peak <= 2 * 16
     assert cache.host_positions().tolist() == [110, 110]
     assert cache.sinks.tolist() == [SINKS, SINKS]
+
+
+# --- through the generator -----------------------------------------------------------------
+
+def _tiny_with(options: EngineOptions):
+    import dataclasses
+
+    from metaloom.testing.tiny import tiny_llama
+
+    loaded = tiny_llama()
+    return dataclasses.replace(loaded, model=loaded.model.with_options(options))
+
+
+def test_generated_samples_hold_their_budget_in_the_ledger():
+    """16 tokens from an 8-token prompt, 4 samples under streaming:10: the ledger's peak is the
+    prompt once, then each row's own entries up to 10 (its share of the prompt's sinks and
+    recent positions still held by the shared slots), far below the full cache's."""
+    from metaloom.generator.local import LocalGenerator
+    from metaloom.generator.types import Request
+    from metaloom.ledger import Ledger
+    from metaloom.sampling.params import SamplingParams
+
+    params = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, n=4, seed=3)
+    peaks = {}
+    for name, options in (("full", EngineOptions()), ("streaming", EngineOptions(kv_policy="streaming", kv_budget=10))):
+        ledger = Ledger()
+        out = LocalGenerator(_tiny_with(options)).generate([Request("abcdefgh", params)], ledger=ledger)
+        assert [len(c.token_ids) for c in out[0]] == [40] * 4
+        peaks[name] = ledger.usage.kv_bytes_peak
+    slot = 256
+    assert peaks["full"] == (8 + 4 * 39) * slot
+    assert peaks["streaming"] <= (8 + 4 * 10) * slot  # the prompt's slots, and at most 10 entries a row
+
+
+def test_speculative_decoding_with_a_dropping_policy_is_refused_by_name():
+    from metaloom.generator.local import LocalGenerator
+    from metaloom.speculative import Speculative
+    from metaloom.speculative.drafters.ngram import NgramDrafter
+
+    with pytest.raises(InvalidParameter) as err:
+        LocalGenerator(_tiny_with(EngineOptions(kv_policy="h2o", kv_budget=8)), speculative=Speculative(NgramDrafter()))
+    assert err.value.name == "speculative"
+
+
+def test_scoring_prompts_that_share_a_beginning_never_reuses_a_cache_that_dropped():
+    from metaloom.decode.score import prompt_logprobs, shared_prompt_logprobs
+    from metaloom.ledger import Ledger
+
+    loaded = _tiny_with(EngineOptions(kv_policy="streaming", kv_budget=8))
+    prompts = [list(range(20)), [*range(16), 3, 3, 3, 3]]
+    together = shared_prompt_logprobs(loaded.model, prompts, 0, Ledger())
+    for prompt, got in zip(prompts, together, strict=True):
+        alone = prompt_logprobs(loaded.model, prompt, 0, Ledger())
+        assert [p.logprob for p in got] == pytest.approx([p.logprob for p in alone], abs=1e-5)

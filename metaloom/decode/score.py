@@ -157,7 +157,8 @@ def shared_prompt_logprobs(model: LanguageModel, prompts: Sequence[Sequence[int]
     try:
         for i in sorted(range(len(prompts)), key=lambda i: list(prompts[i])):
             ids = list(prompts[i])
-            shared = common_prefix(previous, ids)
+            # a cache that dropped positions (--kv-policy) cannot be cut back to a shared prefix
+            shared = 0 if getattr(cache, "drops", False) else common_prefix(previous, ids)
             keep = max(min(shared, len(ids)) - 1, 0)  # positions (and KV entries) taken from the one before
             out[i] = out_previous[:keep] if keep else []
             if count_input:

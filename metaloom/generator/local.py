@@ -54,6 +54,13 @@ class LocalGenerator:
                                                     or prefill_overhead_tokens < 0):
             raise InvalidParameter("prefill_overhead_tokens", prefill_overhead_tokens, "an integer >= 0")
         self._prefill_overhead = prefill_overhead_tokens
+        options = getattr(loaded.model, "options", None)
+        if speculative is not None and options is not None and options.drops:
+            # a verify step rolls its rejected drafts back by position, and a policy may cut a
+            # row inside the verify forward (metaloom.models.engine.dropping): not both, yet
+            raise InvalidParameter("speculative", speculative.drafter.name,
+                                   f"off with --kv-policy {options.kv_policy!r} (token dropping and speculative "
+                                   "decoding do not run together yet)")
         self.speculative = speculative
         if amateur is not None:
             check_same_vocab(loaded.model, amateur)
