@@ -106,11 +106,18 @@ def _metaloom(loaded: LoadedModel, name: str, speculative: Speculative | None, n
 
 def _drafter_methods(args: argparse.Namespace, loaded: LoadedModel, n: int, skipped: dict[str, str]) -> list[Method]:
     """One method per requested drafter; variants: quantized-int4 (4-bit self-draft),
-    jacobi-lookup (Jacobi topped up by prompt lookup). Unavailable ones land in ``skipped``."""
+    jacobi-lookup (Jacobi topped up by prompt lookup), recycling/W1.W2... (Token Recycling's
+    static tree with those widths) and recycling/chain (its chain of K). Unavailable ones land in
+    ``skipped``."""
     variants = {"quantized-int4": ("quantized", {"bits": 4}), "jacobi-lookup": ("jacobi", {"jacobi_fill": "lookup"})}
     out = []
     for label in [d for d in args.drafters.split(",") if d]:
         base, extra = variants.get(label, (label, {}))
+        if label.startswith("recycling/"):
+            shape = label.split("/", 1)[1]
+            depth = args.num_draft or DRAFTERS["recycling"].num_draft
+            widths = ["1"] * depth if shape == "chain" else shape.split(".")
+            base, extra = "recycling", {"tree": "static:" + ",".join(widths)}
         if base not in DRAFTERS:
             skipped[label] = f"unknown drafter (known: {sorted(DRAFTERS)})"
             continue
@@ -356,7 +363,8 @@ HELP = "every drafter against plain greedy, transformers' assisted generation an
 def add_args(p: argparse.ArgumentParser) -> None:
     model_args(p, dtypes="float32,bfloat16")
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per prompt")
-    p.add_argument("--drafters", default="ngram,quantized,quantized-int4,jacobi,jacobi-lookup,heads,draft",
+    p.add_argument("--drafters", default="ngram,quantized,quantized-int4,jacobi,jacobi-lookup,heads,draft,"
+                                         "recycling/chain,recycling",
                    help="drafters to compare, comma-separated")
     p.add_argument("--draft-model", default=None, help="draft model (same tokenizer) for the draft-model drafter")
     p.add_argument("--num-draft", type=int, default=None, help="draft tokens per step (default: each drafter's own)")

@@ -1,5 +1,5 @@
 """Speculative-decoding flags shared by subcommands: ``--speculative NAME [--draft-model PATH]
-[--num-draft K]``; drafters come from `metaloom.speculative.registry.DRAFTERS`."""
+[--num-draft K] [--tree static:W1,W2,...]``; drafters come from `metaloom.speculative.registry.DRAFTERS`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from metaloom.errors import InvalidParameter
 from metaloom.ledger import Usage
 from metaloom.models.load import LoadedModel
 from metaloom.speculative import MAX_DRAFT, Speculative
-from metaloom.speculative.registry import DRAFTERS, DrafterOptions, build_drafter
+from metaloom.speculative.registry import DRAFTERS, TREE_DRAFTERS, DrafterOptions, build_drafter
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
@@ -17,19 +17,29 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
                    help="draft-and-verify decoding (same output greedy, same distribution sampling): "
                         "ngram = prompt lookup, draft = --draft-model, "
                         "quantized = the model requantised to Q8_0 (Q4_1 with --quant-bits 4), "
-                        "heads = speculator heads, jacobi = Jacobi iteration")
+                        "heads = speculator heads, jacobi = Jacobi iteration, "
+                        "recycling = Token Recycling (the model's own past candidates, as a token tree)")
     p.add_argument("--draft-model", default=None, help="draft model for --speculative draft (same tokenizer)")
     p.add_argument("--num-draft", type=int, default=None,
                    help=f"draft tokens per step, 1..{MAX_DRAFT} (default: the drafter's own)")
     p.add_argument("--quant-bits", type=int, default=8, choices=(8, 4), help="weight bits for --speculative quantized")
+    p.add_argument("--tree", default=None,
+                   help="draft a token tree: static:W1,W2,... = W1 children under the pending token, W2 under each of "
+                        "those, ... (--num-draft bounds the nodes); --speculative recycling")
 
 
 def check_speculative_args(args: argparse.Namespace) -> None:
     """Validate before any model is loaded."""
     if args.speculative is None:
-        if args.draft_model is not None or args.num_draft is not None:
-            raise InvalidParameter("speculative", None, "a drafter name when --draft-model or --num-draft is given")
+        if args.draft_model is not None or args.num_draft is not None or getattr(args, "tree", None) is not None:
+            raise InvalidParameter("speculative", None, "a drafter name when --draft-model, --num-draft or --tree is given")
         return
+    if getattr(args, "tree", None) is not None:
+        from metaloom.speculative.drafters.recycling import TreeShape
+
+        if args.speculative not in TREE_DRAFTERS:
+            raise InvalidParameter("tree", args.tree, f"given with a tree drafter ({', '.join(TREE_DRAFTERS)})")
+        TreeShape.parse(args.tree)
     if args.speculative == "draft" and args.draft_model is None:
         raise InvalidParameter("draft_model", None, "a model path with --speculative draft")
     if args.num_draft is not None and not 1 <= args.num_draft <= MAX_DRAFT:
@@ -39,7 +49,7 @@ def check_speculative_args(args: argparse.Namespace) -> None:
 def speculative_option(args: argparse.Namespace, loaded: LoadedModel) -> Speculative | None:
     if args.speculative is None:
         return None
-    options = DrafterOptions(draft_model=args.draft_model, bits=args.quant_bits)
+    options = DrafterOptions(draft_model=args.draft_model, bits=args.quant_bits, tree=getattr(args, "tree", None))
     drafter = build_drafter(args.speculative, loaded, options)
     k = args.num_draft if args.num_draft is not None else DRAFTERS[args.speculative].num_draft
     return Speculative(drafter, k)

@@ -49,7 +49,8 @@ from metaloom.decode.memory import BatchMemory
 from metaloom.decode.prefill import release_cache
 from metaloom.decode.rows import RowState, emit
 from metaloom.decode.select import draw, most_likely, raw_logprobs, verify
-from metaloom.errors import BudgetExceeded, UnsupportedModel
+from metaloom.decode.tree_verify import tree_attention, verify_tree
+from metaloom.errors import BudgetExceeded, InvalidParameter, UnsupportedModel
 from metaloom.ledger import Ledger
 from metaloom.models.engine.cache import PagedKVCache
 from metaloom.models.forward import charged_forward_both
@@ -319,6 +320,8 @@ class DecodeBatch:
         start = self.cache.lengths.clone()
         finished = torch.tensor(done, dtype=torch.bool, device=start.device)
         valid = torch.where(finished.to(device), torch.zeros_like(draft.lengths), 1 + draft.lengths)
+        if draft.parents is not None:
+            return self._tree_step(draft, tokens, start, valid, done, ledgers, rngs, cursors)
         needs_hidden = bool(getattr(self.drafter, "needs_hidden", False))
         raw, scores, hidden = charged_forward_both(self.model, tokens, self.cache, ledgers, valid=valid,
                                                    hidden=needs_hidden)
@@ -359,7 +362,64 @@ class DecodeBatch:
         self.cache.truncate(torch.where(finished, start, start + 1 + acc.accepted.to(start.device)))
         rows_index = torch.arange(len(self.rows), device=device)
         self.pending = acc.tokens[rows_index, acc.accepted.to(device)]
-        self.drafter.observe(Observed(draft=draft, logits=raw, accepted=acc.accepted, tokens=acc.tokens, hidden=hidden))
+        self.drafter.observe(Observed(draft=draft, logits=raw, accepted=acc.accepted, tokens=acc.tokens, hidden=hidden,
+                                      pending=tokens[:, 0]))
+        return stepped
+
+    def _tree_step(self, draft: Draft, tokens: torch.Tensor, start: torch.Tensor, valid: torch.Tensor,
+                   done: list[bool], ledgers: list[Ledger], rngs: list[torch.Generator | None],
+                   cursors: list[Constraint | None] | None) -> list[Row]:
+        """`_speculative_step` for token-tree drafts: one tree-masked verify forward, a path
+        accepted per row (`metaloom.decode.tree_verify`), the path's KV kept where it was written
+        and the rejected branches' slots let go (`PagedKVCache.keep_entries`)."""
+        assert self.cache is not None and self.sampler is not None and self.state is not None
+        assert self.drafter is not None and draft.parents is not None
+        if not isinstance(self.cache, PagedKVCache):
+            raise UnsupportedModel(f"token trees need the native engine's paged KV cache, not {type(self.cache).__name__}")
+        masks = tree_attention(draft, tokens.shape[1])
+        raw, scores, _ = charged_forward_both(self.model, tokens, self.cache, ledgers, valid=valid, tree=masks)
+        highs = self._measure()
+        live_cursors = None if cursors is None else [None if d else c for c, d in zip(cursors, done, strict=True)]
+        out = verify_tree(self.sampler, self.state, scores, draft, live_cursors, rngs)
+        self.state = out.state
+        width = tokens.shape[1]
+        at = torch.tensor([p + [0] * (width - len(p)) for p in out.positions], device=raw.device)  # [B, T]
+        emitted = torch.tensor([t + [0] * (width - len(t)) for t in out.tokens], device=raw.device)
+        rows_index = torch.arange(len(self.rows), device=raw.device)[:, None]
+        chosen_lp = out.logprobs.to(raw.device)[rows_index, at].gather(-1, emitted[..., None])[..., 0].tolist()
+        emitted_lp = raw_logprobs(raw[rows_index, at], emitted).tolist()
+        tops = _tops(self.rows, done, raw)
+        stepped, per_ledger = [], _Tally()
+        per_ledger.peaks(highs)
+        for b, row in enumerate(self.rows):
+            if done[b]:
+                continue
+            stepped.append(row)
+            if b in out.errors:
+                row.state.finish("error", error=out.errors[b])
+                continue
+            count = 0
+            for j, token in enumerate(out.tokens[b]):
+                emit(row.state, token, emitted_lp[b][j], chosen_lp[b][j], self.cursors[b],
+                     _top(tops, row, b, out.positions[b][j]))
+                row.context.append(token)
+                count += 1
+                if row.state.done:
+                    break
+            drafted, kept = int(draft.lengths[b]), out.accepted[b]
+            per_ledger.add(row.spec.ledger, output_tokens=count, drafted_tokens=drafted, accepted_tokens=kept,
+                           rejected_tokens=drafted - kept, verify_steps=1)
+        per_ledger.charge()
+        for b in range(len(self.rows)):  # keep the pending token and the accepted path; rows done before keep nothing
+            s = int(start[b])
+            keep = range(s) if done[b] else [*range(s), *(s + p for p in out.kept[b])]
+            self.cache.keep_entries(b, np.asarray(list(keep), dtype=np.int64))
+        self.pending = torch.tensor([t[-1] for t in out.tokens], device=self.pending.device if self.pending is not None
+                                    else raw.device)
+        accepted = torch.tensor(out.accepted)
+        flat = torch.tensor([t + [0] * (width - len(t)) for t in out.tokens])
+        self.drafter.observe(Observed(draft=draft, logits=raw, accepted=accepted, tokens=flat, hidden=None,
+                                      pending=tokens[:, 0]))
         return stepped
 
     def _emit_drawn(self, rows: Sequence[Row], got: Any, cursors: Sequence[Constraint | None],
@@ -482,4 +542,7 @@ def _checked(draft: Draft, limits: Sequence[int], device: torch.device) -> Draft
     lengths = torch.minimum(draft.lengths.to(device), cap)
     k = int(lengths.max()) if lengths.numel() else 0
     probs = None if draft.probs is None else draft.probs[:, :k].to(device)
-    return Draft(tokens=draft.tokens[:, :k].to(device), lengths=lengths, probs=probs)
+    parents = None if draft.parents is None else draft.parents[:, :k].to(device)  # a prefix of a tree is a tree
+    if parents is not None and probs is not None:
+        raise InvalidParameter("draft", "a sampled tree", "deterministic token trees (probs None)")
+    return Draft(tokens=draft.tokens[:, :k].to(device), lengths=lengths, probs=probs, parents=parents)

@@ -13,12 +13,13 @@ models stepped together cost exactly what each costs alone.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from metaloom.errors import BudgetExceeded
+from metaloom.errors import BudgetExceeded, UnsupportedModel
 from metaloom.ledger import Ledger
 from metaloom.models.flops import attended_keys
 from metaloom.models.protocols import KVCache, LanguageModel
@@ -91,13 +92,27 @@ def charged_forward(model: LanguageModel, tokens: torch.Tensor, cache: KVCache, 
 
 def charged_forward_both(model: LanguageModel, tokens: torch.Tensor, cache: KVCache, ledger: Ledgers, *,
                          valid: torch.Tensor | None = None, last_only: bool = False,
-                         hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                         hidden: bool = False, tree: torch.Tensor | None = None,
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`charged_forward` that also returns what the decode loop needs besides the raw logits:
     (raw logits [B, T, V], the scores it decodes from [B, T, V], final hidden states [B, T, d]
     or None). For a plain model the scores are the logits; a model with ``forward_both`` (two
     streams combined) returns its primary stream's logits and the combination; ``hidden``
-    asks a model with ``forward_hidden`` (the native model) for its hidden states."""
+    asks a model with ``forward_hidden`` (the native model) for its hidden states; ``tree`` [B,
+    T, T]: a token-tree verify block (`metaloom.speculative.tree`; the native model only). The
+    FLOPs are charged as for a causal block of T (a tree's nodes attend fewer of the block's keys:
+    an overcount of at most T^2 / 2 key reads a layer)."""
     b, t = tokens.shape
+    if tree is not None:
+        if getattr(model, "forward_both", None) is not None or hidden:
+            raise UnsupportedModel(f"token trees verify through one native model, not {type(model).__name__} "
+                                   "(two streams) or with hidden states")
+        if "tree" not in inspect.signature(model.forward).parameters:
+            raise UnsupportedModel(f"{type(model).__name__} takes no token trees (the native engine does)")
+        raw = model.forward(tokens, cache, valid=valid, last_only=last_only, tree=tree)  # type: ignore[call-arg]
+        charge_forward(model, _streams(model, cache), valid.tolist() if valid is not None else [t] * b,
+                       [1] * b if last_only else (valid.tolist() if valid is not None else [t] * b), ledger)
+        return raw, raw, None
     counts = valid.tolist() if valid is not None else [t] * b
     streams = _streams(model, cache)
     states = None

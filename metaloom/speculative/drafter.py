@@ -34,17 +34,34 @@ import torch
 from metaloom.models.forward import Ledgers
 from metaloom.models.protocols import LanguageModel
 from metaloom.sampling.pipeline import Sampler
+from metaloom.speculative.tree import DraftTree
 
 MAX_DRAFT = 64  # the most tokens one step may draft (bounds the caches' spare room)
 
 
 @dataclass(frozen=True)
 class Draft:
-    """Row b proposes ``tokens[b, :lengths[b]]``; entries past that are padding (0)."""
+    """Row b proposes ``tokens[b, :lengths[b]]``; entries past that are padding (0). With
+    ``parents`` the draft is a token tree (`metaloom.speculative.tree`): node i of row b follows
+    node ``parents[b, i]`` (-1: the pending token), nodes in topological order, siblings
+    distinct; a tree is deterministic (no ``probs``). Without, node i follows node i - 1."""
 
     tokens: torch.Tensor  # [B, K] long
     lengths: torch.Tensor  # [B] long, 0 .. K
     probs: torch.Tensor | None = None  # [B, K, V] float: q for sampled rows; None = one-hot (deterministic)
+    parents: torch.Tensor | None = None  # [B, K] long: a token tree's parents (None: chains)
+
+    @classmethod
+    def from_trees(cls, trees: Sequence[DraftTree], device: torch.device | str = "cpu") -> Draft:
+        """A tree draft from per-row trees."""
+        k = max((len(t) for t in trees), default=0)
+        tokens = torch.zeros(len(trees), k, dtype=torch.long)
+        parents = torch.full((len(trees), k), -1, dtype=torch.long)
+        for b, t in enumerate(trees):
+            tokens[b, :len(t)] = torch.as_tensor(t.tokens, dtype=torch.long)
+            parents[b, :len(t)] = torch.as_tensor(t.parents, dtype=torch.long)
+        lengths = torch.tensor([len(t) for t in trees], dtype=torch.long)
+        return cls(tokens.to(device), lengths.to(device), parents=parents.to(device))
 
     @classmethod
     def from_lists(cls, drafts: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> Draft:
@@ -66,6 +83,7 @@ class Verified:
     accepted: torch.Tensor  # [B] long: draft tokens kept
     tokens: torch.Tensor  # [B, K+1] long: row b emitted tokens[b, :accepted[b] + 1]
     hidden: torch.Tensor | None = None  # [B, K+1, d]: only for states with ``needs_hidden`` (see module doc)
+    pending: torch.Tensor | None = None  # [B] long: the token each row read first (block position 0)
 
 
 @runtime_checkable

@@ -24,6 +24,7 @@ class DrafterOptions:
     max_ngram: int = 3  # prompt lookup ("ngram")
     jacobi_fill: str = "repeat"  # how Jacobi tops up its guess block: "repeat" | "lookup"
     heads_path: str | None = None  # speculator heads file ("heads"); None: the heads shipped for the target
+    tree: str | None = None  # a token tree's shape ("recycling"): static:W1,W2,...; None: the drafter's default
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,12 @@ def _jacobi(target: LoadedModel, o: DrafterOptions) -> Drafter:
     return JacobiDrafter(fill=o.jacobi_fill)
 
 
+def _recycling(target: LoadedModel, o: DrafterOptions) -> Drafter:
+    from metaloom.speculative.drafters.recycling import RecyclingDrafter, TreeShape
+
+    return RecyclingDrafter(None if o.tree is None else TreeShape.parse(o.tree))
+
+
 def _heads(target: LoadedModel, o: DrafterOptions) -> Drafter:
     from metaloom.speculative.drafters.heads import HeadsDrafter
 
@@ -75,11 +82,15 @@ DRAFTERS: dict[str, DrafterEntry] = {
     "quantized": DrafterEntry(_quantized, num_draft=4),
     "heads": DrafterEntry(_heads, num_draft=3),
     "jacobi": DrafterEntry(_jacobi, num_draft=4),
+    "recycling": DrafterEntry(_recycling, num_draft=16),  # tree nodes a step
 }
+TREE_DRAFTERS = ("recycling",)  # the drafters that take --tree
 
 
 def build_drafter(name: str, target: LoadedModel, options: DrafterOptions) -> Drafter:
     entry = DRAFTERS.get(name)
     if entry is None:
         raise InvalidParameter("speculative", name, f"one of {sorted(DRAFTERS)}")
+    if options.tree is not None and name not in TREE_DRAFTERS:
+        raise InvalidParameter("tree", options.tree, f"given with a tree drafter ({', '.join(TREE_DRAFTERS)})")
     return entry.build(target, options)

@@ -248,12 +248,24 @@ class PagedKVCache:
         moved to the front in order; the others let go of their slots. Their count is added to
         the row's ``shift``; ``sinks`` becomes the row's count of leading entries attended at
         in-cache positions. Returns how many entries were dropped."""
+        keep = np.asarray(keep, dtype=np.int64)
+        if not 0 <= sinks <= keep.size:
+            raise InvalidParameter("sinks", sinks, f"in [0, {keep.size}] (the kept entries)")
+        gone = self.keep_entries(row, keep)
+        self.shift[row] += gone
+        self.sinks[row] = sinks
+        return gone
+
+    def keep_entries(self, row: int, keep: np.ndarray) -> int:
+        """Keep only entries ``keep`` (ascending, below the row's length) of row ``row``, moved to
+        the front in order; the others let go of their slots (the slots themselves stay where they
+        are). Positions are the caller's business: `evict` counts the dropped ones in ``shift``; a
+        token-tree verify keeps the accepted path, whose positions follow on. Returns how many
+        entries were dropped."""
         n = int(self._n[row]) if 0 <= row < self.batch else -1
         keep = np.asarray(keep, dtype=np.int64)
         if n < 0 or (keep.size and (int(keep[0]) < 0 or int(keep[-1]) >= n or bool((np.diff(keep) <= 0).any()))):
             raise InvalidParameter("keep", keep.tolist(), f"ascending entries of a row in [0, {self.batch}) below its length")
-        if not 0 <= sinks <= keep.size:
-            raise InvalidParameter("sinks", sinks, f"in [0, {keep.size}] (the kept entries)")
         gone = n - keep.size
         if gone:
             dropped = np.ones(n, dtype=bool)
@@ -266,12 +278,10 @@ class PagedKVCache:
                 self.mass[row, keep.size:n] = 0.0
             self._n = self._n.copy()
             self._n[row] = keep.size
-            self.shift[row] += gone
             self._lengths = None
             self.wide_writes += 1  # a device copy of the table cannot follow this
             if self.pool.device.type != "cpu":
                 self._table = None
-        self.sinks[row] = sinks
         return gone
 
     def attention_mass(self) -> np.ndarray:

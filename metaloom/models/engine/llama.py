@@ -336,22 +336,25 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: KVCache, *, valid: torch.Tensor | None = None,
-                last_only: bool = False) -> torch.Tensor:
-        """tokens [B, T] -> logits [B, T, V] ([B, 1, V] with ``last_only``); see `LanguageModel`."""
-        static = self._static_step(tokens, cache, valid, last_only)
+                last_only: bool = False, tree: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, V] ([B, 1, V] with ``last_only``); see `LanguageModel`.
+        ``tree`` [B, T, T] bool: the block is a token tree (speculative verification,
+        `metaloom.speculative.tree`): token i attends the cache and the block's tokens j with
+        ``tree[b, i, j]`` (itself and its ancestors), at position length + its depth."""
+        static = None if tree is not None else self._static_step(tokens, cache, valid, last_only)
         if static is not None:
             return static[0]
-        return linear(self._hidden(tokens, cache, valid, last_only), self.lm_head)
+        return linear(self._hidden(tokens, cache, valid, last_only, tree), self.lm_head)
 
     @torch.inference_mode()
     def forward_hidden(self, tokens: torch.Tensor, cache: KVCache, *, valid: torch.Tensor | None = None,
-                       last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       last_only: bool = False, tree: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` that also returns the final hidden states: (logits [B, T, V], hidden [B, T, d]),
         hidden after the last norm, what the LM head reads (speculator heads draft from them)."""
-        static = self._static_step(tokens, cache, valid, last_only)
+        static = None if tree is not None else self._static_step(tokens, cache, valid, last_only)
         if static is not None:
             return static
-        x = self._hidden(tokens, cache, valid, last_only)
+        x = self._hidden(tokens, cache, valid, last_only, tree)
         return linear(x, self.lm_head), x
 
     def step_graphs(self, pool: KVPool) -> StepGraphs | None:
@@ -399,7 +402,7 @@ class LlamaModel:
         return logits, hidden
 
     def _hidden(self, tokens: torch.Tensor, cache: KVCache, valid: torch.Tensor | None,
-                last_only: bool) -> torch.Tensor:
+                last_only: bool, tree: torch.Tensor | None = None) -> torch.Tensor:
         """The transformer up to and including the final norm: [B, T, d] (or [B, 1, d])."""
         if not isinstance(cache, PagedKVCache) or cache.pool.layers != len(self.layers):
             raise InvalidParameter("cache", type(cache).__name__, "a PagedKVCache from this model's new_cache()")
@@ -410,12 +413,16 @@ class LlamaModel:
         if valid is None:
             valid = torch.full((b,), t, dtype=torch.long, device=tokens.device)
         opts = self.options
+        if tree is not None and (tuple(tree.shape) != (b, t, t) or tree.dtype != torch.bool):
+            raise InvalidParameter("tree", tuple(tree.shape), f"a [{b}, {t}, {t}] bool mask (the block's tree)")
+        if tree is not None and (opts.drops or self.config.sliding_window is not None):
+            raise InvalidParameter("tree", "a token tree", "a model with no sliding window and --kv-policy 'full'")
         if opts.drops:  # --kv-policy: rows past the budget drop positions first (metaloom.models.engine.dropping)
             dropping.before_forward(opts, cache, valid.cpu().numpy())
         before = cache.host_lengths()
         lengths = cache.lengths  # before this forward
         slots = cache.prepare(valid.tolist(), t)  # [B, T]: where the new keys and values go
-        if t == 1 and self.fused is not None and b > 0 and self.fused_reads(cache.pool):
+        if t == 1 and tree is None and self.fused is not None and b > 0 and self.fused_reads(cache.pool):
             y = self._step_fused(tokens, cache, lengths, valid, self.fused)
             if opts.drops:
                 dropping.after_forward(opts, cache, 1, before, None)
@@ -425,10 +432,15 @@ class LlamaModel:
         entries = lengths[:, None] + torch.arange(t, device=tokens.device)  # [B, T]: where each token sits in its row
         # its position: the entry plus the positions the row dropped (--kv-policy), which RoPE sees
         positions = entries + torch.from_numpy(cache.shift).to(tokens.device)[:, None] if cache.drops else entries
+        keys_len = int(lengths.max()) + t
+        mask: torch.Tensor | None
+        if tree is not None:  # a token tree: each token one past its parent, attending its ancestors
+            positions = lengths[:, None] + tree.sum(-1) - 1
+            mask, causal = self._tree_mask(lengths, tree, keys_len), False
+        else:
+            mask, causal = self._mask(entries, keys_len, uniform)
         cos = self._cos[positions][:, None]  # [B, 1, T, D]
         sin = self._sin[positions][:, None]
-        keys_len = int(lengths.max()) + t
-        mask, causal = self._mask(entries, keys_len, uniform)
         run = None if fresh else cache.run_start(keys_len)  # one row in one run of slots: read in place
         # rows that dropped positions with sinks (StreamingLLM), or attention to record (H2O,
         # SnapKV's prompt): attention written out (dropping.attend) instead of SDPA
@@ -575,6 +587,15 @@ class LlamaModel:
         if qk.path not in self._plans:
             self._plans[qk.path] = stack_plan(self.layers, qk, self.dtype)
         return self._plans[qk.path]
+
+    def _tree_mask(self, lengths: torch.Tensor, tree: torch.Tensor, keys_len: int) -> torch.Tensor:
+        """[B, 1, T, S] bool for a token-tree block: every cached key, and the block's keys the
+        tree allows (a sliding window is not applied: refused for trees by the caller)."""
+        b, t = tree.shape[:2]
+        k = torch.arange(keys_len, device=tree.device)[None, :] - lengths[:, None]  # [B, S]: index within the block
+        inside = (k >= 0) & (k < t)
+        block = tree.gather(2, k.clamp(0, t - 1)[:, None, :].expand(b, t, keys_len))  # [B, T, S]
+        return ((k < 0)[:, None, :] | (inside[:, None, :] & block))[:, None]
 
     def _mask(self, positions: torch.Tensor, keys_len: int, uniform: bool) -> tuple[torch.Tensor | None, bool]:
         """Boolean mask [B, 1, T, S] (True = attend), or (None, is_causal) when SDPA's built-in

@@ -56,8 +56,8 @@ class QuantizedLlama(LlamaModel):
         self.bits = bits
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, *, valid: torch.Tensor | None = None,
-                last_only: bool = False) -> torch.Tensor:
-        return super().forward(tokens, cache, valid=valid, last_only=last_only).float()
+                last_only: bool = False, tree: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(tokens, cache, valid=valid, last_only=last_only, tree=tree).float()
 
 
 def quantized_drafter(target: LanguageModel, bits: int = 8) -> DraftModelDrafter:

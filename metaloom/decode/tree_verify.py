@@ -1,0 +1,189 @@
+"""A speculative step over token trees (`metaloom.speculative.tree`): the pipeline's
+distribution at every node, constraint masks along every branch, and each row's accepted path.
+
+The chain step (`metaloom.decode.select.verify`) walks a draft's positions in order; a tree's
+node ``i`` follows its parent instead, so:
+
+- the pipeline state at block position ``i + 1`` (after node ``i``) is the state at its
+  parent's position advanced by node ``i``'s token (penalties, DRY and mirostat see each branch
+  as if it had been drawn);
+- a row's constraint cursor walks the tree depth first, advancing into a node and rolling back
+  when it leaves (its mask at every node is the branch's), and ends where it started;
+- a node whose own position allows no token is no candidate (with its subtree): moving into it
+  would leave nothing to draw after it.
+
+Acceptance is `accept_greedy` / `accept_sampled` per row, exact for greedy and sampling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from metaloom.constrain import Constraint
+from metaloom.decode.select import masks
+from metaloom.sampling.pipeline import Sampler
+from metaloom.sampling.state import SamplingState
+from metaloom.speculative.core import gather_states
+from metaloom.speculative.drafter import Draft
+from metaloom.speculative.tree import DraftTree, accept_greedy, accept_sampled, attention_mask
+
+
+@dataclass(frozen=True)
+class TreeVerified:
+    """Row b emits ``tokens[b][:n]`` where n = len(tokens[b]); emitted token j was drawn at block
+    position ``positions[b][j]``; its cache keeps block positions ``kept[b]`` (0, the pending
+    token, then the accepted path's nodes + 1). ``logprobs`` [B, T, V]: the pipeline's at every
+    block position; ``state``: the pipeline state after the step; ``errors``: rows that could
+    not go on."""
+
+    tokens: list[list[int]]
+    positions: list[list[int]]
+    kept: list[list[int]]
+    logprobs: torch.Tensor
+    state: SamplingState
+    errors: dict[int, str]
+
+    @property
+    def accepted(self) -> list[int]:
+        return [len(k) - 1 for k in self.kept]
+
+
+def tree_attention(draft: Draft, width: int) -> torch.Tensor:
+    """[B, width, width] bool: each row's verify block ``[pending, nodes]`` as a tree mask
+    (`metaloom.speculative.tree.attention_mask`); past a row's tree, positions see only the
+    root and themselves (padding, written to the scratch slot and never read)."""
+    out = torch.eye(width, dtype=torch.bool).repeat(draft.tokens.shape[0], 1, 1)
+    out[:, :, 0] = True
+    for b in range(draft.tokens.shape[0]):
+        n = len(row_tree(draft, b))
+        out[b, :n + 1, :n + 1] = attention_mask(row_tree(draft, b))
+    return out.to(draft.tokens.device)
+
+
+def row_tree(draft: Draft, b: int) -> DraftTree:
+    """Row b's tree from a batched draft (its first ``lengths[b]`` nodes)."""
+    assert draft.parents is not None
+    n = int(draft.lengths[b])
+    return DraftTree(tuple(draft.tokens[b, :n].tolist()), tuple(draft.parents[b, :n].tolist()))
+
+
+def tree_masks(cursors: Sequence[Constraint | None], draft: Draft, vocab: int,
+               device: torch.device) -> list[torch.Tensor | None] | None:
+    """Each block position's allowed tokens [B, V] (T = K + 1 entries), each row's cursor walked
+    depth first through its tree and left where it was; None when no row is constrained."""
+    k = draft.tokens.shape[1]
+    out = torch.ones(k + 1, len(cursors), vocab, dtype=torch.bool)
+    any_mask = False
+    for b, c in enumerate(cursors):
+        if c is not None:
+            any_mask |= _walk(c, row_tree(draft, b), -1, out[:, b])
+    return [out[i].to(device) for i in range(k + 1)] if any_mask else None
+
+
+def tree_logprobs(sampler: Sampler, scores: torch.Tensor, draft: Draft, state: SamplingState,
+                  generators: Sequence[torch.Generator | None], position_masks: list[torch.Tensor | None] | None,
+                  ) -> tuple[torch.Tensor, list[SamplingState]]:
+    """(logprobs [B, T, V], states): position i processed with ``states[i]``, the state at its
+    parent's position advanced by its token (rows whose tree is smaller get garbage past it)."""
+    t = scores.shape[1]
+    if sampler.plain and position_masks is None:
+        return torch.log_softmax(scores.float(), dim=-1), [state] * t
+    assert draft.parents is not None
+    rows = torch.arange(scores.shape[0], device=scores.device)
+    states, out = [state], []
+    for i in range(t):
+        mask = position_masks[i] if position_masks is not None else None
+        out.append(sampler.process(scores[:, i], states[i], mask=mask, generators=generators))
+        if i + 1 < t:  # the state after node i: its parent's position's state, advanced by its token
+            parent = (draft.parents[:, i].clamp(min=-1) + 1).to(scores.device)
+            parent = torch.minimum(parent, torch.full_like(parent, i))  # padding nodes: any earlier one
+            before = gather_states(states, parent)
+            lp_parent = torch.stack(out)[parent, rows]
+            states.append(sampler.advance(before, draft.tokens[:, i].to(scores.device), lp_parent))
+    return torch.stack(out, dim=1), states
+
+
+def verify_tree(sampler: Sampler, state: SamplingState, scores: torch.Tensor, draft: Draft,
+                cursors: Sequence[Constraint | None] | None,
+                generators: Sequence[torch.Generator | None]) -> TreeVerified:
+    """Accept a path of each row's tree and draw one more token. ``scores`` [B, T, V] over
+    ``[pending, nodes]`` (the tree-masked verify forward)."""
+    errors: dict[int, str] = {}
+    vocab = scores.shape[-1]
+    position_masks = None
+    if cursors is not None:
+        masks(cursors, vocab, scores.device, errors)  # rows whose engine fails now are out
+        live = [None if b in errors else c for b, c in enumerate(cursors)]
+        position_masks = tree_masks(live, draft, vocab, scores.device)
+    lp, states = tree_logprobs(sampler, scores, draft, state, generators, position_masks)
+    best = lp.max(dim=-1)
+    empty = ~(best.values > float("-inf"))  # [B, T]
+    tokens, positions, kept = [], [], []
+    for b in range(lp.shape[0]):
+        if bool(empty[b, 0]) and b not in errors:
+            errors[b] = "no token can be drawn at this position (the constraint or the pipeline allows none)"
+        if b in errors:
+            tokens.append([0])
+            positions.append([0])
+            kept.append([0])
+            continue
+        tree = _pruned(row_tree(draft, b), empty[b, 1:].tolist())
+        if bool(sampler.greedy[b]):
+            got = accept_greedy(tree.tree, best.indices[b].tolist() if not tree.index else
+                                [int(best.indices[b, 0]), *(int(best.indices[b, i + 1]) for i in tree.index)])
+        else:
+            rows_lp = lp[b, [0, *(i + 1 for i in tree.index)]] if tree.index else lp[b, :len(tree.tree) + 1]
+            got = accept_sampled(tree.tree, rows_lp.float().exp(), generators[b])
+        path = [tree.index[i] if tree.index else i for i in got.path]  # back to the draft's node numbers
+        tokens.append(list(got.tokens))
+        positions.append([0, *(node + 1 for node in path)])
+        kept.append([0, *(node + 1 for node in path)])
+    # the state after the step: each row's state at its last kept position, advanced by its final token
+    last = torch.tensor([p[-1] for p in positions], device=lp.device)
+    final = torch.tensor([t[-1] for t in tokens], device=lp.device)
+    rows = torch.arange(lp.shape[0], device=lp.device)
+    after = sampler.advance(gather_states(states, last), final, lp[rows, last])
+    return TreeVerified(tokens, positions, kept, lp, after, errors)
+
+
+def _walk(cursor: Constraint, tree: DraftTree, node: int, out: torch.Tensor) -> bool:
+    """Write the cursor's mask at ``node``'s block position into ``out`` [T, V], then visit each
+    allowed child (advance, recurse, roll back); True when some mask was not all-allowed."""
+    allowed = None if cursor.unconstrained else cursor.mask()
+    if allowed is not None:
+        out[node + 1] = allowed
+    found = allowed is not None
+    if cursor.done():
+        return found
+    for child in tree.children(node):
+        token = tree.tokens[child]
+        if allowed is not None and not bool(allowed[token]):
+            continue  # forbidden here: p is 0, so it is never accepted and its subtree never read
+        cursor.advance(token)
+        try:
+            found |= _walk(cursor, tree, child, out)
+        finally:
+            cursor.rollback(1)
+    return found
+
+
+@dataclass(frozen=True)
+class _Pruned:
+    tree: DraftTree
+    index: list[int]  # the kept nodes' indices in the original tree ([] when none was pruned)
+
+
+def _pruned(tree: DraftTree, empty: Sequence[bool]) -> _Pruned:
+    """``tree`` without the nodes whose own position allows no token, and their subtrees."""
+    dead = [False] * len(tree)
+    for i, p in enumerate(tree.parents):
+        dead[i] = bool(empty[i]) or (p >= 0 and dead[p])
+    if not any(dead):
+        return _Pruned(tree, [])
+    index = [i for i in range(len(tree)) if not dead[i]]
+    new = {old: n for n, old in enumerate(index)}
+    return _Pruned(DraftTree(tuple(tree.tokens[i] for i in index),
+                             tuple(-1 if tree.parents[i] < 0 else new[tree.parents[i]] for i in index)), index)

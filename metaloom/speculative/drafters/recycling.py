@@ -1,0 +1,145 @@
+"""Token Recycling (Luo et al. 2024, "Turning Trash into Treasure: Accelerating Inference of
+Large Language Models with Token Recycling"): drafts from the target's own past candidates,
+with no draft model and no training.
+
+Every verify forward computes the target's distribution after each token it reads, and plain
+decoding throws all but one token of it away. Token Recycling keeps, for every token ``x`` of
+the vocabulary, the ``k`` most likely tokens the target last put after ``x`` (an adjacency
+matrix ``M [V, k]``, updated from every forward it observes, kept across requests as the paper
+keeps it). A draft is a tree grown from the row's pending token by breadth-first expansion
+over ``M``: a node holding ``x`` gets the first ``widths[d]`` candidates of ``M[x]`` as children
+at depth ``d + 1`` (a static tree; ``widths`` all 1 is a chain), until the node budget is spent.
+Drafts are deterministic, so verification is exact for greedy and for sampling
+(`metaloom.speculative.tree`). Tokens never seen yet have no candidates: the first steps of a
+fresh drafter propose little, and it learns as it goes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from metaloom.errors import InvalidParameter
+from metaloom.models.forward import Ledgers
+from metaloom.models.protocols import LanguageModel
+from metaloom.sampling.pipeline import Sampler
+from metaloom.speculative.drafter import Draft, DraftState, Verified
+from metaloom.speculative.tree import DraftTree
+
+CANDIDATES = 8  # k: candidates kept per token (the paper's matrix width)
+DEFAULT_WIDTHS = (4, 3, 2, 2, 1, 1, 1)  # a static tree of up to 4 + 12 + 24 + 48 + ... nodes, cut by the budget
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """``--tree static:W1,W2,...``: children per node at each depth (W1 under the root)."""
+
+    widths: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.widths or any(not isinstance(w, int) or w < 1 for w in self.widths):
+            raise InvalidParameter("tree", list(self.widths), "widths >= 1 per depth (static:W1,W2,...)")
+        if max(self.widths) > CANDIDATES:
+            raise InvalidParameter("tree", list(self.widths), f"widths at most {CANDIDATES} (the candidates kept a token)")
+
+    @classmethod
+    def parse(cls, text: str) -> TreeShape:
+        kind, _, rest = text.partition(":")
+        if kind != "static":
+            raise InvalidParameter("tree", text, "static:W1,W2,... (widths per depth, each >= 1)")
+        try:
+            widths = tuple(int(w) for w in rest.split(","))
+        except ValueError as exc:
+            raise InvalidParameter("tree", text, "static:W1,W2,... with whole-number widths") from exc
+        return cls(widths)
+
+    @classmethod
+    def chain(cls, depth: int) -> TreeShape:
+        return cls((1,) * depth)
+
+
+class RecyclingDrafter:
+    """Token Recycling with a static tree of ``shape`` (default `DEFAULT_WIDTHS`)."""
+
+    def __init__(self, shape: TreeShape | None = None) -> None:
+        self.shape = shape or TreeShape(DEFAULT_WIDTHS)
+        self.table: torch.Tensor | None = None  # [V, k] long, -1 = no candidate yet
+        self.lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return "recycling"
+
+    def start(self, target: LanguageModel, sampler: Sampler, contexts: Sequence[Sequence[int]],
+              generators: Sequence[torch.Generator | None]) -> DraftState:
+        with self.lock:
+            if self.table is None or self.table.shape[0] != target.vocab_size:
+                self.table = torch.full((target.vocab_size, CANDIDATES), -1, dtype=torch.long)
+        return RecyclingState(self)
+
+    def grow(self, root: int, budget: int) -> DraftTree:
+        """The static tree from ``root`` over the current matrix, at most ``budget`` nodes."""
+        assert self.table is not None
+        tokens: list[int] = []
+        parents: list[int] = []
+        frontier = [(-1, root)]
+        for width in self.shape.widths:
+            nxt = []
+            for node, token in frontier:
+                for cand in self.table[token, :width].tolist():
+                    if cand < 0 or len(tokens) >= budget:
+                        break
+                    tokens.append(cand)
+                    parents.append(node)
+                    nxt.append((len(tokens) - 1, cand))
+            frontier = nxt
+            if not frontier or len(tokens) >= budget:
+                break
+        return DraftTree(tuple(tokens), tuple(parents))
+
+    def learn(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        """Row ``M[tokens[i]]`` = the ``k`` most likely tokens after it (``logits[i]`` [V])."""
+        assert self.table is not None
+        top = logits.float().topk(CANDIDATES, dim=-1).indices.cpu()
+        with self.lock:
+            self.table[tokens.cpu()] = top  # a token read twice keeps its last candidates
+
+
+class RecyclingState:
+    """Per batch: nothing of its own (the matrix is the drafter's)."""
+
+    def __init__(self, drafter: RecyclingDrafter) -> None:
+        self.drafter = drafter
+
+    def propose(self, contexts: Sequence[Sequence[int]], limits: Sequence[int], ledger: Ledgers) -> Draft:
+        trees = [self.drafter.grow(int(ctx[-1]), limit) if limit > 0 and ctx else DraftTree((), ())
+                 for ctx, limit in zip(contexts, limits, strict=True)]
+        return Draft.from_trees(trees)
+
+    def observe(self, verified: Verified) -> None:
+        draft = verified.draft
+        read = verified.logits.shape[1]
+        rows = verified.logits.shape[0]
+        block = torch.zeros(rows, read, dtype=torch.long)
+        block[:, 1:] = draft.tokens[:, :read - 1].cpu()
+        # the pending token each row read first: the token emitted before this step's block
+        pending = verified.pending.cpu() if verified.pending is not None else None
+        if pending is None:
+            return
+        block[:, 0] = pending
+        lengths = draft.lengths.cpu()
+        tokens, logits = [], []
+        for b in range(rows):
+            n = int(lengths[b]) + 1
+            tokens.append(block[b, :n])
+            logits.append(verified.logits[b, :n])
+        self.drafter.learn(torch.cat(tokens), torch.cat(logits))
+
+    def select(self, rows: Sequence[int]) -> DraftState:
+        return self
+
+    def join(self, other: DraftState) -> DraftState:
+        return self

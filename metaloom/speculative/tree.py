@@ -1,0 +1,145 @@
+"""Token trees for speculative decoding: a row's drafts as a tree verified in one forward, and
+which path of it the target keeps.
+
+A `DraftTree` holds nodes in topological order: node ``i`` proposes ``tokens[i]`` after its
+parent (``parents[i]``, an earlier node, or -1 for the row's pending token, the root). The
+verify forward feeds ``[pending, tokens...]`` at positions ``start + depth`` with a tree
+attention mask (each node sees the cache, the root and its own ancestors: `attention_mask`),
+which gives the target distribution after the root (``p_0``) and after every node (``p_{i+1}``).
+
+Acceptance walks from the root. At a node whose target distribution is ``p`` and whose
+children propose tokens ``c_1 .. c_k`` (distinct, each a deterministic proposal, q one-hot):
+
+- greedy: move to the child whose token is ``argmax p``, if there is one; else stop and emit
+  ``argmax p``. The emitted tokens are exactly plain greedy's.
+- sampling: try the children in order; accept ``c_j`` with probability ``r(c_j)``, where ``r``
+  starts as ``p`` and, after each rejection, has the rejected token's mass removed and is
+  renormalised. When every child is rejected, the token is drawn from the last ``r``. This is
+  multi-draft speculative sampling with deterministic drafts (SpecInfer, Miao et al. 2024,
+  Algorithm 2, "multi-step speculative sampling", with q one-hot; the same as Recursive
+  Speculative Decoding's sampling without replacement, Jeon et al. 2024, when each candidate's
+  q is one-hot): the emitted token is distributed exactly as ``p``, because the probability
+  of emitting token ``x`` is ``p(x)`` whether ``x`` is a candidate (accepted at its turn after
+  the earlier ones were rejected: ``prod (1 - r_i(c_i)) * r_j(x) = p(x)``, the renormalisations
+  cancelling) or not (drawn from the final residual). Moving into the accepted child then
+  repeats the argument with the child's own target distribution, so every emitted sequence is
+  distributed as plain sampling's. Deterministic drafts are why this is simple: every tree
+  drafter here (the draft model's top-k, DySpec's best-first expansion, Token Recycling,
+  n-gram continuations, speculator heads' top-k) proposes tokens without sampling them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from metaloom.errors import InvalidParameter
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """One row's draft: ``tokens[i]`` after ``parents[i]`` (-1: the pending token; else an
+    earlier node). Siblings propose distinct tokens."""
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise InvalidParameter("parents", len(self.parents), f"one per token ({len(self.tokens)})")
+        seen: set[tuple[int, int]] = set()
+        for i, (t, p) in enumerate(zip(self.tokens, self.parents, strict=True)):
+            if not -1 <= p < i:
+                raise InvalidParameter("parents", list(self.parents), "each -1 or an earlier node (topological order)")
+            if (p, t) in seen:
+                raise InvalidParameter("tokens", list(self.tokens), f"distinct tokens among siblings (token {t} twice)")
+            seen.add((p, t))
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int]) -> DraftTree:
+        """A chain: each token after the one before (the drafts of today's drafters)."""
+        return cls(tuple(int(t) for t in tokens), tuple(range(-1, len(tokens) - 1)))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def depths(self) -> list[int]:
+        """Each node's depth: 1 for a child of the root."""
+        out: list[int] = []
+        for p in self.parents:
+            out.append(1 if p < 0 else out[p] + 1)
+        return out
+
+    def children(self, node: int) -> list[int]:
+        """The children of ``node`` (-1: the root), in order."""
+        return [i for i, p in enumerate(self.parents) if p == node]
+
+    def path(self, node: int) -> list[int]:
+        """The nodes from the root's child down to ``node`` (empty for the root, -1)."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+
+def attention_mask(tree: DraftTree) -> torch.Tensor:
+    """[1 + n, 1 + n] bool: row i of the verify block (0: the pending token, i: node i - 1)
+    may attend column j (True) when j is i or one of its ancestors (the root is everyone's)."""
+    n = len(tree)
+    mask = torch.eye(n + 1, dtype=torch.bool)
+    mask[:, 0] = True
+    for i, p in enumerate(tree.parents):
+        if p >= 0:
+            mask[i + 1] |= mask[p + 1]
+    return mask
+
+
+@dataclass(frozen=True)
+class TreeAcceptance:
+    """The path kept (node indices from the root's child down) and the tokens emitted: the
+    path's tokens, then the target's own token after it."""
+
+    path: tuple[int, ...]
+    tokens: tuple[int, ...]
+
+
+def accept_greedy(tree: DraftTree, argmax: Sequence[int]) -> TreeAcceptance:
+    """``argmax[i]``: the target's greedy token after block position i (0: the root)."""
+    node, path = -1, list[int]()
+    while True:
+        want = int(argmax[node + 1])
+        nxt = next((c for c in tree.children(node) if tree.tokens[c] == want), None)
+        if nxt is None:
+            return TreeAcceptance(tuple(path), tuple([tree.tokens[i] for i in path] + [want]))
+        path.append(nxt)
+        node = nxt
+
+
+def accept_sampled(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None = None) -> TreeAcceptance:
+    """``probs`` [1 + n, V]: the target distribution after each block position (the sampling
+    pipeline's, penalties and truncation applied); see the module doc for the rule and why it
+    keeps ``p`` exact."""
+    node, path = -1, list[int]()
+    while True:
+        r = probs[node + 1].double().clamp(min=0)
+        moved = False
+        for c in tree.children(node):
+            token = tree.tokens[c]
+            total = float(r.sum())
+            if total <= 0:
+                break
+            u = float(torch.rand((), generator=generator, dtype=torch.float64))
+            if u * total < float(r[token]):  # accept with probability r(token) / sum(r)
+                path.append(c)
+                node, moved = c, True
+                break
+            r = r.clone()
+            r[token] = 0.0  # rejected: its mass is out of the residual
+        if not moved:
+            if float(r.sum()) <= 0:  # every token with mass was proposed and rejected: cannot happen exactly
+                r = probs[node + 1].double().clamp(min=0)
+            final = int(torch.multinomial(r / r.sum(), 1, generator=generator))
+            return TreeAcceptance(tuple(path), tuple([tree.tokens[i] for i in path] + [final]))

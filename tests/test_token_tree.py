@@ -1,0 +1,261 @@
+"""Token trees (issue 32's foundation, metaloom.speculative.tree): the tree's shape and attention
+mask on hand-made trees, greedy acceptance, the exactness of sampled acceptance (chi-square of
+the emitted tokens against the target distributions), the tree-masked verify forward against
+each root-to-leaf path verified as a chain, and the accepted path kept in the slot table."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from metaloom.errors import InvalidParameter
+from metaloom.speculative.tree import DraftTree, accept_greedy, accept_sampled, attention_mask
+from metaloom.testing.tiny import tiny_llama
+
+#   root -> 0 (a) -> 2 (c) -> 4 (e)
+#        -> 1 (b) -> 3 (d)
+#                 -> 5 (f)
+TREE = DraftTree(tokens=(0, 1, 2, 3, 4, 5), parents=(-1, -1, 0, 1, 2, 1))
+
+
+def test_tree_shape_and_mask_on_a_hand_made_tree():
+    assert TREE.depths() == [1, 1, 2, 2, 3, 2]
+    assert TREE.children(-1) == [0, 1] and TREE.children(1) == [3, 5]
+    assert TREE.path(4) == [0, 2, 4] and TREE.path(-1) == []
+    mask = attention_mask(TREE).int().tolist()
+    assert mask == [[1, 0, 0, 0, 0, 0, 0],  # root
+                    [1, 1, 0, 0, 0, 0, 0],  # node 0
+                    [1, 0, 1, 0, 0, 0, 0],  # node 1
+                    [1, 1, 0, 1, 0, 0, 0],  # node 2: root, 0, itself
+                    [1, 0, 1, 0, 1, 0, 0],  # node 3: root, 1
+                    [1, 1, 0, 1, 0, 1, 0],  # node 4: root, 0, 2
+                    [1, 0, 1, 0, 0, 0, 1]]  # node 5: root, 1
+    chain = DraftTree.chain([7, 8, 9])
+    assert chain.parents == (-1, 0, 1) and attention_mask(chain).equal(torch.ones(4, 4).tril().bool())
+
+
+def test_bad_trees_are_refused_by_name():
+    with pytest.raises(InvalidParameter, match="parents"):
+        DraftTree((1, 2), (-1, 1))  # a node its own parent
+    with pytest.raises(InvalidParameter, match="parents"):
+        DraftTree((1, 2), (-1,))
+    with pytest.raises(InvalidParameter, match="tokens"):
+        DraftTree((4, 4), (-1, -1))  # two siblings proposing one token
+
+
+def test_greedy_acceptance_follows_the_targets_argmax_down_the_tree():
+    # block positions: 0 root, 1 + i node i; the target wants b after the root, then f, then 9
+    argmax = [1, 0, 5, 0, 0, 0, 9]
+    got = accept_greedy(TREE, argmax)
+    assert got.path == (1, 5) and got.tokens == (1, 5, 9)
+    assert accept_greedy(TREE, [7, 0, 0, 0, 0, 0, 0]).tokens == (7,)  # the first choice is no child
+    assert accept_greedy(TREE, [0, 2, 0, 4, 0, 3, 0]).tokens == (0, 2, 4, 3)  # the whole a-c-e branch and a bonus
+
+
+def _chi2(counts: np.ndarray, probs: np.ndarray) -> float:
+    n = counts.sum()
+    expected = n * probs
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a token with probability 0 was emitted"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+def test_sampled_acceptance_emits_exactly_the_target_distribution():
+    """20,000 steps over a two-level tree: the first emitted token follows p_root (chi-square,
+    5 degrees of freedom: 25.7 is its 1e-4 quantile), and after an accepted node the next token
+    follows that node's p. A rule that tried the candidates without taking a rejected one's
+    mass out of the residual emits a too often (tested: it fails)."""
+    v = 6
+    probs = torch.tensor([[0.30, 0.25, 0.05, 0.15, 0.10, 0.15],  # after the root
+                          [0.10, 0.10, 0.50, 0.10, 0.10, 0.10],  # after node 0 (a)
+                          [0.05, 0.05, 0.05, 0.60, 0.05, 0.20],  # after node 1 (b)
+                          *[[1 / v] * v] * 4])
+    g = torch.Generator().manual_seed(0)
+    n = 20000
+    first = np.zeros(v)
+    after = {0: np.zeros(v), 1: np.zeros(v)}
+    for _ in range(n):
+        out = accept_sampled(TREE, probs, g)
+        first[out.tokens[0]] += 1
+        if out.path and len(out.tokens) > 1 and out.path[0] in after:
+            after[out.path[0]][out.tokens[1]] += 1
+    bound = 25.7  # chi-square, 5 degrees of freedom, 1 - 1e-4
+    assert _chi2(first, probs[0].numpy()) < bound
+    for node, counts in after.items():
+        assert counts.sum() > 1000
+        assert _chi2(counts, probs[node + 1].numpy()) < bound
+
+
+def test_sampled_acceptance_accepts_a_candidate_with_all_the_mass():
+    probs = torch.zeros(7, 6)
+    probs[0, 1] = 1.0  # the target is sure of b after the root
+    probs[2, 3] = 1.0  # and of d after b
+    probs[4:, 0] = 1.0
+    for seed in range(20):
+        assert accept_sampled(TREE, probs, torch.Generator().manual_seed(seed)).tokens == (1, 3, 0)
+
+
+def _verify(model, cache, tokens, tree=None):
+    return model.forward(torch.tensor([tokens]), cache, tree=tree)[0]
+
+
+def test_a_tree_verified_in_one_forward_equals_each_path_verified_as_a_chain():
+    model = tiny_llama().model
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    pending = 7
+    cache = model.new_cache(1, 64)
+    model.forward(torch.tensor([prompt]), cache)
+    tokens = [pending, *(t + 10 for t in TREE.tokens)]
+    logits = _verify(model, cache.fork([0]), tokens, attention_mask(TREE)[None])  # [7, V]
+    for leaf in (4, 3, 5):
+        path = TREE.path(leaf)
+        chain = cache.fork([0])
+        ref = _verify(model, chain, [pending, *(TREE.tokens[i] + 10 for i in path)])
+        assert (logits[0] - ref[0]).abs().max().item() < 1e-5
+        for at, node in enumerate(path):
+            assert (logits[node + 1] - ref[at + 1]).abs().max().item() < 1e-5, (leaf, node)
+        chain.release()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_accepted_path_is_kept_where_it_was_written_and_decoding_goes_on(fused):
+    """After a tree verify, keeping the root and the accepted path (entries moved up in the
+    table, no KV copied) leaves the cache a plain chain verify of that path would: the next
+    step's logits equal, and the rejected branches' slots are free."""
+    model = tiny_llama().model
+    if fused:  # the next one-token step through the fused kernels, reading the moved table
+        from metaloom.models.kernels.fused import kernels
+        from tests.test_fused import _tiny
+
+        if kernels().kernels is None:
+            pytest.skip(kernels().reason)
+        model = _tiny().with_fused(kernels().kernels)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    tokens = [7, *(t + 10 for t in TREE.tokens)]
+    tree_cache, chain_cache = model.new_cache(1, 64), model.new_cache(1, 64)
+    for c in (tree_cache, chain_cache):
+        model.forward(torch.tensor([prompt]), c)
+    start = len(prompt)
+    model.forward(torch.tensor([tokens]), tree_cache, tree=attention_mask(TREE)[None])
+    written = tree_cache.slots[0, start:start + 7].copy()
+    path = TREE.path(5)  # b, f
+    keep = np.array([*range(start + 1), *(start + 1 + i for i in path)])
+    used = tree_cache.pool.used_slots
+    assert tree_cache.keep_entries(0, keep) == 4
+    assert tree_cache.pool.used_slots == used - 4
+    assert tree_cache.slots[0, start:start + 3].tolist() == [written[0], written[2], written[6]]  # where written
+    model.forward(torch.tensor([[7, *(TREE.tokens[i] + 10 for i in path)]]), chain_cache)
+    a = model.forward(torch.tensor([[20]]), tree_cache)[0, -1]
+    b = model.forward(torch.tensor([[20]]), chain_cache)[0, -1]
+    assert (a - b).abs().max().item() < 1e-5
+    assert not math.isnan(float(a.sum()))
+
+
+def test_a_tree_mask_of_the_wrong_shape_is_refused_by_name():
+    model = tiny_llama().model
+    cache = model.new_cache(1, 16)
+    with pytest.raises(InvalidParameter, match="tree"):
+        model.forward(torch.tensor([[1, 2, 3]]), cache, tree=torch.ones(1, 2, 2, dtype=torch.bool))
+
+
+# --- through the decode loop, with Token Recycling -------------------------------------------
+
+def _generator(tree: str = "static:4,2,2,1"):
+    from metaloom.generator.local import LocalGenerator
+    from metaloom.speculative import Speculative
+    from metaloom.speculative.drafters.recycling import RecyclingDrafter, TreeShape
+
+    drafter = RecyclingDrafter(TreeShape.parse(tree))
+    return LocalGenerator(tiny_llama(), speculative=Speculative(drafter, 12)), drafter
+
+
+def test_recycling_trees_give_plain_greedys_tokens_and_accept_drafts():
+    from metaloom.generator.local import LocalGenerator
+    from metaloom.generator.types import Request
+    from metaloom.ledger import Ledger
+    from metaloom.sampling.params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = ["abcabc", "hello", "zzzyx"]
+    plain = LocalGenerator(tiny_llama()).generate([Request(p, params) for p in prompts], ledger=Ledger())
+    gen, drafter = _generator()
+    ledger = Ledger()
+    for _ in range(2):  # the second time round the matrix knows these texts
+        got = gen.generate([Request(p, params) for p in prompts], ledger=ledger)
+        assert [c[0].token_ids for c in got] == [c[0].token_ids for c in plain]
+    usage = ledger.usage
+    assert usage.accepted_tokens > 0 and usage.verify_steps > 0
+    assert usage.output_tokens == 2 * 3 * 30
+    assert usage.verify_steps < usage.output_tokens  # some steps emitted more than one token
+    assert int((drafter.table >= 0).any(-1).sum()) > 5  # it learned candidates for the tokens it read
+
+
+def test_recycling_samples_follow_plain_samplings_distribution_over_two_tokens():
+    """600 samples of 4 tokens, the drafter warmed up on the prompt so its drafts (two sibling
+    candidates for the second token) are often accepted: the (second, third) pairs against the
+    model's own sum over t1 of p(t1) p(t2 | t1) p(t3 | t1, t2), by chi-square (cells with
+    expected counts under 5 merged; bound: the 1e-4 quantile for the degrees of freedom, by the
+    Wilson-Hilferty approximation). The first token comes from the prefill, not a tree."""
+    from metaloom.generator.types import Request
+    from metaloom.ledger import Ledger
+    from metaloom.sampling.params import SamplingParams
+
+    gen, _ = _generator("static:4,3")
+    model = gen.model
+    prompt = "abcab"
+    warm = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, n=50, seed=1)
+    gen.generate([Request(prompt, warm)], ledger=Ledger())
+    n = 600
+    ledger = Ledger()
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, n=n, seed=11)
+    got = gen.generate([Request(prompt, params)], ledger=ledger)[0]
+    assert ledger.usage.accepted_tokens > 100  # the trees did the work
+    ids = gen.tokenizer.encode(prompt)
+    v = model.vocab_size
+    cache = model.new_cache(1, 16)
+
+    def after(c, token):
+        fork = c.fork([0])
+        return fork, torch.softmax(model.forward(torch.tensor([[token]]), fork)[0, -1].double(), -1)
+
+    first = torch.softmax(model.forward(torch.tensor([ids]), cache)[0, -1].double(), -1)
+    joint = torch.zeros(v, v, dtype=torch.float64)
+    for t1 in range(v):
+        c1, second = after(cache, t1)
+        for t2 in range(v):
+            c2, third = after(c1, t2)
+            joint[t2] += first[t1] * second[t2] * third
+            c2.release()
+        c1.release()
+    counts = torch.zeros(v, v, dtype=torch.float64)
+    for c in got:
+        counts[c.token_ids[1], c.token_ids[2]] += 1
+    expected = (joint * n).flatten()
+    order = torch.argsort(expected, descending=True)
+    e, o = expected[order], counts.flatten()[order]
+    big = e >= 5
+    e_cells = torch.cat([e[big], e[~big].sum()[None]])
+    o_cells = torch.cat([o[big], o[~big].sum()[None]])
+    chi2 = float(((o_cells - e_cells) ** 2 / e_cells).sum())
+    df = len(e_cells) - 1
+    z = 3.719  # the normal's 1 - 1e-4 quantile
+    bound = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    assert chi2 < bound, (chi2, bound, df)
+
+
+def test_tree_flags_are_checked_by_name():
+    import argparse
+
+    from metaloom.commands.speculative import add_speculative_args, check_speculative_args
+
+    p = argparse.ArgumentParser()
+    add_speculative_args(p)
+    for argv, name in ((["--speculative", "ngram", "--tree", "static:2,1"], "tree"),
+                       (["--speculative", "recycling", "--tree", "static:2,0"], "tree"),
+                       (["--speculative", "recycling", "--tree", "dynamic:x"], "tree"),
+                       (["--tree", "static:2"], "speculative")):
+        with pytest.raises(InvalidParameter) as err:
+            check_speculative_args(p.parse_args(argv))
+        assert err.value.name == name, argv
+    check_speculative_args(p.parse_args(["--speculative", "recycling", "--tree", "static:4,2,1"]))
