@@ -259,3 +259,59 @@ def test_tree_flags_are_checked_by_name():
             check_speculative_args(p.parse_args(argv))
         assert err.value.name == name, argv
     check_speculative_args(p.parse_args(["--speculative", "recycling", "--tree", "static:4,2,1"]))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_trees_under_a_constraint_and_penalties_on_the_default_model(smollm, temperature):
+    """A regex constraint and a repetition penalty on the real model: every branch's cursor and
+    penalty state is walked and rolled back, so greedy trees emit plain greedy's tokens and
+    sampled trees still only emit text the constraint accepts."""
+    import re
+
+    from metaloom.constrain import ConstraintSpec
+    from metaloom.generator.local import LocalGenerator
+    from metaloom.generator.types import Request
+    from metaloom.ledger import Ledger
+    from metaloom.sampling.params import SamplingParams
+    from metaloom.speculative import Speculative
+    from metaloom.speculative.drafters.recycling import RecyclingDrafter, TreeShape
+
+    pattern = r" (the|a) [a-z]+( [a-z]+){2,6}\."
+    params = SamplingParams(temperature=temperature, max_tokens=24, repetition_penalty=1.3, seed=5,
+                            n=1 if temperature == 0 else 6)
+    request = Request("Describe the sea in a few words:", params, constraint=ConstraintSpec.regex(pattern))
+    drafter = RecyclingDrafter(TreeShape.parse("static:4,2,2,1"))
+    tree = LocalGenerator(smollm, speculative=Speculative(drafter, 12))
+    ledger = Ledger()
+    outs = [tree.generate([request], ledger=ledger)[0] for _ in range(2)]  # the second with a warm matrix
+    assert ledger.usage.accepted_tokens > 0
+    for out in outs:
+        for c in out:
+            assert re.fullmatch(pattern, c.text), c.text
+    if temperature == 0:
+        plain = LocalGenerator(smollm).generate([request], ledger=Ledger())[0]
+        assert [c.token_ids for c in outs[1]] == [c.token_ids for c in plain]
+
+
+def test_each_node_is_scored_with_its_own_branchs_penalties():
+    """With frequency and repetition penalties, the pipeline's distribution at every node of a
+    tree equals the chain computation (`target_logprobs`) along that node's path."""
+    from metaloom.decode.tree_verify import tree_logprobs
+    from metaloom.sampling.params import SamplingParams
+    from metaloom.sampling.pipeline import make_sampler
+    from metaloom.speculative.core import target_logprobs
+    from metaloom.speculative.drafter import Draft
+
+    v = 12
+    sampler = make_sampler([SamplingParams(temperature=1.0, frequency_penalty=0.7, repetition_penalty=1.4)], v)
+    state = sampler.start([[1, 2]])
+    scores = torch.randn(1, len(TREE) + 1, v, generator=torch.Generator().manual_seed(3))
+    draft = Draft.from_trees([TREE])
+    lp, _ = tree_logprobs(sampler, scores, draft, state, [None], None)
+    for leaf in (4, 3, 5):
+        path = TREE.path(leaf)
+        block = scores[:, [0, *(i + 1 for i in path)]]
+        chain, _ = target_logprobs(sampler, block, torch.tensor([[TREE.tokens[i] for i in path]]), state, [None])
+        assert torch.allclose(lp[0, 0], chain[0, 0])
+        for at, node in enumerate(path):
+            assert torch.allclose(lp[0, node + 1], chain[0, at + 1]), (leaf, node)
