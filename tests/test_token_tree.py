@@ -164,7 +164,8 @@ def test_a_tree_mask_of_the_wrong_shape_is_refused_by_name():
 def _generator(tree: str = "static:4,2,2,1"):
     from metaloom.generator.local import LocalGenerator
     from metaloom.speculative import Speculative
-    from metaloom.speculative.drafters.recycling import RecyclingDrafter, TreeShape
+    from metaloom.speculative.drafters.recycling import RecyclingDrafter
+    from metaloom.speculative.tree import TreeShape
 
     drafter = RecyclingDrafter(TreeShape.parse(tree))
     return LocalGenerator(tiny_llama(), speculative=Speculative(drafter, 12)), drafter
@@ -254,6 +255,7 @@ def test_tree_flags_are_checked_by_name():
     for argv, name in ((["--speculative", "ngram", "--tree", "static:2,1"], "tree"),
                        (["--speculative", "recycling", "--tree", "static:2,0"], "tree"),
                        (["--speculative", "recycling", "--tree", "dynamic:x"], "tree"),
+                       (["--speculative", "recycling", "--tree", "dynamic:8"], "tree"),
                        (["--tree", "static:2"], "speculative")):
         with pytest.raises(InvalidParameter) as err:
             check_speculative_args(p.parse_args(argv))
@@ -274,7 +276,8 @@ def test_trees_under_a_constraint_and_penalties_on_the_default_model(smollm, tem
     from metaloom.ledger import Ledger
     from metaloom.sampling.params import SamplingParams
     from metaloom.speculative import Speculative
-    from metaloom.speculative.drafters.recycling import RecyclingDrafter, TreeShape
+    from metaloom.speculative.drafters.recycling import RecyclingDrafter
+    from metaloom.speculative.tree import TreeShape
 
     pattern = r" (the|a) [a-z]+( [a-z]+){2,6}\."
     params = SamplingParams(temperature=temperature, max_tokens=24, repetition_penalty=1.3, seed=5,
@@ -315,3 +318,30 @@ def test_each_node_is_scored_with_its_own_branchs_penalties():
         assert torch.allclose(lp[0, 0], chain[0, 0])
         for at, node in enumerate(path):
             assert torch.allclose(lp[0, node + 1], chain[0, at + 1]), (leaf, node)
+
+
+@pytest.mark.parametrize("tree", ["static:3,2,1", "dynamic:10"])
+def test_draft_model_trees_give_plain_greedys_tokens_and_accept_drafts(tree):
+    """SpecInfer's top-k expansion and DySpec's best-first growth, the draft being the target
+    requantised to Q8_0 (it agrees with the target most of the time)."""
+    from metaloom.generator.local import LocalGenerator
+    from metaloom.generator.types import Request
+    from metaloom.ledger import Ledger
+    from metaloom.sampling.params import SamplingParams
+    from metaloom.speculative import Speculative
+    from metaloom.speculative.drafters.draft_tree import draft_tree_drafter
+    from metaloom.speculative.drafters.quantized import QuantizedLlama
+    from metaloom.speculative.tree import TreeShape
+
+    loaded = tiny_llama()
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["abcabc", "hello", "zzzyx"]
+    plain = LocalGenerator(loaded).generate([Request(p, params) for p in prompts], ledger=Ledger())
+    drafter = draft_tree_drafter(QuantizedLlama(loaded.model, 8), TreeShape.parse(tree))
+    ledger = Ledger()
+    got = LocalGenerator(loaded, speculative=Speculative(drafter, 10)).generate([Request(p, params) for p in prompts],
+                                                                              ledger=ledger)
+    assert [c[0].token_ids for c in got] == [c[0].token_ids for c in plain]
+    usage = ledger.usage
+    assert usage.accepted_tokens / usage.verify_steps > 1.0  # more than one draft token kept a step
+    assert usage.drafted_tokens > usage.verify_steps * 2  # trees, not single tokens

@@ -25,7 +25,8 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant-bits", type=int, default=8, choices=(8, 4), help="weight bits for --speculative quantized")
     p.add_argument("--tree", default=None,
                    help="draft a token tree: static:W1,W2,... = W1 children under the pending token, W2 under each of "
-                        "those, ... (--num-draft bounds the nodes); --speculative recycling")
+                        "those, ...; dynamic:NODES = DySpec's best-first growth by draft probability (draft, "
+                        "quantized); --num-draft bounds the nodes; with --speculative recycling, draft or quantized")
 
 
 def check_speculative_args(args: argparse.Namespace) -> None:
@@ -35,11 +36,13 @@ def check_speculative_args(args: argparse.Namespace) -> None:
             raise InvalidParameter("speculative", None, "a drafter name when --draft-model, --num-draft or --tree is given")
         return
     if getattr(args, "tree", None) is not None:
-        from metaloom.speculative.drafters.recycling import TreeShape
+        from metaloom.speculative.tree import TreeShape
 
         if args.speculative not in TREE_DRAFTERS:
             raise InvalidParameter("tree", args.tree, f"given with a tree drafter ({', '.join(TREE_DRAFTERS)})")
-        TreeShape.parse(args.tree)
+        if TreeShape.parse(args.tree).nodes is not None and args.speculative == "recycling":
+            raise InvalidParameter("tree", args.tree, "static:W1,W2,... for recycling (a dynamic tree grows by draft "
+                                                      "probabilities)")
     if args.speculative == "draft" and args.draft_model is None:
         raise InvalidParameter("draft_model", None, "a model path with --speculative draft")
     if args.num_draft is not None and not 1 <= args.num_draft <= MAX_DRAFT:

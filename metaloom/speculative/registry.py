@@ -49,12 +49,23 @@ def _draft(target: LoadedModel, o: DrafterOptions) -> Drafter:
     draft = load(o.draft_model, dtype=dtype, device=str(target.model.device))
     if draft.tokenizer.encode("def hello(world):") != target.tokenizer.encode("def hello(world):"):
         raise InvalidParameter("draft_model", o.draft_model, "a model with the target's tokenizer")
+    if o.tree is not None:
+        return _tree(draft.model, o.tree, "draft")
     return DraftModelDrafter(draft.model)
 
 
-def _quantized(target: LoadedModel, o: DrafterOptions) -> Drafter:
-    from metaloom.speculative.drafters.quantized import quantized_drafter
+def _tree(model: object, tree: str, name: str) -> Drafter:
+    from metaloom.speculative.drafters.draft_tree import draft_tree_drafter
+    from metaloom.speculative.tree import TreeShape
 
+    return draft_tree_drafter(model, TreeShape.parse(tree), name)  # type: ignore[arg-type]
+
+
+def _quantized(target: LoadedModel, o: DrafterOptions) -> Drafter:
+    from metaloom.speculative.drafters.quantized import QuantizedLlama, quantized_drafter
+
+    if o.tree is not None:
+        return _tree(QuantizedLlama(target.model, o.bits), o.tree, f"quantized-int{o.bits}")
     return quantized_drafter(target.model, o.bits)
 
 
@@ -65,7 +76,8 @@ def _jacobi(target: LoadedModel, o: DrafterOptions) -> Drafter:
 
 
 def _recycling(target: LoadedModel, o: DrafterOptions) -> Drafter:
-    from metaloom.speculative.drafters.recycling import RecyclingDrafter, TreeShape
+    from metaloom.speculative.drafters.recycling import RecyclingDrafter
+    from metaloom.speculative.tree import TreeShape
 
     return RecyclingDrafter(None if o.tree is None else TreeShape.parse(o.tree))
 
@@ -84,7 +96,7 @@ DRAFTERS: dict[str, DrafterEntry] = {
     "jacobi": DrafterEntry(_jacobi, num_draft=4),
     "recycling": DrafterEntry(_recycling, num_draft=16),  # tree nodes a step
 }
-TREE_DRAFTERS = ("recycling",)  # the drafters that take --tree
+TREE_DRAFTERS = ("recycling", "draft", "quantized")  # the drafters that take --tree
 
 
 def build_drafter(name: str, target: LoadedModel, options: DrafterOptions) -> Drafter:

@@ -39,6 +39,34 @@ from metaloom.errors import InvalidParameter
 
 
 @dataclass(frozen=True)
+class TreeShape:
+    """``--tree``: ``static:W1,W2,...`` (``widths``: children per node at each depth, W1 under the
+    root; all 1 is a chain) or ``dynamic:NODES`` (``nodes``: DySpec's best-first growth by draft
+    probability up to that many nodes; drafters with probabilities only)."""
+
+    widths: tuple[int, ...] = ()
+    nodes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.nodes is None and (not self.widths or any(not isinstance(w, int) or w < 1 for w in self.widths)):
+            raise InvalidParameter("tree", list(self.widths), "widths >= 1 per depth (static:W1,W2,...)")
+        if self.nodes is not None and (self.widths or not isinstance(self.nodes, int) or self.nodes < 1):
+            raise InvalidParameter("tree", self.nodes, "dynamic:NODES with NODES >= 1")
+
+    @classmethod
+    def parse(cls, text: str) -> TreeShape:
+        kind, _, rest = text.partition(":")
+        try:
+            if kind == "static":
+                return cls(tuple(int(w) for w in rest.split(",")))
+            if kind == "dynamic":
+                return cls(nodes=int(rest))
+        except ValueError as exc:
+            raise InvalidParameter("tree", text, "static:W1,W2,... or dynamic:NODES with whole numbers") from exc
+        raise InvalidParameter("tree", text, "static:W1,W2,... (widths per depth) or dynamic:NODES")
+
+
+@dataclass(frozen=True)
 class DraftTree:
     """One row's draft: ``tokens[i]`` after ``parents[i]`` (-1: the pending token; else an
     earlier node). Siblings propose distinct tokens."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -27,45 +26,24 @@ from metaloom.models.forward import Ledgers
 from metaloom.models.protocols import LanguageModel
 from metaloom.sampling.pipeline import Sampler
 from metaloom.speculative.drafter import Draft, DraftState, Verified
-from metaloom.speculative.tree import DraftTree
+from metaloom.speculative.tree import DraftTree, TreeShape
 
 CANDIDATES = 8  # k: candidates kept per token (the paper's matrix width)
 DEFAULT_WIDTHS = (4, 3, 2, 2, 1, 1, 1)  # a static tree of up to 4 + 12 + 24 + 48 + ... nodes, cut by the budget
-
-
-@dataclass(frozen=True)
-class TreeShape:
-    """``--tree static:W1,W2,...``: children per node at each depth (W1 under the root)."""
-
-    widths: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if not self.widths or any(not isinstance(w, int) or w < 1 for w in self.widths):
-            raise InvalidParameter("tree", list(self.widths), "widths >= 1 per depth (static:W1,W2,...)")
-        if max(self.widths) > CANDIDATES:
-            raise InvalidParameter("tree", list(self.widths), f"widths at most {CANDIDATES} (the candidates kept a token)")
-
-    @classmethod
-    def parse(cls, text: str) -> TreeShape:
-        kind, _, rest = text.partition(":")
-        if kind != "static":
-            raise InvalidParameter("tree", text, "static:W1,W2,... (widths per depth, each >= 1)")
-        try:
-            widths = tuple(int(w) for w in rest.split(","))
-        except ValueError as exc:
-            raise InvalidParameter("tree", text, "static:W1,W2,... with whole-number widths") from exc
-        return cls(widths)
-
-    @classmethod
-    def chain(cls, depth: int) -> TreeShape:
-        return cls((1,) * depth)
 
 
 class RecyclingDrafter:
     """Token Recycling with a static tree of ``shape`` (default `DEFAULT_WIDTHS`)."""
 
     def __init__(self, shape: TreeShape | None = None) -> None:
-        self.shape = shape or TreeShape(DEFAULT_WIDTHS)
+        shape = shape or TreeShape(DEFAULT_WIDTHS)
+        if shape.nodes is not None:
+            raise InvalidParameter("tree", f"dynamic:{shape.nodes}", "static:W1,W2,... for recycling (a dynamic tree "
+                                                                      "grows by draft probabilities, which it has none of)")
+        if max(shape.widths) > CANDIDATES:
+            raise InvalidParameter("tree", list(shape.widths), f"widths at most {CANDIDATES} for recycling (the "
+                                                                "candidates it keeps a token)")
+        self.shape = shape
         self.table: torch.Tensor | None = None  # [V, k] long, -1 = no candidate yet
         self.lock = threading.Lock()
 
