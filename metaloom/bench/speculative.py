@@ -106,18 +106,21 @@ def _metaloom(loaded: LoadedModel, name: str, speculative: Speculative | None, n
 
 def _drafter_methods(args: argparse.Namespace, loaded: LoadedModel, n: int, skipped: dict[str, str]) -> list[Method]:
     """One method per requested drafter; variants: quantized-int4 (4-bit self-draft),
-    jacobi-lookup (Jacobi topped up by prompt lookup), recycling/W1.W2... (Token Recycling's
-    static tree with those widths) and recycling/chain (its chain of K). Unavailable ones land in
+    jacobi-lookup (Jacobi topped up by prompt lookup), and for the tree drafters (recycling,
+    draft, quantized, quantized-int4) NAME/W1.W2... (a static tree of those widths), NAME/chain
+    (a chain of K as a tree) and NAME/dynamicN (DySpec's N-node tree). Unavailable ones land in
     ``skipped``."""
     variants = {"quantized-int4": ("quantized", {"bits": 4}), "jacobi-lookup": ("jacobi", {"jacobi_fill": "lookup"})}
     out = []
     for label in [d for d in args.drafters.split(",") if d]:
         base, extra = variants.get(label, (label, {}))
-        if label.startswith("recycling/"):
-            shape = label.split("/", 1)[1]
-            depth = args.num_draft or DRAFTERS["recycling"].num_draft
-            widths = ["1"] * depth if shape == "chain" else shape.split(".")
-            base, extra = "recycling", {"tree": "static:" + ",".join(widths)}
+        if "/" in label:  # a tree drafter with a shape: NAME/W1.W2..., NAME/chain, NAME/dynamicN
+            name, shape = label.split("/", 1)
+            base, extra = variants.get(name, (name, {}))
+            depth = args.num_draft or DRAFTERS.get(base, DRAFTERS["recycling"]).num_draft
+            tree = (f"dynamic:{shape.removeprefix('dynamic')}" if shape.startswith("dynamic")
+                    else "static:" + ",".join(["1"] * depth if shape == "chain" else shape.split(".")))
+            extra = {**extra, "tree": tree}
         if base not in DRAFTERS:
             skipped[label] = f"unknown drafter (known: {sorted(DRAFTERS)})"
             continue
