@@ -108,16 +108,20 @@ def _drafter_methods(args: argparse.Namespace, loaded: LoadedModel, n: int, skip
     """One method per requested drafter; variants: quantized-int4 (4-bit self-draft),
     jacobi-lookup (Jacobi topped up by prompt lookup), and for the tree drafters (recycling,
     draft, quantized, quantized-int4) NAME/W1.W2... (a static tree of those widths), NAME/chain
-    (a chain of K as a tree) and NAME/dynamicN (DySpec's N-node tree). Unavailable ones land in
-    ``skipped``."""
+    (a chain of K as a tree) and NAME/dynamicN (DySpec's N-node tree); any entry may end in @K,
+    its own draft tokens (tree nodes) a step. Unavailable ones land in ``skipped``."""
     variants = {"quantized-int4": ("quantized", {"bits": 4}), "jacobi-lookup": ("jacobi", {"jacobi_fill": "lookup"})}
     out = []
-    for label in [d for d in args.drafters.split(",") if d]:
+    for entry in [d for d in args.drafters.split(",") if d]:
+        label, _, own_k = entry.partition("@")  # NAME@K: this drafter's own K (tree nodes for a tree)
+        if own_k and not (own_k.isdigit() and 1 <= int(own_k) <= 64):
+            skipped[entry] = "the K after @ must be a whole number in [1, 64]"
+            continue
         base, extra = variants.get(label, (label, {}))
         if "/" in label:  # a tree drafter with a shape: NAME/W1.W2..., NAME/chain, NAME/dynamicN
             name, shape = label.split("/", 1)
             base, extra = variants.get(name, (name, {}))
-            depth = args.num_draft or DRAFTERS.get(base, DRAFTERS["recycling"]).num_draft
+            depth = int(own_k) if own_k else args.num_draft or DRAFTERS.get(base, DRAFTERS["recycling"]).num_draft
             tree = (f"dynamic:{shape.removeprefix('dynamic')}" if shape.startswith("dynamic")
                     else "static:" + ",".join(["1"] * depth if shape == "chain" else shape.split(".")))
             extra = {**extra, "tree": tree}
@@ -132,7 +136,7 @@ def _drafter_methods(args: argparse.Namespace, loaded: LoadedModel, n: int, skip
         except Exception as exc:  # a drafter this model or build cannot have: report, keep benchmarking
             skipped[label] = f"{type(exc).__name__}: {exc}"
             continue
-        k = args.num_draft or DRAFTERS[base].num_draft
+        k = int(own_k) if own_k else args.num_draft or DRAFTERS[base].num_draft
         out.append(_metaloom(loaded, f"metaloom {label} (K={k})", Speculative(drafter, k), n))
     return out
 

@@ -41,10 +41,9 @@ def before_forward(options: EngineOptions, cache: PagedKVCache, valid: np.ndarra
         _shrink(options.kv_policy, cache, b, max(budget - int(valid[b]), min_budget(options.kv_policy) - 1, 1))
 
 
-def after_forward(options: EngineOptions, cache: PagedKVCache, width: int, lengths_before: np.ndarray,
-                  votes: np.ndarray | None) -> None:
-    """Cut every row still past the budget after a forward of ``width`` tokens a row (rows that
-    held ``lengths_before`` entries before it): ``votes`` [B, L] are SnapKV's (None otherwise)."""
+def after_forward(options: EngineOptions, cache: PagedKVCache, width: int, votes: np.ndarray | None) -> None:
+    """Cut every row still past the budget after a forward of ``width`` tokens a row: ``votes``
+    [B, L] are SnapKV's (None otherwise)."""
     budget = options.kv_budget
     if budget is None:
         return

@@ -419,13 +419,12 @@ class LlamaModel:
             raise InvalidParameter("tree", "a token tree", "a model with no sliding window and --kv-policy 'full'")
         if opts.drops:  # --kv-policy: rows past the budget drop positions first (metaloom.models.engine.dropping)
             dropping.before_forward(opts, cache, valid.cpu().numpy())
-        before = cache.host_lengths()
         lengths = cache.lengths  # before this forward
         slots = cache.prepare(valid.tolist(), t)  # [B, T]: where the new keys and values go
         if t == 1 and tree is None and self.fused is not None and b > 0 and self.fused_reads(cache.pool):
             y = self._step_fused(tokens, cache, lengths, valid, self.fused)
             if opts.drops:
-                dropping.after_forward(opts, cache, 1, before, None)
+                dropping.after_forward(opts, cache, 1, None)
             return y
         uniform = bool((lengths == lengths[0]).all()) if b else True
         fresh = uniform and (not b or int(lengths[0]) == 0)  # nothing cached: attend to this forward's keys
@@ -479,7 +478,7 @@ class LlamaModel:
                 cache.attention_mass()[:, :keys_len] += into.cpu().double().numpy()  # type: ignore[union-attr]
             elif mass == "window":
                 votes = into.cpu().double().numpy()  # type: ignore[union-attr]
-            dropping.after_forward(opts, cache, t, before, votes)
+            dropping.after_forward(opts, cache, t, votes)
         if last_only:
             x = x[torch.arange(b, device=x.device), valid - 1][:, None]
         return F.rms_norm(x, (c.hidden_size,), self.norm, c.rms_norm_eps)
