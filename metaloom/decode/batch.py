@@ -335,29 +335,10 @@ class DecodeBatch:
         same = raw is scores and self.sampler.plain and cursors is None and not out.errors
         emitted_lp = (chosen if same else raw_logprobs(raw, acc.tokens.to(raw.device))).tolist()
         chosen_lp = chosen.tolist()
-        tops = _tops(self.rows, done, raw)
-        stepped, per_ledger = [], _Tally()
-        per_ledger.peaks(highs)
-        for b, row in enumerate(self.rows):
-            if done[b]:
-                continue
-            stepped.append(row)
-            if b in out.errors:
-                row.state.finish("error", error=out.errors[b])
-                continue
-            kept = int(acc.accepted[b])
-            emitted = 0
-            for j, token in enumerate(acc.emitted(b)):
-                emit(row.state, token, emitted_lp[b][j], chosen_lp[b][j], self.cursors[b],
-                     _top(tops, row, b, j))
-                row.context.append(token)
-                emitted += 1
-                if row.state.done:
-                    break
-            drafted = int(draft.lengths[b])
-            per_ledger.add(row.spec.ledger, output_tokens=emitted, drafted_tokens=drafted, accepted_tokens=kept,
-                           rejected_tokens=drafted - kept, verify_steps=1)
-        per_ledger.charge()
+        emitted = [acc.emitted(b) for b in range(len(self.rows))]
+        positions = [list(range(len(e))) for e in emitted]
+        stepped = self._emit_verified(done, out.errors, emitted, positions, emitted_lp, chosen_lp,
+                                      _tops(self.rows, done, raw), draft, acc.accepted.tolist(), highs)
         # keep pending + accepted drafts; rows finished before this step keep nothing
         self.cache.truncate(torch.where(finished, start, start + 1 + acc.accepted.to(start.device)))
         rows_index = torch.arange(len(self.rows), device=device)
@@ -388,28 +369,8 @@ class DecodeBatch:
         rows_index = torch.arange(len(self.rows), device=raw.device)[:, None]
         chosen_lp = out.logprobs.to(raw.device)[rows_index, at].gather(-1, emitted[..., None])[..., 0].tolist()
         emitted_lp = raw_logprobs(raw[rows_index, at], emitted).tolist()
-        tops = _tops(self.rows, done, raw)
-        stepped, per_ledger = [], _Tally()
-        per_ledger.peaks(highs)
-        for b, row in enumerate(self.rows):
-            if done[b]:
-                continue
-            stepped.append(row)
-            if b in out.errors:
-                row.state.finish("error", error=out.errors[b])
-                continue
-            count = 0
-            for j, token in enumerate(out.tokens[b]):
-                emit(row.state, token, emitted_lp[b][j], chosen_lp[b][j], self.cursors[b],
-                     _top(tops, row, b, out.positions[b][j]))
-                row.context.append(token)
-                count += 1
-                if row.state.done:
-                    break
-            drafted, kept = int(draft.lengths[b]), out.accepted[b]
-            per_ledger.add(row.spec.ledger, output_tokens=count, drafted_tokens=drafted, accepted_tokens=kept,
-                           rejected_tokens=drafted - kept, verify_steps=1)
-        per_ledger.charge()
+        stepped = self._emit_verified(done, out.errors, out.tokens, out.positions, emitted_lp, chosen_lp,
+                                      _tops(self.rows, done, raw), draft, out.accepted, highs)
         for b in range(len(self.rows)):  # keep the pending token and the accepted path; rows done before keep nothing
             s = int(start[b])
             keep = range(s) if done[b] else [*range(s), *(s + p for p in out.kept[b])]
@@ -420,6 +381,36 @@ class DecodeBatch:
         flat = torch.tensor([t + [0] * (width - len(t)) for t in out.tokens])
         self.drafter.observe(Observed(draft=draft, logits=raw, accepted=accepted, tokens=flat, hidden=None,
                                       pending=tokens[:, 0]))
+        return stepped
+
+    def _emit_verified(self, done: Sequence[bool], errors: dict[int, str], tokens: Sequence[Sequence[int]],
+                       positions: Sequence[Sequence[int]], emitted_lp: list[list[float]], chosen_lp: list[list[float]],
+                       tops: list[Any] | None, draft: Draft, accepted: Sequence[int],
+                       highs: Sequence[tuple[Ledger, int]]) -> list[Row]:
+        """Emit a verify step's tokens row by row (``tokens[b]``, each drawn at block position
+        ``positions[b][j]``; its log-probabilities ``emitted_lp[b][j]`` and ``chosen_lp[b][j]``)
+        and charge the step; -> the rows that took part."""
+        stepped, per_ledger = [], _Tally()
+        per_ledger.peaks(highs)
+        for b, row in enumerate(self.rows):
+            if done[b]:
+                continue
+            stepped.append(row)
+            if b in errors:
+                row.state.finish("error", error=errors[b])
+                continue
+            count = 0
+            for j, token in enumerate(tokens[b]):
+                emit(row.state, token, emitted_lp[b][j], chosen_lp[b][j], self.cursors[b],
+                     _top(tops, row, b, positions[b][j]))
+                row.context.append(token)
+                count += 1
+                if row.state.done:
+                    break
+            drafted, kept = int(draft.lengths[b]), int(accepted[b])
+            per_ledger.add(row.spec.ledger, output_tokens=count, drafted_tokens=drafted, accepted_tokens=kept,
+                           rejected_tokens=drafted - kept, verify_steps=1)
+        per_ledger.charge()
         return stepped
 
     def _emit_drawn(self, rows: Sequence[Row], got: Any, cursors: Sequence[Constraint | None],

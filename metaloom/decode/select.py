@@ -140,6 +140,14 @@ class Verified:
     errors: dict[int, str]
 
 
+def live_cursors(cursors: Sequence[Constraint | None], vocab: int, device: torch.device,
+                 errors: dict[int, str]) -> list[Constraint | None]:
+    """The cursors of rows whose constraint engine still works (a failing one is recorded in
+    ``errors`` and its row is out of this step)."""
+    masks(cursors, vocab, device, errors)
+    return [None if b in errors else c for b, c in enumerate(cursors)]
+
+
 def verify(sampler: Sampler, state: SamplingState, scores: torch.Tensor, draft: Draft,
            cursors: Sequence[Constraint | None] | None, generators: Sequence[torch.Generator | None]) -> Verified:
     """Accept a prefix of each row's draft and draw one more token (exact: Leviathan et al.
@@ -148,8 +156,7 @@ def verify(sampler: Sampler, state: SamplingState, scores: torch.Tensor, draft: 
     vocab = scores.shape[-1]
     position_masks = None
     if cursors is not None:
-        masks(cursors, vocab, scores.device, errors)  # rows whose engine fails now are out
-        live = [None if b in errors else c for b, c in enumerate(cursors)]
+        live = live_cursors(cursors, vocab, scores.device, errors)
         position_masks, advanced = constraint_masks(live, draft.tokens, draft.lengths, vocab, scores.device)
         for c, n in zip(live, advanced, strict=True):
             if c is not None and n:

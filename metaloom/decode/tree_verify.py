@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from metaloom.constrain import Constraint
-from metaloom.decode.select import masks
+from metaloom.decode.select import live_cursors
 from metaloom.sampling.pipeline import Sampler
 from metaloom.sampling.state import SamplingState
 from metaloom.speculative.core import gather_states
@@ -112,12 +112,10 @@ def verify_tree(sampler: Sampler, state: SamplingState, scores: torch.Tensor, dr
     """Accept a path of each row's tree and draw one more token. ``scores`` [B, T, V] over
     ``[pending, nodes]`` (the tree-masked verify forward)."""
     errors: dict[int, str] = {}
-    vocab = scores.shape[-1]
     position_masks = None
     if cursors is not None:
-        masks(cursors, vocab, scores.device, errors)  # rows whose engine fails now are out
-        live = [None if b in errors else c for b, c in enumerate(cursors)]
-        position_masks = tree_masks(live, draft, vocab, scores.device)
+        live = live_cursors(cursors, scores.shape[-1], scores.device, errors)
+        position_masks = tree_masks(live, draft, scores.shape[-1], scores.device)
     lp, states = tree_logprobs(sampler, scores, draft, state, generators, position_masks)
     best = lp.max(dim=-1)
     empty = ~(best.values > float("-inf"))  # [B, T]
