@@ -49,7 +49,7 @@ from metaloom.decode.memory import BatchMemory
 from metaloom.decode.prefill import release_cache
 from metaloom.decode.rows import RowState, emit
 from metaloom.decode.select import draw, most_likely, raw_logprobs, verify
-from metaloom.decode.tree_verify import tree_attention, verify_tree
+from metaloom.decode.tree_verify import verify_tree
 from metaloom.errors import BudgetExceeded, InvalidParameter, UnsupportedModel
 from metaloom.ledger import Ledger
 from metaloom.models.engine.cache import PagedKVCache
@@ -357,7 +357,7 @@ class DecodeBatch:
         assert self.drafter is not None and draft.parents is not None
         if not isinstance(self.cache, PagedKVCache):
             raise UnsupportedModel(f"token trees need the native engine's paged KV cache, not {type(self.cache).__name__}")
-        masks = tree_attention(draft, tokens.shape[1])
+        masks = draft.tree_attention(tokens.shape[1])
         raw, scores, _ = charged_forward_both(self.model, tokens, self.cache, ledgers, valid=valid, tree=masks)
         highs = self._measure()
         live_cursors = None if cursors is None else [None if d else c for c, d in zip(cursors, done, strict=True)]

@@ -28,7 +28,7 @@ from metaloom.sampling.pipeline import Sampler
 from metaloom.sampling.state import SamplingState
 from metaloom.speculative.core import gather_states
 from metaloom.speculative.drafter import Draft
-from metaloom.speculative.tree import DraftTree, accept_greedy, accept_sampled, attention_mask
+from metaloom.speculative.tree import DraftTree, accept_greedy, accept_sampled
 
 
 @dataclass(frozen=True)
@@ -51,25 +51,6 @@ class TreeVerified:
         return [len(k) - 1 for k in self.kept]
 
 
-def tree_attention(draft: Draft, width: int) -> torch.Tensor:
-    """[B, width, width] bool: each row's verify block ``[pending, nodes]`` as a tree mask
-    (`metaloom.speculative.tree.attention_mask`); past a row's tree, positions see only the
-    root and themselves (padding, written to the scratch slot and never read)."""
-    out = torch.eye(width, dtype=torch.bool).repeat(draft.tokens.shape[0], 1, 1)
-    out[:, :, 0] = True
-    for b in range(draft.tokens.shape[0]):
-        n = len(row_tree(draft, b))
-        out[b, :n + 1, :n + 1] = attention_mask(row_tree(draft, b))
-    return out.to(draft.tokens.device)
-
-
-def row_tree(draft: Draft, b: int) -> DraftTree:
-    """Row b's tree from a batched draft (its first ``lengths[b]`` nodes)."""
-    assert draft.parents is not None
-    n = int(draft.lengths[b])
-    return DraftTree(tuple(draft.tokens[b, :n].tolist()), tuple(draft.parents[b, :n].tolist()))
-
-
 def tree_masks(cursors: Sequence[Constraint | None], draft: Draft, vocab: int,
                device: torch.device) -> list[torch.Tensor | None] | None:
     """Each block position's allowed tokens [B, V] (T = K + 1 entries), each row's cursor walked
@@ -79,7 +60,7 @@ def tree_masks(cursors: Sequence[Constraint | None], draft: Draft, vocab: int,
     any_mask = False
     for b, c in enumerate(cursors):
         if c is not None:
-            any_mask |= _walk(c, row_tree(draft, b), -1, out[:, b])
+            any_mask |= _walk(c, draft.tree(b), -1, out[:, b])
     return [out[i].to(device) for i in range(k + 1)] if any_mask else None
 
 
@@ -128,7 +109,7 @@ def verify_tree(sampler: Sampler, state: SamplingState, scores: torch.Tensor, dr
             positions.append([0])
             kept.append([0])
             continue
-        tree = _pruned(row_tree(draft, b), empty[b, 1:].tolist())
+        tree = _pruned(draft.tree(b), empty[b, 1:].tolist())
         if bool(sampler.greedy[b]):
             got = accept_greedy(tree.tree, best.indices[b].tolist() if not tree.index else
                                 [int(best.indices[b, 0]), *(int(best.indices[b, i + 1]) for i in tree.index)])

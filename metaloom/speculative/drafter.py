@@ -34,7 +34,7 @@ import torch
 from metaloom.models.forward import Ledgers
 from metaloom.models.protocols import LanguageModel
 from metaloom.sampling.pipeline import Sampler
-from metaloom.speculative.tree import DraftTree
+from metaloom.speculative.tree import DraftTree, attention_mask
 
 MAX_DRAFT = 64  # the most tokens one step may draft (bounds the caches' spare room)
 
@@ -62,6 +62,25 @@ class Draft:
             parents[b, :len(t)] = torch.as_tensor(t.parents, dtype=torch.long)
         lengths = torch.tensor([len(t) for t in trees], dtype=torch.long)
         return cls(tokens.to(device), lengths.to(device), parents=parents.to(device))
+
+    def tree(self, row: int) -> DraftTree:
+        """Row ``row``'s tree (its first ``lengths[row]`` nodes); a chain draft's row as a chain."""
+        n = int(self.lengths[row])
+        tokens = tuple(self.tokens[row, :n].tolist())
+        if self.parents is None:
+            return DraftTree.chain(tokens)
+        return DraftTree(tokens, tuple(self.parents[row, :n].tolist()))
+
+    def tree_attention(self, width: int) -> torch.Tensor:
+        """[B, width, width] bool: each row's verify block ``[pending, nodes]`` as a tree mask
+        (`metaloom.speculative.tree.attention_mask`); past a row's tree, positions see only the
+        root and themselves (padding, written to the scratch slot and never read)."""
+        out = torch.eye(width, dtype=torch.bool).repeat(self.tokens.shape[0], 1, 1)
+        out[:, :, 0] = True
+        for b in range(self.tokens.shape[0]):
+            n = int(self.lengths[b])
+            out[b, :n + 1, :n + 1] = attention_mask(self.tree(b))
+        return out.to(self.tokens.device)
 
     @classmethod
     def from_lists(cls, drafts: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> Draft:

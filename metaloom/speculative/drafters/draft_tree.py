@@ -78,8 +78,6 @@ class DraftTreeState:
         roots = [t[-1] for t in todo]
         growth = [_Growth(self.shape, limit) for limit in limits]
         kept = base.cache.lengths.clone()
-        from metaloom.decode.tree_verify import tree_attention  # the decode loop's mask (imported late: no cycle)
-
         for _ in range(64):  # rounds; a tree grows at least a node a round, and is at most MAX_DRAFT nodes
             if not any(g.wants_scores for g in growth):
                 break
@@ -89,7 +87,7 @@ class DraftTreeState:
             valid = torch.tensor([len(t) + 1 if g.wants_scores else 0 for t, g in zip(trees, growth, strict=True)],
                                  device=device)
             logits, _, _ = charged_forward_both(base.model, block, base.cache, ledger, valid=valid,
-                                                tree=tree_attention(draft, block.shape[1]))
+                                                tree=draft.tree_attention(block.shape[1]))
             base.cache.truncate(kept)  # the block leaves the draft's cache again
             flat = logits.float().reshape(b * block.shape[1], -1)
             logp = torch.log_softmax(base._fit(flat), -1).view(b, block.shape[1], -1)
