@@ -333,7 +333,7 @@ def _tiny_with(options: EngineOptions):
 
 
 def test_generated_samples_hold_their_budget_in_the_ledger():
-    """16 tokens from an 8-token prompt, 4 samples under streaming:10: the ledger's peak is the
+    """40 tokens from an 8-token prompt, 4 samples under streaming:10: the ledger's peak is the
     prompt once, then each row's own entries up to 10 (its share of the prompt's sinks and
     recent positions still held by the shared slots), far below the full cache's."""
     from metaloom.generator.local import LocalGenerator
