@@ -373,7 +373,7 @@ class DecodeBatch:
                                       _tops(self.rows, done, raw), draft, out.accepted, highs)
         for b in range(len(self.rows)):  # keep the pending token and the accepted path; rows done before keep nothing
             s = int(start[b])
-            keep = range(s) if done[b] else [*range(s), *(s + p for p in out.kept[b])]
+            keep = range(s) if done[b] else [*range(s), *(s + p for p in out.positions[b])]
             self.cache.keep_entries(b, np.asarray(list(keep), dtype=np.int64))
         self.pending = torch.tensor([t[-1] for t in out.tokens], device=self.pending.device if self.pending is not None
                                     else raw.device)

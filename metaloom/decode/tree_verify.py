@@ -34,21 +34,20 @@ from metaloom.speculative.tree import DraftTree, accept_greedy, accept_sampled
 @dataclass(frozen=True)
 class TreeVerified:
     """Row b emits ``tokens[b][:n]`` where n = len(tokens[b]); emitted token j was drawn at block
-    position ``positions[b][j]``; its cache keeps block positions ``kept[b]`` (0, the pending
-    token, then the accepted path's nodes + 1). ``logprobs`` [B, T, V]: the pipeline's at every
+    position ``positions[b][j]`` (0, the pending token's, then the accepted path's nodes + 1),
+    which are also the block positions its cache keeps. ``logprobs`` [B, T, V]: the pipeline's at every
     block position; ``state``: the pipeline state after the step; ``errors``: rows that could
     not go on."""
 
     tokens: list[list[int]]
     positions: list[list[int]]
-    kept: list[list[int]]
     logprobs: torch.Tensor
     state: SamplingState
     errors: dict[int, str]
 
     @property
     def accepted(self) -> list[int]:
-        return [len(k) - 1 for k in self.kept]
+        return [len(p) - 1 for p in self.positions]
 
 
 def tree_masks(cursors: Sequence[Constraint | None], draft: Draft, vocab: int,
@@ -100,14 +99,13 @@ def verify_tree(sampler: Sampler, state: SamplingState, scores: torch.Tensor, dr
     lp, states = tree_logprobs(sampler, scores, draft, state, generators, position_masks)
     best = lp.max(dim=-1)
     empty = ~(best.values > float("-inf"))  # [B, T]
-    tokens, positions, kept = [], [], []
+    tokens, positions = [], []
     for b in range(lp.shape[0]):
         if bool(empty[b, 0]) and b not in errors:
             errors[b] = "no token can be drawn at this position (the constraint or the pipeline allows none)"
         if b in errors:
             tokens.append([0])
             positions.append([0])
-            kept.append([0])
             continue
         tree = _pruned(draft.tree(b), empty[b, 1:].tolist())
         if bool(sampler.greedy[b]):
@@ -119,13 +117,12 @@ def verify_tree(sampler: Sampler, state: SamplingState, scores: torch.Tensor, dr
         path = [tree.index[i] if tree.index else i for i in got.path]  # back to the draft's node numbers
         tokens.append(list(got.tokens))
         positions.append([0, *(node + 1 for node in path)])
-        kept.append([0, *(node + 1 for node in path)])
     # the state after the step: each row's state at its last kept position, advanced by its final token
     last = torch.tensor([p[-1] for p in positions], device=lp.device)
     final = torch.tensor([t[-1] for t in tokens], device=lp.device)
     rows = torch.arange(lp.shape[0], device=lp.device)
     after = sampler.advance(gather_states(states, last), final, lp[rows, last])
-    return TreeVerified(tokens, positions, kept, lp, after, errors)
+    return TreeVerified(tokens, positions, lp, after, errors)
 
 
 def _walk(cursor: Constraint, tree: DraftTree, node: int, out: torch.Tensor) -> bool:
