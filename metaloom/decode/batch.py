@@ -358,7 +358,9 @@ class DecodeBatch:
         if not isinstance(self.cache, PagedKVCache):
             raise UnsupportedModel(f"token trees need the native engine's paged KV cache, not {type(self.cache).__name__}")
         masks = draft.tree_attention(tokens.shape[1])
-        raw, scores, _ = charged_forward_both(self.model, tokens, self.cache, ledgers, valid=valid, tree=masks)
+        needs_hidden = bool(getattr(self.drafter, "needs_hidden", False))
+        raw, scores, hidden = charged_forward_both(self.model, tokens, self.cache, ledgers, valid=valid, tree=masks,
+                                                   hidden=needs_hidden)
         highs = self._measure()
         live_cursors = None if cursors is None else [None if d else c for c, d in zip(cursors, done, strict=True)]
         out = verify_tree(self.sampler, self.state, scores, draft, live_cursors, rngs)
@@ -379,7 +381,7 @@ class DecodeBatch:
                                     else raw.device)
         accepted = torch.tensor(out.accepted)
         flat = torch.tensor([t + [0] * (width - len(t)) for t in out.tokens])
-        self.drafter.observe(Observed(draft=draft, logits=raw, accepted=accepted, tokens=flat, hidden=None,
+        self.drafter.observe(Observed(draft=draft, logits=raw, accepted=accepted, tokens=flat, hidden=hidden,
                                       pending=tokens[:, 0]))
         return stepped
 

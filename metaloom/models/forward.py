@@ -104,15 +104,20 @@ def charged_forward_both(model: LanguageModel, tokens: torch.Tensor, cache: KVCa
     an overcount of at most T^2 / 2 key reads a layer)."""
     b, t = tokens.shape
     if tree is not None:
-        if getattr(model, "forward_both", None) is not None or hidden:
+        if getattr(model, "forward_both", None) is not None:
             raise UnsupportedModel(f"token trees verify through one native model, not {type(model).__name__} "
-                                   "(two streams) or with hidden states")
+                                   "(two streams)")
         if "tree" not in inspect.signature(model.forward).parameters:
             raise UnsupportedModel(f"{type(model).__name__} takes no token trees (the native engine does)")
-        raw = model.forward(tokens, cache, valid=valid, last_only=last_only, tree=tree)  # type: ignore[call-arg]
+        tree_states = None
+        if hidden:  # speculator heads drafting trees read the hidden state at the accepted path's end
+            forward_hidden = model.forward_hidden  # type: ignore[attr-defined]
+            raw, tree_states = forward_hidden(tokens, cache, valid=valid, last_only=last_only, tree=tree)
+        else:
+            raw = model.forward(tokens, cache, valid=valid, last_only=last_only, tree=tree)  # type: ignore[call-arg]
         charge_forward(model, _streams(model, cache), valid.tolist() if valid is not None else [t] * b,
                        [1] * b if last_only else (valid.tolist() if valid is not None else [t] * b), ledger)
-        return raw, raw, None
+        return raw, raw, tree_states
     counts = valid.tolist() if valid is not None else [t] * b
     streams = _streams(model, cache)
     states = None

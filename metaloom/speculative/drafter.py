@@ -101,7 +101,9 @@ class Verified:
     logits: torch.Tensor  # [B, K+1, V]: the target's raw logits over [pending, d_1 .. d_K]
     accepted: torch.Tensor  # [B] long: draft tokens kept
     tokens: torch.Tensor  # [B, K+1] long: row b emitted tokens[b, :accepted[b] + 1]
-    hidden: torch.Tensor | None = None  # [B, K+1, d]: only for states with ``needs_hidden`` (see module doc)
+    # [B, K+1, d]: only for states with ``needs_hidden`` (see module doc); by block position, so
+    # after a tree step the last kept one is the accepted path's last node, not ``accepted``
+    hidden: torch.Tensor | None = None
     pending: torch.Tensor | None = None  # [B] long: the token each row read first (block position 0)
 
 
