@@ -252,7 +252,7 @@ def test_tree_flags_are_checked_by_name():
 
     p = argparse.ArgumentParser()
     add_speculative_args(p)
-    for argv, name in ((["--speculative", "ngram", "--tree", "static:2,1"], "tree"),
+    for argv, name in ((["--speculative", "jacobi", "--tree", "static:2,1"], "tree"),
                        (["--speculative", "recycling", "--tree", "static:2,0"], "tree"),
                        (["--speculative", "recycling", "--tree", "dynamic:x"], "tree"),
                        (["--speculative", "recycling", "--tree", "dynamic:8"], "tree"),

@@ -18,15 +18,18 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
                         "ngram = prompt lookup, draft = --draft-model, "
                         "quantized = the model requantised to Q8_0 (Q4_1 with --quant-bits 4), "
                         "heads = speculator heads, jacobi = Jacobi iteration, "
-                        "recycling = Token Recycling (the model's own past candidates, as a token tree)")
+                        "recycling = Token Recycling (the model's own past candidates, as a token tree); "
+                        "ngram, heads, draft, quantized and recycling take --tree")
     p.add_argument("--draft-model", default=None, help="draft model for --speculative draft (same tokenizer)")
     p.add_argument("--num-draft", type=int, default=None,
                    help=f"draft tokens per step, 1..{MAX_DRAFT} (default: the drafter's own)")
     p.add_argument("--quant-bits", type=int, default=8, choices=(8, 4), help="weight bits for --speculative quantized")
     p.add_argument("--tree", default=None,
                    help="draft a token tree: static:W1,W2,... = W1 children under the pending token, W2 under each of "
-                        "those, ...; dynamic:NODES = DySpec's best-first growth by draft probability (draft, "
-                        "quantized); --num-draft bounds the nodes; with --speculative recycling, draft or quantized")
+                        "those, ...; dynamic:NODES = the NODES best nodes (draft, quantized: DySpec's best-first growth "
+                        "by draft probability; ngram: the most frequent continuations; heads: the highest products "
+                        "of head probabilities); --num-draft bounds the nodes; with --speculative recycling, draft, "
+                        "quantized, ngram or heads")
 
 
 def check_speculative_args(args: argparse.Namespace) -> None:

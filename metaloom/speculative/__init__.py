@@ -12,8 +12,9 @@ Drafters (`registry.DRAFTERS`): ``ngram`` (prompt lookup), ``draft`` (a smaller 
 the same tokenizer), ``quantized`` (the target requantised to Q8_0 or Q4_1 blocks), ``jacobi``
 (fixed-point iteration), ``heads`` (speculator heads), ``recycling`` (Token Recycling, a token
 tree). New ones implement `Drafter`. A drafter may propose a token tree instead of a chain
-(`Draft.parents`; ``--tree``): `tree` verifies it in one tree-masked forward and accepts a path,
-exact for greedy and for sampling.
+(`Draft.parents`; ``--tree``, `registry.TREE_DRAFTERS`: recycling, draft, quantized, ngram and
+heads): `tree` verifies it in one tree-masked forward and accepts a path, exact for greedy and
+for sampling.
 
 Exactness is exact arithmetic's: the acceptance rule never changes the target's choice. The
 floating point is the caveat. The verify forward runs k+1 positions at once, plain decoding

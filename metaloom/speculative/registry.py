@@ -24,7 +24,8 @@ class DrafterOptions:
     max_ngram: int = 3  # prompt lookup ("ngram")
     jacobi_fill: str = "repeat"  # how Jacobi tops up its guess block: "repeat" | "lookup"
     heads_path: str | None = None  # speculator heads file ("heads"); None: the heads shipped for the target
-    tree: str | None = None  # a token tree's shape ("recycling"): static:W1,W2,...; None: the drafter's default
+    # a token tree's shape (`TREE_DRAFTERS`): static:W1,W2,... or dynamic:N; None: a chain (recycling: its default tree)
+    tree: str | None = None
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,11 @@ class DrafterEntry:
 def _ngram(target: LoadedModel, o: DrafterOptions) -> Drafter:
     from metaloom.speculative.drafters.ngram import NgramDrafter
 
+    if o.tree is not None:
+        from metaloom.speculative.drafters.ngram_tree import NgramTreeDrafter
+        from metaloom.speculative.tree import TreeShape
+
+        return NgramTreeDrafter(TreeShape.parse(o.tree), max_ngram=o.max_ngram)
     return NgramDrafter(max_ngram=o.max_ngram)
 
 
@@ -85,6 +91,11 @@ def _recycling(target: LoadedModel, o: DrafterOptions) -> Drafter:
 def _heads(target: LoadedModel, o: DrafterOptions) -> Drafter:
     from metaloom.speculative.drafters.heads import HeadsDrafter
 
+    if o.tree is not None:
+        from metaloom.speculative.drafters.heads_tree import HeadsTreeDrafter
+        from metaloom.speculative.tree import TreeShape
+
+        return HeadsTreeDrafter(TreeShape.parse(o.tree), path=o.heads_path)
     return HeadsDrafter(path=o.heads_path)
 
 
@@ -96,7 +107,7 @@ DRAFTERS: dict[str, DrafterEntry] = {
     "jacobi": DrafterEntry(_jacobi, num_draft=4),
     "recycling": DrafterEntry(_recycling, num_draft=16),  # tree nodes a step
 }
-TREE_DRAFTERS = ("recycling", "draft", "quantized")  # the drafters that take --tree
+TREE_DRAFTERS = ("recycling", "draft", "quantized", "ngram", "heads")  # the drafters that take --tree
 
 
 def build_drafter(name: str, target: LoadedModel, options: DrafterOptions) -> Drafter:

@@ -53,6 +53,16 @@ class TreeShape:
         if self.nodes is not None and (self.widths or not isinstance(self.nodes, int) or self.nodes < 1):
             raise InvalidParameter("tree", self.nodes, "dynamic:NODES with NODES >= 1")
 
+    def check_fits(self, most: int, drafter: str) -> None:
+        """Refuse a shape wider than ``most`` (a level of a static tree, or a dynamic tree's
+        nodes): the decode loop verifies at most ``num_draft`` <= `MAX_DRAFT` nodes a step
+        (`metaloom.speculative.drafter`), so such a tree could never be drafted whole, and asking
+        for one is a mistake worth naming rather than a tree silently cut."""
+        if self.nodes is None and max(self.widths) > most:
+            raise InvalidParameter("tree", list(self.widths), f"widths at most {most} for {drafter}")
+        if self.nodes is not None and self.nodes > most:
+            raise InvalidParameter("tree", f"dynamic:{self.nodes}", f"dynamic:NODES with NODES at most {most} for {drafter}")
+
     @classmethod
     def parse(cls, text: str) -> TreeShape:
         kind, _, rest = text.partition(":")
