@@ -291,9 +291,9 @@ class DecodeBatch:
         ledgers = [row.spec.ledger for row in self.rows]
         rngs = [row.spec.rng for row in self.rows]
         cursors = self.cursors if any(c is not None for c in self.cursors) else None
-        device = self.pending.device
         if self.speculative is None:
-            valid = torch.tensor([0 if d else 1 for d in done], dtype=torch.long, device=device)
+            # on the host: the model reads it there (a device copy would cost two waits a step on a GPU)
+            valid = torch.tensor([0 if d else 1 for d in done], dtype=torch.long)
             raw, scores, _ = charged_forward_both(self.model, self.pending[:, None], self.cache, ledgers, valid=valid)
             highs = self._measure()
             got = draw(self.sampler, self.state, raw[:, -1], scores[:, -1], cursors, rngs, _keys(self.rows), skip=done)
@@ -421,15 +421,17 @@ class DecodeBatch:
         rows that record their most likely tokens); ``highs``: KV peaks to charge with the tokens."""
         tally = _Tally()
         tally.peaks(highs)
-        # one device-to-host copy for the three (token ids are exact in float64)
-        tokens_f, raw_lp, chosen = torch.stack([got.tokens.double(), got.raw.double(), got.chosen.double()]).tolist()
+        # one device-to-host copy for the four (token ids are exact in float64); the step's only wait
+        tokens_f, raw_lp, chosen, dead = torch.stack([got.tokens.double(), got.raw.double(), got.chosen.double(),
+                                                      got.dead.double()]).tolist()
         tokens = [int(t) for t in tokens_f]
+        errors = got.failures(dead, skip)
         tops = _tops(rows, skip, raw)
         for b, row in enumerate(rows):
             if skip and skip[b]:
                 continue
-            if b in got.errors:
-                row.state.finish("error", error=got.errors[b])
+            if b in errors:
+                row.state.finish("error", error=errors[b])
                 continue
             emit(row.state, tokens[b], raw_lp[b], chosen[b], cursors[b], _top(tops, row, b))
             if row.context:

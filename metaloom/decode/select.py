@@ -57,14 +57,6 @@ def _why_empty(mask: torch.Tensor | None, row: int) -> str:
     return "every token is excluded by the sampling pipeline (penalties such as no_repeat_ngram_size, or logit_bias)"
 
 
-def dead_rows(best: torch.Tensor, mask: torch.Tensor | None, errors: dict[int, str]) -> None:
-    """Record in ``errors`` the rows whose highest log-probability ``best`` [B] is -inf (or NaN):
-    they leave no token to draw."""
-    empty = ~(best > float("-inf"))
-    for b in torch.nonzero(empty)[:, 0].tolist():
-        errors.setdefault(b, "no token can be drawn: " + _why_empty(mask, b))
-
-
 def raw_logprobs(raw: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log_softmax(raw)[token] along the last axis: raw [..., V], tokens [...] -> [...] float32.
     The same formula as the pipeline's (so a plain pipeline's log-probabilities can stand in
@@ -90,13 +82,26 @@ def _pairs(ids: Any, values: Any) -> Any:
 class Drawn:
     """One token per row: ``tokens`` [B], the pipeline's log-probabilities [B, V] (for the state
     update), each token's raw model log-probability [B] and pipeline log-probability [B].
-    ``errors``: rows that could not draw (their entries are meaningless)."""
+    ``errors``: rows known to have failed before the draw (their grammar engine); ``dead`` [B]
+    bool, on the device: rows the pipeline left no token. Both kinds' entries are meaningless;
+    `failures` names them all once ``dead`` is on the host (read with the tokens, one copy)."""
 
     tokens: torch.Tensor
     logprobs: torch.Tensor
     raw: torch.Tensor
     chosen: torch.Tensor
     errors: dict[int, str]
+    dead: torch.Tensor
+    mask: torch.Tensor | None = None
+
+    def failures(self, dead: Sequence[float | bool], skip: Sequence[bool] = ()) -> dict[int, str]:
+        """Every row that could not draw, with why: ``errors`` and the rows whose ``dead`` (as
+        read back on the host) is set; finished rows (``skip``) are never failures."""
+        out = {b: e for b, e in self.errors.items() if not (skip and skip[b])}
+        for b, d in enumerate(dead):
+            if d and b not in out and not (skip and skip[b]):
+                out[b] = "no token can be drawn: " + _why_empty(self.mask, b)
+        return out
 
 
 def draw(sampler: Sampler, state: SamplingState, raw: torch.Tensor, scores: torch.Tensor,
@@ -105,27 +110,25 @@ def draw(sampler: Sampler, state: SamplingState, raw: torch.Tensor, scores: torc
     """Draw one token per row from ``scores`` [B, V] (``raw`` [B, V]: the model's logits, for the
     reported log-probabilities). ``keys`` [B, 2] int64 on the host: each row's random key and
     how many tokens it has drawn (`metaloom.sampling.counter`); ``generators``: the rows' generators for
-    the pipeline's own coins (XTC). Rows with ``skip[b]`` (finished) draw a placeholder."""
+    the pipeline's own coins (XTC). Rows with ``skip[b]`` (finished) draw a placeholder.
+
+    Nothing here waits for the device: which rows the pipeline left no token is known only when
+    the caller reads the tokens back (`Drawn.failures`). Until then the step's kernels queue
+    behind the forward's, and the host is free (on a GPU, a wait here would leave the device
+    idle while the rest of the draw is launched). A dead row draws a meaningless token in range
+    (an all -inf row's inverse CDF is clamped to the last id) and emits nothing."""
     errors: dict[int, str] = {}
     active = [c if not (skip and skip[b]) else None for b, c in enumerate(cursors)] if cursors is not None else None
     mask = masks(active, scores.shape[-1], scores.device, errors)
     lp = sampler.process(scores, state, mask=mask, generators=generators)
     best = lp.max(dim=-1)
-    dead_rows(best.values, mask, errors)
-    for b in range(lp.shape[0]):
-        if skip and skip[b]:
-            errors.pop(b, None)
-    argmax: torch.Tensor | None = best.indices
-    if errors:  # give failed rows something drawable; they emit nothing
-        bad = torch.as_tensor(sorted(errors), dtype=torch.long, device=lp.device)
-        lp = lp.clone()
-        lp[bad] = 0.0
-        argmax = None
-    tokens = sampler.draw(lp, row_uniforms(keys, lp.device), argmax)
+    dead = ~(best.values > float("-inf"))  # NaN too
+    u = None if sampler.all_greedy else row_uniforms(keys, lp.device)
+    tokens = sampler.draw(lp, u, best.indices)
     chosen = lp.gather(-1, tokens[:, None])[:, 0]
     # where the pipeline is plain log-softmax of the model's own logits, the two agree
-    same = raw is scores and sampler.plain and mask is None and not errors
-    return Drawn(tokens, lp, chosen if same else raw_logprobs(raw, tokens), chosen, errors)
+    same = raw is scores and sampler.plain and mask is None
+    return Drawn(tokens, lp, chosen if same else raw_logprobs(raw, tokens), chosen, errors, dead, mask)
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,8 @@ def charged_forward_both(model: LanguageModel, tokens: torch.Tensor, cache: KVCa
                        [1] * b if last_only else (valid.tolist() if valid is not None else [t] * b), ledger)
         return raw, raw, tree_states
     counts = valid.tolist() if valid is not None else [t] * b
+    if valid is not None and valid.device != tokens.device and not getattr(model, "host_valid", False):
+        valid = valid.to(tokens.device)  # a host ``valid`` spares a model that reads it on the host a device wait
     streams = _streams(model, cache)
     states = None
     both = getattr(model, "forward_both", None)

@@ -87,7 +87,7 @@ def inverse_cdf(logprobs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The first index i of each row with C[i] > u * C[-1], C the running sum of exp(logprobs)
     accumulated in float64: logprobs [B, V], u [B] in [0, 1) -> tokens [B] long. A row with no
     finite entry gets a meaningless index (the caller reports such rows,
-    `metaloom.decode.select.dead_rows`)."""
+    `metaloom.decode.select.Drawn.failures`)."""
     cdf = torch.cumsum(logprobs.float().exp(), dim=-1, dtype=torch.float64)  # float32 exp: 10x faster on CPUs
     target = (u.to(cdf.device, torch.float64) * cdf[:, -1]).unsqueeze(-1)
     return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=logprobs.shape[-1] - 1)

@@ -155,6 +155,8 @@ def stack(ws: list[Weight]) -> Weight:
 
 
 class LlamaModel:
+    host_valid = True  # forward takes ``valid`` on the host too (the static step reads it there)
+
     def __init__(self, config: LlamaConfig, embed: Embedding, layers: list[LayerWeights],
                  norm: torch.Tensor, lm_head: Weight, fused: FusedKernels | None = None,
                  options: EngineOptions | None = None) -> None:
@@ -344,6 +346,7 @@ class LlamaModel:
         static = None if tree is not None else self._static_step(tokens, cache, valid, last_only)
         if static is not None:
             return static[0]
+        valid = None if valid is None else valid.to(tokens.device)
         return linear(self._hidden(tokens, cache, valid, last_only, tree), self.lm_head)
 
     @torch.inference_mode()
@@ -354,6 +357,7 @@ class LlamaModel:
         static = None if tree is not None else self._static_step(tokens, cache, valid, last_only)
         if static is not None:
             return static
+        valid = None if valid is None else valid.to(tokens.device)
         x = self._hidden(tokens, cache, valid, last_only, tree)
         return linear(x, self.lm_head), x
 
@@ -376,8 +380,9 @@ class LlamaModel:
         replayed, static steps run, whole-table uploads, and why any capture failed."""
         runners = list(self._graphs.values())
         out: dict[str, int | list[str]] = {k: sum(getattr(r, k) for r in runners)
-                                           for k in ("captures", "replays", "steps", "uploads")}
+                                           for k in ("captures", "replays", "steps", "uploads", "triton_steps")}
         out["failures"] = [r.failure for r in runners if r.failure is not None]
+        out["triton_failures"] = [r.triton_failure for r in runners if r.triton_failure is not None]
         return out
 
     def _static_step(self, tokens: torch.Tensor, cache: KVCache, valid: torch.Tensor | None,
