@@ -5,6 +5,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the suite runs only its own code through the sandbox: where namespaces are missing (some CI
 # machines) the weak mode is acceptable here; tests of the refusal itself unset this
 os.environ.setdefault("METALOOM_SANDBOX_WEAK", "1")
+# Triton's kernels (the GPU's static step) are tested on the CPU under Triton's interpreter,
+# which must be on before triton is first imported (it decorates its library then)
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

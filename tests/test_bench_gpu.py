@@ -36,7 +36,8 @@ def test_tiny_shape_every_system_generates_exactly_the_tokens_asked(tmp_path, ca
     assert tiny["config"]["hidden_size"] == 64 and tiny["config"]["vocab_size"] == report["vocab_size"] == 49152
     assert tiny["parameters"] > 0 and tiny["step_weight_bytes"] > 0
     rows = {(r["case"], r["key"]): r for r in report["rows"]}
-    assert set(rows) == {(c, s) for c in ("greedy", "s16", "s64") for s in ("graphs", "eager", "tf-eager")} | {
+    assert set(rows) == {(c, s) for c in ("greedy", "s16", "s64")
+                         for s in ("graphs", "graphs-torch", "eager", "tf-eager")} | {
         ("greedy", "tf-static")}  # --static-cases greedy; no --baseline-path: no baseline rows
     for (case, _), row in rows.items():
         assert row["error"] is None, row
@@ -58,7 +59,7 @@ def test_what_does_not_fit_the_budget_is_skipped_with_its_reason(capsys):
     assert args.run(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["complete"] and "tiny" not in report["shapes"]  # never built
-    assert [r["key"] for r in report["rows"]] == ["graphs", "eager", "tf-eager", "tf-static"]
+    assert [r["key"] for r in report["rows"]] == ["graphs", "graphs-torch", "eager", "tf-eager", "tf-static"]
     assert all(r["error"].startswith("time budget") for r in report["rows"])
 
 

@@ -29,6 +29,25 @@ def _mode(monkeypatch, value: str) -> None:
     monkeypatch.setenv("METALOOM_CUDA_GRAPHS", value)
 
 
+@pytest.fixture(params=["torch", "triton"])
+def kernels(request, monkeypatch):
+    """The static step with PyTorch ops, and with Triton's fused kernels under Triton's
+    interpreter (float32 on the CPU: the code the GPU compiles)."""
+    if request.param == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # before triton's first import (tests/conftest.py)
+        pytest.importorskip("triton")
+        monkeypatch.setenv("METALOOM_TRITON", "on")
+    else:
+        monkeypatch.setenv("METALOOM_TRITON", "off")
+    return request.param
+
+
+def _check_kernels(model, kernels: str) -> None:
+    """The steps ran with the kernels asked for."""
+    stats = model.step_graph_stats()
+    assert (stats["triton_steps"] > 0) == (kernels == "triton") and stats["triton_failures"] == []
+
+
 def _pair(model, monkeypatch, script):
     """Run ``script(model, pool, step)`` twice, eager and static; return both logs of the kept
     rows' logits (a finished row's, valid 0, are never read)."""
@@ -50,7 +69,9 @@ def _pair(model, monkeypatch, script):
 
 @pytest.mark.parametrize("extra", [{}, {"attention_bias": True, "model_type": "qwen2"},
                                    {"sliding_window": 5, "model_type": "mistral"}])
-def test_static_steps_give_the_eager_logits(monkeypatch, extra):
+def test_static_steps_give_the_eager_logits(monkeypatch, extra, kernels):
+    if kernels == "triton" and "attention_bias" in extra:
+        pytest.skip("the bias is added before the kernels (PyTorch's linear): the plain shape covers it, 30 s saved")
     model = _tiny(**extra)
 
     def script(model, pool, step, log):
@@ -85,9 +106,10 @@ def test_static_steps_give_the_eager_logits(monkeypatch, extra):
     # 13 one-token steps and the verify; the table uploaded on first use and for the fork only
     # (the verify's writes are mirrored by the step itself)
     assert stats["steps"] == 14 and stats["uploads"] == 2 and stats["failures"] == []
+    _check_kernels(model, kernels)
 
 
-def test_static_steps_cross_key_buckets_and_row_buckets(monkeypatch):
+def test_static_steps_cross_key_buckets_and_row_buckets(monkeypatch, kernels):
     model = _tiny()
 
     def script(model, pool, step, log):
@@ -101,6 +123,7 @@ def test_static_steps_cross_key_buckets_and_row_buckets(monkeypatch):
     eager, static = _pair(model, monkeypatch, script)
     for a, b in zip(eager, static, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    _check_kernels(model, kernels)
 
 
 def test_buckets_and_mode(monkeypatch):
@@ -130,7 +153,7 @@ def test_a_capture_that_fails_falls_back_and_says_why(monkeypatch, caplog):
     model.forward(torch.tensor([[1, 2, 3], [4, 5, 6]]), cache)
     expected_cache = cache.fork([0, 1])
 
-    def broken(rows, keys, width):
+    def broken(rows, keys, width, triton):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     runner.capture = True  # as on a GPU, but every capture fails
@@ -183,6 +206,37 @@ def test_the_generator_gives_the_same_tokens_with_static_steps(monkeypatch):
         ran = loaded.model.step_graph_stats()["steps"] - before
         assert (ran > 0) == (mode == "on")
     assert outs[0] == outs[1]
+
+
+def test_failing_triton_kernels_fall_back_to_pytorch_ops_and_say_why(monkeypatch, caplog):
+    model = _tiny()
+    _mode(monkeypatch, "on")
+    monkeypatch.setenv("METALOOM_TRITON", "on")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr("metaloom.models.kernels.gpu_triton._installed", lambda: True)  # whether or not it is
+    pool = model.new_pool()
+    runner = model.step_graphs(pool)
+    cache = model.new_cache(2, 20, pool)
+    model.forward(torch.tensor([[1, 2, 3], [4, 5, 6]]), cache)
+    expected_cache = cache.fork([0, 1])
+    tried = []
+
+    def broken(rows, keys, width, triton):
+        tried.append(triton)
+        raise RuntimeError("out of resources: shared memory" if triton else "capture unsupported here")
+
+    runner.capture = True  # as on a GPU: Triton's step fails, then the PyTorch step's capture
+    monkeypatch.setattr(runner, "_capture", broken)
+    with caplog.at_level(logging.WARNING):
+        got = model.forward(torch.tensor([[7], [8]]), cache)[:, -1]
+    assert tried == [True, False]
+    assert "Triton decode kernels failed" in caplog.text and "out of resources" in caplog.text
+    stats = model.step_graph_stats()
+    assert stats["triton_steps"] == 0 and any("out of resources" in f for f in stats["triton_failures"])
+    assert not runner.triton()  # for good: the next steps do not try again
+    _mode(monkeypatch, "off")
+    want = model.forward(torch.tensor([[7], [8]]), expected_cache)[:, -1]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_a_cuda_device_this_machine_lacks_is_a_typed_error(monkeypatch):

@@ -21,7 +21,9 @@ drafts can be accepted; with random weights acceptance is whatever it is, and th
 it). ``--max-tokens`` caps the lengths (tests).
 
 Systems (rows): ``graphs`` / ``eager``: one `LocalGenerator` with METALOOM_CUDA_GRAPHS ``on`` /
-``off`` around each call (the engine reads it at each step); ``tf-eager``: transformers
+``off`` around each call (the engine reads it at each step); ``graphs-torch``: graphs on with
+METALOOM_TRITON=off (the captured step in PyTorch ops, without the fused Triton kernels that
+``graphs`` uses where Triton runs, `metaloom.models.kernels.gpu_triton`); ``tf-eager``: transformers
 ``generate`` with its DynamicCache; ``tf-static``: ``generate`` with a static cache, which
 transformers compiles on CUDA (torch.compile, CUDA graphs): its warm-up (two calls) holds the
 compilation, reported apart, and it is timed after the other rows of its case (not alternated
@@ -106,14 +108,16 @@ SMOKE_CASES: dict[str, CaseShape] = {
     "greedy": CASES["greedy"],
     "s4": CaseShape("4 seeded samples", 4, 64, "long", 1.0),
 }
-SYSTEMS: dict[str, str] = {"graphs": "metaloom graphs", "eager": "metaloom eager", "baseline": "metaloom baseline",
+SYSTEMS: dict[str, str] = {"graphs": "metaloom graphs", "graphs-torch": "metaloom graphs, PyTorch ops",
+                           "eager": "metaloom eager", "baseline": "metaloom baseline",
                            "tf-eager": "transformers eager", "tf-static": "transformers static"}
-DEFAULT_SYSTEMS = "graphs,eager,baseline,tf-eager,tf-static"
+DEFAULT_SYSTEMS = "graphs,graphs-torch,eager,baseline,tf-eager,tf-static"
 # the speculative case's reference rows: the same engine decoding the same request without speculation
 NO_SPECULATION = {"graphs": "graphs-nospec", "eager": "eager-nospec"}
 ROW_NAMES: dict[str, str] = SYSTEMS | {"graphs-nospec": "metaloom graphs, no speculation",
                                        "eager-nospec": "metaloom eager, no speculation"}
-METALOOM_MODES = {"graphs": "on", "eager": "off", "graphs-nospec": "on", "eager-nospec": "off"}
+METALOOM_MODES = {"graphs": "on", "graphs-torch": "on+torch", "eager": "off", "graphs-nospec": "on",
+                  "eager-nospec": "off"}
 DRAFTER = "ngram"
 # the speculative case's passage, which its prompt asks to copy (the drafter copies from the prompt)
 PASSAGE = ("The city council met on Tuesday to discuss the new bicycle lanes on Main Street. Residents said the lanes "
@@ -626,9 +630,11 @@ class Runner:
         for system, counts in self.graph_counts.items():
             if counts and system in rows:
                 rows[system]["graph_counters"] = counts  # the engine's StepGraphs counters, warm-up included
-                if (METALOOM_MODES.get(system) == "on" and self.device.startswith("cuda") and rows[system].get("tok_s")
-                        and not counts.get("replays")):
+                captured = METALOOM_MODES.get(system, "").startswith("on") and self.device.startswith("cuda")
+                if captured and rows[system].get("tok_s") and not counts.get("replays"):
                     rows[system]["note"] = _join(rows[system].get("note"), "no CUDA graph replays")
+                if system == "graphs" and self.device.startswith("cuda") and not counts.get("triton_steps"):
+                    rows[system]["note"] = _join(rows[system].get("note"), "PyTorch ops (no Triton kernels ran)")
         if "graphs" in rows and shape.gen is not None and (failed := gw.graph_failures(shape.gen)):
             rows["graphs"]["capture_failures"] = failed  # the row then ran the static step uncaptured
         eager = rows.get("eager", {})
@@ -863,8 +869,8 @@ def _spec_note(row: Mapping[str, Any]) -> str:
 
 
 def _ratios(report: dict[str, Any], shape: str) -> None:
-    """Per case of ``shape``: metaloom graphs over the best transformers row, over metaloom
-    eager and over the baseline (tokens/s ratios)."""
+    """Per case of ``shape``: metaloom graphs over the best transformers row, over the graphs
+    without Triton's kernels, over metaloom eager and over the baseline (tokens/s ratios)."""
     out: dict[str, Any] = {}
     by_case: dict[str, dict[str, dict[str, Any]]] = {}
     for row in report["rows"]:
@@ -879,7 +885,7 @@ def _ratios(report: dict[str, Any], shape: str) -> None:
         if graphs is not None:
             if best is not None:
                 r["graphs_vs_best_transformers"] = graphs["tok_s"] / best["tok_s"]
-            for key in ("eager", "baseline"):
+            for key in ("graphs-torch", "eager", "baseline"):
                 if key in rows:
                     r[f"graphs_vs_{key}"] = graphs["tok_s"] / rows[key]["tok_s"]
         for key, plain in NO_SPECULATION.items():  # the speculative case: speculation's speed-up

@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 GRAPHS_ENV = "METALOOM_CUDA_GRAPHS"  # auto | on | off: whether the engine captures decode steps in CUDA graphs
+TRITON_ENV = "METALOOM_TRITON"  # auto | on | off: whether captured steps use the fused Triton kernels
 
 # transformers config.json fields of each shape (the vocabulary is the tokenizer's)
 SHAPES: dict[str, dict[str, Any]] = {
@@ -166,16 +167,20 @@ def metaloom_call(gen: Any, request: Any, device: str, graphs: str | None,
                   logprobs: list[list[float]] | None = None, *, ledger: Any = None,
                   speculative: Any = None) -> tuple[float, list[list[int]]]:
     """(seconds, token ids per sample) of one ``generate``; ``graphs``: METALOOM_CUDA_GRAPHS for
-    this call (None: as the environment has it); ``logprobs``: a list that receives each sample's
+    this call (None: as the environment has it; "on+torch": on, with METALOOM_TRITON=off);
+    ``logprobs``: a list that receives each sample's
     token log-probabilities; ``ledger``: the `Ledger` charged (default a fresh one);
     ``speculative``: a `Speculative` the generator decodes this call with (set on it for the
     call, its own restored after; None: the generator's own, none for the benchmark's)."""
     from metaloom.ledger import Ledger
 
-    before = os.environ.get(GRAPHS_ENV)
+    before = {k: os.environ.get(k) for k in (GRAPHS_ENV, TRITON_ENV)}
     own = getattr(gen, "speculative", None)
-    if graphs is not None:
+    if graphs is not None:  # "on+torch": graphs on, Triton's kernels off
+        graphs, _, kernels = graphs.partition("+")
         os.environ[GRAPHS_ENV] = graphs
+        if kernels == "torch":
+            os.environ[TRITON_ENV] = "off"
     if speculative is not None:
         gen.speculative = speculative
     try:
@@ -187,10 +192,11 @@ def metaloom_call(gen: Any, request: Any, device: str, graphs: str | None,
     finally:
         if speculative is not None:
             gen.speculative = own
-        if before is None:
-            os.environ.pop(GRAPHS_ENV, None)
-        else:
-            os.environ[GRAPHS_ENV] = before
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     if logprobs is not None:
         logprobs += [list(c.logprobs) for c in out[0]]
     return seconds, [list(c.token_ids) for c in out[0]]
@@ -235,10 +241,13 @@ def graph_counters(gen: Any) -> dict[str, int] | None:
 
 
 def graph_failures(gen: Any) -> list[str]:
-    """Why the engine's captures failed, if any did (the graphs row then ran uncaptured)."""
+    """Why the engine's captures failed, if any did (the graphs row then ran uncaptured), and
+    why its Triton kernels failed ("triton: ...", the row then ran PyTorch ops)."""
     stats = getattr(getattr(gen, "model", None), "step_graph_stats", None)
-    failures = stats().get("failures", []) if stats is not None else []
-    return [str(f) for f in failures]
+    if stats is None:
+        return []
+    got = stats()
+    return [str(f) for f in got.get("failures", [])] + [f"triton: {f}" for f in got.get("triton_failures", [])]
 
 
 def free_device_memory(device: str) -> None:

@@ -106,11 +106,15 @@ class Buffers:
 Step = Callable[[Buffers, int, int, int], tuple[torch.Tensor, torch.Tensor]]
 
 
-def static_step(m: LlamaModel, pool: KVPool) -> Step:
+def static_step(m: LlamaModel, pool: KVPool, triton: bool = False) -> Step:
     """The step of a dense `metaloom.models.engine.llama.LlamaModel` over ``pool`` for W new
     tokens a row (W = 1: a decode step; W > 1: a speculative verify, causal within the block),
     as a function of the static buffers: (buffers, R, L, W) -> (logits [R, W, V], hidden
-    [R, W, d]). It writes each new key and value at its slot and each slot into the table."""
+    [R, W, d]). It writes each new key and value at its slot and each slot into the table.
+    ``triton``: with the fused kernels of `metaloom.models.kernels.gpu_triton` (the caller
+    checked they run here), else PyTorch ops."""
+    if triton:
+        return _triton_step(m, pool)
     from metaloom.models.engine.llama import embed_tokens, linear
 
     c = m.config
@@ -157,6 +161,56 @@ def static_step(m: LlamaModel, pool: KVPool) -> Step:
     return step
 
 
+def _triton_step(m: LlamaModel, pool: KVPool) -> Step:
+    """`static_step` with four fused kernels a layer (`metaloom.models.kernels.gpu_triton`):
+    residual add + RMSNorm, RoPE + KV write, SiLU x up and, for one token a row, attention read
+    through the table (a verify block of W > 1 gathers and uses PyTorch's attention, as the
+    plain step does)."""
+    from metaloom.models.engine.llama import embed_tokens, linear
+    from metaloom.models.kernels import gpu_triton as gt
+
+    c = m.config
+    h, hk, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    g, eps, window, size = h // hk, c.rms_norm_eps, c.sliding_window, c.hidden_size
+    norms = [w.attn_norm for w in m.layers[1:]] + [m.norm]  # the norm after each layer's MLP add
+
+    def step(buf: Buffers, rows: int, keys: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, slots = buf.tokens[:rows, :width], buf.slots[:rows, :width]
+        positions = buf.positions[:rows, None] + torch.arange(width, device=tokens.device)  # [R, W]
+        table = buf.table[:rows, :keys]
+        table.scatter_(1, positions, slots)
+        n = rows * width
+        flat_pos, flat_slots = positions.reshape(-1), slots.reshape(-1)
+        if width == 1:
+            lengths = positions[:, 0] + 1
+        else:
+            k_pos = torch.arange(keys, device=tokens.device)
+            allowed = k_pos[None, None, :] <= positions[:, :, None]
+            if window is not None:
+                allowed &= k_pos[None, None, :] > positions[:, :, None] - window
+            mask = allowed[:, None, None].expand(-1, -1, g, -1, -1).reshape(rows, 1, g * width, keys)
+        x = embed_tokens(m.embed, tokens, m.dtype).reshape(n, size)
+        residual, y = gt.add_rms_norm(x, None, m.layers[0].attn_norm, eps)
+        for i, w in enumerate(m.layers):
+            qkv = linear(y, w.qkv, w.qkv_bias)  # [N, (h + 2 hk) D]
+            q = gt.rope_write(qkv, m._cos, m._sin, flat_pos, flat_slots, pool.keys[i], pool.values[i], h, hk)
+            if width == 1:
+                attn = gt.paged_attend(q, pool.keys[i], pool.values[i], table, lengths, keys, d ** -0.5, window)
+            else:
+                ks = pool.keys[i][table].transpose(1, 2)  # [R, hk, L, D]
+                vs = pool.values[i][table].transpose(1, 2)
+                qh = q.view(rows, width, h, d).transpose(1, 2).reshape(rows, hk, g * width, d)
+                out = F.scaled_dot_product_attention(qh, ks, vs, attn_mask=mask)  # [R, hk, g W, D]
+                attn = out.reshape(rows, h, width, d).transpose(1, 2).reshape(n, h * d)
+            residual, y = gt.add_rms_norm(residual, linear(attn, w.o), w.mlp_norm, eps)
+            down = linear(gt.silu_mul(linear(y, w.gate_up)), w.down)
+            residual, y = gt.add_rms_norm(residual, down, norms[i], eps)
+        hidden = y.view(rows, width, size)
+        return linear(hidden, m.lm_head), hidden
+
+    return step
+
+
 def why_not(model: object, pool: KVPool | None = None) -> str | None:
     """Why ``model`` cannot take static steps (over ``pool``, when given) (None: it can): dense
     tensor weights only, and a KV pool stored in the model's own dtype, which the step writes
@@ -186,9 +240,9 @@ class StepGraphs:
     def __init__(self, model: LlamaModel, pool: KVPool, *, capture: bool) -> None:
         self.model, self.pool, self.capture = model, pool, capture
         self.device = pool.device
-        self._step = static_step(model, pool)
+        self._steps: dict[bool, Step] = {}  # with Triton's fused kernels or not: built on first use
         self.buffers = Buffers.empty(ROW_BUCKETS[-1], MIN_KEYS, self.device)  # every row bucket: rows never regrow
-        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.mirror: tuple[int, int] | None = None  # (cache serial, its wide writes) the table holds
         self.pool_key = self._pool_key()
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
@@ -200,6 +254,8 @@ class StepGraphs:
         self._staging = torch.empty((0,), dtype=torch.long, pin_memory=self.cuda)  # positions, then slots
         self._copied: torch.cuda.Event | None = None
         self.failure: str | None = None  # why capturing failed (the uncaptured step runs instead)
+        self.triton_failure: str | None = None  # why Triton's kernels failed (PyTorch ops run instead)
+        self.triton_steps = 0  # static steps run with Triton's kernels
         self.lock = threading.Lock()
 
     def _pool_key(self) -> tuple[int, ...]:
@@ -281,34 +337,58 @@ class StepGraphs:
         cache.advance(valid)
         return logits[:b].clone(), hidden[:b].clone()
 
+    def triton(self) -> bool:
+        """Whether this step uses Triton's fused kernels: METALOOM_TRITON (read each step, so a
+        benchmark can compare both on one model) allows them here and they have not failed."""
+        from metaloom.models.kernels import gpu_triton
+
+        return self.triton_failure is None and gpu_triton.why_not(self.device, self.model.config.head_dim) is None
+
+    def _step_for(self, triton: bool) -> Step:
+        step = self._steps.get(triton)
+        if step is None:
+            step = self._steps[triton] = static_step(self.model, self.pool, triton=triton)
+        return step
+
     def _replay(self, rows: int, keys: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        triton = self.triton()
+        if triton:
+            self.triton_steps += 1
         if not self.capture:
-            return self._step(self.buffers, rows, keys, width)
-        entry = self.graphs.get((rows, keys, width))
+            return self._step_for(triton)(self.buffers, rows, keys, width)
+        entry = self.graphs.get((rows, keys, width, triton))
         if entry is None:
             try:
-                entry = self._capture(rows, keys, width)
+                entry = self._capture(rows, keys, width, triton)
             except Exception as exc:  # an op capture does not support, memory, a driver error
+                if triton:  # Triton's kernels first: the PyTorch step may still capture
+                    self.triton_failure = f"{type(exc).__name__}: {exc}"
+                    self.triton_steps -= 1
+                    log.warning("the Triton decode kernels failed (%s); static steps use PyTorch ops from now on",
+                                self.triton_failure)
+                    return self._replay(rows, keys, width)
                 self.failure = f"{type(exc).__name__}: {exc}"
                 self._drop()
                 self.capture = False
                 log.warning("CUDA graph capture failed (%s); decode steps run uncaptured from now on", self.failure)
-                return self._step(self.buffers, rows, keys, width)
+                return self._step_for(False)(self.buffers, rows, keys, width)
         graph, logits, hidden = entry
         graph.replay()
         self.replays += 1
         return logits, hidden
 
-    def _capture(self, rows: int, keys: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+    def _capture(self, rows: int, keys: int, width: int,
+                 triton: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+        step = self._step_for(triton)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up: lazy initialisation and workspace allocation happen here
-                self._step(self.buffers, rows, keys, width)
+                step(self.buffers, rows, keys, width)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
-            logits, hidden = self._step(self.buffers, rows, keys, width)
-        self.graphs[(rows, keys, width)] = (graph, logits, hidden)
+            logits, hidden = step(self.buffers, rows, keys, width)
+        self.graphs[(rows, keys, width, triton)] = (graph, logits, hidden)
         self.captures += 1
         return graph, logits, hidden

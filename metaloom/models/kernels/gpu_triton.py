@@ -1,0 +1,242 @@
+"""Triton kernels for the GPU's static decode step (`metaloom.models.engine.graphs`): fewer,
+fused kernels a layer, and attention that reads the KV pool through the slot table.
+
+Why. A batch-1 step of a 1B model reads 2 GB of weights in four matrix-vector products a
+layer; everything else (norms, RoPE, KV writes, the key gathers, attention, the activation) was
+about twenty small PyTorch kernels a layer, each a few microseconds of launch latency even
+inside a CUDA graph, and each a node the graph launch pays for on the host (issue 35 measured
+the captured step at 35% of copy bandwidth). Here a layer is four products and four kernels:
+
+- `add_rms_norm`: the residual add and the next RMSNorm in one pass (the residual stream is
+  rounded to the model dtype, as PyTorch's add does, before it is normed);
+- `rope_write`: RoPE ("rotate half" layout, Su et al. 2021) on the queries and keys straight
+  from the fused q|k|v projection, the rotated key and the value written to their pool slot,
+  the rotated queries returned;
+- `paged_attend`: one-token decode attention over the pool's slots through the row's table
+  (one-token pages), grouped-query heads of a key-value head together, online softmax
+  (Milakov & Gimelshein 2018), so forked rows read their shared prefix in place, with no
+  gathered copy of the keys (at 64 rows x 512 keys the gather moved about 3 GB a step on the
+  1B shape);
+- `silu_mul`: SwiGLU's silu(gate) * up (Shazeer 2020).
+
+Every kernel computes in float32 and rounds once on store. The same code runs on the CPU under
+Triton's interpreter (TRITON_INTERPRET=1, float32), where the tests check it against PyTorch
+references; `available` says whether it can run here at all. Import is lazy: Triton is not a
+dependency of metaloom (it comes with PyTorch's CUDA wheels).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+MODES = ("auto", "on", "off")
+
+
+def mode() -> str:
+    """METALOOM_TRITON: auto (default: on CUDA when Triton imports), on (also the interpreter on
+    the CPU, for tests), off."""
+    from metaloom.errors import InvalidParameter
+
+    value = os.environ.get("METALOOM_TRITON", "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise InvalidParameter("METALOOM_TRITON", value, "auto, on or off")
+    return value
+
+
+def why_not(device: torch.device, head_dim: int) -> str | None:
+    """Why the static step on ``device`` cannot use these kernels (None: it can)."""
+    chosen = mode()
+    if chosen == "off":
+        return "METALOOM_TRITON=off"
+    if not _installed():
+        return "Triton is not installed"
+    if device.type == "cpu" and (chosen != "on" or os.environ.get("TRITON_INTERPRET") != "1"):
+        return "on the CPU only under the interpreter (METALOOM_TRITON=on TRITON_INTERPRET=1)"
+    if device.type not in ("cpu", "cuda"):
+        return f"no Triton path on {device.type}"
+    if head_dim & (head_dim - 1) or not 2 <= head_dim <= 256:
+        return f"head_dim {head_dim} (a power of two from 2 to 256 here)"
+    return None
+
+
+@functools.cache
+def _installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.cache
+def _kernels(interpret: bool) -> Any:
+    """The jitted kernels (built on first use: Triton reads TRITON_INTERPRET when a kernel is
+    defined, so the interpreter's and the device's are built apart)."""
+    import triton
+    import triton.language as tl
+
+    del interpret  # part of the cache key only
+
+    @triton.jit
+    def add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, res_ptr, out_ptr, d, eps,
+                            HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        keep = cols < d
+        x = tl.load(x_ptr + row * d + cols, mask=keep, other=0.0)
+        if HAS_DELTA:
+            x = x + tl.load(delta_ptr + row * d + cols, mask=keep, other=0.0)
+            x = x.to(res_ptr.dtype.element_ty)  # the residual stream, rounded as PyTorch's add rounds it
+            tl.store(res_ptr + row * d + cols, x, mask=keep)
+        x = x.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / d + eps)
+        w = tl.load(w_ptr + cols, mask=keep, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * d + cols, x * inv * w, mask=keep)
+
+    @triton.jit
+    def rope_write_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_pool, v_pool,
+                          h, hk, D: tl.constexpr, HALF: tl.constexpr):
+        n = tl.program_id(0)
+        head = tl.program_id(1)  # h query heads, then hk key heads (whose values ride along)
+        i = tl.arange(0, HALF)
+        pos = tl.load(pos_ptr + n)
+        width = (h + 2 * hk) * D
+        src = qkv_ptr + n * width + head * D
+        x1 = tl.load(src + i).to(tl.float32)
+        x2 = tl.load(src + HALF + i).to(tl.float32)
+        c = tl.load(cos_ptr + pos * D + i).to(tl.float32)  # rotate-half tables repeat their first half
+        s = tl.load(sin_ptr + pos * D + i).to(tl.float32)
+        y1 = x1 * c - x2 * s
+        y2 = x2 * c + x1 * s
+        if head < h:
+            dst = q_ptr + (n * h + head) * D
+            tl.store(dst + i, y1)
+            tl.store(dst + HALF + i, y2)
+        else:
+            kh = head - h
+            slot = tl.load(slot_ptr + n)
+            dst = k_pool + (slot * hk + kh) * D
+            tl.store(dst + i, y1)
+            tl.store(dst + HALF + i, y2)
+            vsrc = qkv_ptr + n * width + (h + hk + kh) * D
+            vdst = v_pool + (slot * hk + kh) * D
+            tl.store(vdst + i, tl.load(vsrc + i))
+            tl.store(vdst + HALF + i, tl.load(vsrc + HALF + i))
+
+    @triton.jit
+    def paged_attend_kernel(q_ptr, k_pool, v_pool, table_ptr, table_stride, len_ptr, out_ptr,
+                            hk, scale, window,
+                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                            BLOCK_N: tl.constexpr, MAX_LEN: tl.constexpr):
+        r = tl.program_id(0)
+        kvh = tl.program_id(1)
+        g = tl.arange(0, GP)
+        dd = tl.arange(0, BLOCK_D)
+        gk = g < G
+        dk = dd < D
+        h = hk * G
+        q = tl.load(q_ptr + (r * h + kvh * G + g[:, None]) * D + dd[None, :], mask=gk[:, None] & dk[None, :],
+                    other=0.0).to(tl.float32) * scale
+        length = tl.load(len_ptr + r)
+        start = tl.maximum(length - window, 0)
+        m_i = tl.full((GP,), -1.0e30, tl.float32)  # finite: a block with no attended key changes nothing
+        l_i = tl.zeros((GP,), tl.float32)
+        acc = tl.zeros((GP, BLOCK_D), tl.float32)
+        # up to the bucket's key length, a compile-time bound (one kernel a key bucket; Triton's
+        # interpreter cannot loop to a run-time value); a shorter row's blocks past its length
+        # load nothing and change nothing
+        for n0 in range(0, MAX_LEN, BLOCK_N):
+            offs = n0 + tl.arange(0, BLOCK_N)
+            live = (offs < length) & (offs >= start)
+            slots = tl.load(table_ptr + r * table_stride + offs, mask=live, other=0)
+            at = (slots[:, None] * hk + kvh) * D + dd[None, :]
+            k = tl.load(k_pool + at, mask=live[:, None] & dk[None, :], other=0.0).to(tl.float32)
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GP, BLOCK_N]
+            s = tl.where(live[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_pool + at, mask=live[:, None] & dk[None, :], other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m_i = m_new
+        acc = acc / l_i[:, None]
+        tl.store(out_ptr + (r * h + kvh * G + g[:, None]) * D + dd[None, :], acc, mask=gk[:, None] & dk[None, :])
+
+    @triton.jit
+    def silu_mul_kernel(x_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+        n = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        keep = cols < inter
+        gate = tl.load(x_ptr + n * 2 * inter + cols, mask=keep, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + n * 2 * inter + inter + cols, mask=keep, other=0.0).to(tl.float32)
+        tl.store(out_ptr + n * inter + cols, gate / (1.0 + tl.exp(-gate)) * up, mask=keep)
+
+    return SimpleNamespace(add_rms_norm=add_rms_norm_kernel, rope_write=rope_write_kernel,
+                           paged_attend=paged_attend_kernel, silu_mul=silu_mul_kernel)
+
+
+def _k() -> Any:
+    return _kernels(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual, normed): residual = x + delta (x itself without delta), normed =
+    RMSNorm(residual) * weight; x, delta [..., d] contiguous, same dtype."""
+    d = x.shape[-1]
+    rows = x.numel() // d
+    res = torch.empty_like(x) if delta is not None else x
+    out = torch.empty_like(x)
+    _k().add_rms_norm[(rows,)](x, delta if delta is not None else x, weight, res, out, d, eps,
+                               HAS_DELTA=delta is not None, BLOCK=_pow2(d))
+    return res, out
+
+
+def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+               slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, h: int, hk: int) -> torch.Tensor:
+    """qkv [N, (h + 2 hk) D] (N tokens, contiguous); cos, sin [P, D] rotate-half tables;
+    positions, slots [N] long. Writes each token's rotated key and its value at its slot of
+    ``keys``/``values`` [S, hk, D] and returns the rotated queries [N, h, D]."""
+    d = keys.shape[-1]
+    n = qkv.shape[0]
+    positions, slots = positions.contiguous(), slots.contiguous()  # the kernel steps through them one by one
+    q = torch.empty((n, h, d), dtype=qkv.dtype, device=qkv.device)
+    _k().rope_write[(n, h + hk)](qkv, cos, sin, positions, slots, q, keys, values, h, hk, D=d, HALF=d // 2)
+    return q
+
+
+def paged_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
+                 lengths: torch.Tensor, max_len: int, scale: float, window: int | None) -> torch.Tensor:
+    """One query token a row: q [R, h, D]; keys, values [S, hk, D]; table [R, >= max_len] long
+    (a row's slot at each position, row stride free); lengths [R] (keys a row attends, its new
+    one included, at most ``max_len``) -> [R, h * D] in q's dtype. ``window``: attend only the
+    last ``window`` keys (sliding-window models)."""
+    r, h, d = q.shape
+    hk = keys.shape[1]
+    lengths = lengths.contiguous()
+    if table.stride(1) != 1:
+        raise ValueError("the slot table's rows must be contiguous")
+    g = h // hk
+    out = torch.empty((r, h * d), dtype=q.dtype, device=q.device)
+    block_d = _pow2(d)
+    block_n = 32 if block_d * _pow2(g) <= 256 else 16  # the [g, n, d] products stay in registers
+    _k().paged_attend[(r, hk)](q, keys, values, table, table.stride(0), lengths, out, hk, scale, window or 1 << 30,
+                               G=g, GP=max(_pow2(g), 2), D=d, BLOCK_D=block_d, BLOCK_N=block_n, MAX_LEN=max_len)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2 I] (gate | up, contiguous) -> silu(gate) * up [..., I]."""
+    inter = gate_up.shape[-1] // 2
+    n = gate_up.numel() // (2 * inter)
+    out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, _pow2(inter))
+    _k().silu_mul[(n, -(-inter // block))](gate_up, out, inter, BLOCK=block)
+    return out
