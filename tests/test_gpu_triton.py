@@ -73,7 +73,8 @@ def _attention(q, keys, values, table, lengths, window):
 
 @pytest.mark.parametrize("h,hk,d", [(6, 2, 16), (4, 4, 32), (8, 1, 8)])
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_attention_reads_each_rows_slots_through_its_table(h, hk, d, window):
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_paged_attention_reads_each_rows_slots_through_its_table(h, hk, d, window, chunks):
     g = torch.Generator().manual_seed(2)
     keys, values = torch.randn(60, hk, d, generator=g), torch.randn(60, hk, d, generator=g)
     table = torch.zeros(4, 64, dtype=torch.long)  # a wider buffer than the rows use: its row stride
@@ -82,8 +83,16 @@ def test_paged_attention_reads_each_rows_slots_through_its_table(h, hk, d, windo
     table[3, :20] = table[1, :20]  # a fork: row 3 shares row 1's first 20 slots
     lengths = torch.tensor([1, 33, 40, 21])
     q = torch.randn(4, h, d, generator=g)
-    got = gt.paged_attend(q, keys, values, table[:, :48], lengths, 48, d ** -0.5, window)
+    got = gt.paged_attend(q, keys, values, table[:, :48], lengths, 48, d ** -0.5, window, chunks=chunks)
     torch.testing.assert_close(got, _attention(q, keys, values, table, lengths, window), rtol=1e-5, atol=1e-5)
+
+
+def test_keys_are_split_into_chunks_of_whole_blocks_to_fill_the_device():
+    assert gt.splits(8, 192, 32) == (32, 6)  # batch 1, 8 key-value heads: one block a chunk
+    assert gt.splits(512, 512, 32) == (128, 4)  # 64 rows: 4 chunks of 4 blocks
+    assert gt.splits(4096, 512, 32) == (512, 1)  # enough programs: no split, no combine
+    assert gt.splits(8, 48, 32, chunks=3) == (32, 2)  # never more chunks than blocks
+    assert gt.splits(16, 640, 32, chunks=3) == (224, 3)
 
 
 def test_silu_mul():

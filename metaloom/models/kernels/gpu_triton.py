@@ -130,12 +130,16 @@ def _kernels(interpret: bool) -> Any:
             tl.store(vdst + HALF + i, tl.load(vsrc + HALF + i))
 
     @triton.jit
-    def paged_attend_kernel(q_ptr, k_pool, v_pool, table_ptr, table_stride, len_ptr, out_ptr,
+    def paged_attend_kernel(q_ptr, k_pool, v_pool, table_ptr, table_stride, len_ptr, out_ptr, m_ptr, l_ptr,
                             hk, scale, window,
                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                            BLOCK_N: tl.constexpr, MAX_LEN: tl.constexpr):
+                            BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr):
+        # program (row, key-value head, chunk of keys); with one chunk it writes the output,
+        # else the chunk's unnormalised partial softmax (max, sum, weighted values) for
+        # `combine_kernel` (split keys: flash-decoding, Dao et al. 2023)
         r = tl.program_id(0)
         kvh = tl.program_id(1)
+        part = tl.program_id(2)
         g = tl.arange(0, GP)
         dd = tl.arange(0, BLOCK_D)
         gk = g < G
@@ -148,26 +152,56 @@ def _kernels(interpret: bool) -> Any:
         m_i = tl.full((GP,), -1.0e30, tl.float32)  # finite: a block with no attended key changes nothing
         l_i = tl.zeros((GP,), tl.float32)
         acc = tl.zeros((GP, BLOCK_D), tl.float32)
-        # up to the bucket's key length, a compile-time bound (one kernel a key bucket; Triton's
-        # interpreter cannot loop to a run-time value); a shorter row's blocks past its length
-        # load nothing and change nothing
-        for n0 in range(0, MAX_LEN, BLOCK_N):
-            offs = n0 + tl.arange(0, BLOCK_N)
+        # compile-time bounds (one kernel a key bucket; Triton's interpreter cannot loop to a
+        # run-time value); blocks past a row's length load nothing and change nothing
+        for i in range(0, CHUNK, BLOCK_N):
+            offs = part * CHUNK + i + tl.arange(0, BLOCK_N)
             live = (offs < length) & (offs >= start)
             slots = tl.load(table_ptr + r * table_stride + offs, mask=live, other=0)
             at = (slots[:, None] * hk + kvh) * D + dd[None, :]
             k = tl.load(k_pool + at, mask=live[:, None] & dk[None, :], other=0.0).to(tl.float32)
+            v = tl.load(v_pool + at, mask=live[:, None] & dk[None, :], other=0.0).to(tl.float32)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GP, BLOCK_N]
             s = tl.where(live[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_pool + at, mask=live[:, None] & dk[None, :], other=0.0).to(tl.float32)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             m_i = m_new
+        if SPLITS == 1:
+            acc = acc / l_i[:, None]
+            tl.store(out_ptr + (r * h + kvh * G + g[:, None]) * D + dd[None, :], acc,
+                     mask=gk[:, None] & dk[None, :])
+        else:
+            at = ((r * hk + kvh) * SPLITS + part) * GP + g
+            tl.store(m_ptr + at, m_i)
+            tl.store(l_ptr + at, l_i)
+            tl.store(out_ptr + at[:, None] * BLOCK_D + dd[None, :], acc)
+
+    @triton.jit
+    def combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, hk, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                       BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+        # the chunks' partial softmaxes of one (row, key-value head), merged by log-sum-exp
+        r = tl.program_id(0)
+        kvh = tl.program_id(1)
+        g = tl.arange(0, GP)
+        dd = tl.arange(0, BLOCK_D)
+        m_i = tl.full((GP,), -1.0e30, tl.float32)
+        l_i = tl.zeros((GP,), tl.float32)
+        acc = tl.zeros((GP, BLOCK_D), tl.float32)
+        for part in range(0, SPLITS):
+            at = ((r * hk + kvh) * SPLITS + part) * GP + g
+            m_p = tl.load(m_ptr + at)
+            m_new = tl.maximum(m_i, m_p)
+            alpha = tl.exp(m_i - m_new)
+            beta = tl.exp(m_p - m_new)
+            l_i = l_i * alpha + tl.load(l_ptr + at) * beta
+            acc = acc * alpha[:, None] + tl.load(acc_ptr + at[:, None] * BLOCK_D + dd[None, :]) * beta[:, None]
+            m_i = m_new
         acc = acc / l_i[:, None]
-        tl.store(out_ptr + (r * h + kvh * G + g[:, None]) * D + dd[None, :], acc, mask=gk[:, None] & dk[None, :])
+        h = hk * G
+        tl.store(out_ptr + (r * h + kvh * G + g[:, None]) * D + dd[None, :], acc, mask=(g < G)[:, None] & (dd < D)[None, :])
 
     @triton.jit
     def silu_mul_kernel(x_ptr, out_ptr, inter, BLOCK: tl.constexpr):
@@ -179,7 +213,7 @@ def _kernels(interpret: bool) -> Any:
         tl.store(out_ptr + n * inter + cols, gate / (1.0 + tl.exp(-gate)) * up, mask=keep)
 
     return SimpleNamespace(add_rms_norm=add_rms_norm_kernel, rope_write=rope_write_kernel,
-                           paged_attend=paged_attend_kernel, silu_mul=silu_mul_kernel)
+                           paged_attend=paged_attend_kernel, combine=combine_kernel, silu_mul=silu_mul_kernel)
 
 
 def _k() -> Any:
@@ -212,23 +246,52 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
     return q
 
 
+RESIDENT_PROGRAMS = 2048  # about what an H100's 132 SMs keep in flight of 4-warp programs
+
+
+def splits(programs: int, max_len: int, block_n: int, chunks: int | None = None) -> tuple[int, int]:
+    """(keys a chunk, chunks) for ``programs`` (rows x key-value heads) over ``max_len`` keys:
+    enough chunks that the device has about `RESIDENT_PROGRAMS` programs to hide the latency of
+    reading keys through the table (at 64 rows, one program a row and head walking 512 keys
+    was slower than PyTorch's gather and attention), each chunk a whole number of blocks.
+    ``chunks``: ask for that many (tests)."""
+    blocks = -(-max_len // block_n)
+    want = chunks if chunks is not None else -(-RESIDENT_PROGRAMS // max(programs, 1))
+    per = -(-blocks // max(1, min(want, blocks)))  # blocks a chunk
+    return per * block_n, -(-blocks // per)
+
+
 def paged_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
-                 lengths: torch.Tensor, max_len: int, scale: float, window: int | None) -> torch.Tensor:
+                 lengths: torch.Tensor, max_len: int, scale: float, window: int | None,
+                 chunks: int | None = None) -> torch.Tensor:
     """One query token a row: q [R, h, D]; keys, values [S, hk, D]; table [R, >= max_len] long
     (a row's slot at each position, row stride free); lengths [R] (keys a row attends, its new
     one included, at most ``max_len``) -> [R, h * D] in q's dtype. ``window``: attend only the
-    last ``window`` keys (sliding-window models)."""
+    last ``window`` keys (sliding-window models). ``chunks``: split each row's keys into that
+    many (default: `splits`)."""
     r, h, d = q.shape
     hk = keys.shape[1]
     lengths = lengths.contiguous()
     if table.stride(1) != 1:
         raise ValueError("the slot table's rows must be contiguous")
     g = h // hk
+    gp = max(_pow2(g), 2)
     out = torch.empty((r, h * d), dtype=q.dtype, device=q.device)
     block_d = _pow2(d)
-    block_n = 32 if block_d * _pow2(g) <= 256 else 16  # the [g, n, d] products stay in registers
-    _k().paged_attend[(r, hk)](q, keys, values, table, table.stride(0), lengths, out, hk, scale, window or 1 << 30,
-                               G=g, GP=max(_pow2(g), 2), D=d, BLOCK_D=block_d, BLOCK_N=block_n, MAX_LEN=max_len)
+    block_n = 32 if block_d * gp <= 256 else 16  # the [g, n, d] products stay in registers
+    chunk, parts = splits(r * hk, max_len, block_n, chunks)
+    k = _k()
+    common = dict(G=g, GP=gp, D=d, BLOCK_D=block_d)
+    if parts == 1:
+        k.paged_attend[(r, hk, 1)](q, keys, values, table, table.stride(0), lengths, out, out, out, hk, scale,
+                                   window or 1 << 30, BLOCK_N=block_n, CHUNK=chunk, SPLITS=1, **common)
+        return out
+    m = torch.empty((r, hk, parts, gp), dtype=torch.float32, device=q.device)
+    s = torch.empty_like(m)
+    acc = torch.empty((r, hk, parts, gp, block_d), dtype=torch.float32, device=q.device)
+    k.paged_attend[(r, hk, parts)](q, keys, values, table, table.stride(0), lengths, acc, m, s, hk, scale,
+                                   window or 1 << 30, BLOCK_N=block_n, CHUNK=chunk, SPLITS=parts, **common)
+    k.combine[(r, hk)](acc, m, s, out, hk, SPLITS=parts, **common)
     return out
 
 
