@@ -239,6 +239,26 @@ def test_failing_triton_kernels_fall_back_to_pytorch_ops_and_say_why(monkeypatch
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_triton_kernels_run_up_to_triton_rows_and_pytorch_ops_above(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    monkeypatch.setenv("METALOOM_TRITON", "on")
+    monkeypatch.setattr(graphs, "TRITON_ROWS", 2)
+    model = _tiny()
+    _mode(monkeypatch, "on")
+    pool = model.new_pool()
+    cache = model.new_cache(3, 20, pool)
+    model.forward(torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]]), cache)
+    model.forward(torch.tensor([[1], [2], [3]]), cache)  # 3 rows: bucket 4, PyTorch ops
+    assert model.step_graph_stats()["steps"] == 1 and model.step_graph_stats()["triton_steps"] == 0
+    two = cache.fork([0, 2])
+    got = model.forward(torch.tensor([[4], [5]]), two)[:, -1]  # bucket 2: Triton's kernels
+    assert model.step_graph_stats()["steps"] == 2 and model.step_graph_stats()["triton_steps"] == 1
+    _mode(monkeypatch, "off")
+    want = model.forward(torch.tensor([[4], [5]]), cache.fork([0, 2]))[:, -1]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_a_cuda_device_this_machine_lacks_is_a_typed_error(monkeypatch):
     from metaloom.models.load import pick_device
 

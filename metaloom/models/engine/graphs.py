@@ -58,6 +58,10 @@ MODES = ("auto", "on", "off")
 ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIN_KEYS = 128
 MAX_WIDTH = 16  # tokens a row in one static step: 1 (decode) or a speculative verify's pending + drafts
+# the Triton step runs up to this many rows (bucket), the PyTorch step above: on an H100 (1b shape,
+# docs/results/gpu-decode-h100-run6.json) Triton's was 1.22x faster at 1 row and 1.15x at 16, but
+# 0.93x at 64, where PyTorch's gather feeds its attention faster than the paged kernel reads
+TRITON_ROWS = 32
 
 
 def mode() -> str:
@@ -351,7 +355,7 @@ class StepGraphs:
         return step
 
     def _replay(self, rows: int, keys: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        triton = self.triton()
+        triton = rows <= TRITON_ROWS and self.triton()
         if triton:
             self.triton_steps += 1
         if not self.capture:
