@@ -308,3 +308,21 @@ def test_heads_trees_give_plain_greedys_tokens_and_accept_drafts(plain, shape):
     assert got == plain
     assert usage.accepted_tokens > 0  # the heads read the tree step's hidden states (else they draft nothing)
     assert _branching(drafter.trees) > 50
+
+
+def test_the_heads_chain_keeps_rows_that_join_before_their_first_hidden_state():
+    """Continuous batching: a state started for rows that join a running batch has no hidden
+    state yet; joining keeps its rows (they draft nothing until their first verification)."""
+    from metaloom.speculative.drafters.heads import HeadsDrafter
+
+    loaded = tiny_llama()
+    drafter = HeadsDrafter(heads=_random_heads(), min_prob=0.0)
+    running = drafter.start(loaded.model, None, [[1], [2]], [None, None])  # type: ignore[arg-type]
+    running.hidden = torch.randn(2, 32)  # as after a verify step
+    joined = running.join(drafter.start(loaded.model, None, [[3], [4], [5]], [None, None, None]))  # type: ignore[arg-type]
+    assert joined.rows == 5
+    assert joined.propose([[1], [2], [3], [4], [5]], [3] * 5, Ledger()).lengths.tolist() == [3, 3, 0, 0, 0]
+    assert joined.select([4, 1]).propose([[5], [2]], [3, 3], Ledger()).lengths.tolist() == [0, 3]
+    fresh = drafter.start(loaded.model, None, [[1]], [None]).join(  # type: ignore[arg-type]
+        drafter.start(loaded.model, None, [[2], [3]], [None, None]))  # type: ignore[arg-type]
+    assert fresh.rows == 3 and fresh.propose([[1], [2], [3]], [3] * 3, Ledger()).lengths.tolist() == [0, 0, 0]

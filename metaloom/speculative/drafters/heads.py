@@ -85,14 +85,18 @@ class HeadsDrafter:
         embed = target.embed  # type: ignore[attr-defined]  # a tensor, or quantised blocks (native weights)
         # [V_d, d]: only the draft vocabulary's rows (decoded from blocks with native weights)
         head = embed_tokens(plain_weight(target.lm_head), heads.vocab_ids, torch.float32).float()  # type: ignore[attr-defined,arg-type]  # a head: a tensor or blocks with rows()
-        return HeadsState(heads, embed, head, None, self.min_prob)
+        return HeadsState(heads, embed, head, None, self.min_prob, rows=len(contexts))
 
 
 class HeadsState:
     needs_hidden = True  # the decode loop fills `Verified.hidden`
 
     def __init__(self, heads: SpeculatorHeads, embed: Embedding, head: torch.Tensor,
-                 hidden: torch.Tensor | None, min_prob: float = 0.0, known: torch.Tensor | None = None) -> None:
+                 hidden: torch.Tensor | None, min_prob: float = 0.0, known: torch.Tensor | None = None,
+                 rows: int | None = None) -> None:
+        # the batch's rows, also before any hidden state: a state started for rows that join a
+        # running batch has none yet, and joining must still count them
+        self.rows = rows if rows is not None else (0 if hidden is None else hidden.shape[0])
         self.known = known  # [B] bool: rows whose hidden state is real (None: all of them)
         self.min_prob = min_prob
         self.heads = heads
@@ -123,10 +127,7 @@ class HeadsState:
         # the last kept position (pending + accepted drafts) produced the next pending token
         self.hidden = verified.hidden[rows, verified.accepted.to(verified.hidden.device)]
         self.known = None
-
-    @property
-    def _rows(self) -> int:
-        return 0 if self.hidden is None else self.hidden.shape[0]
+        self.rows = self.hidden.shape[0]
 
     def select(self, rows: Sequence[int]) -> HeadsState:
         hidden = known = None
@@ -134,18 +135,18 @@ class HeadsState:
             index = torch.as_tensor(list(rows), dtype=torch.long, device=self.hidden.device)
             hidden = self.hidden[index]
             known = None if self.known is None else self.known[index]
-        return HeadsState(self.heads, self.embed, self.head, hidden, self.min_prob, known)
+        return HeadsState(self.heads, self.embed, self.head, hidden, self.min_prob, known, rows=len(rows))
 
     def join(self, other: DraftState) -> HeadsState:
         """Rows that joined have no target hidden state until their first verification: they
         draft nothing until then (``known``)."""
         assert isinstance(other, HeadsState)
         if self.hidden is None and other.hidden is None:
-            return HeadsState(self.heads, self.embed, self.head, None, self.min_prob)
+            return HeadsState(self.heads, self.embed, self.head, None, self.min_prob, rows=self.rows + other.rows)
         like = self.hidden if self.hidden is not None else other.hidden
         assert like is not None
         parts, known = [], []
-        for state, n in ((self, self._rows), (other, other._rows)):
+        for state, n in ((self, self.rows), (other, other.rows)):
             if state.hidden is None:
                 parts.append(torch.zeros(n, like.shape[1], dtype=like.dtype, device=like.device))
                 known.append(torch.zeros(n, dtype=torch.bool, device=like.device))
