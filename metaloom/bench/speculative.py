@@ -79,6 +79,13 @@ PROMPTS = (
     f"file.\n\n```python\n{CODE}```",
     f"Summarise this news text in two sentences, reusing its wording.\n\n{TEXT}",
 )
+# free generation: nothing in the prompt to copy, so the drafts come from the model's own text
+FREE_PROMPTS = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a refrigerator keeps food cold, step by step, for a curious ten-year-old.",
+    "Write a Python function that checks whether a string is a palindrome, with a short explanation.",
+)
+PROMPT_SETS = {"grounded": PROMPTS, "free": FREE_PROMPTS}
 
 
 @dataclass
@@ -93,12 +100,13 @@ class Method:
     ledgers: dict[int, Ledger] = field(default_factory=dict)
 
 
-def _metaloom(loaded: LoadedModel, name: str, speculative: Speculative | None, n: int) -> Method:
+def _metaloom(loaded: LoadedModel, name: str, speculative: Speculative | None, n: int,
+              prompts: tuple[str, ...]) -> Method:
     gen = LocalGenerator(loaded, speculative=speculative)
 
     def run(i: int) -> tuple[list[int], Ledger]:
         ledger = Ledger()
-        out = gen.generate([Request.chat(PROMPTS[i], SamplingParams(temperature=0, max_tokens=n))], ledger=ledger)
+        out = gen.generate([Request.chat(prompts[i], SamplingParams(temperature=0, max_tokens=n))], ledger=ledger)
         return list(out[0][0].token_ids), ledger
 
     return Method(name, run)
@@ -137,7 +145,7 @@ def _drafter_methods(args: argparse.Namespace, loaded: LoadedModel, n: int, skip
             skipped[label] = f"{type(exc).__name__}: {exc}"
             continue
         k = int(own_k) if own_k else args.num_draft or DRAFTERS[base].num_draft
-        out.append(_metaloom(loaded, f"metaloom {label} (K={k})", Speculative(drafter, k), n))
+        out.append(_metaloom(loaded, f"metaloom {label} (K={k})", Speculative(drafter, k), n, PROMPT_SETS[args.prompts]))
     return out
 
 
@@ -148,7 +156,7 @@ def _transformers_methods(args: argparse.Namespace, loaded: LoadedModel, n: int,
     hf = AutoModelForCausalLM.from_pretrained(loaded.folder, dtype=loaded.dtype).eval()
     eos = sorted(tok.eos_token_ids)
     ids = [torch.tensor([tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)])
-           for p in PROMPTS]
+           for p in PROMPT_SETS[args.prompts]]
 
     def method(name: str, **extra: Any) -> Method:
         def run(i: int) -> tuple[list[int], None]:
@@ -198,7 +206,8 @@ def _llama_cpp_methods(args: argparse.Namespace, loaded: LoadedModel, n: int, sk
         skipped["llama.cpp"] = problem
         return []
     tok = loaded.tokenizer
-    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False) for p in PROMPTS]
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
+           for p in PROMPT_SETS[args.prompts]]
     threads = torch.get_num_threads()
     k = args.num_draft or DRAFTERS["ngram"].num_draft
 
@@ -293,7 +302,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     _peers(args)  # a bad --peers fails before any model loads
     reports = [_one_dtype(args, dtype) for dtype in args.dtypes.split(",") if dtype]
-    out: dict[str, Any] = {"threads": torch.get_num_threads(), "new_tokens": args.new_tokens, "prompts": len(PROMPTS),
+    out: dict[str, Any] = {"threads": torch.get_num_threads(), "new_tokens": args.new_tokens,
+                           "prompts": len(PROMPT_SETS[args.prompts]),
+                           "prompt_set": args.prompts,
                            "repeats": args.repeats, "runs": reports}
     if args.prefix_tokens > 0:
         loaded = load(args.model, dtype=reports[0]["dtype"], weights=single_weights(args))
@@ -305,7 +316,8 @@ def _one_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     loaded = load(args.model, dtype=dtype, weights=single_weights(args))
     n = args.new_tokens
     skipped: dict[str, str] = {}
-    methods = [_metaloom(loaded, "metaloom greedy", None, n)]
+    prompts = PROMPT_SETS[args.prompts]
+    methods = [_metaloom(loaded, "metaloom greedy", None, n, prompts)]
     methods += _drafter_methods(args, loaded, n, skipped)
     peers = _peers(args)
     for peer, build in PEERS.items():
@@ -315,14 +327,14 @@ def _one_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
             skipped[peer] = "not asked for (--peers)"
     for m in list(methods):  # warm-up: first calls pay for allocations, thread pools, lazy imports
         try:
-            for i in range(len(PROMPTS)):
+            for i in range(len(prompts)):
                 m.run(i)
         except MetaloomError as exc:  # e.g. no speculator heads for this model: report, keep benchmarking
             skipped[m.name] = str(exc)
             methods.remove(m)
     for _ in range(args.repeats):
         for m in methods:
-            for i in range(len(PROMPTS)):
+            for i in range(len(prompts)):
                 start = time.perf_counter()
                 tokens, ledger = m.run(i)
                 m.times.setdefault(i, []).append(time.perf_counter() - start)
@@ -377,6 +389,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft", type=int, default=None, help="draft tokens per step (default: each drafter's own)")
     p.add_argument("--peers", default="transformers,llama.cpp",
                    help="peers to run beside metaloom, comma-separated ('' for none): transformers, llama.cpp")
+    p.add_argument("--prompts", choices=sorted(PROMPT_SETS), default="grounded",
+                   help="grounded: code edits and a summary that quote their input; free: open-ended generation")
     p.add_argument("--prefix-tokens", type=int, default=1000, help="shared prefix for the prefix-cache case (0: skip)")
 
 def main(args: argparse.Namespace) -> int:
@@ -384,7 +398,8 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
-    print(f"{report['prompts']} input-grounded prompts, up to {report['new_tokens']} new tokens each, greedy; "
+    kind = "input-grounded" if report.get("prompt_set", "grounded") == "grounded" else "free-generation"
+    print(f"{report['prompts']} {kind} prompts, up to {report['new_tokens']} new tokens each, greedy; "
           f"{report['threads']} threads; median of {report['repeats']} after 1 warm-up")
 
     def fmt(value: float | None, spec: str) -> str:
