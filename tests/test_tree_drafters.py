@@ -326,3 +326,19 @@ def test_the_heads_chain_keeps_rows_that_join_before_their_first_hidden_state():
     fresh = drafter.start(loaded.model, None, [[1]], [None]).join(  # type: ignore[arg-type]
         drafter.start(loaded.model, None, [[2], [3]], [None, None]))  # type: ignore[arg-type]
     assert fresh.rows == 3 and fresh.propose([[1], [2], [3]], [3] * 3, Ledger()).lengths.tolist() == [0, 0, 0]
+
+
+def test_a_tree_without_num_draft_is_drafted_whole():
+    import argparse
+
+    from metaloom.commands.speculative import speculative_option
+    from metaloom.speculative.registry import default_num_draft
+
+    assert TreeShape.parse("static:4,2").size == 12 and TreeShape.parse("static:1,1,1").size == 3
+    assert TreeShape.parse("dynamic:10").size == 10
+    assert default_num_draft("heads") == 3 and default_num_draft("heads", "static:4,2") == 12
+    assert default_num_draft("ngram", "static:8,8") == 64  # 72 nodes, capped at MAX_DRAFT
+    args = argparse.Namespace(speculative="ngram", draft_model=None, num_draft=None, quant_bits=8, tree="static:3,2")
+    assert speculative_option(args, tiny_llama()).num_draft == 9
+    args.num_draft = 4  # asked for: kept (the tree is cut breadth-first to 4 nodes)
+    assert speculative_option(args, tiny_llama()).num_draft == 4

@@ -37,7 +37,7 @@ from metaloom.ledger import Ledger
 from metaloom.models import LoadedModel, load
 from metaloom.sampling import SamplingParams
 from metaloom.speculative import Speculative
-from metaloom.speculative.registry import DRAFTERS, DrafterOptions, build_drafter
+from metaloom.speculative.registry import DRAFTERS, DrafterOptions, build_drafter, default_num_draft
 
 CODE = '''import json
 from dataclasses import dataclass
@@ -144,7 +144,7 @@ def _drafter_methods(args: argparse.Namespace, loaded: LoadedModel, n: int, skip
         except Exception as exc:  # a drafter this model or build cannot have: report, keep benchmarking
             skipped[label] = f"{type(exc).__name__}: {exc}"
             continue
-        k = int(own_k) if own_k else args.num_draft or DRAFTERS[base].num_draft
+        k = int(own_k) if own_k else args.num_draft or default_num_draft(base, extra.get("tree"))
         out.append(_metaloom(loaded, f"metaloom {label} (K={k})", Speculative(drafter, k), n, PROMPT_SETS[args.prompts]))
     return out
 

@@ -9,7 +9,7 @@ from metaloom.errors import InvalidParameter
 from metaloom.ledger import Usage
 from metaloom.models.load import LoadedModel
 from metaloom.speculative import MAX_DRAFT, Speculative
-from metaloom.speculative.registry import DRAFTERS, TREE_DRAFTERS, DrafterOptions, build_drafter
+from metaloom.speculative.registry import DRAFTERS, TREE_DRAFTERS, DrafterOptions, build_drafter, default_num_draft
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
@@ -28,8 +28,8 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
                    help="draft a token tree: static:W1,W2,... = W1 children under the pending token, W2 under each of "
                         "those, ...; dynamic:NODES = the NODES best nodes (draft, quantized: DySpec's best-first growth "
                         "by draft probability; ngram: the most frequent continuations; heads: the highest products "
-                        "of head probabilities); --num-draft bounds the nodes; with --speculative recycling, draft, "
-                        "quantized, ngram or heads")
+                        "of head probabilities); --num-draft bounds the nodes (default: the whole tree); "
+                        "with --speculative recycling, draft, quantized, ngram or heads")
 
 
 def check_speculative_args(args: argparse.Namespace) -> None:
@@ -57,7 +57,7 @@ def speculative_option(args: argparse.Namespace, loaded: LoadedModel) -> Specula
         return None
     options = DrafterOptions(draft_model=args.draft_model, bits=args.quant_bits, tree=getattr(args, "tree", None))
     drafter = build_drafter(args.speculative, loaded, options)
-    k = args.num_draft if args.num_draft is not None else DRAFTERS[args.speculative].num_draft
+    k = args.num_draft if args.num_draft is not None else default_num_draft(args.speculative, options.tree)
     return Speculative(drafter, k)
 
 

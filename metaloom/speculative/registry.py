@@ -110,6 +110,17 @@ DRAFTERS: dict[str, DrafterEntry] = {
 TREE_DRAFTERS = ("recycling", "draft", "quantized", "ngram", "heads")  # the drafters that take --tree
 
 
+def default_num_draft(name: str, tree: str | None = None) -> int:
+    """Draft tokens a step when none are asked for: the drafter's own, or with ``--tree`` the
+    whole tree (capped at `MAX_DRAFT`): a tree cut to a chain drafter's K would be mostly lost
+    (``--speculative heads --tree static:4,2`` would verify 3 of its 12 nodes)."""
+    from metaloom.speculative.drafter import MAX_DRAFT
+    from metaloom.speculative.tree import TreeShape
+
+    own = DRAFTERS[name].num_draft
+    return own if tree is None else min(MAX_DRAFT, TreeShape.parse(tree).size)
+
+
 def build_drafter(name: str, target: LoadedModel, options: DrafterOptions) -> Drafter:
     entry = DRAFTERS.get(name)
     if entry is None:

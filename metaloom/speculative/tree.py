@@ -53,6 +53,17 @@ class TreeShape:
         if self.nodes is not None and (self.widths or not isinstance(self.nodes, int) or self.nodes < 1):
             raise InvalidParameter("tree", self.nodes, "dynamic:NODES with NODES >= 1")
 
+    @property
+    def size(self) -> int:
+        """The tree's nodes when drafted whole: a static tree's W1 + W1 W2 + ..., or NODES."""
+        if self.nodes is not None:
+            return self.nodes
+        total, level = 0, 1
+        for w in self.widths:
+            level *= w
+            total += level
+        return total
+
     def check_fits(self, most: int, drafter: str) -> None:
         """Refuse a shape wider than ``most`` (a level of a static tree, or a dynamic tree's
         nodes): the decode loop verifies at most ``num_draft`` <= `MAX_DRAFT` nodes a step
