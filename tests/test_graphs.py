@@ -126,6 +126,46 @@ def test_static_steps_cross_key_buckets_and_row_buckets(monkeypatch, kernels):
     _check_kernels(model, kernels)
 
 
+def _ancestors(parents: list[int], width: int) -> torch.Tensor:
+    """[W, W] bool: node i attends itself and its ancestors; nodes past the tree attend only themselves."""
+    mask = torch.eye(width, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        while p >= 0:
+            mask[i, p] = True
+            p = parents[p]
+    return mask
+
+
+def test_token_tree_verify_blocks_take_the_static_step(monkeypatch, kernels):
+    """A token-tree verify block (each node at the row's length plus its depth, attending its
+    ancestors) gives the eager forward's logits through the static step, and the steps after
+    it, once the rejected nodes are rolled back, still do."""
+    model = _tiny()
+    trees = [[-1, 0, 0, 1, 2], [-1, 0, 1], [-1, -1, 0, 1, 1]]  # a branching tree, a chain (2 of 5 padded), two roots
+
+    def script(model, pool, step, log):
+        rng = torch.Generator().manual_seed(4)
+        cache = model.new_cache(3, 40, pool)
+        model.forward(torch.randint(0, 103, (3, 7), generator=rng), cache, valid=torch.tensor([7, 4, 6]))
+        nxt = torch.tensor([1, 2, 3])
+        for _ in range(2):
+            nxt = step(cache, nxt[:, None]).argmax(-1)
+        tree = torch.stack([_ancestors(p, 5) for p in trees])
+        valid = torch.tensor([len(p) for p in trees])
+        block = model.forward(torch.randint(0, 103, (3, 5), generator=rng), cache, valid=valid, tree=tree)
+        log.extend(block[b, :int(valid[b])] for b in range(3))
+        cache.truncate(cache.lengths - torch.tensor([3, 1, 4]))  # keep a path's first nodes, as an acceptance does
+        for _ in range(3):
+            nxt = step(cache, nxt[:, None]).argmax(-1)
+
+    eager, static = _pair(model, monkeypatch, script)
+    assert len(eager) == len(static) == 8
+    for a, b in zip(eager, static, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    assert model.step_graph_stats()["steps"] == 6  # 5 one-token steps and the tree block
+    _check_kernels(model, kernels)
+
+
 def test_buckets_and_mode(monkeypatch):
     assert [graphs.row_bucket(n) for n in (1, 2, 3, 5, 9, 13, 256)] == [1, 2, 4, 8, 12, 16, 256]
     assert graphs.row_bucket(257) is None
@@ -197,15 +237,21 @@ def test_the_generator_gives_the_same_tokens_with_static_steps(monkeypatch):
     text = "The cat sat on the mat. The cat sat on the mat. The cat"
     spec = [Request(text, SamplingParams(temperature=0, max_tokens=12)),
             Request(text, SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=8))]
-    outs = []
-    for mode in ("off", "on"):
-        _mode(monkeypatch, mode)
-        before = loaded.model.step_graph_stats()["steps"]
-        gen = LocalGenerator(loaded, speculative=Speculative(NgramDrafter(), num_draft=4), prefill_overhead_tokens=16)
-        outs.append([[c.token_ids for c in o] for o in gen.generate(spec, ledger=Ledger())])
-        ran = loaded.model.step_graph_stats()["steps"] - before
-        assert (ran > 0) == (mode == "on")
-    assert outs[0] == outs[1]
+    from metaloom.speculative.drafters.recycling import RecyclingDrafter
+    from metaloom.speculative.tree import TreeShape
+
+    # a chain (n-gram) and token trees (Token Recycling, static 3.2.1); a fresh drafter each time
+    # (Token Recycling learns across requests, and sampled tokens depend on the drafts)
+    for make, k in ((NgramDrafter, 4), (lambda: RecyclingDrafter(TreeShape((3, 2, 1))), 12)):
+        outs = []
+        for mode in ("off", "on"):
+            _mode(monkeypatch, mode)
+            before = loaded.model.step_graph_stats()["steps"]
+            gen = LocalGenerator(loaded, speculative=Speculative(make(), num_draft=k), prefill_overhead_tokens=16)
+            outs.append([[c.token_ids for c in o] for o in gen.generate(spec, ledger=Ledger())])
+            ran = loaded.model.step_graph_stats()["steps"] - before
+            assert (ran > 0) == (mode == "on")
+        assert outs[0] == outs[1], make
 
 
 def test_failing_triton_kernels_fall_back_to_pytorch_ops_and_say_why(monkeypatch, caplog):

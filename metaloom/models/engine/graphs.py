@@ -97,13 +97,45 @@ class Buffers:
     positions: torch.Tensor  # [rows] long: each row's length before the step
     slots: torch.Tensor  # [rows, MAX_WIDTH] long
     table: torch.Tensor  # [rows, keys] long
+    # a verify block (W > 1): which block tokens each attends (a chain: the lower triangle; a
+    # token tree: its ancestors, `metaloom.speculative.tree`) and each token's depth (its RoPE
+    # position past the row's length)
+    tree: torch.Tensor  # [rows, MAX_WIDTH, MAX_WIDTH] bool
+    depths: torch.Tensor  # [rows, MAX_WIDTH] long
 
     @classmethod
     def empty(cls, rows: int, keys: int, device: torch.device) -> Buffers:
         def z(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=torch.long, device=device)
 
-        return cls(z(rows, MAX_WIDTH), z(rows), z(rows, MAX_WIDTH), z(rows, keys))
+        tree = torch.zeros((rows, MAX_WIDTH, MAX_WIDTH), dtype=torch.bool, device=device)
+        return cls(z(rows, MAX_WIDTH), z(rows), z(rows, MAX_WIDTH), z(rows, keys), tree, z(rows, MAX_WIDTH))
+
+
+def _block(buf: Buffers, rows: int, keys: int, width: int, window: int | None,
+           g: int, mask: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A step's geometry: (table positions [R, W], where the new tokens' entries sit in the rows'
+    tables; RoPE positions [R, W], the length plus each token's depth; the attention mask [R, 1,
+    g W, L], every cached key and the block's keys its tree allows, with the group's g query
+    heads as g W queries; None without ``mask``)."""
+    device = buf.tokens.device
+    start = buf.positions[:rows, None]
+    at = start + torch.arange(width, device=device)
+    rope = at if width == 1 else start + buf.depths[:rows, :width]
+    if not mask:
+        return at, rope, None
+    k_pos = torch.arange(keys, device=device)
+    if width == 1:
+        allowed = k_pos[None, None, :] <= at[:, :, None]  # [R, 1, L]
+    else:
+        index = k_pos[None, None, :] - start[:, :, None]  # [R, 1, L]: a key's place in the block (< 0: cached)
+        inside = buf.tree[:rows, :width, :width].gather(2, index.clamp(0, width - 1).expand(rows, width, keys))
+        allowed = (index < 0) | ((index < width) & inside)  # [R, W, L]
+    if window is not None:  # chains only (trees are refused with a window)
+        allowed &= k_pos[None, None, :] > at[:, :, None] - window
+    if width == 1:
+        return at, rope, allowed[:, None]
+    return at, rope, allowed[:, None, None].expand(-1, -1, g, -1, -1).reshape(rows, 1, g * width, keys)
 
 
 # (buffers, R rows, L keys, W tokens a row) -> (logits [R, W, V], hidden [R, W, d])
@@ -128,18 +160,11 @@ def static_step(m: LlamaModel, pool: KVPool, triton: bool = False) -> Step:
 
     def step(buf: Buffers, rows: int, keys: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, slots = buf.tokens[:rows, :width], buf.slots[:rows, :width]
-        positions = buf.positions[:rows, None] + torch.arange(width, device=tokens.device)  # [R, W]
+        at, rope, mask = _block(buf, rows, keys, width, window, g)
         table = buf.table[:rows, :keys]
-        table.scatter_(1, positions, slots)  # the new positions' slots, as the host's table has them
-        k_pos = torch.arange(keys, device=tokens.device)
-        allowed = k_pos[None, None, :] <= positions[:, :, None]  # [R, W, L]: causal
-        if window is not None:
-            allowed &= k_pos[None, None, :] > positions[:, :, None] - window
-        # queries are (head of the group, position) pairs, g x W of them per key-value head
-        mask = allowed[:, None] if width == 1 else allowed[:, None, None].expand(-1, -1, g, -1, -1)
-        mask = mask.reshape(rows, 1, g * width if width > 1 else 1, keys)
-        cos = m._cos[positions][:, None]  # [R, 1, W, D]
-        sin = m._sin[positions][:, None]
+        table.scatter_(1, at, slots)  # the new entries' slots, as the host's table has them
+        cos = m._cos[rope][:, None]  # [R, 1, W, D]
+        sin = m._sin[rope][:, None]
         flat = slots.reshape(-1)
         x = embed_tokens(m.embed, tokens, m.dtype)  # [R, W, d]
         for i, w in enumerate(m.layers):
@@ -180,26 +205,18 @@ def _triton_step(m: LlamaModel, pool: KVPool) -> Step:
 
     def step(buf: Buffers, rows: int, keys: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, slots = buf.tokens[:rows, :width], buf.slots[:rows, :width]
-        positions = buf.positions[:rows, None] + torch.arange(width, device=tokens.device)  # [R, W]
+        at, rope, mask = _block(buf, rows, keys, width, window, g, mask=width > 1)
         table = buf.table[:rows, :keys]
-        table.scatter_(1, positions, slots)
+        table.scatter_(1, at, slots)
         n = rows * width
-        flat_pos, flat_slots = positions.reshape(-1), slots.reshape(-1)
-        if width == 1:
-            lengths = positions[:, 0] + 1
-        else:
-            k_pos = torch.arange(keys, device=tokens.device)
-            allowed = k_pos[None, None, :] <= positions[:, :, None]
-            if window is not None:
-                allowed &= k_pos[None, None, :] > positions[:, :, None] - window
-            mask = allowed[:, None, None].expand(-1, -1, g, -1, -1).reshape(rows, 1, g * width, keys)
+        flat_pos, flat_slots = rope.reshape(-1), slots.reshape(-1)
         x = embed_tokens(m.embed, tokens, m.dtype).reshape(n, size)
         residual, y = gt.add_rms_norm(x, None, m.layers[0].attn_norm, eps)
         for i, w in enumerate(m.layers):
             qkv = linear(y, w.qkv, w.qkv_bias)  # [N, (h + 2 hk) D]
             q = gt.rope_write(qkv, m._cos, m._sin, flat_pos, flat_slots, pool.keys[i], pool.values[i], h, hk)
-            if width == 1:
-                attn = gt.paged_attend(q, pool.keys[i], pool.values[i], table, lengths, keys, d ** -0.5, window)
+            if width == 1:  # one token a row attends its length's keys, its own included
+                attn = gt.paged_attend(q, pool.keys[i], pool.values[i], table, at[:, 0] + 1, keys, d ** -0.5, window)
             else:
                 ks = pool.keys[i][table].transpose(1, 2)  # [R, hk, L, D]
                 vs = pool.values[i][table].transpose(1, 2)
@@ -261,6 +278,7 @@ class StepGraphs:
         self.triton_failure: str | None = None  # why Triton's kernels failed (PyTorch ops run instead)
         self.triton_steps = 0  # static steps run with Triton's kernels
         self.lock = threading.Lock()
+        self._chains: dict[int, torch.Tensor] = {}
 
     def _pool_key(self) -> tuple[int, ...]:
         return tuple(t.data_ptr() for t in self.pool.keys[:1] + self.pool.values[:1])
@@ -303,14 +321,18 @@ class StepGraphs:
         self.mirror = state
         self.uploads += 1
 
-    def run(self, tokens: torch.Tensor, cache: PagedKVCache, valid: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, tokens: torch.Tensor, cache: PagedKVCache, valid: list[int],
+            tree: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One step: tokens [B, W] (on the device, W <= MAX_WIDTH); row b keeps its first
-        ``valid[b]`` new positions (0: a finished row; the rest go to scratch). -> (logits
-        [B, W, V], hidden [B, W, d]), fresh tensors. Advances the cache."""
+        ``valid[b]`` new positions (0: a finished row; the rest go to scratch); ``tree`` [B, W,
+        W] bool: a token-tree verify block (each token attends its ancestors and itself, at the
+        row's length plus its depth; None: a chain). -> (logits [B, W, V], hidden [B, W, d]),
+        fresh tensors. Advances the cache."""
         with self.lock:  # one set of static buffers: steps of two threads over one pool take turns
-            return self._run(tokens, cache, valid)
+            return self._run(tokens, cache, valid, tree)
 
-    def _run(self, tokens: torch.Tensor, cache: PagedKVCache, valid: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(self, tokens: torch.Tensor, cache: PagedKVCache, valid: list[int],
+             tree: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         b, width = tokens.shape
         positions = cache.host_lengths()
         rows, keys = row_bucket(b), key_bucket(int(positions.max()) + width)
@@ -333,9 +355,16 @@ class StepGraphs:
             self._copied = torch.cuda.Event()
             self._copied.record()
         buf.tokens[:b, :width].copy_(tokens)
+        if width > 1:
+            shape = tree if tree is not None else self._chain(width).expand(b, width, width)
+            buf.tree[:b, :width, :width].copy_(shape)
+            buf.depths[:b, :width].copy_(shape.sum(-1) - 1)
         if rows > b:
             buf.tokens[b:rows].zero_()
             buf.table[b:rows].zero_()
+            if width > 1:  # padded rows: a chain too (each attends something)
+                buf.tree[b:rows, :width, :width].copy_(self._chain(width).expand(rows - b, width, width))
+                buf.depths[b:rows, :width].copy_(torch.arange(width, device=self.device))
         logits, hidden = self._replay(rows, keys, width)
         self.steps += 1
         cache.advance(valid)
@@ -353,6 +382,13 @@ class StepGraphs:
         if step is None:
             step = self._steps[triton] = static_step(self.model, self.pool, triton=triton)
         return step
+
+    def _chain(self, width: int) -> torch.Tensor:
+        """[W, W] bool on the device: a chain's block mask (the lower triangle)."""
+        chain = self._chains.get(width)
+        if chain is None:
+            chain = self._chains[width] = torch.ones((width, width), dtype=torch.bool, device=self.device).tril()
+        return chain
 
     def _replay(self, rows: int, keys: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         triton = rows <= TRITON_ROWS and self.triton()

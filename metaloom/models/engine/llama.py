@@ -343,7 +343,7 @@ class LlamaModel:
         ``tree`` [B, T, T] bool: the block is a token tree (speculative verification,
         `metaloom.speculative.tree`): token i attends the cache and the block's tokens j with
         ``tree[b, i, j]`` (itself and its ancestors), at position length + its depth."""
-        static = None if tree is not None else self._static_step(tokens, cache, valid, last_only)
+        static = self._static_step(tokens, cache, valid, last_only, tree)
         if static is not None:
             return static[0]
         valid = None if valid is None else valid.to(tokens.device)
@@ -354,7 +354,7 @@ class LlamaModel:
                        last_only: bool = False, tree: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` that also returns the final hidden states: (logits [B, T, V], hidden [B, T, d]),
         hidden after the last norm, what the LM head reads (speculator heads draft from them)."""
-        static = None if tree is not None else self._static_step(tokens, cache, valid, last_only)
+        static = self._static_step(tokens, cache, valid, last_only, tree)
         if static is not None:
             return static
         valid = None if valid is None else valid.to(tokens.device)
@@ -386,7 +386,7 @@ class LlamaModel:
         return out
 
     def _static_step(self, tokens: torch.Tensor, cache: KVCache, valid: torch.Tensor | None,
-                     last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+                     last_only: bool = False, tree: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(logits [B, T, V], hidden [B, T, d]) of a decode step (T = 1) or a speculative verify
         (T <= MAX_WIDTH over rows that hold keys already) through `step_graphs`, or None when
         this forward is neither (the caller takes the eager path)."""
@@ -395,11 +395,14 @@ class LlamaModel:
             return None
         if cache.pool.layers != len(self.layers) or b != cache.batch or (t > 1 and not cache.host_lengths().all()):
             return None  # a prefill of fresh rows takes the eager path (PyTorch's fused attention)
+        if tree is not None and (t == 1 or tuple(tree.shape) != (b, t, t) or tree.dtype != torch.bool
+                                 or self.config.sliding_window is not None or self.options.drops):
+            return None  # the eager path checks the tree (a typed error) or takes it
         runner = self.step_graphs(cache.pool)
         if runner is None:
             return None
         keep = [t] * b if valid is None else valid.tolist()
-        logits, hidden = runner.run(tokens, cache, keep)
+        logits, hidden = runner.run(tokens, cache, keep, None if tree is None else tree.to(tokens.device))
         if last_only:
             last = torch.as_tensor([max(k, 1) - 1 for k in keep], device=logits.device)
             index = torch.arange(b, device=logits.device)
