@@ -342,3 +342,20 @@ def test_a_tree_without_num_draft_is_drafted_whole():
     assert speculative_option(args, tiny_llama()).num_draft == 9
     args.num_draft = 4  # asked for: kept (the tree is cut breadth-first to 4 nodes)
     assert speculative_option(args, tiny_llama()).num_draft == 4
+
+
+def test_one_ngram_index_serves_the_chain_and_the_tree():
+    """Every occurrence's end is kept (the tree merges them); the chain copies after the first
+    (``occurrence="first"``) or the latest, of the longest suffix that occurred before."""
+    from metaloom.speculative.drafters.ngram import NgramIndex
+
+    context = [7, 1, 2, 7, 3, 4, 7, 5, 1, 7]  # the suffix "1 7" never occurred before; "7" did, then 1, 3 and 5
+    for first, copy in ((True, [1, 2]), (False, [5, 1])):
+        index = NgramIndex(first)
+        index.update(context, range(1, 3))
+        assert index.ends(context, range(1, 3)) == [1, 4, 7]
+        assert index.lookup(context, range(1, 3), 2) == copy
+    other = [*context[:-1], 2]  # its suffix "1 2" occurred at 1..3: the longer match wins over "2" alone
+    index = NgramIndex()
+    index.update(other, range(1, 3))
+    assert index.ends(other, range(1, 3)) == [3]

@@ -32,7 +32,7 @@ from metaloom.models.forward import Ledgers
 from metaloom.models.protocols import LanguageModel
 from metaloom.sampling.pipeline import Sampler
 from metaloom.speculative.drafter import Draft, DraftState, Verified
-from metaloom.speculative.drafters.ngram import _RowIndex
+from metaloom.speculative.drafters.ngram import NgramIndex
 
 FILLS = ("repeat", "lookup")
 
@@ -48,11 +48,11 @@ class JacobiDrafter:
 
     def start(self, target: LanguageModel, sampler: Sampler, contexts: Sequence[Sequence[int]],
               generators: Sequence[torch.Generator | None]) -> JacobiState:
-        return JacobiState(self.fill, [[] for _ in contexts], [_RowIndex(first=True) for _ in contexts])
+        return JacobiState(self.fill, [[] for _ in contexts], [NgramIndex(first=True) for _ in contexts])
 
 
 class JacobiState:
-    def __init__(self, fill: str, guesses: list[list[int]], lookup: list[_RowIndex]) -> None:
+    def __init__(self, fill: str, guesses: list[list[int]], lookup: list[NgramIndex]) -> None:
         self.fill = fill
         self.guesses = guesses  # guesses[b]: the block after row b's pending token, from the last iteration
         self.lookup = lookup

@@ -41,38 +41,46 @@ class NgramDrafter:
 
     def start(self, target: LanguageModel, sampler: Sampler, contexts: Sequence[Sequence[int]],
               generators: Sequence[torch.Generator | None]) -> NgramState:
-        return NgramState(self, [_RowIndex(self.occurrence == "first") for _ in contexts])
+        return NgramState(self, [NgramIndex(self.occurrence == "first") for _ in contexts])
 
 
-class _RowIndex:
-    """n-gram -> end position (exclusive) of its first or latest occurrence that has a continuation."""
+class NgramIndex:
+    """n-gram -> the end positions (exclusive, ascending) of all its occurrences that have a
+    continuation, updated with the new positions only. The chain copies after the first or the
+    latest of them; the tree drafter (`metaloom.speculative.drafters.ngram_tree`) merges them all."""
 
     def __init__(self, first: bool = False) -> None:
-        self.where: dict[tuple[int, ...], int] = {}
+        self.where: dict[tuple[int, ...], list[int]] = {}
         self.indexed = 0  # continuation positions e < indexed are in `where`
-        self.first = first  # keep the earliest occurrence instead of the latest
+        self.first = first  # `lookup` copies after the earliest occurrence instead of the latest
 
     def update(self, context: Sequence[int], sizes: range) -> None:
         for e in range(max(self.indexed, 1), len(context)):
             for n in sizes:
                 if e >= n:
-                    key = tuple(context[e - n:e])
-                    if not (self.first and key in self.where):
-                        self.where[key] = e
+                    self.where.setdefault(tuple(context[e - n:e]), []).append(e)
         self.indexed = max(self.indexed, len(context))
 
-    def lookup(self, context: Sequence[int], sizes: range, limit: int) -> list[int]:
+    def ends(self, context: Sequence[int], sizes: range) -> list[int]:
+        """The ends of the longest suffix that occurred before (empty: none did)."""
         for n in reversed(sizes):
-            if len(context) < n:
-                continue
-            e = self.where.get(tuple(context[len(context) - n:]))
-            if e is not None:
-                return list(context[e:e + limit])
+            if len(context) >= n:
+                ends = self.where.get(tuple(context[len(context) - n:]))
+                if ends:
+                    return ends
         return []
+
+    def lookup(self, context: Sequence[int], sizes: range, limit: int) -> list[int]:
+        """Up to ``limit`` tokens that followed the first (or latest) occurrence of the longest suffix."""
+        ends = self.ends(context, sizes)
+        if not ends:
+            return []
+        e = ends[0] if self.first else ends[-1]
+        return list(context[e:e + limit])
 
 
 class NgramState:
-    def __init__(self, drafter: NgramDrafter, rows: list[_RowIndex]) -> None:
+    def __init__(self, drafter: NgramDrafter, rows: list[NgramIndex]) -> None:
         self.drafter = drafter
         self.rows = rows
         self.sizes = range(drafter.min_ngram, drafter.max_ngram + 1)

@@ -34,6 +34,7 @@ from metaloom.models.forward import Ledgers
 from metaloom.models.protocols import LanguageModel
 from metaloom.sampling.pipeline import Sampler
 from metaloom.speculative.drafter import MAX_DRAFT, Draft, DraftState, Verified
+from metaloom.speculative.drafters.ngram import NgramIndex
 from metaloom.speculative.tree import DraftTree, TreeShape
 
 # the most recent occurrences read per step: a 1-gram like " the" can occur thousands of times
@@ -137,7 +138,7 @@ class NgramTreeDrafter:
 
     def start(self, target: LanguageModel, sampler: Sampler, contexts: Sequence[Sequence[int]],
               generators: Sequence[torch.Generator | None]) -> NgramTreeState:
-        return NgramTreeState(self, [_Occurrences() for _ in contexts])
+        return NgramTreeState(self, [NgramIndex() for _ in contexts])
 
     def tree(self, context: Sequence[int], ends: Sequence[int], budget: int) -> DraftTree:
         """The tree from the occurrences ending at ``ends`` (continuations start there)."""
@@ -148,33 +149,8 @@ class NgramTreeDrafter:
         return cut_dynamic(root, min(budget, self.shape.nodes))
 
 
-class _Occurrences:
-    """n-gram -> the end positions (exclusive, ascending) of all its occurrences that have a
-    continuation; updated with the new positions only."""
-
-    def __init__(self) -> None:
-        self.where: dict[tuple[int, ...], list[int]] = {}
-        self.indexed = 0  # continuation positions e < indexed are in `where`
-
-    def update(self, context: Sequence[int], sizes: range) -> None:
-        for e in range(max(self.indexed, 1), len(context)):
-            for n in sizes:
-                if e >= n:
-                    self.where.setdefault(tuple(context[e - n:e]), []).append(e)
-        self.indexed = max(self.indexed, len(context))
-
-    def lookup(self, context: Sequence[int], sizes: range) -> list[int]:
-        """The ends of the longest suffix that occurred before (empty: none did)."""
-        for n in reversed(sizes):
-            if len(context) >= n:
-                ends = self.where.get(tuple(context[len(context) - n:]))
-                if ends:
-                    return ends
-        return []
-
-
 class NgramTreeState:
-    def __init__(self, drafter: NgramTreeDrafter, rows: list[_Occurrences]) -> None:
+    def __init__(self, drafter: NgramTreeDrafter, rows: list[NgramIndex]) -> None:
         self.drafter = drafter
         self.rows = rows
         self.sizes = range(drafter.min_ngram, drafter.max_ngram + 1)
@@ -183,7 +159,7 @@ class NgramTreeState:
         trees = []
         for index, context, limit in zip(self.rows, contexts, limits, strict=True):
             index.update(context, self.sizes)
-            ends = index.lookup(context, self.sizes) if limit > 0 else []
+            ends = index.ends(context, self.sizes) if limit > 0 else []
             trees.append(self.drafter.tree(context, ends, limit) if ends else DraftTree((), ()))
         return Draft.from_trees(trees)
 
