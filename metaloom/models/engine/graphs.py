@@ -142,6 +142,21 @@ def _block(buf: Buffers, rows: int, keys: int, width: int, window: int | None,
 Step = Callable[[Buffers, int, int, int], tuple[torch.Tensor, torch.Tensor]]
 
 
+def _gathered_attention(pool: KVPool, layer: int, table: torch.Tensor, q: torch.Tensor,
+                        mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention over the keys gathered through ``table`` [R, L]: q [R, h, W, D] (rotated) ->
+    [R, W, h D]. The query heads of a key-value head group are laid out as g W queries of that
+    head, so one call serves grouped-query attention without repeating keys."""
+    rows, h, width, d = q.shape
+    hk = pool.keys[layer].shape[1]
+    ks = pool.keys[layer][table].transpose(1, 2)  # [R, hk, L, D]
+    vs = pool.values[layer][table].transpose(1, 2)
+    q = q.reshape(rows, hk, h // hk * width, d)
+    attn = F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask)  # [R, hk, g W, D]
+    # reshape, not view: on CUDA, SDPA's float32 kernels may return other strides
+    return attn.reshape(rows, h, width, d).transpose(1, 2).reshape(rows, width, h * d)
+
+
 def static_step(m: LlamaModel, pool: KVPool, triton: bool = False) -> Step:
     """The step of a dense `metaloom.models.engine.llama.LlamaModel` over ``pool`` for W new
     tokens a row (W = 1: a decode step; W > 1: a speculative verify, causal within the block),
@@ -174,12 +189,7 @@ def static_step(m: LlamaModel, pool: KVPool, triton: bool = False) -> Step:
             k, v = qk[:, h:], qkv[:, h + hk:]  # [R, hk, W, D]
             pool.keys[i].index_copy_(0, flat, k.transpose(1, 2).reshape(-1, hk, d))
             pool.values[i].index_copy_(0, flat, v.transpose(1, 2).reshape(-1, hk, d))
-            ks = pool.keys[i][table].transpose(1, 2)  # [R, hk, L, D]
-            vs = pool.values[i][table].transpose(1, 2)
-            q = qk[:, :h].reshape(rows, hk, g * width, d)  # a group's query heads and positions as queries
-            attn = F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask)  # [R, hk, g W, D]
-            # reshape, not view: on CUDA, SDPA's float32 kernels may return other strides
-            attn = attn.reshape(rows, h, width, d).transpose(1, 2).reshape(rows, width, h * d)
+            attn = _gathered_attention(pool, i, table, qk[:, :h], mask)
             x = x + linear(attn, w.o)
             y = F.rms_norm(x, (c.hidden_size,), w.mlp_norm, c.rms_norm_eps)
             gate, up = linear(y, w.gate_up).chunk(2, dim=-1)
@@ -218,11 +228,8 @@ def _triton_step(m: LlamaModel, pool: KVPool) -> Step:
             if width == 1:  # one token a row attends its length's keys, its own included
                 attn = gt.paged_attend(q, pool.keys[i], pool.values[i], table, at[:, 0] + 1, keys, d ** -0.5, window)
             else:
-                ks = pool.keys[i][table].transpose(1, 2)  # [R, hk, L, D]
-                vs = pool.values[i][table].transpose(1, 2)
-                qh = q.view(rows, width, h, d).transpose(1, 2).reshape(rows, hk, g * width, d)
-                out = F.scaled_dot_product_attention(qh, ks, vs, attn_mask=mask)  # [R, hk, g W, D]
-                attn = out.reshape(rows, h, width, d).transpose(1, 2).reshape(n, h * d)
+                attn = _gathered_attention(pool, i, table, q.view(rows, width, h, d).transpose(1, 2),
+                                           mask).reshape(n, h * d)
             residual, y = gt.add_rms_norm(residual, linear(attn, w.o), w.mlp_norm, eps)
             down = linear(gt.silu_mul(linear(y, w.gate_up)), w.down)
             residual, y = gt.add_rms_norm(residual, down, norms[i], eps)

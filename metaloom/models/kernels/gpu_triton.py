@@ -35,14 +35,14 @@ from typing import Any
 
 import torch
 
+from metaloom.errors import InvalidParameter
+
 MODES = ("auto", "on", "off")
 
 
 def mode() -> str:
     """METALOOM_TRITON: auto (default: on CUDA when Triton imports), on (also the interpreter on
     the CPU, for tests), off."""
-    from metaloom.errors import InvalidParameter
-
     value = os.environ.get("METALOOM_TRITON", "auto").strip().lower() or "auto"
     if value not in MODES:
         raise InvalidParameter("METALOOM_TRITON", value, "auto, on or off")
