@@ -149,12 +149,7 @@ class HeadsTreeDrafter:
         if self.shape.nodes is None and max(self.shape.widths) > base.heads.config.draft_vocab:
             raise InvalidParameter("tree", list(self.shape.widths), f"widths at most the heads' draft vocabulary "
                                                                     f"({base.heads.config.draft_vocab})")
-        # no hidden state yet, but a row for each context: `HeadsState.join` counts the rows of a
-        # state by its hidden states, and a state started for rows joining a running batch with
-        # None there would join as no rows at all
-        base.hidden = torch.zeros(len(contexts), base.heads.config.hidden_size, device=base.head.device)
-        base.known = torch.zeros(len(contexts), dtype=torch.bool, device=base.head.device)
-        return HeadsTreeState(base, self.shape)
+        return HeadsTreeState(base, self.shape)  # no hidden state yet: nothing drafted until the first verify
 
 
 class HeadsTreeState:
@@ -196,6 +191,7 @@ class HeadsTreeState:
         rows = torch.arange(verified.hidden.shape[0], device=verified.hidden.device)
         self.base.hidden = verified.hidden[rows, at]
         self.base.known = None
+        self.base.rows = self.base.hidden.shape[0]
 
     def select(self, rows: Sequence[int]) -> HeadsTreeState:
         return HeadsTreeState(self.base.select(rows), self.shape)
