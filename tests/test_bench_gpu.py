@@ -175,3 +175,13 @@ def test_spec_case_speculates_with_graphs_on_and_off_and_reports_acceptance(caps
     assert "speculation vs none" in captured.err and "drafts accepted per verify step" in captured.err
     with pytest.raises(InvalidParameter, match="spec_draft"):
         gpu.options(parse("--spec-draft", "16"))
+
+
+def test_the_mixed_row_runs_only_where_it_differs_from_graphs(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = parse("--systems", "graphs,graphs-mixed", "--shapes", "tiny:s16+s64")
+    assert args.run(args) == 0
+    rows = {(r["case"], r["key"]): r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert "the same step as graphs at 16 rows" in rows[("s16", "graphs-mixed")]["error"]
+    mixed = rows[("s64", "graphs-mixed")]
+    assert mixed["error"] is None and mixed["tokens"] == mixed["expected_tokens"] == 128

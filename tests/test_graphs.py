@@ -380,3 +380,37 @@ def test_two_threads_stepping_one_pool_take_turns(monkeypatch):
         for a, b in zip(alone[f], together[f], strict=True):
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
     assert model.step_graph_stats()["steps"] == 60
+
+
+def test_the_mixed_triton_step_attends_through_pytorch_above_paged_rows(monkeypatch):
+    """Above PAGED_ROWS one-token rows take gather + SDPA inside the Triton step: the same logits
+    as the eager forward, and the step is still counted as Triton's."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    monkeypatch.setenv("METALOOM_TRITON", "on")
+    monkeypatch.setenv("METALOOM_TRITON_ROWS", "64")
+    monkeypatch.setattr(graphs, "PAGED_ROWS", 2)
+    called = []
+    from metaloom.models.kernels import gpu_triton
+
+    real = gpu_triton.paged_attend
+    monkeypatch.setattr(gpu_triton, "paged_attend", lambda *a, **k: called.append(1) or real(*a, **k))
+    model = _tiny()
+    _mode(monkeypatch, "on")
+    pool = model.new_pool()
+    cache = model.new_cache(3, 20, pool)
+    model.forward(torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]]), cache)
+    other = cache.fork([0, 1, 2])
+    got = model.forward(torch.tensor([[1], [2], [3]]), cache)[:, -1]  # bucket 4 > PAGED_ROWS
+    assert model.step_graph_stats()["triton_steps"] == 1 and called == []
+    _mode(monkeypatch, "off")
+    want = model.forward(torch.tensor([[1], [2], [3]]), other)[:, -1]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_triton_rows_must_be_a_positive_integer(monkeypatch):
+    monkeypatch.setenv("METALOOM_TRITON_ROWS", "0")
+    with pytest.raises(InvalidParameter, match="METALOOM_TRITON_ROWS"):
+        graphs.triton_rows()
+    monkeypatch.setenv("METALOOM_TRITON_ROWS", "48")
+    assert graphs.triton_rows() == 48

@@ -23,7 +23,9 @@ it). ``--max-tokens`` caps the lengths (tests).
 Systems (rows): ``graphs`` / ``eager``: one `LocalGenerator` with METALOOM_CUDA_GRAPHS ``on`` /
 ``off`` around each call (the engine reads it at each step); ``graphs-torch``: graphs on with
 METALOOM_TRITON=off (the captured step in PyTorch ops, without the fused Triton kernels that
-``graphs`` uses where Triton runs, `metaloom.models.kernels.gpu_triton`); ``tf-eager``: transformers
+``graphs`` uses where Triton runs, `metaloom.models.kernels.gpu_triton`); ``graphs-mixed``: graphs
+on with Triton's step above `graphs.TRITON_ROWS` rows too, attention there by gather + SDPA
+(METALOOM_TRITON_ROWS; only when named: not in the default ``--systems``); ``tf-eager``: transformers
 ``generate`` with its DynamicCache; ``tf-static``: ``generate`` with a static cache, which
 transformers compiles on CUDA (torch.compile, CUDA graphs): its warm-up (two calls) holds the
 compilation, reported apart, and it is timed after the other rows of its case (not alternated
@@ -109,6 +111,7 @@ SMOKE_CASES: dict[str, CaseShape] = {
     "s4": CaseShape("4 seeded samples", 4, 64, "long", 1.0),
 }
 SYSTEMS: dict[str, str] = {"graphs": "metaloom graphs", "graphs-torch": "metaloom graphs, PyTorch ops",
+                           "graphs-mixed": "metaloom graphs, Triton step at every row count",
                            "eager": "metaloom eager", "baseline": "metaloom baseline",
                            "tf-eager": "transformers eager", "tf-static": "transformers static"}
 DEFAULT_SYSTEMS = "graphs,graphs-torch,eager,baseline,tf-eager,tf-static"
@@ -116,9 +119,17 @@ DEFAULT_SYSTEMS = "graphs,graphs-torch,eager,baseline,tf-eager,tf-static"
 NO_SPECULATION = {"graphs": "graphs-nospec", "eager": "eager-nospec"}
 ROW_NAMES: dict[str, str] = SYSTEMS | {"graphs-nospec": "metaloom graphs, no speculation",
                                        "eager-nospec": "metaloom eager, no speculation"}
-METALOOM_MODES = {"graphs": "on", "graphs-torch": "on+torch", "eager": "off", "graphs-nospec": "on",
+METALOOM_MODES = {"graphs": "on", "graphs-torch": "on+torch", "graphs-mixed": "on+mixed", "eager": "off", "graphs-nospec": "on",
                   "eager-nospec": "off"}
 DRAFTER = "ngram"
+
+
+def graphs_rows() -> int:
+    """The most rows the ``graphs`` row's step runs with Triton's kernels (``graphs-mixed`` differs
+    from ``graphs`` only above it)."""
+    from metaloom.models.engine.graphs import TRITON_ROWS
+
+    return TRITON_ROWS
 # the speculative case's passage, which its prompt asks to copy (the drafter copies from the prompt)
 PASSAGE = ("The city council met on Tuesday to discuss the new bicycle lanes on Main Street. Residents said the lanes "
            "made cycling safer, but several shop owners complained that the loss of parking hurt their business. "
@@ -657,6 +668,9 @@ class Runner:
         for system in systems:
             row = _row(shape.name, case, system)
             rows[system] = row
+            if system == "graphs-mixed" and case.n <= graphs_rows():
+                row["error"] = f"the same step as graphs at {case.n} rows (Triton's step up to {graphs_rows()})"
+                continue
             guess, priors[system] = est.call(system, shape.cfg, case)
             compiling = system == "tf-static" and transformers_compiles(self.device)
             static_compile = [compiling]
@@ -885,7 +899,7 @@ def _ratios(report: dict[str, Any], shape: str) -> None:
         if graphs is not None:
             if best is not None:
                 r["graphs_vs_best_transformers"] = graphs["tok_s"] / best["tok_s"]
-            for key in ("graphs-torch", "eager", "baseline"):
+            for key in ("graphs-torch", "graphs-mixed", "eager", "baseline"):
                 if key in rows:
                     r[f"graphs_vs_{key}"] = graphs["tok_s"] / rows[key]["tok_s"]
         for key, plain in NO_SPECULATION.items():  # the speculative case: speculation's speed-up

@@ -41,6 +41,7 @@ from typing import Any
 
 GRAPHS_ENV = "METALOOM_CUDA_GRAPHS"  # auto | on | off: whether the engine captures decode steps in CUDA graphs
 TRITON_ENV = "METALOOM_TRITON"  # auto | on | off: whether captured steps use the fused Triton kernels
+TRITON_ROWS_ENV = "METALOOM_TRITON_ROWS"  # the most rows a Triton step runs (the PyTorch step above)
 
 # transformers config.json fields of each shape (the vocabulary is the tokenizer's)
 SHAPES: dict[str, dict[str, Any]] = {
@@ -167,20 +168,24 @@ def metaloom_call(gen: Any, request: Any, device: str, graphs: str | None,
                   logprobs: list[list[float]] | None = None, *, ledger: Any = None,
                   speculative: Any = None) -> tuple[float, list[list[int]]]:
     """(seconds, token ids per sample) of one ``generate``; ``graphs``: METALOOM_CUDA_GRAPHS for
-    this call (None: as the environment has it; "on+torch": on, with METALOOM_TRITON=off);
+    this call (None: as the environment has it; "on+torch": on, with METALOOM_TRITON=off;
+    "on+mixed": on, with Triton's step at every row count, `metaloom.models.engine.graphs.PAGED_ROWS`
+    choosing its attention);
     ``logprobs``: a list that receives each sample's
     token log-probabilities; ``ledger``: the `Ledger` charged (default a fresh one);
     ``speculative``: a `Speculative` the generator decodes this call with (set on it for the
     call, its own restored after; None: the generator's own, none for the benchmark's)."""
     from metaloom.ledger import Ledger
 
-    before = {k: os.environ.get(k) for k in (GRAPHS_ENV, TRITON_ENV)}
+    before = {k: os.environ.get(k) for k in (GRAPHS_ENV, TRITON_ENV, TRITON_ROWS_ENV)}
     own = getattr(gen, "speculative", None)
     if graphs is not None:  # "on+torch": graphs on, Triton's kernels off
         graphs, _, kernels = graphs.partition("+")
         os.environ[GRAPHS_ENV] = graphs
         if kernels == "torch":
             os.environ[TRITON_ENV] = "off"
+        elif kernels == "mixed":
+            os.environ[TRITON_ROWS_ENV] = str(1 << 20)
     if speculative is not None:
         gen.speculative = speculative
     try:

@@ -60,8 +60,23 @@ MIN_KEYS = 128
 MAX_WIDTH = 16  # tokens a row in one static step: 1 (decode) or a speculative verify's pending + drafts
 # the Triton step runs up to this many rows (bucket), the PyTorch step above: on an H100 (1b shape,
 # docs/results/gpu-decode-h100-run6.json) Triton's was 1.22x faster at 1 row and 1.15x at 16, but
-# 0.93x at 64, where PyTorch's gather feeds its attention faster than the paged kernel reads
+# 0.93x at 64, where PyTorch's gather feeds its attention faster than the paged kernel reads.
+# METALOOM_TRITON_ROWS overrides it (a benchmark's knob: `metaloom bench gpu`'s graphs-mixed row)
 TRITON_ROWS = 32
+# within the Triton step, one-token rows attend through the paged kernel up to this many rows and
+# gather + SDPA above (the "mixed" step: fused norms, RoPE and SiLU, PyTorch's attention)
+PAGED_ROWS = 32
+
+
+def triton_rows() -> int:
+    """METALOOM_TRITON_ROWS (default `TRITON_ROWS`): the most rows a Triton step runs; anything
+    but a positive integer is an `InvalidParameter`."""
+    raw = os.environ.get("METALOOM_TRITON_ROWS", "").strip()
+    if not raw:
+        return TRITON_ROWS
+    if not raw.isdigit() or int(raw) < 1:
+        raise InvalidParameter("METALOOM_TRITON_ROWS", raw, "a positive integer")
+    return int(raw)
 
 
 def mode() -> str:
@@ -202,9 +217,9 @@ def static_step(m: LlamaModel, pool: KVPool, triton: bool = False) -> Step:
 
 def _triton_step(m: LlamaModel, pool: KVPool) -> Step:
     """`static_step` with four fused kernels a layer (`metaloom.models.kernels.gpu_triton`):
-    residual add + RMSNorm, RoPE + KV write, SiLU x up and, for one token a row, attention read
-    through the table (a verify block of W > 1 gathers and uses PyTorch's attention, as the
-    plain step does)."""
+    residual add + RMSNorm, RoPE + KV write, SiLU x up and, for one token a row up to
+    `PAGED_ROWS` rows, attention read through the table (a verify block of W > 1, or more rows,
+    gathers and uses PyTorch's attention, as the plain step does)."""
     from metaloom.models.engine.llama import embed_tokens, linear
     from metaloom.models.kernels import gpu_triton as gt
 
@@ -215,7 +230,8 @@ def _triton_step(m: LlamaModel, pool: KVPool) -> Step:
 
     def step(buf: Buffers, rows: int, keys: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, slots = buf.tokens[:rows, :width], buf.slots[:rows, :width]
-        at, rope, mask = _block(buf, rows, keys, width, window, g, mask=width > 1)
+        paged = width == 1 and rows <= PAGED_ROWS
+        at, rope, mask = _block(buf, rows, keys, width, window, g, mask=not paged)
         table = buf.table[:rows, :keys]
         table.scatter_(1, at, slots)
         n = rows * width
@@ -225,7 +241,7 @@ def _triton_step(m: LlamaModel, pool: KVPool) -> Step:
         for i, w in enumerate(m.layers):
             qkv = linear(y, w.qkv, w.qkv_bias)  # [N, (h + 2 hk) D]
             q = gt.rope_write(qkv, m._cos, m._sin, flat_pos, flat_slots, pool.keys[i], pool.values[i], h, hk)
-            if width == 1:  # one token a row attends its length's keys, its own included
+            if paged:  # one token a row attends its length's keys, its own included
                 attn = gt.paged_attend(q, pool.keys[i], pool.values[i], table, at[:, 0] + 1, keys, d ** -0.5, window)
             else:
                 attn = _gathered_attention(pool, i, table, q.view(rows, width, h, d).transpose(1, 2),
@@ -398,7 +414,7 @@ class StepGraphs:
         return chain
 
     def _replay(self, rows: int, keys: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        triton = rows <= TRITON_ROWS and self.triton()
+        triton = rows <= triton_rows() and self.triton()
         if triton:
             self.triton_steps += 1
         if not self.capture:
