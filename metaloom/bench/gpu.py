@@ -25,7 +25,8 @@ Systems (rows): ``graphs`` / ``eager``: one `LocalGenerator` with METALOOM_CUDA_
 METALOOM_TRITON=off (the captured step in PyTorch ops, without the fused Triton kernels that
 ``graphs`` uses where Triton runs, `metaloom.models.kernels.gpu_triton`); ``graphs-mixed``: graphs
 on with Triton's step above `graphs.TRITON_ROWS` rows too, attention there by gather + SDPA
-(METALOOM_TRITON_ROWS; only when named: not in the default ``--systems``); ``tf-eager``: transformers
+(METALOOM_TRITON_ROWS; only when named: not in the default ``--systems``; the same as ``graphs``
+while `graphs.TRITON_ROWS` is every bucket); ``tf-eager``: transformers
 ``generate`` with its DynamicCache; ``tf-static``: ``generate`` with a static cache, which
 transformers compiles on CUDA (torch.compile, CUDA graphs): its warm-up (two calls) holds the
 compilation, reported apart, and it is timed after the other rows of its case (not alternated

@@ -58,14 +58,15 @@ MODES = ("auto", "on", "off")
 ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIN_KEYS = 128
 MAX_WIDTH = 16  # tokens a row in one static step: 1 (decode) or a speculative verify's pending + drafts
-# the Triton step runs up to this many rows (bucket), the PyTorch step above: on an H100 (1b shape,
-# docs/results/gpu-decode-h100-run6.json) Triton's was 1.22x faster at 1 row and 1.15x at 16, but
-# 0.93x at 64, where PyTorch's gather feeds its attention faster than the paged kernel reads.
-# METALOOM_TRITON_ROWS overrides it (a benchmark's knob: `metaloom bench gpu`'s graphs-mixed row)
-TRITON_ROWS = 32
-# within the Triton step, one-token rows attend through the paged kernel up to this many rows and
-# gather + SDPA above (the "mixed" step: fused norms, RoPE and SiLU, PyTorch's attention)
+# within the Triton step, one-token rows attend through the paged kernel up to PAGED_ROWS rows
+# and gather + SDPA above (the "mixed" step: fused norms, RoPE and SiLU with PyTorch's attention).
+# On an H100 (1b shape) the paged kernel was 1.22x PyTorch's step at 1 row and 1.15x at 16, but
+# 0.93x at 64, where PyTorch's gather feeds its attention faster than the paged kernel reads
+# (docs/results/gpu-decode-h100-run6.json); the mixed step at 64 rows was 1.13x PyTorch's step
+# (gpu-decode-h100-run7.json). So the Triton step runs at every bucket (TRITON_ROWS), and
+# METALOOM_TRITON_ROWS lowers that (a benchmark's or a different GPU's knob)
 PAGED_ROWS = 32
+TRITON_ROWS = ROW_BUCKETS[-1]
 
 
 def triton_rows() -> int:
