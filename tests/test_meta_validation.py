@@ -36,6 +36,7 @@ NAN, INF = float("nan"), float("inf")
 from metaloom.search.a_star import AStar  # noqa: E402
 from metaloom.search.beam import DVTS, StepBeamSearch  # noqa: E402
 from metaloom.search.best_first import BestFirst  # noqa: E402
+from metaloom.search.entropic import EntropicParticleFiltering  # noqa: E402
 from metaloom.search.lookahead import Lookahead  # noqa: E402
 from metaloom.search.mcts import MCTS  # noqa: E402
 from metaloom.search.particle import ParticleFiltering  # noqa: E402
@@ -168,6 +169,11 @@ case(Rebase, "temperature", 0, 0.0, -1.0, "0.1", None)
 case(ParticleFiltering, "n", *COUNTS)
 case(ParticleFiltering, "temperature", 0, -1.0, "1", None)
 case(ParticleFiltering, "ess_threshold", -0.1, 1.5, "0.5", None)
+REQUIRED[EntropicParticleFiltering] = {"step_scorer": ScriptedStepScorer({})}
+case(EntropicParticleFiltering, "n", *COUNTS)
+case(EntropicParticleFiltering, "step_scorer", "countdown", None)
+case(EntropicParticleFiltering, "entropy_threshold", -0.1, 1.0, NAN, INF, True, "0.5", None)
+case(EntropicParticleFiltering, "lookahead", -1, 1.5, True, "1", None)
 for _field in ("iterations", "k", "parallel"):
     case(MCTS, _field, *COUNTS)
 case(MCTS, "c", -1.0, "1", None)

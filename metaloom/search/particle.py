@@ -78,12 +78,22 @@ class ParticleFiltering(SearchConfig):
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
         return run_search(self, "particle_filtering", prompt, generator, ledger, self.search)
 
+    # the two hooks a variant overrides (`metaloom.search.entropic`): how a round grows the
+    # particles, and the weights they are resampled with
+    def advance(self, s: Search, parents: list[Node], widths: list[int]) -> list[Node]:
+        """One round: ``parents[i]`` grows ``widths[i]`` children, scored."""
+        return s.step(parents, widths)
+
+    def resampling_weights(self, s: Search, particles: list[Node], step: int) -> list[float]:
+        """The normalised weights the particles are resampled with (``step``: the round)."""
+        return weights([p.score or 0.0 for p in particles], self.temperature)
+
     def search(self, s: Search) -> None:
         rng = random.Random(self.params.seed)
-        particles: list[Node] = s.step([s.tree.root], [self.n])
+        particles: list[Node] = self.advance(s, [s.tree.root], [self.n])
         step = 0
         while True:
-            w = weights([p.score or 0.0 for p in particles], self.temperature)
+            w = self.resampling_weights(s, particles, step)
             size = ess(w)
             for p, v in zip(particles, w, strict=True):
                 p.extra["weight"] = round(v, 6)
@@ -99,7 +109,7 @@ class ParticleFiltering(SearchConfig):
                 return
             counts = Counter(p.id for p in live)
             parents = [s.tree.nodes[i] for i in counts]
-            children = s.step(parents, [counts[p.id] for p in parents])
+            children = self.advance(s, parents, [counts[p.id] for p in parents])
             it = iter(children)
             grown = {p.id: [next(it) for _ in range(counts[p.id])] for p in parents}
             particles = [p if p.finished else grown[p.id].pop(0) for p in particles]

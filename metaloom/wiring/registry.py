@@ -60,6 +60,7 @@ STRATEGIES: dict[str, Entry] = {
     "mcts": MCTS,
     "a_star": AStar,
     "particle_filtering": ParticleFiltering,
+    "entropic_particle_filtering": "metaloom.search.entropic:EntropicParticleFiltering",
     "best_first": BestFirst,
 }
 
