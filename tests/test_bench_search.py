@@ -54,7 +54,7 @@ def test_every_strategy_is_built_for_each_task() -> None:
         built = {name: make() for name, make in strategies(task, object(), 8, 64).items()}
         assert {"best_of_n", "majority_vote"} <= built.keys()
         searches = [s for s in built.values() if hasattr(s, "step_scorer")]
-        assert len(searches) == (16 if task == "gsm" else 8)  # judge and rollout on GSM
+        assert len(searches) == (18 if task == "gsm" else 9)  # judge and rollout on GSM
         assert all((s.final_scorer is None) == (task == "gsm") for s in searches)
 
 

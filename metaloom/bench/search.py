@@ -37,7 +37,8 @@ from metaloom.eval.tasks.gym import chat_prompt, final_answer, score_answer
 TASKS: dict[str, tuple[str, dict[str, Any]]] = {t: GYM_TASKS[t] for t in ("countdown", "game24", "gsm")}
 
 SEED = 4242  # the tests draw their puzzles with seeds 11-15
-SEARCHES = ("step_beam_search", "dvts", "lookahead", "rebase", "mcts", "a_star", "particle_filtering", "best_first")
+SEARCHES = ("step_beam_search", "dvts", "lookahead", "rebase", "mcts", "a_star", "particle_filtering", "best_first",
+            "entropic_particle_filtering")
 
 
 HELP = "tree search against sampling baselines on reasoning-gym problems, at equal FLOPs per problem"
@@ -96,6 +97,7 @@ def strategies(task: str, generator: Any, n: int, tokens: int) -> dict[str, Call
     from metaloom.search.a_star import AStar
     from metaloom.search.beam import DVTS, StepBeamSearch
     from metaloom.search.best_first import BestFirst
+    from metaloom.search.entropic import EntropicParticleFiltering
     from metaloom.search.lookahead import Lookahead
     from metaloom.search.mcts import MCTS
     from metaloom.search.particle import ParticleFiltering
@@ -129,6 +131,7 @@ def strategies(task: str, generator: Any, n: int, tokens: int) -> dict[str, Call
         "particle_filtering": lambda s: ParticleFiltering(step_scorer=s, n=n, **common),
         "best_first": lambda s: BestFirst(step_scorer=s, k=max(2, n // 4), parallel=2, max_rounds=64, goal_score=goal,
                                           **common),
+        "entropic_particle_filtering": lambda s: EntropicParticleFiltering(step_scorer=s, n=n, **common),
     }
     for label, scorer in step_scorers.items():
         for name, make in searches.items():
