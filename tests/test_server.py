@@ -379,7 +379,7 @@ def _post(served, body, headers=None, path="/v1/chat/completions"):
 
 
 @pytest.mark.parametrize(("body", "status", "param"), [
-    ({"model": "default", "messages": _chat("x"), "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"model": "default", "messages": _chat("x"), "functions": [{"name": "f"}]}, 400, "functions"),  # tools' forerunner
     ({"model": "default", "messages": _chat("x"), "frobnicate": 1}, 400, "frobnicate"),
     ({"model": "default", "messages": _chat("x"), "temperature": -1}, 400, "temperature"),
     ({"model": "default", "messages": _chat("x"), "max_tokens": "many"}, 400, "max_tokens"),

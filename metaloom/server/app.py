@@ -35,7 +35,7 @@ from metaloom.generator.types import Completion, StreamChunk, TokenIds, TopLogpr
 from metaloom.generator.types import Request as GenerationRequest
 from metaloom.ledger import Ledger, Usage
 from metaloom.meta.types import Result
-from metaloom.server import protocol
+from metaloom.server import protocol, tools
 from metaloom.server.errors import ApiError, api_error
 from metaloom.server.memory import memory_parts, size_pools, storage_parts
 from metaloom.server.metrics import Metrics
@@ -221,8 +221,11 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
                      token_ids=b.return_tokens_as_token_ids)
         call.continuous_usage = _continuous_usage(b)
         if strategy is not None:
-            return await call.strategy(strategy, protocol.chat_request(body), b.stream, _usage_wanted(b))
-        return await call.plain(call.fit([protocol.chat_request(body)], b), b.stream, _usage_wanted(b), Ledger())
+            if protocol.calls_tools(body):
+                raise InvalidParameter("tools", "set", "not set with a strategy (function calling is for plain requests)")
+            return await call.strategy(strategy, protocol.chat_request(body)[0], b.stream, _usage_wanted(b))
+        wanted, call.tools = protocol.chat_request(body, generator.tokenizer)
+        return await call.plain(call.fit([wanted], b), b.stream, _usage_wanted(b), Ledger())
 
     @app.post("/v1/completions", dependencies=[Depends(authorised), Depends(admitting)], response_model=None)
     async def completions(body: CompletionBody, request: Request) -> Response | dict[str, Any]:  # type: ignore[valid-type]
@@ -273,6 +276,8 @@ class _Call:
         self.prompts: list[_Prompted] | None = None  # per request, when echo or prompt_logprobs asked for them
         self.echo = False
         self.continuous_usage = False  # stream_options.continuous_usage_stats
+        self.tools = False  # replies are read for function calls (`metaloom.server.tools`)
+        self.streams: dict[int, tools.ToolStream] = {}  # with tools: each streamed choice's reader
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.started = time.perf_counter()
@@ -399,13 +404,14 @@ class _Call:
                     continue
                 assert isinstance(event, StreamChunk)
                 index = i * n + event.index
-                out = self._delta(index, event)
+                outs = self._tool_deltas(index, event) if self.tools else [self._delta(index, event)]
                 if self.continuous_usage:  # vLLM's meaning: this choice's tokens so far, beside the request's prompt
                     sent[index] = sent.get(index, 0) + len(event.token_ids)
                     prompt = ledger.usage.input_tokens
-                    out["usage"] = {"prompt_tokens": prompt, "completion_tokens": sent[index],
-                                    "total_tokens": prompt + sent[index]}
-                yield out
+                    outs[-1]["usage"] = {"prompt_tokens": prompt, "completion_tokens": sent[index],
+                                         "total_tokens": prompt + sent[index]}
+                for out in outs:
+                    yield out
             observed = True
             self._observe(ledger.usage, tickets)
             if include_usage:
@@ -522,11 +528,34 @@ class _Call:
                 choice["error"] = chunk.error
         return out
 
+    def _tool_deltas(self, index: int, chunk: StreamChunk) -> list[dict[str, Any]]:
+        """A streamed chunk of a choice whose reply may call functions: OpenAI's deltas (content,
+        each call's id and name, its arguments in pieces), the chunk's log-probabilities on the
+        first, the finish reason (``tool_calls`` for a reply that called) on the last."""
+        stream = self.streams.setdefault(index, tools.ToolStream())
+        deltas = stream.feed(chunk.text)
+        if chunk.finish_reason is not None:
+            deltas += stream.finish()
+        outs = [self._chunk(index, d) for d in deltas] or [self._chunk(index, {})]
+        if self.logprobs and chunk.token_ids:
+            outs[0]["choices"][0]["logprobs"] = self._logprobs(chunk.token_ids, chunk.logprobs, chunk.top_logprobs or None)
+        if chunk.finish_reason is not None:
+            last = outs[-1]["choices"][0]
+            last["finish_reason"] = "tool_calls" if stream.calls and chunk.finish_reason == "stop" else chunk.finish_reason
+            last["stop_reason"] = chunk.stop_reason
+            if chunk.error is not None:
+                last["error"] = chunk.error
+        return outs
+
     def _choice(self, index: int, c: Completion, request: int = 0) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index, "finish_reason": c.finish_reason,
                                   "stop_reason": c.stop_reason,
                                   "logprobs": self._logprobs(c.token_ids, c.logprobs, c.top_logprobs) if self.logprobs else None}
-        if self.chat:
+        if self.chat and self.tools:
+            choice["message"], called = tools.message(c.text)
+            if called and c.finish_reason == "stop":
+                choice["finish_reason"] = "tool_calls"
+        elif self.chat:
             choice["message"] = {"role": "assistant", "content": c.text}
         else:
             choice["text"] = c.text

@@ -1,9 +1,10 @@
 """The OpenAI request bodies as pydantic models (so the app publishes a real OpenAPI schema), and
 their translation into metaloom `Request`s.
 
-Every field OpenAI defines is either honoured or refused with a 400 that names it (``tools``,
-``audio``, ``suffix``…): never silently dropped. metaloom's own sampling parameters sit beside
-OpenAI's under the names vLLM uses (``top_k``, ``min_p``, ``repetition_penalty``,
+Every field OpenAI defines is either honoured or refused with a 400 that names it (``audio``,
+``suffix``, the deprecated ``functions``…): never silently dropped. Function calling (``tools``,
+``tool_choice``, ``parallel_tool_calls``, ``tool`` messages) is `metaloom.server.tools`.
+metaloom's own sampling parameters sit beside OpenAI's under the names vLLM uses (``top_k``, ``min_p``, ``repetition_penalty``,
 ``include_stop_str_in_output``, ``guided_json``, ``guided_regex``, ``guided_choice``,
 ``guided_grammar``), and the rest under their `SamplingParams` names; decoders under
 ``decoder`` with `DecoderOptions`' names; a strategy under ``metaloom``.
@@ -30,7 +31,7 @@ from metaloom.sampling.params import SamplingParams
 
 # OpenAI fields metaloom does not serve: a request that sets one (to anything but null/false/empty)
 # is refused naming it
-REFUSED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio", "modalities",
+REFUSED = ("functions", "function_call", "audio", "modalities",
            "prediction", "reasoning_effort", "service_tier", "store", "metadata", "web_search_options", "suffix",
            "best_of", "verbosity", "prompt_cache_key", "safety_identifier")
 
@@ -136,6 +137,10 @@ class ChatFields(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
+    # function calling (`metaloom.server.tools` checks them: its errors name the field)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
 
 
 class CompletionFields(_Common):
@@ -302,14 +307,43 @@ def valid_text(value: Any, name: str) -> None:
             valid_text(v, f"{name}[{i}]")
 
 
-def chat_request(body: BaseModel) -> Request:
+def calls_tools(body: BaseModel) -> bool:
+    """Whether a chat body uses function calling: tools or a tool choice given, or a history
+    holding calls or their results."""
+    b: Any = body
+    return (b.tools is not None or b.tool_choice is not None or b.parallel_tool_calls is not None
+            or any(isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls")) for m in b.messages))
+
+
+def chat_request(body: BaseModel, tokenizer: Any = None) -> tuple[Request, bool]:
+    """The chat body's request, and whether its replies are read for function calls. With
+    function calling (`calls_tools`) the prompt is rendered here with ``tokenizer`` (the tools
+    in its template or the documented format, `metaloom.server.tools`) and sent as token ids,
+    and the reply's grammar is the tool choice's."""
     valid_text(body.model_dump(exclude_none=True, by_alias=True), "")
     _refuse_unsupported(body)
     params = sampling_params(body, chat=True)
     params, spec = decoder(body, params)
     b: Any = body
-    return Request(messages(b.messages), params, constraint=constraint(body), token_healing=b.token_healing,
-                   decoder=spec)
+    own = constraint(body)
+    if not calls_tools(body):
+        return Request(messages(b.messages), params, constraint=own, token_healing=b.token_healing, decoder=spec), False
+    from metaloom.server import tools
+
+    given = tools.functions(b.tools) if b.tools is not None else ()
+    choice = tools.tool_choice(b.tool_choice, given, b.parallel_tool_calls)
+    history = tools.history(b.messages)
+    if b.token_healing:
+        raise InvalidParameter("token_healing", True, "false with function calling (the reply's start is the grammar's)")
+    calling = bool(given) and choice.mode != "none"
+    if calling and own is not None:
+        raise InvalidParameter("response_format" if b.response_format is not None else "guided_json", "set",
+                               f"not set with tool_choice {choice.mode!r}: the reply's grammar is the tools'")
+    grammar = tools.grammar(given, choice) if given and own is None else own
+    if tokenizer is None:
+        raise InvalidParameter("tools", "set", "a server whose engine has a tokenizer")
+    ids = tokenizer.encode(tools.render(tokenizer, history, given), add_special_tokens=False)
+    return Request(TokenIds(tuple(ids)), params, constraint=grammar, decoder=spec), calling
 
 
 def completion_requests(body: BaseModel) -> list[Request]:

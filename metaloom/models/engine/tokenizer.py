@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -68,7 +68,10 @@ class HFTokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """``messages`` through the chat template; ``tools``: the functions the model may call,
+        in OpenAI's shape, for a template that renders them (`metaloom.server.tools`)."""
         if self.chat_template is None:
             raise InvalidParameter("chat", True, "raw prompts only: this tokenizer has no chat template")
         if self._template is None:
@@ -84,5 +87,6 @@ class HFTokenizer:
             env.globals["raise_exception"] = raise_exception
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = env.from_string(self.chat_template)
+        extra = {"tools": list(tools)} if tools else {}
         return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
