@@ -49,6 +49,7 @@ STRATEGIES: dict[str, Entry] = {
     "mbr": MBR,
     "refine": Refine,
     "budget_forcing": BudgetForcing,
+    "tool_chain": "metaloom.meta.tool_chain:ToolChain",  # ReAct: think, call a tool, observe (metaloom.tools)
     "adaptive_vote": AdaptiveVote,
     "first_finish": FirstFinish,
     "pruned_best_of_n": PrunedBestOfN,
