@@ -53,6 +53,7 @@ STRATEGIES: dict[str, Entry] = {
     "adaptive_vote": AdaptiveVote,
     "first_finish": FirstFinish,
     "pruned_best_of_n": PrunedBestOfN,
+    "spec_reason": "metaloom.meta.spec_reason:SpecReason",  # a small model drafts, the large judges
     # tree search over reasoning steps (`metaloom.search`)
     "step_beam_search": StepBeamSearch,
     "dvts": DVTS,
@@ -63,6 +64,7 @@ STRATEGIES: dict[str, Entry] = {
     "particle_filtering": ParticleFiltering,
     "entropic_particle_filtering": "metaloom.search.entropic:EntropicParticleFiltering",
     "best_first": BestFirst,
+    "refine_tree": "metaloom.search.refine_tree:RefineTree",  # AlphaVerus treefinement
 }
 
 SCORERS: dict[str, Entry] = {
