@@ -24,6 +24,8 @@ from metaloom.meta import (
 )
 from metaloom.meta.refine import REVISE
 from metaloom.meta.single import Single
+from metaloom.meta.spec_reason import SpecReason
+from metaloom.meta.tool_chain import ToolChain
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.answers import LastNumber
 from metaloom.score.feedback import FunctionFeedback
@@ -33,6 +35,7 @@ from metaloom.wiring.configure import build_strategy
 from metaloom.wiring.registry import STRATEGIES, resolve
 
 NAN, INF = float("nan"), float("inf")
+from metaloom.score.feedback import ScorerFeedback  # noqa: E402
 from metaloom.search.a_star import AStar  # noqa: E402
 from metaloom.search.beam import DVTS, StepBeamSearch  # noqa: E402
 from metaloom.search.best_first import BestFirst  # noqa: E402
@@ -41,6 +44,7 @@ from metaloom.search.lookahead import Lookahead  # noqa: E402
 from metaloom.search.mcts import MCTS  # noqa: E402
 from metaloom.search.particle import ParticleFiltering  # noqa: E402
 from metaloom.search.rebase import Rebase  # noqa: E402
+from metaloom.search.refine_tree import RefineTree  # noqa: E402
 from metaloom.testing.scripted import ScriptedStepScorer  # noqa: E402
 
 SEARCHES = (StepBeamSearch, DVTS, Lookahead, Rebase, MCTS, AStar, ParticleFiltering, BestFirst)
@@ -108,6 +112,17 @@ case(Refine, "rounds", -1, -5, 1.5, True, "3", None, INF)
 case(Refine, "revise_template", "", "Try again.", "{feedback", "{feedback} {prompt}", "{0}", None, 3)
 case(Refine, "feedback", "critique", 1.0)
 case(Refine, "params", *NOT_PARAMS)
+case(ToolChain, "tools", ("browser",), (), "calculator")
+case(ToolChain, "corpus", "x.txt")
+case(ToolChain, "max_steps", 0)
+case(ToolChain, "top_k", 0)
+case(ToolChain, "tool_timeout_s", 0, float("nan"))
+case(ToolChain, "max_observation_chars", 0)
+case(ToolChain, "constrained", "yes")
+case(ToolChain, "force_answer", 1)
+case(ToolChain, "template", "no field", None)
+case(ToolChain, "params", *NOT_PARAMS)
+case(ToolChain, "extractor", *NOT_EXTRACTORS)
 # BudgetForcing
 case(BudgetForcing, "min_thinking_tokens", -1, 513, True, 1.5, None, "0", NAN)
 case(BudgetForcing, "min_thinking_tokens", 11, max_thinking_tokens=10)
@@ -181,6 +196,23 @@ for _cls in (AStar, BestFirst):
     for _field in ("k", "parallel", "solutions", "max_rounds"):
         case(_cls, _field, *COUNTS)
 case(AStar, "cost_weight", -0.5, "0.1", None)
+case(SpecReason, "drafter", "small", object())
+case(SpecReason, "threshold", -0.1, 1.5, True, "0.5", None)
+case(SpecReason, "method", "vote", None)
+case(SpecReason, "max_steps", *COUNTS)
+case(SpecReason, "delimiter", (), ("",), "\n\n", None)
+case(SpecReason, "judge_template", "no step {prompt}", "{step} {answer}", None)
+case(SpecReason, "params", *NOT_PARAMS)
+case(SpecReason, "extractor", *NOT_EXTRACTORS)
+case(RefineTree, "feedback", "tests", ScorerFeedback)
+case(RefineTree, "initial", *COUNTS)
+case(RefineTree, "width", *COUNTS)
+case(RefineTree, "depth", -1, 2.5, True, "4", None)
+case(RefineTree, "temperature", 0, -1.0, True, "0.1", None)
+case(RefineTree, "stop_on_pass", "yes", 1, None)
+case(RefineTree, "revise_template", "no field", "{answer}", None)
+case(RefineTree, "params", *NOT_PARAMS)
+case(RefineTree, "extractor", *NOT_EXTRACTORS)
 
 
 def _id(c):
