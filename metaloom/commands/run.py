@@ -165,14 +165,22 @@ def run(args: argparse.Namespace) -> int:
     generator: Any = remote_generator(args)
     if generator is not None:
         name = args.model
+
+        def second(model: str) -> Any:  # another model on the same server
+            return remote_generator(argparse.Namespace(**{**vars(args), "model": model}))
     else:
         loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend, weights=args.weights,
                       **engine_options(args))
         generator, name = LocalGenerator(loaded, prefix_cache=prefix_cache(args.prefix_cache_mb, loaded)), loaded.name
+
+        def second(model: str) -> Any:  # another model, loaded as the first was
+            other = load(model, dtype=args.dtype, device=args.device, backend=args.backend, weights=args.weights,
+                         **engine_options(args))
+            return LocalGenerator(other, prefix_cache=prefix_cache(args.prefix_cache_mb, other))
     bar = None
     if args.progress or sys.stderr.isatty():
         generator, bar = with_progress(generator)
-    strategy = build_strategy(args.strategy, params, groups, {"generator": generator})
+    strategy = build_strategy(args.strategy, params, groups, {"generator": generator, "load_generator": second})
     if sampling:
         if not isinstance(getattr(strategy, "params", None), SamplingParams):
             raise InvalidParameter("sampling flags", sampling, f"none: strategy {args.strategy!r} has no sampling params")

@@ -60,7 +60,7 @@ def summary(entry: Any) -> str:
 
 def describe(title: str, table: Mapping[str, Any], resolve: Callable[[Any], Any], prefix: str) -> list[str]:
     from metaloom.sampling import SamplingParams
-    from metaloom.wiring.configure import is_generator, params_of
+    from metaloom.wiring.configure import is_generator, params_of, settable
 
     lines = [f"{title}:"]
     for name in sorted(table):
@@ -71,7 +71,10 @@ def describe(title: str, table: Mapping[str, Any], resolve: Callable[[Any], Any]
             continue
         lines.append(f"  {name}  {summary(entry)}")
         for p in params_of(entry):
-            if is_generator(p.type):
+            if is_generator(p.type) and settable(p.type):  # a second model, named like --model
+                lines.append(f"      --{prefix}.{p.name}  a model (as --model names one; a model id with --backend "
+                             f"openai) = {default_text(p)} (the model being run)")
+            elif is_generator(p.type):
                 lines.append(f"      ({p.name}: the model being run)")
             elif p.type is SamplingParams:
                 lines.append(f"      {default_text(p)}")

@@ -128,6 +128,7 @@ class Worker:
         self.loaded: Any = None
         self.generator: Any = None
         self.row_flops: Any = None
+        self.second: dict[str, Any] = {}  # second models a strategy names (a drafter), loaded once
         if setup.factory is not None:
             module, _, name = setup.factory.partition(":")
             self.generator = getattr(importlib.import_module(module), name)()
@@ -170,10 +171,25 @@ class Worker:
                                        prefix_cache=engines.prefix_cache(self.setup.prefix_cache_mb, self.loaded))
         return ReplayGenerator(generator, self.draws) if pooled else generator
 
+    def second_generator(self, model: str) -> Any:
+        """Another model a strategy names (spec_reason's drafter), loaded once per worker as the
+        sweep's model is (on the same server with --backend openai)."""
+        if model not in self.second:
+            s = self.setup
+            if s.backend == "openai":
+                self.second[model] = engines.remote_generator(s.base_url, model, api_key=s.api_key, tokenizer=s.tokenizer)
+            else:
+                from metaloom.generator.local import LocalGenerator
+                from metaloom.models.load import load
+
+                self.second[model] = LocalGenerator(load(model, dtype=s.dtype, device=s.device, backend=s.backend,
+                                                         weights=s.weights, kv_dtype=s.kv_dtype))
+        return self.second[model]
+
     def strategy(self, spec: Spec, generator: Any, problem: int) -> Any:
         """The spec's strategy with the task's extractor (where it needs one and the spec named
         none) and the sweep's sampling settings, seeded for this problem."""
-        strategy = spec.build({"generator": generator})
+        strategy = spec.build({"generator": generator, "load_generator": self.second_generator})
         # votes need the task's answers; a strategy whose extractor is optional (best-of-N, MBR:
         # None compares whole texts) keeps its own unless the spec names one
         extractor = next((f for f in dataclasses.fields(strategy) if f.name == "extractor"), None)

@@ -13,10 +13,10 @@ chat template) plus the steps so far as text, and the judge reads text. The two 
 not share a tokenizer, so none is required or checked. (Candidate token ids are concatenated
 only when one model wrote every kept step; a mixed solution's ids would mix vocabularies.)
 
-The small model is the ``drafter`` field, a `Generator` given in Python (as contrastive
-decoding's amateur model is given to `LocalGenerator`, or a judge its generator); ``None``
-drafts with the model being run, the only choice the command line can make today (it names
-one model), so that run measures the machinery, not a speed-up.
+The small model is the ``drafter`` field: a `Generator` in Python, or from the command line
+a model named as ``--model`` names one (``--strategy.drafter PATH.gguf``; with ``--backend
+openai`` a model id on the same server), loaded by `metaloom run` / `metaloom eval` as the first
+model was. ``None`` drafts with the model being run (that measures the machinery, not a speed-up).
 """
 
 from __future__ import annotations

@@ -76,7 +76,9 @@ def settable(t: Any) -> bool:
     """Whether a parameter of type ``t`` can be given as text (`convert` takes it): not a
     `SamplingParams` (the sampling flags set it), nor the `Generator` being run, nor any
     other structured value."""
-    t = _options(t)[0]
+    t, nullable = _options(t)
+    if t is Generator:  # a second model (a drafter), named as a model; never the one being run
+        return nullable
     if kind_of(t) is not None or t in (bool, int, float, str) or t is collections.abc.Callable:
         return True
     if typing.get_origin(t) is tuple:
@@ -97,6 +99,13 @@ def convert(value: str, t: Any, where: str, groups: Mapping[str, dict[str, str]]
     t, nullable = _options(t)
     if nullable and value.lower() in ("none", "null"):
         return None
+    if t is Generator:  # a second model: the command loads it as it loaded the first (a model id remotely)
+        if context.get("dry"):
+            return None
+        loader = context.get("load_generator")
+        if loader is None:
+            raise InvalidParameter(where, value, "no model here: a second model is given to metaloom run or metaloom eval")
+        return loader(value)
     kind = kind_of(t)
     if kind is not None:
         label, table = kind
