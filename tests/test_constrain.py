@@ -277,3 +277,20 @@ def test_greedy_generation_writes_reasoning_first(smollm_generator):
     assert c.text.startswith('{"reasoning": "'), c.text
     if c.finish_reason == "stop":
         assert list(json.loads(c.text)) == ["reasoning", "answer"]
+
+
+def test_a_grammar_engine_that_fails_mid_decode_is_a_typed_error_in_the_batched_masks_too(vocab):
+    """llguidance's lexer can give up mid-decode ("too many expressions constructed": a bounded
+    repetition intersected with a negation); the failed matcher then allows only the end token.
+    That must be an `InvalidGrammar` naming the failure, in the batched masks the decode loop
+    uses as in `mask`, never an end token that the cursor then refuses."""
+    from metaloom.constrain.grammar import grammar_masks
+
+    spec = ConstraintSpec.lark('start: "T: " LINE\nLINE: /[^\\n]{1,400}/ & ~/.*(Final Answer|Action):.*/\n')
+    cursor = compile_constraint(spec, vocab).cursor()
+    for t in _ids(vocab, "T: The final answer is 436.0. I now know the final answer. Final Answer"):
+        cursor.advance(t)
+    with pytest.raises(InvalidGrammar, match="grammar engine failed"):
+        grammar_masks([cursor])
+    with pytest.raises(InvalidGrammar, match="grammar engine failed"):
+        cursor.mask()

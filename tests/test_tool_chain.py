@@ -208,3 +208,22 @@ def test_one_step_of_the_default_model_parses_under_the_grammar(smollm_generator
         assert set(parsed.arguments) == {"expression"} and isinstance(parsed.arguments["expression"], str)
         assert r.trace[1].kind == "tool"
     assert r.usage.output_tokens == len(step.token_ids)
+
+
+def test_a_thought_cannot_hold_the_answer_and_a_long_thought_keeps_the_engine_working(smollm_generator):
+    """Qwen2.5-Coder-0.5B wrote "Thought: ... Final Answer: 436.0.0.0..." on one line until
+    max_tokens; the thought line now excludes the step markers. And the rule stays cheap for
+    the grammar engine over a long line (a length bound beside the negation made llguidance's
+    lexer give up after about 80 characters)."""
+    from metaloom.constrain.grammar import compile_constraint
+
+    vocab = smollm_generator.vocabulary
+    spec = ConstraintSpec.lark(grammar(make_tools(["calculator"], ToolSettings())))
+    cursor = compile_constraint(spec, vocab).cursor()
+    for t in vocab.ll.tokenize_str("Thought: " + "The total is 436. I now know the final answer. " * 8 + "Final Answer"):
+        cursor.advance(t)
+    mask = cursor.mask()
+    colon = vocab.ll.tokenize_str(":")
+    newline = vocab.ll.tokenize_str("\n")
+    assert len(colon) == 1 and not bool(mask[colon[0]]) and bool(mask[newline[0]])
+    assert not any(bool(mask[e]) for e in vocab.eos)

@@ -169,6 +169,9 @@ def grammar_masks(cursors: Sequence[GrammarCursor], parallel: bool = False) -> n
     else:
         for i, c in enumerate(cursors):
             c.matcher.unsafe_compute_mask_ptr(packed[i].ctypes.data, words * 4)
+    for c in cursors:  # a failed engine allows only the end token: that is no answer (as in `mask`)
+        if c.matcher.is_error():
+            _engine_failed(c)
     for i in np.flatnonzero(~packed.any(axis=1)).tolist():
         if not cursors[i].matcher.is_stopped():  # stopped with no end token in the vocabulary: nothing may follow
             _engine_failed(cursors[i])

@@ -82,11 +82,17 @@ def grammar(tools: Sequence[Tool]) -> str:
         rules.append(f"call{i}: {json.dumps(f'Action: {t.name}' + chr(10) + 'Action Input: ')} args{i}\n"
                      f"args{i}: %json {json.dumps(schema)}")
     action = " | ".join([*calls, "final"])
-    return "\n".join([f'start: "Thought: " LINE "\\n" ({action})', *rules,
-                      'final: "Final Answer: " LINE "\\n"?', r"LINE: /[^\n]+/", ""])
+    # a thought is one line that cannot itself hold the answer or an action (a small model
+    # otherwise writes "Final Answer: ..." inside its thought and never ends the line; a bound
+    # on its length beside the negation blows up llguidance's lexer: "too many expressions");
+    # the answer is one bounded line, so a model that repeats itself stops
+    return "\n".join([f'start: "Thought: " THOUGHT "\\n" ({action})', *rules,
+                      'final: "Final Answer: " LINE "\\n"?', THOUGHT, LINE, ""])
 
 
-FORCED_GRAMMAR = 'start: " " LINE "\\n"?\nLINE: /[^\\n]+/\n'
+THOUGHT = r"THOUGHT: /[^\n]+/ & ~/.*(Final Answer|Action|Observation):.*/"
+LINE = r"LINE: /[^\n]{1,200}/"
+FORCED_GRAMMAR = f'start: " " LINE "\\n"?\n{LINE}\n'
 
 
 @dataclass(frozen=True)

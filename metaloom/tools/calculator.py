@@ -32,8 +32,10 @@ FUNCTIONS: dict[str, Callable[..., Number]] = {
     "exp": math.exp, "log": math.log, "min": min, "max": max,
 }
 CONSTANTS: dict[str, float] = {"pi": math.pi, "e": math.e}
-SCHEMA = {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"],
-          "additionalProperties": False}
+# maxLength: under a grammar, a model that starts repeating "+ 45 + 45 ..." is stopped at the
+# bound (the string closes) instead of running to max_tokens with the call unfinished
+SCHEMA = {"type": "object", "properties": {"expression": {"type": "string", "maxLength": 200}},
+          "required": ["expression"], "additionalProperties": False}
 
 
 def _check_size(value: Number) -> Number:
