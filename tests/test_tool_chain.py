@@ -210,20 +210,28 @@ def test_one_step_of_the_default_model_parses_under_the_grammar(smollm_generator
     assert r.usage.output_tokens == len(step.token_ids)
 
 
-def test_a_thought_cannot_hold_the_answer_and_a_long_thought_keeps_the_engine_working(smollm_generator):
+def test_a_thought_cannot_hold_the_answer_and_ends_within_its_token_bound(smollm_generator):
     """Qwen2.5-Coder-0.5B wrote "Thought: ... Final Answer: 436.0.0.0..." on one line until
-    max_tokens; the thought line now excludes the step markers. And the rule stays cheap for
-    the grammar engine over a long line (a length bound beside the negation made llguidance's
-    lexer give up after about 80 characters)."""
+    max_tokens. The thought line now excludes the step markers, and is at most THOUGHT_TOKENS
+    tokens: then the line must end (a bound on characters beside the negation made
+    llguidance's lexer give up after about 80 characters, so the bound is on tokens)."""
     from metaloom.constrain.grammar import compile_constraint
+    from metaloom.meta.tool_chain import THOUGHT_TOKENS
 
     vocab = smollm_generator.vocabulary
     spec = ConstraintSpec.lark(grammar(make_tools(["calculator"], ToolSettings())))
+    newline = vocab.ll.tokenize_str("\n")[0]
     cursor = compile_constraint(spec, vocab).cursor()
-    for t in vocab.ll.tokenize_str("Thought: " + "The total is 436. I now know the final answer. " * 8 + "Final Answer"):
+    for t in vocab.ll.tokenize_str("Thought: " + "The total is 436. I now know the final answer. " * 3 + "Final Answe"):
         cursor.advance(t)
     mask = cursor.mask()
-    colon = vocab.ll.tokenize_str(":")
-    newline = vocab.ll.tokenize_str("\n")
-    assert len(colon) == 1 and not bool(mask[colon[0]]) and bool(mask[newline[0]])
+    last = vocab.ll.tokenize_str("r")  # "Final Answer" may not be completed inside the thought
+    assert len(last) == 1 and not bool(mask[last[0]]) and bool(mask[newline])
     assert not any(bool(mask[e]) for e in vocab.eos)
+    cursor = compile_constraint(spec, vocab).cursor()
+    for t in vocab.ll.tokenize_str("Thought: ") + vocab.ll.tokenize_str(" 0.") * THOUGHT_TOKENS:
+        if not bool(cursor.mask()[t]):
+            break
+        cursor.advance(t)
+    allowed = cursor.mask().nonzero().flatten().tolist()
+    assert allowed and all(vocab.ll.decode_str([a]).startswith("\n") for a in allowed)

@@ -84,15 +84,19 @@ def grammar(tools: Sequence[Tool]) -> str:
     action = " | ".join([*calls, "final"])
     # a thought is one line that cannot itself hold the answer or an action (a small model
     # otherwise writes "Final Answer: ..." inside its thought and never ends the line; a bound
-    # on its length beside the negation blows up llguidance's lexer: "too many expressions");
-    # the answer is one bounded line, so a model that repeats itself stops
-    return "\n".join([f'start: "Thought: " THOUGHT "\\n" ({action})', *rules,
-                      'final: "Final Answer: " LINE "\\n"?', THOUGHT, LINE, ""])
+    # on its characters beside the negation blows up llguidance's lexer, "too many
+    # expressions", so the bound is on tokens); the answer is one line of bounded tokens too
+    return "\n".join([f'start: "Thought: " thought "\\n" ({action})', *rules,
+                      f"thought[max_tokens={THOUGHT_TOKENS}]: THOUGHT",
+                      'final: "Final Answer: " answer "\\n"?', f"answer[max_tokens={ANSWER_TOKENS}]: LINE",
+                      THOUGHT, LINE, ""])
 
 
-THOUGHT = r"THOUGHT: /[^\n]+/ & ~/.*(Final Answer|Action|Observation):.*/"
-LINE = r"LINE: /[^\n]{1,200}/"
-FORCED_GRAMMAR = f'start: " " LINE "\\n"?\n{LINE}\n'
+THOUGHT = r"THOUGHT: /[^\n]+/ & ~/.*(Final Answer|Action:|Observation:).*/"
+LINE = r"LINE: /[^\n]+/"
+# a small model that loops inside a line ("436.0.0.0...") is stopped there: the line must end
+THOUGHT_TOKENS, ANSWER_TOKENS = 80, 40
+FORCED_GRAMMAR = f'start: " " answer "\\n"?\nanswer[max_tokens={ANSWER_TOKENS}]: LINE\n{LINE}\n'
 
 
 @dataclass(frozen=True)
