@@ -44,12 +44,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from metaloom.errors import InvalidParameter
-from metaloom.generator.types import Completion, Generator
+from metaloom.generator.types import Generator
 from metaloom.ledger import Ledger
 from metaloom.meta.types import Result
 from metaloom.score.protocols import Prompt
 from metaloom.search.aggregate import aggregate
 from metaloom.search.core import Search, run_search
+from metaloom.search.lookahead import roll_ahead
 from metaloom.search.particle import EPS, ParticleFiltering
 from metaloom.search.tree import Node
 
@@ -144,15 +145,7 @@ class EntropicParticleFiltering(ParticleFiltering):
             return s.step(parents, widths)
         s.begin_round(parents)
         children = s.expand(parents, widths)
-        tails: dict[int, list[Completion]] = {c.id: [] for c in children}
-        rolling = [c for c in children if c.state == "open"]
-        for _ in range(self.lookahead):
-            if not rolling:
-                break
-            new = s.rollout_step(rolling, [tails[c.id] for c in rolling], temperature=0.0)
-            # a rollout ends where its solution would: not at a delimiter
-            rolling = [c for c, step in zip(rolling, new, strict=True)
-                       if step.finish_reason == "stop" and step.stop_reason in self.delimiter]
+        tails = roll_ahead(s, children, self.lookahead, self.delimiter)
         scored = [c for c in children if c.finish != "budget"]
         ahead = [c for c in scored if tails[c.id]]
         # one scorer call: each new step, then each rollout's end

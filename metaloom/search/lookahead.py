@@ -8,6 +8,7 @@ cost is the round's. ``k = 0`` is plain step-level beam search.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from metaloom.errors import InvalidParameter
@@ -38,15 +39,7 @@ class Lookahead(Beams):
     def expand(self, s: Search, parents: list[Node], widths: list[int]) -> list[Node]:
         s.begin_round(parents)
         children = s.expand(parents, widths)
-        tails: dict[int, list[Completion]] = {c.id: [] for c in children}
-        rolling = [c for c in children if c.state == "open"]
-        for _ in range(self.k):
-            if not rolling:
-                break
-            new = s.rollout_step(rolling, [tails[c.id] for c in rolling], temperature=0.0)
-            # a rollout ends where its solution would: not at a delimiter
-            rolling = [c for c, step in zip(rolling, new, strict=True)
-                       if step.finish_reason == "stop" and step.stop_reason in self.delimiter]
+        tails = roll_ahead(s, children, self.k, self.delimiter)
         scored = [c for c in children if c.finish != "budget"]
         if scored:
             partials = [s.tree.texts(c) + [t.text for t in tails[c.id]] for c in scored]
@@ -63,3 +56,18 @@ class Lookahead(Beams):
 
     def search(self, s: Search) -> None:
         beam_loop(s, self.n, self.beam_width, lambda parents, widths: self.expand(s, parents, widths))
+
+
+def roll_ahead(s: Search, children: list[Node], steps: int, delimiter: Sequence[str]) -> dict[int, list[Completion]]:
+    """Each open child's greedy rollout of up to ``steps`` more steps (outside the tree), by
+    node id: one generator call a step for all that are still going."""
+    tails: dict[int, list[Completion]] = {c.id: [] for c in children}
+    rolling = [c for c in children if c.state == "open"]
+    for _ in range(steps):
+        if not rolling:
+            break
+        new = s.rollout_step(rolling, [tails[c.id] for c in rolling], temperature=0.0)
+        # a rollout ends where its solution would: not at a delimiter
+        rolling = [c for c, step in zip(rolling, new, strict=True)
+                   if step.finish_reason == "stop" and step.stop_reason in delimiter]
+    return tails
