@@ -235,3 +235,22 @@ def test_a_thought_cannot_hold_the_answer_and_ends_within_its_token_bound(smollm
         cursor.advance(t)
     allowed = cursor.mask().nonzero().flatten().tolist()
     assert allowed and all(vocab.ll.decode_str([a]).startswith("\n") for a in allowed)
+
+
+def test_the_chain_runs_unchanged_through_metaloom_serve(smollm, smollm_generator):
+    """--backend openai: the same steps (the grammar travels as guided_grammar), tool calls and
+    answer through `RemoteGenerator` against `metaloom serve` as on the local engine."""
+    from metaloom.generator import LocalGenerator
+    from metaloom.generator.remote import RemoteGenerator
+    from metaloom.server.app import create_app
+    from metaloom.testing.served import serve_app
+
+    chain = ToolChain(tools=("calculator",), max_steps=2, params=SamplingParams(temperature=0.0, max_tokens=48))
+    prompt = ({"role": "user", "content": "What is 37 * 43?"},)
+    mine = chain.run(prompt, smollm_generator, ledger=Ledger())
+    with serve_app(create_app(LocalGenerator(smollm), model_ids=["default"])) as url, \
+            RemoteGenerator(url, "default") as remote:
+        theirs = chain.run(prompt, remote, ledger=Ledger())
+    assert [e.kind for e in theirs.trace] == [e.kind for e in mine.trace]
+    assert [c.text for c in theirs.candidates] == [c.text for c in mine.candidates]
+    assert theirs.best == mine.best and theirs.usage.output_tokens == mine.usage.output_tokens
