@@ -182,8 +182,9 @@ class Worker:
                 from metaloom.generator.local import LocalGenerator
                 from metaloom.models.load import load
 
-                self.second[model] = LocalGenerator(load(model, dtype=s.dtype, device=s.device, backend=s.backend,
-                                                         weights=s.weights, kv_dtype=s.kv_dtype))
+                other = load(model, dtype=s.dtype, device=s.device, backend=s.backend, weights=s.weights,
+                             kv_dtype=s.kv_dtype)
+                self.second[model] = LocalGenerator(other, prefix_cache=engines.prefix_cache(s.prefix_cache_mb, other))
         return self.second[model]
 
     def strategy(self, spec: Spec, generator: Any, problem: int) -> Any:
