@@ -14,7 +14,7 @@ LAYERS = (
     ("errors",),
     ("ledger",),
     ("models", "sampling", "constrain", "sandbox"),
-    ("prefix",),
+    ("prefix", "tools"),  # tools: what tool_chain calls (calculator, sandboxed python, BM25 search)
     ("speculative",),
     ("decode",),
     ("generator",),
