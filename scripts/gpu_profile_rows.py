@@ -16,12 +16,11 @@ import time
 from typing import Any
 
 import torch
+from gpu_checks import DEVICE, random_generator, run, sync
 
 from metaloom.generator.types import Request, TokenIds
 from metaloom.models.engine.tokenizer import HFTokenizer
 from metaloom.sampling import SamplingParams
-
-from gpu_checks import DEVICE, random_generator, run, sync  # noqa: I001 (the script's sibling)
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 
