@@ -26,20 +26,9 @@ from metaloom.search.entropic import (
 from metaloom.search.particle import ParticleFiltering, weights
 from metaloom.testing.scripted import ScriptedGenerator, ScriptedStepScorer
 from metaloom.wiring.configure import build_strategy
+from tests.test_search import Counting
 
 P = SamplingParams(temperature=0.8, max_tokens=64, seed=1)
-
-
-class Counting(ScriptedGenerator):
-    """Counts generate calls and the requests in each."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.calls: list[int] = []
-
-    def generate(self, requests, *, ledger):  # type: ignore[no-untyped-def]
-        self.calls.append(len(requests))
-        return super().generate(requests, ledger=ledger)
 
 
 def tree_of(result: Any) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from metaloom.decode.specs import DECODERS, DecoderOptions, build_decoder
 from metaloom.errors import InvalidParameter
 from metaloom.generator.types import Request, TokenIds
 from metaloom.sampling.params import SamplingParams
+from metaloom.server import tools
 
 # OpenAI fields metaloom does not serve: a request that sets one (to anything but null/false/empty)
 # is refused naming it
@@ -266,16 +267,8 @@ def messages(raw: list[dict[str, Any]]) -> tuple[dict[str, str], ...]:
         extra = sorted(set(m) - {"role", "content", "name"})
         if extra:
             raise InvalidParameter(f"messages[{i}].{extra[0]}", m[extra[0]], "not set: only role, content and name")
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise InvalidParameter(f"messages[{i}].content[{j}]", part, "a text part {'type': 'text', 'text': ...}")
-                texts.append(part["text"])
-            content = "".join(texts)
-        if not isinstance(content, str):
-            raise InvalidParameter(f"messages[{i}].content", content, "a string or a list of text parts")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        text = tools.message_text(content, f"messages[{i}].content")
+        out.append({"role": "system" if role == "developer" else role, "content": text})
     return tuple(out)
 
 
@@ -328,8 +321,6 @@ def chat_request(body: BaseModel, tokenizer: Any = None) -> tuple[Request, bool]
     own = constraint(body)
     if not calls_tools(body):
         return Request(messages(b.messages), params, constraint=own, token_healing=b.token_healing, decoder=spec), False
-    from metaloom.server import tools
-
     given = tools.functions(b.tools) if b.tools is not None else ()
     choice = tools.tool_choice(b.tool_choice, given, b.parallel_tool_calls)
     history = tools.history(b.messages)

@@ -186,7 +186,7 @@ def history(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if extra:
             raise InvalidParameter(f"messages[{i}].{extra[0]}", m[extra[0]], f"not set on a {role} message")
         calls = m.get("tool_calls") or []
-        content = _text(m.get("content"), f"messages[{i}].content", nullable=bool(calls))
+        content = message_text(m.get("content"), f"messages[{i}].content", nullable=bool(calls))
         message: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
         if calls:
             message["tool_calls"] = [_call(c, f"messages[{i}].tool_calls[{j}]", names) for j, c in enumerate(calls)]
@@ -201,7 +201,9 @@ def history(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _text(content: Any, where: str, nullable: bool) -> str:
+def message_text(content: Any, where: str, nullable: bool = False) -> str:
+    """A message's content as text: a string, or text parts joined (anything else is an
+    `InvalidParameter` naming ``where``); None is "" where ``nullable`` (calls without text)."""
     if content is None and nullable:
         return ""
     if isinstance(content, list):
