@@ -15,6 +15,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from metaloom.errors import BudgetExceeded, InvalidParameter, ScorerFailed
 from metaloom.generator.types import Completion, Generator, Request, render
@@ -304,17 +305,32 @@ def run_search(config: SearchConfig, name: str, prompt: Prompt, generator: Gener
 
     def outer(run: Run) -> None:
         search = Search(config, name, run, generator, prompt)
-        try:
-            body(search)
-        except BudgetExceeded as exc:
-            search.stop = "budget"
-            budget_event(run, exc)  # before the tree: the trace ends with the tree, as on a normal finish
-            search.finalize()
-            raise
-        except ScorerFailed:
-            search.stop = "scorer_failed"
-            search.finalize()
-            raise
-        search.finalize()
+        finalized(run, search, lambda: body(search))
 
     return guarded(ledger, outer)
+
+
+class Finalizable(Protocol):
+    """A tree in progress: why it stopped, and the trace event that reports it."""
+
+    stop: str | None
+
+    def finalize(self) -> None: ...
+
+
+def finalized(run: Run, tree: Finalizable, grow: Callable[[], None]) -> None:
+    """Run ``grow``; a budget stop or a failing scorer still finalizes ``tree`` (its stop reason
+    set, the budget event before the tree: the trace ends with the tree, as on a normal finish)
+    before the error goes on to `metaloom.meta.helpers.guarded`."""
+    try:
+        grow()
+    except BudgetExceeded as exc:
+        tree.stop = "budget"
+        budget_event(run, exc)
+        tree.finalize()
+        raise
+    except ScorerFailed:
+        tree.stop = "scorer_failed"
+        tree.finalize()
+        raise
+    tree.finalize()

@@ -26,12 +26,11 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from metaloom.errors import BudgetExceeded, InvalidParameter, ScorerFailed
+from metaloom.errors import InvalidParameter
 from metaloom.generator.types import Generator, Request
 from metaloom.ledger import Ledger
 from metaloom.meta.helpers import (
     Run,
-    budget_event,
     component,
     default_sampling,
     ensure,
@@ -48,6 +47,7 @@ from metaloom.score.answers import Extractor
 from metaloom.score.feedback import CritiqueFeedback, Feedback
 from metaloom.score.prompting import fill
 from metaloom.score.protocols import Prompt
+from metaloom.search.core import finalized
 from metaloom.search.rebase import rebase_widths
 from metaloom.search.tree import Node, Tree
 
@@ -97,18 +97,7 @@ class RefineTree:
 
         def body(run: Run) -> None:
             grow = _Grow(self, run, generator, feedback, prompt)
-            try:
-                grow.search()
-            except BudgetExceeded as exc:
-                grow.stop = "budget"
-                budget_event(run, exc)  # before the tree, as tree searches do
-                grow.finalize()
-                raise
-            except ScorerFailed:
-                grow.stop = "scorer_failed"
-                grow.finalize()
-                raise
-            grow.finalize()
+            finalized(run, grow, grow.search)
 
         return guarded(ledger, body)
 
