@@ -128,9 +128,9 @@ DRAFTER = "ngram"
 def graphs_rows() -> int:
     """The most rows the ``graphs`` row's step runs with Triton's kernels (``graphs-mixed`` differs
     from ``graphs`` only above it)."""
-    from metaloom.models.engine.graphs import TRITON_ROWS
+    from metaloom.models.engine.graphs import triton_rows
 
-    return TRITON_ROWS
+    return triton_rows()
 # the speculative case's passage, which its prompt asks to copy (the drafter copies from the prompt)
 PASSAGE = ("The city council met on Tuesday to discuss the new bicycle lanes on Main Street. Residents said the lanes "
            "made cycling safer, but several shop owners complained that the loss of parking hurt their business. "
