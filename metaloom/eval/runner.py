@@ -190,7 +190,9 @@ class Worker:
     def strategy(self, spec: Spec, generator: Any, problem: int) -> Any:
         """The spec's strategy with the task's extractor (where it needs one and the spec named
         none) and the sweep's sampling settings, seeded for this problem."""
-        strategy = spec.build({"generator": generator, "load_generator": self.second_generator})
+        # public_tests feedback and scorers run the tests this problem shows, not its graders'
+        strategy = spec.build({"generator": generator, "load_generator": self.second_generator,
+                               "public_tests": self.task.public_tests(self.problems[problem])})
         # votes need the task's answers; a strategy whose extractor is optional (best-of-N, MBR:
         # None compares whole texts) keeps its own unless the spec names one
         extractor = next((f for f in dataclasses.fields(strategy) if f.name == "extractor"), None)

@@ -25,6 +25,7 @@ from typing import Any
 from metaloom.errors import InvalidParameter
 from metaloom.generator.types import Generator
 from metaloom.sampling.params import SamplingParams
+from metaloom.score.public_tests import PublicTests
 from metaloom.score.verifier import load_callable
 from metaloom.wiring.registry import KINDS, STRATEGIES, lookup
 
@@ -158,6 +159,13 @@ def build(label: str, entry: Callable[..., Any], params: Mapping[str, str], grou
     for p in declared:
         if is_generator(p.type) and p.default is REQUIRED and ("generator" in context or context.get("dry")):
             kwargs[p.name] = context.get("generator")  # judges and critics use the model being run
+        elif p.type is PublicTests:
+            # the problem's visible tests come from the task being evaluated, never from text
+            if context.get("public_tests") is None and not context.get("dry"):
+                raise InvalidParameter(label, None, "a task that shows tests: public tests come from the problem "
+                                       "in metaloom eval (--task humaneval); elsewhere name the tests (tests feedback, "
+                                       "execution scorer)")
+            kwargs[p.name] = context.get("public_tests")
         elif p.name in params:
             kwargs[p.name] = convert(params[p.name], p.type, f"{label}.{p.name}", groups, context)
         elif p.default is REQUIRED and p.factory is None:

@@ -76,6 +76,8 @@ SCORERS: dict[str, Entry] = {
     # exact final-answer checkers of reasoning-gym's puzzles
     "countdown": "metaloom.score.puzzles:CountdownAnswer",
     "game24": "metaloom.score.puzzles:Game24Answer",
+    # the problem's docstring examples (metaloom eval on humaneval): the fraction a candidate passes
+    "public_tests": "metaloom.score.public_tests:public_tests_scorer",
 }
 
 # scorers of partial solutions, for tree search (``--strategy.step_scorer NAME``)
@@ -100,6 +102,7 @@ FEEDBACK: dict[str, Entry] = {
     "verifier": ScorerFeedback,
     "function": FunctionFeedback,
     "tests": "metaloom.score.feedback:ExecutionFeedback",
+    "public_tests": "metaloom.score.public_tests:public_tests_feedback",  # the problem's examples (metaloom eval)
 }
 
 # MBR utilities: the library of `metaloom.score.utility` plus the pairwise LLM judge

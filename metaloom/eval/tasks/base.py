@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from metaloom.score.answers import Extractor
 from metaloom.score.protocols import Prompt
+
+if TYPE_CHECKING:
+    from metaloom.score.public_tests import PublicTests
 
 
 @dataclass(frozen=True)
@@ -56,4 +59,10 @@ class Task(Protocol):
 
     def grade(self, problem: Problem, text: str) -> Grade:
         """Grade an output text (a strategy's chosen output, or one candidate)."""
+        ...
+
+    def public_tests(self, problem: Problem) -> PublicTests | None:
+        """The tests ``problem`` shows, which a verifier may run (``public_tests`` feedback and
+        scorer: `metaloom.score.public_tests`), as against the hidden ones it is graded with;
+        None where the task shows none."""
         ...

@@ -168,6 +168,9 @@ class GymTask:
     def extractor(self) -> Extractor:
         return extractor_of(self.task)
 
+    def public_tests(self, problem: Problem) -> None:
+        return None  # puzzles and word problems: the exact checkers are the graders themselves
+
     def grade(self, problem: Problem, text: str) -> Grade:
         """reasoning-gym's ``score_answer`` of the extracted answer (nothing extracted: 0.0);
         correct when it gives 1.0 and, for the 24 game, the puzzle's own numbers make 24 (an

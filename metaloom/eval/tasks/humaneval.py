@@ -31,6 +31,7 @@ from metaloom.sandbox import SandboxLimits
 from metaloom.score.answers import Extractor
 from metaloom.score.execution import extract_code
 from metaloom.score.humaneval import HumanEvalTask, humaneval_scorer, load_humaneval
+from metaloom.score.public_tests import PublicTests, public_tests
 
 PROMPT = ("Complete the following Python function. Reply with the whole function, with the imports it needs, in "
           "one ```python code block.\n\n```python\n{prompt}\n```")
@@ -109,6 +110,11 @@ class HumanEval:
 
     def extractor(self) -> Extractor:
         return ProgramText()
+
+    def public_tests(self, problem: Problem) -> PublicTests:
+        """The examples in the task's docstring as tests (`metaloom.score.public_tests`); the
+        hidden ``check`` stays the grader's."""
+        return public_tests(problem.data["prompt"], problem.data["entry_point"])
 
     def grade(self, problem: Problem, text: str) -> Grade:
         """Correct when the task's ``check`` passes on the prompt followed by the extracted code

@@ -255,6 +255,9 @@ class JsonlTask:
                                    "or name the strategy's extractor")
         return PuzzleExpression() if names[0] == PuzzleExpression.name else usable_extractors()[names[0]]
 
+    def public_tests(self, problem: Problem) -> None:
+        return None  # a line's tests, where it has them, are what it is graded with
+
     def grade(self, problem: Problem, text: str) -> Grade:
         return _grader_of(problem).grade(problem.prompt, text)
 
