@@ -151,3 +151,12 @@ def test_best_of_n_on_humaneval_picks_the_sample_that_passes_the_examples(tmp_pa
         records = {r["strategy"]: r for r in map(json.loads, f)}
     assert records["best_of_n@n=2,scorer=public_tests"]["correct"]
     assert not records["best_of_n@n=2"]["correct"]
+
+
+def test_metaloom_strategies_says_where_public_tests_come_from(capsys) -> None:
+    from metaloom.cli import main
+
+    assert main(["strategies"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("(tests: the problem's public tests, from the task in metaloom eval)") == 2  # scorer, feedback
+    assert "--feedback.tests  PublicTests" not in out

@@ -60,6 +60,7 @@ def summary(entry: Any) -> str:
 
 def describe(title: str, table: Mapping[str, Any], resolve: Callable[[Any], Any], prefix: str) -> list[str]:
     from metaloom.sampling import SamplingParams
+    from metaloom.score.public_tests import PublicTests
     from metaloom.wiring.configure import is_generator, params_of, settable
 
     lines = [f"{title}:"]
@@ -78,6 +79,8 @@ def describe(title: str, table: Mapping[str, Any], resolve: Callable[[Any], Any]
                 lines.append(f"      ({p.name}: the model being run)")
             elif p.type is SamplingParams:
                 lines.append(f"      {default_text(p)}")
+            elif p.type is PublicTests:
+                lines.append(f"      ({p.name}: the problem's public tests, from the task in metaloom eval)")
             else:
                 lines.append(f"      --{prefix}.{p.name}  {type_name(p.type)} = {default_text(p)}")
     return lines
