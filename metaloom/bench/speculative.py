@@ -301,18 +301,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """One report per dtype in ``--dtypes``; the prefix-cache case runs once, on the first."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     _peers(args)  # a bad --peers fails before any model loads
-    reports = [_one_dtype(args, dtype) for dtype in args.dtypes.split(",") if dtype]
-    out: dict[str, Any] = {"threads": torch.get_num_threads(), "new_tokens": args.new_tokens,
-                           "prompts": len(PROMPT_SETS[args.prompts]),
-                           "prompt_set": args.prompts,
-                           "repeats": args.repeats, "runs": reports}
+    reports: list[dict[str, Any]] = []
+    for dtype in (d for d in args.dtypes.split(",") if d):
+        reports.append(_one_dtype(args, dtype, reports))
+    out: dict[str, Any] = {**_header(args), "runs": reports}
     if args.prefix_tokens > 0:
         loaded = load(args.model, dtype=reports[0]["dtype"], weights=single_weights(args))
         out["prefix_cache"] = prefix_cache_case(loaded, args.prefix_tokens, args.repeats)
+    if args.out:
+        write_json(args.out, out)
     return out
 
 
-def _one_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
+def _header(args: argparse.Namespace) -> dict[str, Any]:
+    return {"threads": torch.get_num_threads(), "new_tokens": args.new_tokens, "prompts": len(PROMPT_SETS[args.prompts]),
+            "prompt_set": args.prompts, "repeats": args.repeats}
+
+
+def _one_dtype(args: argparse.Namespace, dtype: str, done: list[dict[str, Any]]) -> dict[str, Any]:
     loaded = load(args.model, dtype=dtype, weights=single_weights(args))
     n = args.new_tokens
     skipped: dict[str, str] = {}
@@ -332,7 +338,7 @@ def _one_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
         except MetaloomError as exc:  # e.g. no speculator heads for this model: report, keep benchmarking
             skipped[m.name] = str(exc)
             methods.remove(m)
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
         for m in methods:
             for i in range(len(prompts)):
                 start = time.perf_counter()
@@ -341,7 +347,27 @@ def _one_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
                 m.tokens.setdefault(i, tokens)
                 if ledger is not None:
                     m.ledgers[i] = ledger
+            # a long run that is stopped still leaves every row measured so far
+            measured = [x for x in methods if x.times]
+            row = _report(loaded, measured, skipped, dtype)["methods"][-1]
+            print(f"[{dtype} repeat {repeat + 1}/{args.repeats}] {m.name}: {row['tok_s']:.2f} tok/s "
+                  f"({row['speedup']:.2f}x greedy)", file=sys.stderr, flush=True)
+            if args.out:
+                write_partial(args.out, args, done, _report(loaded, measured, skipped, dtype))
     return _report(loaded, methods, skipped, dtype)
+
+
+def write_partial(path: str, args: argparse.Namespace, done: list[dict[str, Any]], current: dict[str, Any]) -> None:
+    """``--out``: the report so far (finished dtypes, then the one being measured, marked
+    ``partial``), replaced atomically after each method's measurement."""
+    write_json(path, {**_header(args), "runs": [*done, {**current, "partial": True}], "partial": True})
+
+
+def write_json(path: str, report: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, path)
 
 
 def _report(loaded: LoadedModel, methods: list[Method], skipped: dict[str, str], dtype: str) -> dict[str, Any]:
@@ -392,6 +418,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", choices=sorted(PROMPT_SETS), default="grounded",
                    help="grounded: code edits and a summary that quote their input; free: open-ended generation")
     p.add_argument("--prefix-tokens", type=int, default=1000, help="shared prefix for the prefix-cache case (0: skip)")
+    p.add_argument("--out", default=None,
+                   help="write the JSON report here, rewritten after each method is measured (a stopped run keeps "
+                        "its rows, marked partial)")
 
 def main(args: argparse.Namespace) -> int:
     report = run(args)
