@@ -294,3 +294,19 @@ def test_a_grammar_engine_that_fails_mid_decode_is_a_typed_error_in_the_batched_
         grammar_masks([cursor])
     with pytest.raises(InvalidGrammar, match="grammar engine failed"):
         cursor.mask()
+
+
+def test_a_failed_grammar_engine_ends_only_its_own_row(vocab):
+    """The decode loop's masks (`metaloom.decode.select.masks`): a row whose engine failed is
+    recorded with why and left out; the other rows of the batch keep their masks."""
+    from metaloom.decode.select import masks
+
+    spec = ConstraintSpec.lark('start: "T: " LINE\nLINE: /[^\\n]{1,400}/ & ~/.*(Final Answer|Action):.*/\n')
+    failed = compile_constraint(spec, vocab).cursor()
+    for t in _ids(vocab, "T: The final answer is 436.0. I now know the final answer. Final Answer"):
+        failed.advance(t)
+    healthy = compile_constraint(ConstraintSpec.regex("(yes|no)"), vocab).cursor()
+    errors: dict[int, str] = {}
+    out = masks([failed, healthy, None], vocab.size, torch.device("cpu"), errors)
+    assert list(errors) == [0] and "grammar engine failed" in errors[0]
+    assert torch.equal(out[1], healthy.mask()) and bool(out[2].all())
