@@ -177,7 +177,8 @@ def no_model(*args, **kwargs):
      "invalid strategy.bogus='Q': allowed one of ['n', 'extractor', 'inner'] "
      "('Q' was taken as the value of --strategy.bogus, so the prompt is missing)"),
     (["--strategy", "best_of_n", "--strategy.scorer", "What is 2 + 2?"],
-     "invalid scorer='What is 2 + 2?': allowed one of ['countdown', 'execution', 'game24', 'judge', 'logprob', 'reward_model', "
+     "invalid scorer='What is 2 + 2?': allowed one of ['countdown', 'execution', 'game24', 'judge', 'logprob', 'public_tests', "
+         "'reward_model', "
      "'verifier'] "
      "('What is 2 + 2?' was taken as the value of --strategy.scorer, so the prompt is missing)"),
     # valid parameters, no prompt left
