@@ -75,11 +75,12 @@ def test_floats_compare_within_a_relative_tolerance() -> None:
     assert not run_tests(tests.prefix + "    return 0.31\n" + tests.tests[0]).passed
 
 
-def test_a_problem_without_examples_gets_a_test_that_its_function_exists() -> None:
+def test_a_problem_without_examples_gets_a_test_that_its_code_runs() -> None:
     tests = public_tests('def h(x):\n    """Do it."""\n', "h")
     assert len(tests.tests) == 1
-    assert run_tests(tests.prefix + "    return x\n" + tests.tests[0]).passed
-    assert not run_tests(tests.prefix.replace("def h(", "def other(") + "    return x\n" + tests.tests[0]).passed
+    assert run_tests(tests.prefix + "def h(x):\n    return x\n" + tests.tests[0]).passed
+    assert not run_tests(tests.prefix + "def h(x):\n    return x +\n" + tests.tests[0]).passed  # a syntax error
+    assert not run_tests(tests.prefix + "import no_such_module\n" + tests.tests[0]).passed
 
 
 def test_humaneval_canonical_solutions_pass_their_public_tests_except_where_the_docstring_is_wrong() -> None:

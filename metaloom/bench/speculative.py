@@ -348,12 +348,12 @@ def _one_dtype(args: argparse.Namespace, dtype: str, done: list[dict[str, Any]])
                 if ledger is not None:
                     m.ledgers[i] = ledger
             # a long run that is stopped still leaves every row measured so far
-            measured = [x for x in methods if x.times]
-            row = _report(loaded, measured, skipped, dtype)["methods"][-1]
+            so_far = _report(loaded, [x for x in methods if x.times], skipped, dtype)
+            row = so_far["methods"][-1]
             print(f"[{dtype} repeat {repeat + 1}/{args.repeats}] {m.name}: {row['tok_s']:.2f} tok/s "
                   f"({row['speedup']:.2f}x greedy)", file=sys.stderr, flush=True)
             if args.out:
-                write_partial(args.out, args, done, _report(loaded, measured, skipped, dtype))
+                write_partial(args.out, args, done, so_far)
     return _report(loaded, methods, skipped, dtype)
 
 
