@@ -47,3 +47,8 @@ def test_a_finished_run_writes_the_whole_report(tmp_path, monkeypatch) -> None:
         assert json.load(f) == json.loads(json.dumps(report))
     assert "partial" not in report
     assert [r["method"] for r in report["runs"][0]["methods"]] == ["metaloom greedy", "peer"]
+    # every figure names the machine it ran on and the weights that ran
+    from metaloom.models.kernels import isa
+
+    assert report["cpu"] == isa.cpu_name() and report["isa"] == isa.chosen().name and report["threads"] >= 1
+    assert report["weights"] == "dense" and report["runs"][0]["weights"] == "dense"

@@ -314,8 +314,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _header(args: argparse.Namespace) -> dict[str, Any]:
-    return {"threads": torch.get_num_threads(), "new_tokens": args.new_tokens, "prompts": len(PROMPT_SETS[args.prompts]),
-            "prompt_set": args.prompts, "repeats": args.repeats}
+    """What the figures depend on besides the methods: the CPU (its name, vector features and the
+    kernels' instruction-set path), the threads, the weights asked for, the workload."""
+    from metaloom.models.kernels import isa
+
+    return {"cpu": isa.cpu_name(), "cpu_features": isa.describe(isa.cpu_features()), "isa": isa.chosen().name,
+            "threads": torch.get_num_threads(), "weights": str(args.weights), "new_tokens": args.new_tokens,
+            "prompts": len(PROMPT_SETS[args.prompts]), "prompt_set": args.prompts, "repeats": args.repeats}
 
 
 def _one_dtype(args: argparse.Namespace, dtype: str, done: list[dict[str, Any]]) -> dict[str, Any]:
@@ -398,7 +403,8 @@ def _report(loaded: LoadedModel, methods: list[Method], skipped: dict[str, str],
         for r in rows:
             if r["method"].startswith(("transformers", "llama.cpp")):
                 ratios[f"{best['method']} / {r['method']}"] = best["tok_s"] / r["tok_s"]
-    return {"model": loaded.name, "dtype": dtype, "methods": rows, "best_drafter": best and best["method"],
+    return {"model": loaded.name, "dtype": dtype, "weights": loaded.weights, "methods": rows,
+            "best_drafter": best and best["method"],
             "ratios": ratios, "skipped": skipped}
 
 

@@ -26,7 +26,15 @@ the default model, tested). In bfloat16 a near-tie can flip, and from there the 
 outputs part ways (seen on the benchmark's prompts; `metaloom bench speculative` reports
 ``same_tokens_as_greedy`` for every drafter). transformers' and vLLM's speculative decoding
 have the same property; float32 is the choice when bit-for-bit equality with plain greedy
-matters.
+matters. One exception holds by construction: on the CPU with native quantised weights (the
+one-call stack of `metaloom.models.engine.stack`), a verify of up to 65 tokens a row runs each
+token through the very one-token kernels plain decoding runs (`LlamaModel._verify_fused`), so
+every position's logits are plain decoding's to the bit, in float32 and bfloat16, as long as
+the verify's tokens do not take shared-prefix attention (``--shared-prefix-attention off``, or
+``auto`` over a short prompt: under `AUTO_SHARED_READS` shared key reads, about 4,096 / (tokens
+- 1) positions). Over long prompts ``auto`` shares the prompt's reads among the tree's tokens
+(4.6x faster verifies at 4,000 positions, docs/performance.md), which merges the softmax in
+another order: exact to rounding only.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Plain tensors and `torch.nn.functional`, no `nn.Module` tree: at batch 1 on a CP
 overhead is a large share of a decode step, so q/k/v and gate/up are fused into one matmul
 each and one attention mask per forward is shared by all layers. One-token steps on the CPU
 (float32, bfloat16) go further when the model was given `metaloom.models.kernels.fused` kernels:
-everything between the matmuls runs in three C calls per layer (`LlamaModel._step_fused`);
-prefill and k-token verification take the PyTorch ops below. Keys and values live in a KV pool
+everything between the matmuls runs in three C calls per layer (`LlamaModel._step_fused`), and
+so does a speculative verify of a few tokens per row, each token a row of its own
+(`LlamaModel._verify_fused`); prefill takes the PyTorch ops below. Keys and values live in a KV pool
 of token slots shared by the caches made from it (`metaloom.models.engine.cache`): a forked row reads
 its parent's keys where they are.
 """
@@ -18,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -41,6 +43,10 @@ from metaloom.models.protocols import KVCache
 # per layer and kv head (the sum over shared spans of (rows - 1) x span length); below it the
 # per-row kernel is as fast (measured: `metaloom bench fork --case shared`)
 AUTO_SHARED_READS = 4096
+# the widest block a row may take through the fused kernels as a verify (`LlamaModel._verify_fused`):
+# a pending token and up to 64 drafted ones (metaloom.speculative.drafter.MAX_DRAFT); wider blocks
+# are prefills, where PyTorch's fused attention over the whole block is the faster path
+FUSED_VERIFY_WIDTH = 65
 
 
 class MatMul(Protocol):
@@ -425,6 +431,8 @@ class LlamaModel:
             raise InvalidParameter("tree", tuple(tree.shape), f"a [{b}, {t}, {t}] bool mask (the block's tree)")
         if tree is not None and (opts.drops or self.config.sliding_window is not None):
             raise InvalidParameter("tree", "a token tree", "a model with no sliding window and --kv-policy 'full'")
+        if t == 1:  # a tree of the pending token alone (nothing drafted): the one-token step, bit for bit
+            tree = None
         if opts.drops:  # --kv-policy: rows past the budget drop positions first (metaloom.models.engine.dropping)
             dropping.before_forward(opts, cache, valid.cpu().numpy())
         lengths = cache.lengths  # before this forward
@@ -434,6 +442,9 @@ class LlamaModel:
             if opts.drops:
                 dropping.after_forward(opts, cache, 1, None)
             return y
+        if self._verify_applies(cache, t, tree):
+            assert self.fused is not None  # checked by _verify_applies
+            return self._verify_fused(tokens, cache, valid, tree, last_only, self.fused)
         uniform = bool((lengths == lengths[0]).all()) if b else True
         fresh = uniform and (not b or int(lengths[0]) == 0)  # nothing cached: attend to this forward's keys
         entries = lengths[:, None] + torch.arange(t, device=tokens.device)  # [B, T]: where each token sits in its row
@@ -503,22 +514,32 @@ class LlamaModel:
         """`_hidden` for one new token per row through the fused kernels (`metaloom.models.kernels.fused`):
         the same arithmetic, three kernel calls and four matmuls per layer. The new position's
         slot is already in the cache's table (`PagedKVCache.prepare`). -> [B, 1, d]"""
+        table = cache.table()
+        drops = self._drops(cache, table.shape[1])
+        sharing = None if drops.sinks is not None or drops.probs is not None else self._sharing(cache)
+        y = self._fused_rows(tokens[:, 0], lengths.contiguous(), table, cache.pool, sharing, drops, k)
+        if drops.probs is not None:  # H2O: each entry's attention this step, summed over heads and layers
+            cache.attention_mass()[:, :table.shape[1]] += drops.probs.sum(1).double().numpy()
+        cache.advance(valid)
+        return y[:, None]
+
+    def _fused_rows(self, tokens: torch.Tensor, lengths: torch.Tensor, table: torch.Tensor, pool: KVPool,
+                    sharing: Sharing | None, drops: Drops, k: FusedKernels) -> torch.Tensor:
+        """One new token per row through the fused kernels: tokens [R] at positions lengths [R],
+        each row's slots table [R, width] (its new slot at its length). -> [R, d] after the final
+        norm. A row's arithmetic does not depend on the other rows (the quantised matmuls keep
+        rows apart, attention is per row) unless ``sharing`` merges their shared keys' parts."""
         c = self.config
         b, h = tokens.shape[0], c.num_attention_heads
-        x = embed_tokens(self.embed, tokens[:, 0], self.dtype)  # [B, d], a fresh tensor: the residual stream
+        x = embed_tokens(self.embed, tokens, self.dtype)  # [R, d], a fresh tensor: the residual stream
         y = torch.empty_like(x)
         attn = x.new_empty(b, h * c.head_dim)
         act = x.new_empty(b, c.intermediate_size)
-        lengths = lengths.contiguous()
-        table = cache.table()
-        pool = cache.pool
         if not self.fused_reads(pool) or not pool.keys[0].is_contiguous() or not table.is_contiguous():
             raise UnsupportedModel("the fused step needs the contiguous KV pool of new_cache()")
         # split attention over threads only when there is enough of it (each parallel region
         # costs a few microseconds, 2 per layer)
         threads = torch.get_num_threads() if b * (int(lengths.max()) + 1) >= PARALLEL_MIN_KEYS else 1
-        drops = self._drops(cache, table.shape[1])
-        sharing = None if drops.sinks is not None or drops.probs is not None else self._sharing(cache)
         plan = self._plan(b)
         if plan is not None:  # every layer in one call: the same kernels, in the same order (metaloom.models.engine.stack)
             delta = self._step_stack(plan, k, x, y, attn, act, lengths, table, pool, threads, sharing, drops)
@@ -534,10 +555,60 @@ class LlamaModel:
                 k.silu_mul(linear(y, w.gate_up).contiguous(), act)
                 delta = linear(act, w.down).contiguous()
         k.residual_rms_norm(x, delta, self.norm, y, c.rms_norm_eps)
-        if drops.probs is not None:  # H2O: each entry's attention this step, summed over heads and layers
-            cache.attention_mass()[:, :table.shape[1]] += drops.probs.sum(1).double().numpy()
+        return y
+
+    def _verify_applies(self, cache: PagedKVCache, t: int, tree: torch.Tensor | None) -> bool:
+        """Whether a block of ``t`` tokens per row takes `_verify_fused`: the fused kernels read
+        this pool, every row already holds keys (a fresh prompt is a prefill), the block is at
+        most `FUSED_VERIFY_WIDTH` wide, and no row drops positions (``--kv-policy``); a sliding
+        window only for a chain (its window is per position, which a tree's depths are not)."""
+        return (1 < t <= FUSED_VERIFY_WIDTH and self.fused is not None and cache.batch > 0
+                and self.fused_reads(cache.pool) and not self.options.drops
+                and (tree is None or self.config.sliding_window is None) and bool(cache.host_lengths().all()))
+
+    def _verify_fused(self, tokens: torch.Tensor, cache: PagedKVCache, valid: torch.Tensor,
+                      tree: torch.Tensor | None, last_only: bool, k: FusedKernels) -> torch.Tensor:
+        """`_hidden` for a block of a few tokens per row over rows that hold keys (a speculative
+        verify: the pending token and the drafts, as a chain or a token tree) through the
+        one-token fused kernels. Each kept token is a row of its own, at its position (length +
+        depth), whose slot table is its row's cached slots followed by the new slots of its
+        ancestors and its own; fused.c writes every row's new key before any row attends, so a
+        token attends the ancestors written in the same call.
+
+        Why: on the PyTorch ops a verify of 2 to 16 tokens cost 2 to 4 one-token steps of
+        SmolLM2 (their dispatch, and SDPA with a mask), most of it not arithmetic. Here a
+        token's arithmetic is exactly a one-token step's (the quantised matmuls keep rows apart,
+        and attention is per row), so a greedy verify's argmaxes are plain greedy's bits, not
+        only to rounding, unless shared-prefix attention merges the tokens' shared keys (its
+        ``auto`` mode, past `AUTO_SHARED_READS`: over a long prompt the tokens then read it once,
+        not once each, which is worth the rounding: 4.6x faster at 4,000 positions and 21
+        tokens). -> [B, T, d] ([B, 1, d] with ``last_only``), zeros at padding."""
+        b, t = tokens.shape
+        n = cache.host_lengths()  # before this forward: row b's block has slots at n[b] .. n[b] + valid[b] - 1
+        keep = valid.tolist()
+        rows_b = np.repeat(np.arange(b), keep)
+        rows_i = np.concatenate([np.arange(v) for v in keep]) if b else np.zeros(0, dtype=np.int64)
+        out = torch.zeros(b, t, self.config.hidden_size, dtype=self.dtype, device=tokens.device)
+        if rows_b.size:
+            mask = None if tree is None else tree.cpu().numpy()
+            depth = rows_i if mask is None else mask[rows_b, rows_i].sum(-1) - 1
+            lengths = n[rows_b] + depth
+            # a chain's tokens read their row's own table, which lists the block in order; a tree
+            # node's lists its ancestors (and itself) in depth order there instead: in a topological
+            # order every ancestor comes before its descendants
+            table = np.ascontiguousarray(cache.slots[rows_b, :int(lengths.max()) + 1])
+            if mask is not None:
+                for r, (row, i) in enumerate(zip(rows_b.tolist(), rows_i.tolist(), strict=True)):
+                    path = np.flatnonzero(mask[row, i, :i + 1])
+                    table[r, n[row]:n[row] + path.size] = cache.slots[row, n[row] + path]
+            sharing = self._sharing_of(table, lengths)
+            y = self._fused_rows(tokens[torch.from_numpy(rows_b), torch.from_numpy(rows_i)],
+                                 torch.from_numpy(lengths), torch.from_numpy(table), cache.pool, sharing, Drops(), k)
+            out[torch.from_numpy(rows_b), torch.from_numpy(rows_i)] = y
         cache.advance(valid)
-        return y[:, None]
+        if last_only:
+            out = out[torch.arange(b), valid - 1][:, None]
+        return out
 
     def _drops(self, cache: PagedKVCache, width: int) -> Drops:
         """What the fused kernels need of rows that dropped positions (``--kv-policy``): each
@@ -577,10 +648,15 @@ class LlamaModel:
         """The positions this step's rows share in the pool, for shared-prefix attention
         (`metaloom.models.engine.sharing`), or None: turned off, a sliding window (its rows
         attend different spans), nothing shared, or (``auto``) too little shared to gain."""
+        return self._sharing_of(cache.slots, cache.host_lengths())
+
+    def _sharing_of(self, slots: np.ndarray, lengths: np.ndarray) -> Sharing | None:
+        """`_sharing` of rows with slot table ``slots`` [R, width] and ``lengths`` [R] (each
+        row's new position)."""
         mode = self.options.shared_prefix_attention
-        if mode == "off" or cache.batch < 2 or self.config.sliding_window is not None:
+        if mode == "off" or len(lengths) < 2 or self.config.sliding_window is not None:
             return None
-        found = find_sharing(cache.slots, cache.host_lengths())
+        found = find_sharing(slots, lengths)
         if found is None or (mode == "auto" and found.saved_reads() < AUTO_SHARED_READS):
             return None
         return found

@@ -29,7 +29,7 @@
 #include <arm_neon.h>
 #endif
 
-#define ABI_VERSION 7
+#define ABI_VERSION 8
 #define INLINE static inline __attribute__((always_inline))
 
 /* W lanes per vector: one AVX-512 register; 8 on every other path, one AVX2 register or two NEON
@@ -360,8 +360,8 @@ typedef struct {
     float *probs;
 } drop_args;
 
-/* One (row, kv head) task: write the row's rotated key and its value for kv head j at the
- * row's new position, then attend every query head of that group. */
+/* One (row, kv head) task: attend every query head of kv head j's group over the row's
+ * positions (its new key and value already written by write_new). */
 INLINE void attend_task(const void *qkv, const void *cs, const void *sn, const int64_t *lengths,
                         const int64_t *table, int64_t width, void *kc, void *vc, float *ks, float *vs, void *out,
                         int64_t r, int64_t j, int64_t h, int64_t hk, int64_t dim, int64_t window, float scale,
@@ -373,9 +373,6 @@ INLINE void attend_task(const void *qkv, const void *cs, const void *sn, const i
     int64_t sinks = dr->sinks ? dr->sinks[r] : 0;
     float *qs = q + dim; /* the query at its in-cache position, for the sinks */
     const int64_t *slots = table + r * width;
-    int64_t slot = slots[pos] * hk * dim + j * dim;
-    put_kv(qkv, row + (h + j) * dim, row + (h + hk + j) * dim, cs, sn, at, kc, vc, ks, vs, slot, slots[pos] * hk + j,
-           dim, q, bf, q8); /* q is free until the first query head is rotated into it */
     for (int64_t g = j * group; g < (j + 1) * group; g++) {
         rope(qkv, row + g * dim, cs, sn, at, q, 0, dim, bf);
         if (sinks > 0 && at != pos * dim) {
@@ -572,21 +569,17 @@ INLINE void span_partial(const void *q, const void *K, const void *V, const floa
 #define HEAD_PARTIAL(NV) \
     head_partial_n(q, qi, K, V, KS, VS, slots, stride, off, hk, j, scores, lo, pos, scale, acc, &s[0], &s[1], NV, bf, q8)
 
-/* Row r, kv head j: write the row's new key and value (as attend_task), rotate its query heads
+/* Row r, kv head j (its new key and value already written by write_new): rotate its query heads
  * into q [rows, h, dim], and leave each query head's partial softmax over the row's private
  * positions private_from[r]..pos in state [rows, h, dim + 2]. */
 INLINE void private_task(const void *qkv, const void *cs, const void *sn, const int64_t *lengths,
                          const int64_t *table, int64_t width, void *kc, void *vc, float *ks, float *vs, void *q,
                          float *state, const sharing_desc *sh, int64_t r, int64_t j, int64_t h, int64_t hk,
-                         int64_t dim, float scale, float *scores, float *tmp, const int64_t *shift, const int bf,
-                         const int q8) {
+                         int64_t dim, float scale, float *scores, const int64_t *shift, const int bf, const int q8) {
     int64_t stride_qkv = (h + 2 * hk) * dim, group = h / hk, nv = dim / W;
     int64_t pos = lengths[r], lo = sh->private_from[r];
     int64_t row = r * stride_qkv, at = (pos + (shift ? shift[r] : 0)) * dim;
     const int64_t *slots = table + r * width;
-    int64_t slot = slots[pos] * hk * dim + j * dim;
-    put_kv(qkv, row + (h + j) * dim, row + (h + hk + j) * dim, cs, sn, at, kc, vc, ks, vs, slot, slots[pos] * hk + j,
-           dim, tmp, bf, q8);
     const void *K = kc, *V = vc;
     const float *KS = ks, *VS = vs;
     int64_t stride = hk * dim, off = j * dim;
@@ -652,7 +645,7 @@ INLINE int rope_attend_shared_t(const void *qkv, const void *cs, const void *sn,
     int64_t chunks = 0;
     for (int64_t s = 0; s < sh->spans; s++) chunks += (sh->ptr[s + 1] - sh->ptr[s] + SPAN_ROWS - 1) / SPAN_ROWS;
     int failed = 0;
-    /* per thread: scores, then the new key before it is quantised, then a span task's rotated queries */
+    /* per thread: scores, then a span task's rotated queries */
     size_t scratch = (size_t)(longest + 1 + W + dim), qspan = (size_t)(SPAN_ROWS * group * dim);
     const int64_t privates = rows * hk;
     /* One loop of independent tasks, so a call has a single barrier (a thread descheduled by a busy
@@ -671,7 +664,7 @@ INLINE int rope_attend_shared_t(const void *qkv, const void *cs, const void *sn,
             if (!scores) continue;
             if (task < privates) {
                 private_task(qkv, cs, sn, lengths, table, width, kc, vc, ks, vs, q, priv, sh, task / hk, task % hk, h,
-                             hk, dim, scale, scores, scores + longest + 1 + W, shift, bf, q8);
+                             hk, dim, scale, scores, shift, bf, q8);
                 continue;
             }
             int64_t c = (task - privates) / hk, j = (task - privates) % hk, s = 0;
@@ -708,7 +701,8 @@ INLINE int rope_attend_shared_t(const void *qkv, const void *cs, const void *sn,
  *   cs, sn [positions, dim] (cos, sin); table [rows, width]: the KV slot of each position of each row;
  *   kc, vc [slots, hk, dim] (the layer's KV pool): the activations' type, or int8 codes when ks, vs
  *   (their scales, [slots, hk] float32) are not NULL.
- * Writes the rotated k and the v in slot table[r, lengths[r]], then for every query head g (kv
+ * Writes every row's rotated k and its v in slot table[r, lengths[r]] first (write_new: a row's
+ * table may list another row's new slot, as a verify's drafted tokens do), then for every query head g (kv
  * head g / (h / hk)) out[r, g] = softmax(q . K^T / sqrt(dim)) V over positions lo..pos (lo > 0
  * only with a sliding window). out [rows, h * dim]. Work is split over up to `threads` OpenMP
  * threads by (row, kv head) when compiled with OpenMP. With `sh` (not NULL; no sliding window),
@@ -723,6 +717,25 @@ INLINE int rope_attend_shared_t(const void *qkv, const void *cs, const void *sn,
 #define PER_ROW(BF, Q8) \
     rope_attend_t(qkv, cs, sn, lengths, table, width, kc, vc, ks, vs, out, rows, h, hk, dim, window, threads, &dr, BF, Q8)
 
+/* Every row's rotated new key and its value, every kv head, into slot table[r, lengths[r]]:
+ * all of them before any row attends, so a row may attend another row's new key in the same
+ * call. A speculative verify relies on it: each drafted token is a row of its own whose table
+ * lists its ancestors' new slots (LlamaModel._verify_fused). On this thread: rows x kv heads
+ * RoPEs and copies of head_dim elements, microseconds beside the attention that follows. */
+INLINE void write_new(const void *qkv, const void *cs, const void *sn, const int64_t *lengths, const int64_t *table,
+                      int64_t width, void *kc, void *vc, float *ks, float *vs, int64_t rows, int64_t h, int64_t hk,
+                      int64_t dim, const int64_t *shift, const int bf, const int q8) {
+    float tmp[W * MAX_VECTORS] __attribute__((aligned(64))); /* a rotated key before it is quantised */
+    const int64_t stride = (h + 2 * hk) * dim;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t pos = lengths[r], slot = table[r * width + pos];
+        const int64_t at = (pos + (shift ? shift[r] : 0)) * dim;
+        for (int64_t j = 0; j < hk; j++)
+            put_kv(qkv, r * stride + (h + j) * dim, r * stride + (h + hk + j) * dim, cs, sn, at, kc, vc, ks, vs,
+                   slot * hk * dim + j * dim, slot * hk + j, dim, tmp, bf, q8);
+    }
+}
+
 int rope_attend(const void *qkv, const void *cs, const void *sn, const int64_t *lengths, const int64_t *table,
                 int64_t width, void *kc, void *vc, float *ks, float *vs, void *out, int64_t rows, int64_t h,
                 int64_t hk, int64_t dim, int64_t window, int64_t threads, int bf16, const sharing_desc *sh,
@@ -731,9 +744,11 @@ int rope_attend(const void *qkv, const void *cs, const void *sn, const int64_t *
     const int q8 = ks != NULL;
     const drop_args dr = {shift, sinks, probs};
     if (window > 0 && (shift || sinks || probs)) return -4;
+    if (sh && sh->spans && window > 0) return -3;
+    if (sh && sh->spans && (sinks || probs)) return -4;
+    if (bf16) write_new(qkv, cs, sn, lengths, table, width, kc, vc, ks, vs, rows, h, hk, dim, shift, 1, q8);
+    else write_new(qkv, cs, sn, lengths, table, width, kc, vc, ks, vs, rows, h, hk, dim, shift, 0, q8);
     if (sh && sh->spans) {
-        if (window > 0) return -3;
-        if (sinks || probs) return -4;
         if (q8) return bf16 ? SHARED(1, 1) : SHARED(0, 1);
         return bf16 ? SHARED(1, 0) : SHARED(0, 0);
     }

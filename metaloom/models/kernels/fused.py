@@ -11,10 +11,13 @@ floats of work. `fused.c` does the same arithmetic in three calls per layer:
 - `silu_mul`: SwiGLU's ``silu(gate) * up``.
 
 The matmuls stay PyTorch's. `metaloom.models.engine.llama.LlamaModel` takes this path for one-token
-steps when it was given the kernels (`load` does so on the CPU); prefill and k-token
-verification stay on the PyTorch ops. Keys and values live in the model's KV pool
-(`metaloom.models.engine.cache`): `rope_attend` writes the new key into the row's new slot and reads a
-row's keys through its slot table, so rows forked from one prompt read the same keys. With many
+steps when it was given the kernels (`load` does so on the CPU), and for a speculative verify
+of a few tokens per row, each token a row of its own (`LlamaModel._verify_fused`); prefill stays
+on the PyTorch ops. Keys and values live in the model's KV pool
+(`metaloom.models.engine.cache`): `rope_attend` writes every row's new key into its new slot, all
+of them before any row attends (so a drafted token attends its ancestors written in the same
+call), and reads a row's keys through its slot table, so rows forked from one prompt read the
+same keys. With many
 rows over long caches it splits its work (row x kv head) over PyTorch's OpenMP threads (fused.c
 is compiled with OpenMP where the compiler has it). Arithmetic is float32; bfloat16 tensors
 are rounded where PyTorch's ops would round them. Results agree with the PyTorch path to float
@@ -45,7 +48,7 @@ from metaloom.models.engine.sharing import Sharing
 from metaloom.models.kernels import cbuild
 
 SOURCE = Path(__file__).with_name("fused.c")
-ABI_VERSION = 7  # must match fused.c
+ABI_VERSION = 8  # must match fused.c
 # From this many (row, cached key) pairs per step, fused.c's attention splits over PyTorch's
 # threads (OpenMP); below it, one thread (a parallel region costs microseconds per layer).
 PARALLEL_MIN_KEYS = 2048
