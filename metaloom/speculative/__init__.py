@@ -33,7 +33,7 @@ every position's logits are plain decoding's to the bit, in float32 and bfloat16
 the verify's tokens do not take shared-prefix attention (``--shared-prefix-attention off``, or
 ``auto`` over a short prompt: under `AUTO_SHARED_READS` shared key reads, about 4,096 / (tokens
 - 1) positions). Over long prompts ``auto`` shares the prompt's reads among the tree's tokens
-(4.6x faster verifies at 4,000 positions, docs/performance.md), which merges the softmax in
+(3.4x faster verifies at 4,000 positions, docs/engine.md), which merges the softmax in
 another order: exact to rounding only.
 """
 

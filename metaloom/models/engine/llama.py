@@ -575,14 +575,15 @@ class LlamaModel:
         ancestors and its own; fused.c writes every row's new key before any row attends, so a
         token attends the ancestors written in the same call.
 
-        Why: on the PyTorch ops a verify of 2 to 16 tokens cost 2 to 4 one-token steps of
-        SmolLM2 (their dispatch, and SDPA with a mask), most of it not arithmetic. Here a
+        Why: on the PyTorch ops a 2-token verify of SmolLM2 (native float32, after 400 tokens)
+        cost 15.6 ms against a one-token step's 7.0, most of the difference dispatch and SDPA
+        with a mask rather than arithmetic; here it costs 10.3 (scripts/verify_cost.py). A
         token's arithmetic is exactly a one-token step's (the quantised matmuls keep rows apart,
         and attention is per row), so a greedy verify's argmaxes are plain greedy's bits, not
         only to rounding, unless shared-prefix attention merges the tokens' shared keys (its
         ``auto`` mode, past `AUTO_SHARED_READS`: over a long prompt the tokens then read it once,
-        not once each, which is worth the rounding: 4.6x faster at 4,000 positions and 21
-        tokens). -> [B, T, d] ([B, 1, d] with ``last_only``), zeros at padding."""
+        not once each, which is worth the rounding: 3.4x faster at 4,000 positions and 21
+        tokens, scripts/verify_cost.py). -> [B, T, d] ([B, 1, d] with ``last_only``), zeros at padding."""
         b, t = tokens.shape
         n = cache.host_lengths()  # before this forward: row b's block has slots at n[b] .. n[b] + valid[b] - 1
         keep = valid.tolist()

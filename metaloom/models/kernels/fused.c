@@ -249,6 +249,16 @@ INLINE void put_kv(const void *qkv, int64_t ki, int64_t vi, const void *cs, cons
     put_q8(qkv, vi, (int8_t *)vc + slot, vs + si, dim, bf);
 }
 
+/* Software prefetch of one position's key or value of one head (`lines` cache lines from element
+ * `at` of elem bytes), PREFETCH_KEYS positions ahead: a row's positions live in slots of the
+ * pool (a slot holds every kv head), so the hardware prefetchers see short strided runs, not a
+ * stream. */
+#define PREFETCH_KEYS 16
+INLINE void prefetch_kv(const void *p, int64_t at, int64_t elem, int64_t lines) {
+    const char *c = (const char *)p + at * elem;
+    for (int64_t l = 0; l < lines; l++) __builtin_prefetch(c + 64 * l, 0, 3);
+}
+
 /* One query head against its cached keys and values, positions lo..pos, unnormalised: returns
  * the largest score m and l = sum e^(score - m), and leaves acc = sum e^(score - m) V (what
  * shared-prefix attention merges with other parts of the same row). Position t of the row lives
@@ -262,8 +272,11 @@ INLINE void head_partial_n(const void *q, int64_t qi, const void *K, const void 
     vec qv[MAX_VECTORS];
     for (int i = 0; i < nv; i++) qv[i] = ld(q, qi + W * i, bf);
     float mx = -INFINITY;
+    const int64_t elem = q8 ? 1 : bf ? 2 : 4, lines = (nv * W * elem + 63) / 64;
     for (int64_t t = lo; t <= pos; t++) {
         int64_t at = slots[t] * stride + off;
+        if (t + PREFETCH_KEYS <= pos) /* a row's keys sit a slot apart, not in one stream */
+            prefetch_kv(K, slots[t + PREFETCH_KEYS] * stride + off, elem, lines);
         vec d = qv[0] * ldkv(K, at, bf, q8);
         for (int i = 1; i < nv; i++) d += qv[i] * ldkv(K, at + W * i, bf, q8);
         float x = hsum(d) * (q8 ? KS[slots[t] * sst + sof] * scale : scale);
@@ -280,6 +293,7 @@ INLINE void head_partial_n(const void *q, int64_t qi, const void *K, const void 
     for (int i = 0; i < nv; i++) acc[i] = splat(0.0f);
     for (int64_t t = lo; t <= pos; t++) {
         int64_t at = slots[t] * stride + off;
+        if (t + PREFETCH_KEYS <= pos) prefetch_kv(V, slots[t + PREFETCH_KEYS] * stride + off, elem, lines);
         float p = q8 ? scores[t] * VS[slots[t] * sst + sof] : scores[t];
         for (int i = 0; i < nv; i++) acc[i] += p * ldkv(V, at + W * i, bf, q8);
     }
