@@ -17,9 +17,8 @@ on the PyTorch ops. Keys and values live in the model's KV pool
 (`metaloom.models.engine.cache`): `rope_attend` writes every row's new key into its new slot, all
 of them before any row attends (so a drafted token attends its ancestors written in the same
 call), and reads a row's keys through its slot table, so rows forked from one prompt read the
-same keys. With many
-rows over long caches it splits its work (row x kv head) over PyTorch's OpenMP threads (fused.c
-is compiled with OpenMP where the compiler has it). Arithmetic is float32; bfloat16 tensors
+same keys. With many rows over long caches it splits its work (row x kv head) over PyTorch's
+OpenMP threads (fused.c is compiled with OpenMP where the compiler has it). Arithmetic is float32; bfloat16 tensors
 are rounded where PyTorch's ops would round them. Results agree with the PyTorch path to float
 rounding (tests/test_fused.py).
 
