@@ -163,6 +163,28 @@ def test_dry_batched_matches_the_reference_loop_on_ragged_rows():
         assert _penalties(out[i]) == pytest.approx(expected, rel=1e-5), i
 
 
+# ---- top-H (Potraghloo et al. 2025)
+
+def test_top_h_at_one_keeps_every_token_even_the_least_likely():
+    """top_h = 1 is allowed and bounds the kept entropy by the whole entropy: every token stays.
+    The bound is inclusive (``<=``): the least likely token's running entropy sum is exactly H,
+    so a strict ``<`` drops it."""
+    probs = torch.tensor([[0.5, 0.25, 0.125, 0.125], [0.7, 0.1, 0.1, 0.1]])
+    x = probs.log()
+    assert kept(P.top_h(x, torch.tensor([1.0, 1.0]))) == [[True] * 4, [True] * 4]
+    # terms -p log p: 0.347, 0.347, 0.260, 0.260 (H = 1.213); alpha 0.5 bounds the sum by 0.607
+    assert kept(P.top_h(x[:1], torch.tensor([0.5]))) == [[True, False, False, False]]
+    assert kept(P.top_h(x[:1], torch.tensor([0.8]))) == [[True, True, True, False]]  # 0.953 <= 0.970
+
+
+def test_top_h_one_through_the_pipeline_keeps_the_distribution():
+    from metaloom.sampling import SamplingParams, make_sampler
+
+    x = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]])
+    sampler = make_sampler([SamplingParams(top_h=1.0)], 5)
+    assert torch.equal(sampler.process(x), torch.log_softmax(x, -1))
+
+
 # ---- invariants of every adapter
 
 ROW_PARAMS = torch.tensor([0.3, 0.6, 0.9])
