@@ -146,7 +146,8 @@ def _json(value: str, where: str, kind: type) -> Any:
 def build(label: str, entry: Callable[..., Any], params: Mapping[str, str], groups: Mapping[str, dict[str, str]],
           context: Mapping[str, Any]) -> Any:
     """Call ``entry`` with ``params`` converted to its declared types; parameters typed
-    `Generator` receive ``context["generator"]``. With ``context["dry"]`` nothing is called."""
+    `Generator` receive ``context["generator"]``. With ``context["dry"]`` nothing is called;
+    ``context["inspect"](label, values)`` sees every component's converted values first."""
     declared = params_of(entry)
     types = {p.name: p.type for p in declared}
     names = [p.name for p in declared if settable(p.type)]  # only what text can set is offered
@@ -170,6 +171,9 @@ def build(label: str, entry: Callable[..., Any], params: Mapping[str, str], grou
             kwargs[p.name] = convert(params[p.name], p.type, f"{label}.{p.name}", groups, context)
         elif p.default is REQUIRED and p.factory is None:
             raise InvalidParameter(f"{label}.{p.name}", None, f"a value (--{label}.{p.name} is required)")
+    inspect_values = context.get("inspect")  # a caller's own checks of the converted values (the server's limits)
+    if inspect_values is not None:
+        inspect_values(label, kwargs)
     if context.get("dry"):
         # a dry run checks names, parameters and types without building components (no model
         # loads); a strategy's own checks of its values (__post_init__) run too, on a throwaway
