@@ -22,7 +22,8 @@ LAYERS = (
     ("meta",),
     ("search",),
     ("wiring", "present"),  # names -> objects (registry, configure, specs, engines); how traces and figures read
-    ("eval", "server", "testing"),
+    ("eval", "server"),
+    ("testing",),  # toy models, scripted generators, a server on a free port (as `metaloom serve` runs it)
     ("bench",),
     ("commands",),
     ("cli", "__main__"),

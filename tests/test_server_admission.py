@@ -14,7 +14,8 @@ from metaloom.generator import LocalGenerator, Request
 from metaloom.ledger import Ledger
 from metaloom.sampling import SamplingParams
 from metaloom.server.errors import api_error
-from metaloom.server.scheduler import DrainRate, Overloaded, Scheduler, admissible, retry_after
+from metaloom.server.admission import DrainRate, Overloaded, admissible, retry_after
+from metaloom.server.scheduler import Scheduler
 from metaloom.testing.tiny import tiny_llama
 
 
@@ -133,14 +134,16 @@ def test_retry_after_comes_from_the_queue_and_the_drain_rate(generator):
                 _submit(scheduler, _request())
             with pytest.raises(Overloaded) as short:
                 _submit(scheduler, _request())
-            assert short.value.retry_after == 3  # 8 waiting + itself = 9 rows ahead, at 4 rows/s
+            # 8 rows waiting ahead of it (the 64 about to join fill every row), at 4 rows/s: once
+            # they have joined, a retry is at the head of the queue; its own row is not ahead of it
+            assert short.value.retry_after == 2
             scheduler.max_waiting = 24
             for _ in range(16):
                 _submit(scheduler, _request())
             with pytest.raises(Overloaded) as long:
                 _submit(scheduler, _request())
-            assert long.value.retry_after == 7  # ceil(25 / 4)
-            assert api_error(long.value).headers["Retry-After"] == "7"
+            assert long.value.retry_after == 6  # ceil(24 / 4)
+            assert api_error(long.value).headers["Retry-After"] == "6"
             assert api_error(long.value).status == 429
     finally:
         scheduler.close()

@@ -230,8 +230,8 @@ def test_a_second_sigint_stops_at_once_cleanly():
 
 
 def test_a_beam_search_running_on_the_loop_is_stopped_at_the_deadline():
-    """Beam search runs as a whole on the loop thread, so the loop cannot end it between steps:
-    its ledger's ``stop`` ends it at its next forward once the deadline passed."""
+    """Beam search runs as a lane beside the decode batches, one forward per loop iteration: the
+    loop ends it at the first step boundary past the deadline (here, right after its prefill)."""
     loaded = tiny_llama()
     model = loaded.model
     started, gate = threading.Event(), threading.Event()

@@ -174,22 +174,45 @@ def test_parse_reads_calls_only_from_well_formed_blocks():
     assert tools.parse(PARIS + "\n" + NOON) == (None, [("get_weather", '{"city": "Paris", "unit": "celsius"}'),
                                                       ("get_time", '{"zone": "CET"}')])
     assert tools.parse("Sunny.") == ("Sunny.", [])
-    cut = PARIS[:-5]  # max_tokens mid-call: content, no call
-    assert tools.parse(cut) == (cut, [])
-    assert tools.parse("<tool") == ("<tool", [])
+    cut = PARIS[:-5]  # max_tokens mid-call: no call, and its markup is no answer either
+    assert tools.parse(cut) == ("", [])
+    assert tools.parse("<tool") == ("<tool", [])  # text that never opened a call is text
 
 
-def test_the_stream_sends_content_names_and_argument_pieces_that_join_to_the_whole():
+def test_whole_calls_survive_a_cut_and_a_repeated_call_is_dropped():
+    """The reported case: greedy with tool_choice required repeats its call until max_tokens.
+    The whole calls come back (each once); the cut one never does; no markup leaks."""
+    repeated = PARIS + "\n" + PARIS + "\n" + PARIS[:30]
+    assert tools.parse(repeated) == (None, [("get_weather", '{"city": "Paris", "unit": "celsius"}')])
+    cut_after_two = PARIS + "\n" + NOON + "\n" + NOON[:-9]
+    assert tools.parse(cut_after_two)[1] == [("get_weather", '{"city": "Paris", "unit": "celsius"}'),
+                                             ("get_time", '{"zone": "CET"}')]
+    assert tools.finish_reason(repeated, "length") == "tool_calls"  # it ended by repeating itself
+    assert tools.finish_reason(cut_after_two, "length") == "length"  # a new call was cut: say so
+    assert tools.finish_reason(PARIS, "stop") == "tool_calls" and tools.finish_reason("Sunny.", "stop") == "stop"
+    message, called = tools.message(repeated)
+    assert called and message["content"] is None and len(message["tool_calls"]) == 1
+
+
+def test_the_stream_sends_each_whole_call_once_and_agrees_with_the_finished_reply():
     text = PARIS + "\n" + tools.block("get_time", '{"zone": "a \\" } b"}')  # a brace and a quote inside a string
     for step in (1, 3, 7):
         stream = tools.ToolStream()
         deltas = [d for i in range(0, len(text), step) for d in stream.feed(text[i:i + step])] + stream.finish()
         assert stream.calls and not any("content" in d for d in deltas)
-        heads = [d["tool_calls"][0] for d in deltas if "id" in d["tool_calls"][0]]
-        assert [(h["index"], h["function"]["name"]) for h in heads] == [(0, "get_weather"), (1, "get_time")]
-        args = ["".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas
-                        if d["tool_calls"][0]["index"] == k) for k in (0, 1)]
-        assert [json.loads(a) for a in args] == [{"city": "Paris", "unit": "celsius"}, {"zone": 'a " } b'}]
+        calls = [d["tool_calls"][0] for d in deltas]
+        assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather"), (1, "get_time")]
+        assert all(c["id"].startswith("call_") for c in calls)
+        assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris", "unit": "celsius"},
+                                                                         {"zone": 'a " } b'}]
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == tools.parse(text)[1]
+    stream = tools.ToolStream()
+    repeated = PARIS + "\n" + PARIS + "\n" + PARIS[:20]
+    deltas = [d for ch in repeated for d in stream.feed(ch)] + stream.finish()
+    assert stream.repeated and len(deltas) == 1 and deltas[0]["tool_calls"][0]["function"]["arguments"] == (
+        '{"city": "Paris", "unit": "celsius"}')
+    stream = tools.ToolStream()
+    assert [d for ch in PARIS[:-3] for d in stream.feed(ch)] + stream.finish() == []  # a cut call: nothing at all
     stream = tools.ToolStream()
     held = stream.feed("<to")  # could still open a call: held back
     assert held == [] and stream.feed("day it rains") == [{"content": "<today it rains"}]
@@ -259,6 +282,8 @@ def test_auto_may_answer_in_text(served):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "x": {"type": "string", "pattern": "(?<=a)b"}}}}}]}, "tools[0].function.parameters"),
     ({"metaloom": {"strategy": "majority_vote", "params": {"n": 2}}}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "call_nobody", "content": "18"}]},
+     "messages[1].tool_call_id"),
 ])
 def test_bad_function_calling_requests_are_400s_naming_the_field(served, extra, param):
     import httpx2 as httpx
@@ -267,3 +292,69 @@ def test_bad_function_calling_requests_are_400s_naming_the_field(served, extra, 
     r = httpx.post(served.url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+WEATHER_CITY = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                                "required": ["city"]}}}
+
+
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_the_simplest_weather_example_gets_a_usable_call_streamed_and_not(served, choice):
+    """The reported case (issue 46): tool_choice required at temperature 0 and max_tokens 64 made
+    the default model repeat its call to max_tokens; the client got raw markup as content (or a
+    truncated call streamed). Now: whole calls, once each, the same both ways, the row ended."""
+    client = served.client()
+    asked = dict(model="default", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                 tools=[WEATHER_CITY], tool_choice=choice, max_tokens=64, temperature=0)
+    r = client.chat.completions.create(**asked)
+    message = r.choices[0].message
+    if choice == "auto" and not message.tool_calls:  # auto may answer in text: then no markup in it
+        assert "<tool_call>" not in (message.content or "")
+        return
+    assert message.content is None and message.tool_calls
+    calls = [(c.function.name, c.function.arguments) for c in message.tool_calls]
+    assert len(set(calls)) == len(calls) and all(json.loads(a)["city"] for _, a in calls)
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert r.usage.completion_tokens < 64  # the repeat ended the row: nobody decodes to max_tokens for nothing
+    chunks = list(client.chat.completions.create(**asked, stream=True))
+    streamed = [(tc.function.name, tc.function.arguments) for ch in chunks if ch.choices
+                for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert streamed == calls
+    assert not any(ch.choices[0].delta.content for ch in chunks if ch.choices)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tokenize_counts_a_tool_conversation_as_the_chat_route_reads_it(served, smollm):
+    import httpx2 as httpx
+
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 18}'}]
+    r = httpx.post(served.url + "/tokenize", json={"model": "default", "messages": messages, "tools": [WEATHER_CITY]},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    expected = smollm.tokenizer.encode(
+        tools.render(smollm.tokenizer, tools.history(messages), tools.functions([WEATHER_CITY])), add_special_tokens=False)
+    assert r.json()["tokens"] == expected
+    chat = served.client().chat.completions.create(model="default", messages=messages, tools=[WEATHER_CITY],
+                                                   tool_choice="none", max_tokens=1, temperature=0)
+    assert chat.usage.prompt_tokens == r.json()["count"]
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("guided_regex", "[", "unclosed character class"),
+    ("guided_regex", "[^\\x00-\\U0010FFFF]", "no text satisfies it"),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "integer", "minimum": 5, "maximum": 1}}}, "minimum (5) is greater than maximum (1)"),
+])
+def test_constraint_errors_name_their_field_in_one_sentence(served, field, value, words):
+    import httpx2 as httpx
+
+    body = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, field: value}
+    r = httpx.post(served.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and words in error["message"]
+    assert "<state>" not in error["message"] and "\n" not in error["message"]

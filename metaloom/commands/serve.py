@@ -11,14 +11,27 @@ kill the process under the decode thread.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from types import FrameType
 from typing import Any
 
 from metaloom.commands.common import add_model_args, engine_options
 from metaloom.errors import InvalidParameter
+from metaloom.server.limits import OPEN_ROUTES, Limits
 
 log = logging.getLogger("metaloom.server")
+_LIMIT_HELP = {
+    "max_n": "samples of one plain request (n, times its prompts)",
+    "max_beams": "beam search's beams",
+    "max_samples": "a strategy's widths: n, beam_width, k, parallel, width, ... (nested strategies' too)",
+    "max_depth": "a strategy's depths: max_depth, rounds, max_steps, iterations, ...",
+    "max_request_tokens": "tokens one request may generate in all: n x max_tokens; a strategy's output budget",
+    "max_request_seconds": "a strategy's run time, seconds",
+    "max_stop": "stop strings of one request",
+    "max_tools": "functions offered in one request",
+    "max_prompt_tokens": "tokens of one prompt (default: the model's context window)",
+}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -32,6 +45,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-waiting", type=int, default=256,
                    help="requests that find no free decode row, queued before a 429")
     s.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body (413 beyond)")
+    s.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a request body must arrive within this (408 beyond: a body shorter than its Content-Length)")
+    s.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="a request's headers must arrive within this (408 beyond); headers over 32 KiB are a 431")
+    s.add_argument("--open-routes", default=",".join(OPEN_ROUTES), metavar="ROUTES",
+                   help="with --api-key, the routes served without the key: some of health, metrics, docs "
+                        "(/docs, /redoc, /openapi.json), comma-separated, or 'none' (default: all three)")
+    limits = s.add_argument_group("per-request limits (a request over one is a 400 naming the field and the limit)")
+    for f in dataclasses.fields(Limits):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        limits.add_argument(flag, type=float if f.name == "max_request_seconds" else int, default=default,
+                            metavar="N", help=_LIMIT_HELP[f.name] + (f" (default {default})" if default is not None else ""))
     s.add_argument("--prefix-cache-mb", type=int, default=1024,
                    help="radix prefix cache shared by all requests (a common system prompt is prefilled once); 0 off")
     s.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
@@ -56,22 +82,28 @@ def run(args: argparse.Namespace) -> int:
     if not args.shutdown_timeout >= 0:
         raise InvalidParameter("shutdown_timeout", args.shutdown_timeout, ">= 0 seconds")
     prefix_cache(args.prefix_cache_mb, None)  # validated before the load
+    limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
+    for name in ("body_timeout", "header_timeout"):
+        if not getattr(args, name) > 0:
+            raise InvalidParameter(name, getattr(args, name), "> 0 seconds")
+    open_routes = () if args.open_routes == "none" else tuple(r for r in args.open_routes.split(",") if r)
     loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend, weights=args.weights,
                   **engine_options(args))
     generator = LocalGenerator(loaded, prefix_cache=prefix_cache(args.prefix_cache_mb, loaded))
     # configured before the app: it logs the pool sizes it chose
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = create_app(generator, model_ids=[args.served_model_name or args.model], api_key=args.api_key,
-                     max_rows=args.max_rows, max_waiting=args.max_waiting, max_body_bytes=int(args.max_body_mb * (1 << 20)))
-    serve(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout)
+                     max_rows=args.max_rows, max_waiting=args.max_waiting, max_body_bytes=int(args.max_body_mb * (1 << 20)),
+                     limits=limits, body_timeout=args.body_timeout, open_routes=open_routes)
+    serve(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout, header_timeout=args.header_timeout)
     return 0
 
 
-def serve(app: Any, *, host: str, port: int, shutdown_timeout: float) -> None:
+def serve(app: Any, *, host: str, port: int, shutdown_timeout: float, header_timeout: float = 10.0) -> None:
     """Run ``app`` with uvicorn until a signal, then drain as the module says."""
-    import uvicorn
+    from metaloom.server.http import uvicorn_config
 
-    config = uvicorn.Config(app, host=host, port=port, log_level="info",
+    config = uvicorn_config(app, host, port, header_timeout=header_timeout, log_level="info",
                             timeout_graceful_shutdown=5)  # connections still open once the loop drained
     _draining_server(config, app.state.scheduler, shutdown_timeout).run()
 

@@ -22,6 +22,7 @@ start rule can never finish (`metaloom.constrain.productive`: ``start: "a" start
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,13 +78,16 @@ class CompiledGrammar:
         self.text = grammar_text(spec, prefix)
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(self.text, vocab.ll)
         if is_error:
-            raise InvalidGrammar(spec.kind, messages[0].strip() if messages else "rejected by llguidance")
+            raise InvalidGrammar(spec.kind, one_sentence(messages[0]) if messages else "rejected by llguidance")
         matcher = llg.LLMatcher(vocab.ll, self.text, log_level=0)
         if matcher.is_error():
-            raise InvalidGrammar(spec.kind, matcher.get_error().strip())
+            raise InvalidGrammar(spec.kind, one_sentence(matcher.get_error()))
         self._template = matcher
         first = GrammarCursor(matcher.deep_copy(), vocab)
-        allowed = first.mask()
+        try:
+            allowed = first.mask()
+        except InvalidGrammar as exc:  # the engine's state dump is for its developers, not for a client
+            raise InvalidGrammar(spec.kind, "no text satisfies it (the grammar engine finds no token to start with)") from exc
         allowed[list(vocab.eos)] = False
         if not matcher.is_accepting() and not bool(allowed.any()):
             raise InvalidGrammar(spec.kind, "no text satisfies it (the first step allows no token)")
@@ -148,6 +152,19 @@ class GrammarCursor:
     def accepting(self) -> bool:
         """True when the text so far is a complete match (an end token is allowed)."""
         return bool(self.matcher.is_accepting())
+
+
+def one_sentence(message: str) -> str:
+    """An engine message as one line a user can read: a regex parse error's own reason (the
+    line after ``error:``), without the engine's positions, states or dumps."""
+    text = message.split("<state>")[0].strip()
+    reasons = [line.split("error:", 1)[1].strip() for line in text.splitlines() if line.strip().startswith("error:")]
+    first = text.splitlines()[0] if text else "rejected by the grammar engine"
+    first = re.sub(r"^at \d+\(\d+\):\s*", "", first).rstrip(": ")
+    if reasons:
+        first = re.sub(r"\s*\(in [a-z_]+\): regex parse error$", "", first)
+        return f"{first}: {reasons[0]}"
+    return first
 
 
 def _engine_failed(cursor: GrammarCursor) -> None:

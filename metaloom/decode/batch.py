@@ -36,6 +36,7 @@ same rows, forward and emit.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import secrets
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -86,6 +87,30 @@ class NewRow:
     secondary: tuple[int, ...] | None = None
     combine: tuple[float, ...] = ()
     tag: Any = None
+    # a row taken out of a batch and admitted again (a preempted row, recomputed): its state
+    # carries on (tokens, text, stop-string search, penalties' counts); ``prompt`` then ends with
+    # the tokens it generated, which the prefill recomputes; its input was charged when it first joined
+    resume: RowState | None = None
+
+    @property
+    def room(self) -> int:
+        """Tokens the row may still generate: ``max_tokens``, less what a resumed row made."""
+        return self.params.max_tokens - (len(self.resume.tokens) if self.resume is not None else 0)
+
+    @property
+    def capacity(self) -> int:
+        """Cache positions the row may fill: its prompt, then `room`."""
+        return len(self.prompt) + self.room
+
+
+def row_state(tokenizer: Tokenizer, spec: NewRow) -> RowState:
+    """The decoding state a row starts with (or carries on with, when resumed)."""
+    if spec.resume is not None:
+        return spec.resume
+    p = spec.params
+    return RowState.start(tokenizer, p.max_tokens, stop=p.stop, eos_ids=frozenset() if p.ignore_eos else tokenizer.eos_token_ids,
+                          include_stop=p.include_stop_str_in_output, top_k=p.top_logprobs,
+                          context=spec.prompt[len(spec.prompt) - spec.prefix:] if spec.prefix else ())
 
 
 @dataclass
@@ -95,6 +120,7 @@ class Row:
     spec: NewRow
     state: RowState
     context: list[int] = field(default_factory=list)  # prompt then output, for drafters
+    made: int = 0  # tokens it had generated when it joined (a resumed row's: they end its prompt)
 
 
 # (representative rows of the groups, cache capacity, their ledgers) -> (cache, raw logits [G, V], scores [G, V])
@@ -194,16 +220,16 @@ class DecodeBatch:
                 groups[key] = len(reps)
                 reps.append(r)
             owner.append(groups[key])
-        rows = [Row(spec, RowState.start(self.tokenizer, spec.params.max_tokens, stop=spec.params.stop,
-                                         eos_ids=frozenset() if spec.params.ignore_eos else self.tokenizer.eos_token_ids,
-                                         include_stop=spec.params.include_stop_str_in_output,
-                                         top_k=spec.params.top_logprobs,
-                                         context=spec.prompt[len(spec.prompt) - spec.prefix:] if spec.prefix else ()))
-                for spec in new]
+        rows = [Row(spec, row_state(self.tokenizer, spec)) for spec in new]
+        for row in rows:
+            row.made = len(row.state.tokens)
         go = []
         for g, rep in enumerate(reps):  # input tokens are charged before any compute
             try:
-                rep.ledger.charge(input_tokens=len(rep.prompt))
+                if rep.resume is None:
+                    rep.ledger.charge(input_tokens=len(rep.prompt))
+                elif rep.ledger.over_budget():  # a resumed row: its recompute is charged (forwards,
+                    continue  # FLOPs), its input was charged when it first joined
                 go.append(g)
             except BudgetExceeded:
                 pass
@@ -223,7 +249,7 @@ class DecodeBatch:
         return rows
 
     def _prefill_and_join(self, rows: list[Row], reps: list[NewRow], index: list[int]) -> None:
-        capacity = max(len(r.prompt) + r.params.max_tokens for r in reps) + self._room()
+        capacity = max(r.capacity for r in reps) + self._room()
         cache, raw, scores = self.prefill(reps, capacity, [r.ledger for r in reps])
         if index != list(range(len(reps))):
             forked = cache.fork(index)
@@ -237,6 +263,7 @@ class DecodeBatch:
                               [s.prompt[len(s.prompt) - s.prefix:] for s in specs])
         cursors = [s.cursor for s in specs]
         rngs = [s.rng for s in specs]
+        before = [len(row.state.tokens) for row in rows]  # a resumed row's tokens are in its prompt already
         got = draw(sampler, state, raw, scores, cursors if any(c is not None for c in cursors) else None, rngs,
                    _keys(rows))
         state = sampler.advance(state, got.tokens, got.logprobs)
@@ -245,8 +272,8 @@ class DecodeBatch:
         if self.speculative is not None:
             contexts = [list(s.prompt) for s in specs]
             drafter = self.speculative.drafter.start(self.model, sampler, contexts, rngs)
-            for row, ctx in zip(rows, contexts, strict=True):
-                row.context = ctx + row.state.tokens
+            for row, ctx, made in zip(rows, contexts, before, strict=True):
+                row.context = ctx + row.state.tokens[made:]
         self._join(rows, cache, sampler, state, got.tokens, drafter, cursors)
 
     def _room(self) -> int:
@@ -460,7 +487,7 @@ class DecodeBatch:
             lengths = self.cache.lengths.tolist()
             for i in finished:  # keep what was generated: a continuation of it prefills nothing
                 row = self.rows[i]
-                ids = list(row.spec.prompt) + row.state.tokens
+                ids = list(row.spec.prompt) + row.state.tokens[row.made:]
                 self.prefix_cache.insert(ids[:lengths[i]], self.cache, i)
         self.keep([i for i in range(len(self.rows)) if not self.rows[i].state.done])
 
@@ -488,10 +515,30 @@ class DecodeBatch:
         self.rows = [self.rows[i] for i in positions]
         self.cursors = [self.cursors[i] for i in positions]
 
-    def cancel(self, rows: Sequence[Row]) -> None:
-        """End ``rows`` now ("cancelled": a closed stream, a disconnected client) and free them."""
+    def detach(self, rows: Sequence[Row]) -> list[NewRow]:
+        """Take live ``rows`` out of the batch without ending them, freeing their cache; returns
+        what to `admit` later for each to carry on exactly where it was (its prompt extended by
+        what it generated, recomputed then: vLLM's recompute preemption, Kwon et al. 2023)."""
+        leaving = {id(r) for r in rows}
+        out = []
+        for i, row in enumerate(self.rows):
+            if id(row) not in leaving:
+                continue
+            if row.state.done:
+                raise InvalidParameter("rows", "a finished row", "live rows (a finished row leaves by itself)")
+            made = tuple(row.state.tokens[row.made:])
+            spec = row.spec
+            out.append(dataclasses.replace(spec, prompt=spec.prompt + made, prefix=spec.prefix + len(made), group=None,
+                                           secondary=None if spec.secondary is None else spec.secondary + made,
+                                           cursor=self.cursors[i], resume=row.state))
+        self.keep([i for i, row in enumerate(self.rows) if id(row) not in leaving])
+        return out
+
+    def cancel(self, rows: Sequence[Row], reason: str = "cancelled") -> None:
+        """End ``rows`` now and free them: "cancelled" (a closed stream, a disconnected client),
+        or another finish reason their caller decided on (a server ending a reply that repeats)."""
         for row in rows:
-            row.state.finish("cancelled")
+            row.state.finish(reason)
         self._settle()
 
     def close(self) -> None:

@@ -29,9 +29,9 @@ dropped, and the best unfinished candidates keep the beam slots (2 * group_size 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -47,6 +47,8 @@ from metaloom.models.forward import charged_forward
 from metaloom.models.protocols import KVCache, LanguageModel
 from metaloom.sampling.pipeline import Sampler
 from metaloom.sampling.state import SamplingState
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,25 @@ def _select(lp: torch.Tensor, raw: torch.Tensor, beams: list[_Beam], diversity: 
 def beam_search(model: LanguageModel, cache: KVCache, logits: torch.Tensor, sampler: Sampler,
                 rows: Sequence[RowState], params: BeamParams, ledger: Ledger, *, state: SamplingState | None = None,
                 cursors: Sequence[Constraint | None] | None = None) -> list[list[Hypothesis]]:
-    """Beam search for B prompts at once.
+    """`beam_steps` run to its end: the hypotheses of each prompt, best first."""
+    return finish(beam_steps(model, cache, logits, sampler, rows, params, ledger, state=state, cursors=cursors))
+
+
+def finish(steps: Generator[None, None, T]) -> T:
+    """Run a stepwise search (a generator that pauses after each forward) to its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def beam_steps(model: LanguageModel, cache: KVCache, logits: torch.Tensor, sampler: Sampler,
+               rows: Sequence[RowState], params: BeamParams, ledger: Ledger, *, state: SamplingState | None = None,
+               cursors: Sequence[Constraint | None] | None = None) -> Generator[None, None, list[list[Hypothesis]]]:
+    """Beam search for B prompts at once, pausing (``yield``) after each forward so that a
+    caller can interleave it with other work (the server runs beams beside its decode loop);
+    the hypotheses are the generator's return value. Closing it early frees the cache.
 
     ``cache`` holds the B prefilled prompts, ``logits`` [B, V] their next-token logits;
     ``sampler`` has one row per prompt with greedy parameters (its penalties, bias and the
@@ -170,6 +190,23 @@ def beam_search(model: LanguageModel, cache: KVCache, logits: torch.Tensor, samp
     high = prompts or 0
     if state is None:
         state = sampler.start()
+    held = [cache]  # the cache of the moment (beams fork it): released however the search ends
+    try:
+        return (yield from _steps(model, held, logits, sampler, rows, params, ledger, state, cursors, groups, live,
+                                  owner, (prompts, prompt_lengths, high)))
+    finally:
+        release_cache(held[0])
+
+
+def _steps(model: LanguageModel, held: list[KVCache], logits: torch.Tensor, sampler: Sampler, rows: Sequence[RowState],
+           params: BeamParams, ledger: Ledger, state: SamplingState, cursors: Sequence[Constraint | None] | None,
+           groups: list[list[_Group]], live: list[list[list[_Beam]]], owner: list[int],
+           memory: tuple[int | None, np.ndarray, int]) -> Generator[None, None, list[list[Hypothesis]]]:
+    """`beam_steps`' loop; ``held[0]`` is the cache of the moment; ``memory``: the prompts' KV
+    bytes, their lengths and the peak so far (kv_bytes_peak)."""
+    b_count = len(rows)
+    cache = held[0]
+    prompts, prompt_lengths, high = memory
     step = 0
     while True:
         step += 1
@@ -208,6 +245,7 @@ def beam_search(model: LanguageModel, cache: KVCache, logits: torch.Tensor, samp
             beam.source = i
         if sources != list(range(len(owner))) or len(sources) != int(cache.lengths.shape[0]):
             old, cache = cache, cache.fork(sources)  # the native cache forks without copying keys
+            held[0] = cache
             release_cache(old)
         state = sampler.select(owner).advance(state.select(sources), tokens, lp[index])
         logits = charged_forward(model, tokens[:, None], cache, ledger)[:, -1]
@@ -216,5 +254,5 @@ def beam_search(model: LanguageModel, cache: KVCache, logits: torch.Tensor, samp
             if beyond is None or prompts + beyond > high:
                 high = prompts + (beyond or 0)
                 charge_peak(ledger, None if beyond is None else high)
-    release_cache(cache)
+        yield
     return [sorted((h for group in groups[b] for h in group.hyps), key=lambda h: -h.score) for b in range(b_count)]

@@ -9,17 +9,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from metaloom.constrain import Vocabulary
-from metaloom.decode.batch import DecodeBatch, NewRow, Prefill, Row
-from metaloom.decode.beam import beam_search
+from metaloom.decode.batch import DecodeBatch, NewRow, Prefill, Row, row_state
+from metaloom.decode.beam import beam_steps, finish
 from metaloom.decode.contrastive import LockstepPair, check_same_vocab, contrastive_scores, guidance_scores
 from metaloom.decode.overhead import measure_overhead
-from metaloom.decode.prefill import prefill, prefill_cached, prefill_pair
+from metaloom.decode.prefill import prefill, prefill_cached, prefill_pair, release_cache
 from metaloom.decode.rows import RowState
 from metaloom.decode.score import PromptPosition, prompt_logprobs, score_continuations, split_continuation
 from metaloom.decode.specs import BeamParams, ContrastiveParams
@@ -251,7 +251,7 @@ class LocalGenerator:
                 for r, s in zip(reps, seconds, strict=True):
                     with contextlib.suppress(BudgetExceeded):
                         r.ledger.charge(input_tokens=len(s))
-            second_capacity = max(len(s) + r.params.max_tokens for s, r in zip(seconds, reps, strict=True))
+            second_capacity = max(len(s) + r.room for s, r in zip(seconds, reps, strict=True))
             params = torch.tensor([list(r.combine) for r in reps], dtype=torch.float32)
             return prefill_pair(pair, prompts, seconds, (capacity, second_capacity), params, ledgers,
                                 (self.pool, second_pool))
@@ -272,24 +272,33 @@ class LocalGenerator:
         return [results[i] for i in range(len(plans))]
 
     def _beam_group(self, plans: list[Plan], spec: BeamParams, ledger: Ledger) -> list[list[Completion]]:
-        prompts = [list(p.ids) for p in plans]
-        ledger.charge(input_tokens=sum(len(ids) for ids in prompts))
-        capacity = max(len(ids) + p.request.params.max_tokens for ids, p in zip(prompts, plans, strict=True))
-        cache, logits = prefill(self.model, prompts, capacity, ledger, pool=self.pool)
-        params = [dataclasses.replace(p.request.params, temperature=0.0) for p in plans]
+        return finish(self.beam_steps(plans, spec, ledger))
+
+    def beam_steps(self, plans: list[Plan], spec: BeamParams,
+                   ledger: Ledger) -> Generator[None, None, list[list[Completion]]]:
+        """Beam search over ``plans`` (one shared `BeamParams`), pausing after each forward
+        (`metaloom.decode.beam.beam_steps`): the server interleaves it with its decode loop.
+        Each prompt's rows are set up as the decode loop's are (`Plan.rows`, `row_state`), one
+        per prompt: beams fork from it."""
+        firsts = [p.rows(ledger, self.model.device)[0] for p in plans]
+        ledger.charge(input_tokens=sum(len(r.prompt) for r in firsts))
+        capacity = max(r.capacity for r in firsts)
+        cache, logits = prefill(self.model, [list(r.prompt) for r in firsts], capacity, ledger, pool=self.pool)
+        try:
+            yield  # a pause after the prefill's forward too
+        except GeneratorExit:
+            release_cache(cache)
+            raise
+        # beams rank log-probabilities: the pipeline's greedy path (BeamParams.check_sampling allowed temperature 1)
+        params = [dataclasses.replace(r.params, temperature=0.0) for r in firsts]
         sampler = make_sampler(params, self.model.vocab_size, logits.device,
                                encode=lambda text: self.tokenizer.encode(text, add_special_tokens=False))
-        eos = self.tokenizer.eos_token_ids
-        rows = [RowState.start(self.tokenizer, p.request.params.max_tokens, stop=p.request.params.stop,
-                               eos_ids=frozenset() if p.request.params.ignore_eos else eos,
-                               include_stop=p.request.params.include_stop_str_in_output,
-                               context=p.ids[len(p.ids) - p.prefix:] if p.prefix else (),
-                               top_k=p.request.params.top_logprobs) for p in plans]
-        cursors = [p.cursor() for p in plans]
-        state = sampler.start([list(p.ids[:len(p.ids) - p.prefix]) for p in plans],
-                              [list(p.ids[len(p.ids) - p.prefix:]) for p in plans])
-        hyps = beam_search(self.model, cache, logits, sampler, rows, spec, ledger, state=state,
-                           cursors=cursors if any(c is not None for c in cursors) else None)
+        rows = [row_state(self.tokenizer, r) for r in firsts]
+        cursors = [r.cursor for r in firsts]
+        state = sampler.start([list(r.prompt[:len(r.prompt) - r.prefix]) for r in firsts],
+                              [list(r.prompt[len(r.prompt) - r.prefix:]) for r in firsts])
+        hyps = yield from beam_steps(self.model, cache, logits, sampler, rows, spec, ledger, state=state,
+                                     cursors=cursors if any(c is not None for c in cursors) else None)
         return [[Completion(text=h.text, token_ids=h.tokens, logprobs=h.logprobs, finish_reason=h.finish_reason,
                             stop_reason=h.stop_reason, score=h.score, top_logprobs=h.top_logprobs)
                  for h in found[:p.request.params.n]]

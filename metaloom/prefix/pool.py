@@ -131,6 +131,12 @@ class PrefixCache:
             self.pool.release(e.value)
         return sum(e.tokens for e in gone)
 
+    def remap(self, mapping: np.ndarray) -> None:
+        """Rename every slot the tree holds by ``mapping`` (old id -> new id: `KVPool.compact`)."""
+        for node in self.tree.nodes():
+            if node.value is not None:
+                node.value = mapping[node.value]
+
     def clear(self) -> None:
         """Drop every unreferenced entry."""
         self.evict(self.tree.size)

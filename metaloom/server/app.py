@@ -17,18 +17,18 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metaloom.decode.score import PromptPosition, shared_prompt_logprobs
-from metaloom.errors import InvalidParameter, MetaloomError
+from metaloom.errors import InvalidGrammar, InvalidParameter, MetaloomError
 from metaloom.generator.local import LocalGenerator
 from metaloom.generator.plan import check_ids, encode
 from metaloom.generator.types import Completion, StreamChunk, TokenIds, TopLogprobs
@@ -37,6 +37,8 @@ from metaloom.ledger import Ledger, Usage
 from metaloom.meta.types import Result
 from metaloom.server import protocol, tools
 from metaloom.server.errors import ApiError, api_error
+from metaloom.server.http import Observed, ReadBody
+from metaloom.server.limits import OPEN_ROUTES, Limits
 from metaloom.server.memory import memory_parts, size_pools, storage_parts
 from metaloom.server.metrics import Metrics
 from metaloom.server.protocol import ChatBody, ChatFields, CompletionBody, CompletionFields
@@ -47,49 +49,17 @@ from metaloom.server.strategy import StrategyCall, resolve_model
 log = logging.getLogger("metaloom.server")
 
 
-class BodyLimit:
-    """An ASGI middleware refusing bodies over ``limit`` bytes with 413, declared or streamed."""
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        too_big = ApiError(413, f"request body over {self.limit} bytes", "invalid_request_error", code="body_too_large")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await too_big.response()(scope, receive, send)
-            return
-        seen = 0
-
-        async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise _TooLarge
-            return message
-
-        try:
-            await self.app(scope, counted, send)
-        except _TooLarge:
-            await too_big.response()(scope, receive, send)
-
-
-class _TooLarge(Exception):
-    pass
-
-
 def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: str | None = None,
                max_rows: int = 64, max_waiting: int = 256, max_body_bytes: int = 4 << 20,
-               strategy_workers: int = 8) -> FastAPI:
-    """The server for ``generator``, answering to ``model_ids`` (the first is the listed id)."""
+               strategy_workers: int = 8, limits: Limits | None = None, body_timeout: float = 30.0,
+               open_routes: Sequence[str] = OPEN_ROUTES) -> FastAPI:
+    """The server for ``generator``, answering to ``model_ids`` (the first is the listed id);
+    ``limits``: what one request may ask for (`metaloom.server.limits.Limits`, its defaults)."""
+    limits = limits or Limits()
+    context = generator.model.max_context
     metrics = Metrics()
     scheduler = Scheduler(generator, max_rows=max_rows, max_waiting=max_waiting,
-                          on_step=lambda rows: metrics.batch_size.observe(rows))
+                          on_step=lambda rows: metrics.batch_size.observe(rows), limits=limits)
     workers = ThreadPoolExecutor(max_workers=strategy_workers, thread_name_prefix="metaloom-strategy")
     ids = tuple(model_ids)
     size_pools(generator, max_rows)
@@ -101,9 +71,22 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
         scheduler.close()
         workers.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="metaloom", version="0.1.0", lifespan=lifespan)
+    docs_open = api_key is None or "docs" in open_routes
+    app = FastAPI(title="metaloom", version="0.1.0", lifespan=lifespan, docs_url="/docs" if docs_open else None,
+                  redoc_url="/redoc" if docs_open else None, openapi_url="/openapi.json" if docs_open else None)
     app.state.scheduler, app.state.metrics = scheduler, metrics
-    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    app.add_middleware(ReadBody, limit=max_body_bytes, timeout=body_timeout)
+
+    def observe(path: str, status: int, seconds: float, streamed: bool) -> None:
+        route = path if path in _ROUTES else "other"
+        metrics.requests.labels(route, str(status)).inc()
+        if not streamed:  # a stream's latency: in _sse, at its end
+            metrics.latency.labels(route).observe(seconds)
+
+    app.add_middleware(Observed, observe=observe)
+    unknown = sorted(set(open_routes) - set(OPEN_ROUTES))
+    if unknown:
+        raise InvalidParameter("open_routes", unknown[0], f"some of {list(OPEN_ROUTES)}")
 
     def admitting() -> None:
         """New work is refused once a shutdown began (work already in flight drains)."""
@@ -148,23 +131,26 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
         log.error("unhandled error on %s", request.url.path, exc_info=exc)
         return api_error(exc).response()
 
-    @app.middleware("http")
-    async def _count(request: Request, call_next: Callable[[Request], Any]) -> Response:
-        started = time.perf_counter()
-        response: Response = await call_next(request)
-        route = request.url.path if request.url.path in _ROUTES else "other"
-        metrics.requests.labels(route, str(response.status_code)).inc()
-        if not response.headers.get("content-type", "").startswith("text/event-stream"):  # those: in _sse, at the end
-            metrics.latency.labels(route).observe(time.perf_counter() - started)
-        return response
+    def guard(route: str) -> list[Any]:
+        """The key check for a route that is open without a key unless ``open_routes`` says so."""
+        return [] if route in open_routes else [Depends(authorised)]
 
-    @app.get("/health", response_model=None)
+    @app.get("/health", response_model=None, dependencies=guard("health"))
     def health() -> Any:
         s = scheduler.stats()
         body = {"status": "draining" if scheduler.draining else "ok", "waiting": s.waiting, "running_rows": s.running_rows}
         return JSONResponse(body, status_code=503) if scheduler.draining else body
 
-    @app.get("/metrics")
+    if not docs_open:
+        @app.get("/openapi.json", dependencies=[Depends(authorised)], include_in_schema=False)
+        def openapi() -> dict[str, Any]:
+            return app.openapi()
+
+        @app.get("/docs", dependencies=[Depends(authorised)], include_in_schema=False)
+        def docs() -> Response:
+            return get_swagger_ui_html(openapi_url="/openapi.json", title="metaloom")
+
+    @app.get("/metrics", dependencies=guard("metrics"))
     def prometheus() -> Response:
         s = scheduler.stats()
         metrics.queue_depth.set(s.waiting)
@@ -174,7 +160,17 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def model_card(model_id: str) -> dict[str, Any]:
-        return {"id": model_id, "object": "model", "created": 0, "owned_by": "metaloom", "root": generator.loaded.name}
+        return {"id": model_id, "object": "model", "created": 0, "owned_by": "metaloom", "root": generator.loaded.name,
+                "max_model_len": context, "metaloom": {"limits": limits.report(context)}}
+
+    @app.get("/v1/limits", dependencies=[Depends(authorised)])
+    def limits_route() -> dict[str, Any]:
+        """What one request may ask for (a 400 names the limit it passed), and the decode loop's
+        capacity: rows decoded together, requests that may wait, the KV pool's slots."""
+        pool = generator.pool
+        kv = None if pool is None else {"max_slots": pool.max_slots, "bytes_per_slot": pool.bytes_per_slot}
+        return {"object": "limits", **limits.report(context), "max_rows": max_rows, "max_waiting": max_waiting,
+                "max_body_bytes": max_body_bytes, "kv_pool": kv}
 
     @app.get("/v1/models", dependencies=[Depends(authorised)])
     def models() -> dict[str, Any]:
@@ -195,12 +191,9 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
             raise InvalidParameter("prompt", body.prompt, "exactly one of prompt and messages")
         protocol.valid_text(body.model_dump(exclude_none=True), "")
         tokenizer = generator.tokenizer
-        if body.messages is not None:
-            text = tokenizer.apply_chat_template(list(protocol.messages(body.messages)),
-                                                 add_generation_prompt=body.add_generation_prompt)
-            tokens = tokenizer.encode(text, add_special_tokens=False)
-        else:
-            tokens = tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        limits.check_tools(body.tools)
+        text, special = protocol.tokenize_text(body, tokenizer)
+        tokens = tokenizer.encode(text, add_special_tokens=special)
         out: dict[str, Any] = {"count": len(tokens), "max_model_len": generator.model.max_context, "tokens": tokens}
         if body.return_token_strs:
             out["token_strs"] = [tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
@@ -217,7 +210,10 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
     async def chat(body: ChatBody, request: Request) -> Response | dict[str, Any]:  # type: ignore[valid-type]
         b = cast(ChatFields, body)
         strategy = resolve_model(b.model, ids, b.metaloom)
-        call = _Call(scheduler, metrics, workers, request, chat=True, model=b.model, logprobs=bool(b.logprobs),
+        limits.check_tools(b.tools)
+        if strategy is not None:
+            strategy = strategy.within(limits, context)
+        call = _Call(scheduler, metrics, workers, request, limits, chat=True, model=b.model, logprobs=bool(b.logprobs),
                      token_ids=b.return_tokens_as_token_ids)
         call.continuous_usage = _continuous_usage(b)
         if strategy is not None:
@@ -225,16 +221,22 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
                 raise InvalidParameter("tools", "set", "not set with a strategy (function calling is for plain requests)")
             return await call.strategy(strategy, protocol.chat_request(body)[0], b.stream, _usage_wanted(b))
         wanted, call.tools = protocol.chat_request(body, generator.tokenizer)
+        named = protocol.named_constraint(body)
+        call.constraint_field = "tools" if call.tools else (named[0] if named is not None else None)
         return await call.plain(call.fit([wanted], b), b.stream, _usage_wanted(b), Ledger())
 
     @app.post("/v1/completions", dependencies=[Depends(authorised), Depends(admitting)], response_model=None)
     async def completions(body: CompletionBody, request: Request) -> Response | dict[str, Any]:  # type: ignore[valid-type]
         b = cast(CompletionFields, body)
         strategy = resolve_model(b.model, ids, b.metaloom)
-        call = _Call(scheduler, metrics, workers, request, chat=False, model=b.model, logprobs=b.logprobs is not None,
+        if strategy is not None:
+            strategy = strategy.within(limits, context)
+        call = _Call(scheduler, metrics, workers, request, limits, chat=False, model=b.model, logprobs=b.logprobs is not None,
                      token_ids=b.return_tokens_as_token_ids)
         call.continuous_usage = _continuous_usage(b)
         requests = protocol.completion_requests(body)
+        named = protocol.named_constraint(body)
+        call.constraint_field = named[0] if named is not None else None
         k, only = protocol.prompt_logprobs(body), protocol.scores_only(body)
         if strategy is not None:
             if len(requests) != 1:
@@ -254,8 +256,8 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
     return app
 
 
-_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize",
-                     "/detokenize"})
+_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/limits", "/health", "/metrics",
+                     "/tokenize", "/detokenize"})
 
 
 def _continuous_usage(body: ChatFields | CompletionFields) -> bool:
@@ -269,15 +271,19 @@ def _usage_wanted(body: ChatFields | CompletionFields) -> bool:
 class _Call:
     """One HTTP call's run: submit, wait or stream, build the OpenAI response."""
 
-    def __init__(self, scheduler: Scheduler, metrics: Metrics, workers: ThreadPoolExecutor, http: Request, *,
-                 chat: bool, model: str, logprobs: bool, token_ids: bool = False) -> None:
+    def __init__(self, scheduler: Scheduler, metrics: Metrics, workers: ThreadPoolExecutor, http: Request,
+                 limits: Limits, *, chat: bool, model: str, logprobs: bool, token_ids: bool = False) -> None:
         self.scheduler, self.metrics, self.workers, self.http = scheduler, metrics, workers, http
+        self.limits = limits
         self.chat, self.model, self.logprobs, self.token_ids = chat, model, logprobs, token_ids
         self.prompts: list[_Prompted] | None = None  # per request, when echo or prompt_logprobs asked for them
         self.echo = False
         self.continuous_usage = False  # stream_options.continuous_usage_stats
         self.tools = False  # replies are read for function calls (`metaloom.server.tools`)
-        self.streams: dict[int, tools.ToolStream] = {}  # with tools: each streamed choice's reader
+        self.streams: dict[int, tools.ToolStream] = {}  # with tools: each choice's reader of its calls
+        self.constraint_field: str | None = None  # the field whose constraint the request carries
+        self.tickets: list[Ticket] = []
+        self.n = 1
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.started = time.perf_counter()
@@ -286,15 +292,28 @@ class _Call:
 
     # --- plain requests ----------------------------------------------------------------------
     def fit(self, requests: list[GenerationRequest], body: ChatFields | CompletionFields) -> list[GenerationRequest]:
-        """Without ``max_tokens``, a request may fill the context window (as OpenAI and vLLM do)."""
+        """The requests within the server's limits (`Limits`: rows, beams, stop strings, generated
+        tokens), refused before any work when over one. Without ``max_tokens``, a request may fill
+        the context window (as OpenAI and vLLM do), up to its share of ``max_request_tokens``."""
+        limits = self.limits
+        first = requests[0]
+        beams = getattr(first.decoder, "beams", None)
+        limits.check_rows(first.params.n, len(requests))
+        if beams is not None:
+            limits.check_beams(beams)
+        limits.check_stop(first.params.stop)
+        rows = len(requests) * max(first.params.n, beams or 0)
         if body.max_tokens is not None or getattr(body, "max_completion_tokens", None) is not None:
+            limits.check_tokens(rows, first.params.max_tokens)
             return requests
         engine = self.scheduler.generator
         out = []
         for r in requests:
             used = len(r.prompt.ids) if isinstance(r.prompt, TokenIds) else len(encode(engine, r.prompt))
             room = engine.model.max_context - used
-            out.append(dataclasses.replace(r, params=dataclasses.replace(r.params, max_tokens=room)) if room > 0 else r)
+            if room > 0:
+                r = dataclasses.replace(r, params=dataclasses.replace(r.params, max_tokens=limits.default_tokens(rows, room)))
+            out.append(r)
         return out
 
     async def read_prompts(self, requests: list[GenerationRequest], k: int | None, ledger: Ledger, *,
@@ -348,11 +367,17 @@ class _Call:
                 def sink(event: Event, i: int = i) -> None:
                     loop.call_soon_threadsafe(inbox.put_nowait, (i, event))
                 tickets.append(self.scheduler.submit(r, ledger, sink))
+        except InvalidGrammar as exc:  # named as the request set it, in one sentence
+            for t in tickets:
+                t.cancel()
+            field = self.constraint_field or "constraint"
+            raise ApiError(400, f"{field}: {exc}", "invalid_request_error", param=field, code="invalid_grammar") from exc
         except BaseException:
             for t in tickets:
                 t.cancel()
             raise
         n = requests[0].params.n
+        self.tickets, self.n = tickets, n
         if stream:
             return self._sse(self._stream_plain(inbox, tickets, ledger, n, include_usage))
         try:
@@ -363,6 +388,8 @@ class _Call:
                     raise event.error
                 if isinstance(event, Finished):
                     results[i] = event.completions
+                elif self.tools and isinstance(event, StreamChunk):  # read as it comes: a repeated call ends the row
+                    self._read_calls(i * n + event.index, event.text)
         finally:
             for t in tickets:
                 t.cancel()  # a no-op for finished ones; frees the rows of a client gone away
@@ -433,6 +460,7 @@ class _Call:
                            param="prompt")
         if sampling.n != 1:  # the rest was checked with the call (names, types, values); this needs the body
             raise InvalidParameter("n", sampling.n, "1 with a strategy (its samples are its own parameter, e.g. n)")
+        self.limits.check_stop(sampling.stop)
         tally: dict[str, Any] = {"calls": 0, "samples_finished": 0, "output_tokens": 0}
 
         def on_done(completions: tuple[Completion, ...]) -> None:  # a generator call finished
@@ -532,8 +560,8 @@ class _Call:
         """A streamed chunk of a choice whose reply may call functions: OpenAI's deltas (content,
         each call's id and name, its arguments in pieces), the chunk's log-probabilities on the
         first, the finish reason (``tool_calls`` for a reply that called) on the last."""
-        stream = self.streams.setdefault(index, tools.ToolStream())
-        deltas = stream.feed(chunk.text)
+        stream = self._read_calls(index, chunk.text)
+        deltas = stream.deltas
         if chunk.finish_reason is not None:
             deltas += stream.finish()
         outs = [self._chunk(index, d) for d in deltas] or [self._chunk(index, {})]
@@ -541,20 +569,28 @@ class _Call:
             outs[0]["choices"][0]["logprobs"] = self._logprobs(chunk.token_ids, chunk.logprobs, chunk.top_logprobs or None)
         if chunk.finish_reason is not None:
             last = outs[-1]["choices"][0]
-            last["finish_reason"] = "tool_calls" if stream.calls and chunk.finish_reason == "stop" else chunk.finish_reason
+            last["finish_reason"] = tools.finish_reason(stream.text, chunk.finish_reason)
             last["stop_reason"] = chunk.stop_reason
             if chunk.error is not None:
                 last["error"] = chunk.error
         return outs
+
+    def _read_calls(self, index: int, text: str) -> tools.ToolStream:
+        """Feed choice ``index``'s reader (its new deltas in ``.deltas``); a reply that began
+        repeating a call it made has its row ended (greedy models repeat until max_tokens)."""
+        stream = self.streams.setdefault(index, tools.ToolStream())
+        stream.deltas = stream.feed(text)
+        if stream.repeated and self.tickets:
+            self.tickets[index // self.n].end_row(index % self.n)
+        return stream
 
     def _choice(self, index: int, c: Completion, request: int = 0) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index, "finish_reason": c.finish_reason,
                                   "stop_reason": c.stop_reason,
                                   "logprobs": self._logprobs(c.token_ids, c.logprobs, c.top_logprobs) if self.logprobs else None}
         if self.chat and self.tools:
-            choice["message"], called = tools.message(c.text)
-            if called and c.finish_reason == "stop":
-                choice["finish_reason"] = "tool_calls"
+            choice["message"], _ = tools.message(c.text)
+            choice["finish_reason"] = tools.finish_reason(c.text, c.finish_reason)
         elif self.chat:
             choice["message"] = {"role": "assistant", "content": c.text}
         else:

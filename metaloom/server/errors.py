@@ -18,7 +18,8 @@ from metaloom.errors import (
     RemoteTimeout,
     Unsupported,
 )
-from metaloom.server.scheduler import Overloaded, ShuttingDown
+from metaloom.server.admission import Overloaded
+from metaloom.server.tickets import ShuttingDown
 
 
 class ApiError(Exception):

@@ -129,6 +129,30 @@ def trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+def shrink_pool(generator: LocalGenerator, floor: int = 256) -> int | None:
+    """Give back the KV pool a burst grew: when nothing but the prefix cache holds slots (the
+    loop is idle), compact the pool to twice what is live (at least ``floor`` slots) if that is
+    at most half its size. Returns the new size, or None when it stays as it is."""
+    pool = generator.pool
+    if pool is None:
+        return None
+    cache = generator.prefix_cache
+    with pool.lock:
+        held = int(pool.refs[1:].sum())
+        if held != (cache.cached_tokens if cache is not None else 0):  # a row still holds slots: not idle
+            return None
+        target = max(floor, 2 * pool.used_slots + 2)
+        if 2 * target > pool.slots:
+            return None
+        mapping = pool.compact(target)
+        if mapping is None:
+            return None
+        if cache is not None:
+            cache.remap(mapping)
+    log.info("KV pool given back: %d slots now (%.0f MiB)", pool.slots, pool.slots * pool.bytes_per_slot / 2**20)
+    return pool.slots
+
+
 def size_pools(generator: LocalGenerator, max_rows: int, available: int | None = None) -> None:
     """Bound the engine's KV pool and prefix cache by `metaloom.server.memory.kv_pool_limit`
     (``max_rows`` full context windows, half the memory available now) and `prefix_budget`."""

@@ -220,6 +220,12 @@ def prompt_logprobs(body: BaseModel) -> int | None:
 
 def constraint(body: BaseModel) -> ConstraintSpec | None:
     """At most one of ``response_format`` (json_object / json_schema) and vLLM's ``guided_*``."""
+    named = named_constraint(body)
+    return named[1] if named is not None else None
+
+
+def named_constraint(body: BaseModel) -> tuple[str, ConstraintSpec] | None:
+    """`constraint`, with the field that set it (an error compiling it names that field)."""
     found: list[tuple[str, ConstraintSpec]] = []
     fmt = getattr(body, "response_format", None)
     if fmt is not None and fmt.type != "text":
@@ -251,7 +257,7 @@ def constraint(body: BaseModel) -> ConstraintSpec | None:
         found.append((f"structured_outputs.{name}", build(value)))
     if len(found) > 1:
         raise InvalidParameter(found[1][0], "set", f"one constraint per request (already {found[0][0]})")
-    return found[0][1] if found else None
+    return found[0] if found else None
 
 
 def messages(raw: list[dict[str, Any]]) -> tuple[dict[str, str], ...]:
@@ -393,6 +399,21 @@ class TokenizeBody(BaseModel):
     add_special_tokens: bool = True  # a text prompt: as the tokenizer adds them (the chat template adds its own)
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    tools: list[Any] | None = None  # function calling: the prompt as a chat request with these tools reads it
+
+
+def tokenize_text(body: TokenizeBody, tokenizer: Any) -> tuple[str, bool]:
+    """The text `/tokenize` encodes, and whether the tokenizer adds special tokens to it: a text
+    prompt as given; messages through the chat template, with function calling's tools and
+    history (`metaloom.server.tools`) exactly as a chat request renders them."""
+    if body.messages is None:
+        return body.prompt or "", body.add_special_tokens
+    calling = body.tools is not None or any(isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls"))
+                                            for m in body.messages)
+    if calling:
+        given = tools.functions(body.tools) if body.tools is not None else ()
+        return tools.render(tokenizer, tools.history(body.messages), given), False
+    return tokenizer.apply_chat_template(list(messages(body.messages)), add_generation_prompt=body.add_generation_prompt), False
 
 
 class DetokenizeBody(BaseModel):

@@ -1,198 +1,104 @@
-"""Continuous batching: one thread owns the engine's decode loops; requests join and leave them
+"""Continuous batching: one thread owns the engine; requests join and leave its decode loops
 between steps.
 
 Every HTTP handler (and every strategy running for one) hands its `Request` to `Scheduler.submit`,
 which validates and prepares it in the caller's thread (a bad request raises there, before any
-compute) and queues it. The loop thread, between two steps, admits what is queued into the
-running `DecodeBatch` of its decoder (prompts prefilled, through the shared radix prefix cache),
-steps every batch that has rows, and hands each ticket its new chunks. Finished rows leave at
-once and free their KV; a cancelled ticket (a client that went away) has its rows cancelled at
+compute: over a server limit, or a KV need the pool can never hold) and queues it. The loop
+thread, between two steps, admits what fits (`metaloom.server.admission`: rows and KV memory)
+into the running `DecodeBatch` of its decoder (prompts prefilled, through the shared radix prefix
+cache), steps every batch that has rows, and hands each ticket its new chunks. Finished rows leave
+at once and free their KV; a cancelled ticket (a client that went away) has its rows cancelled at
 the next step boundary.
 
-The queue is bounded: `Overloaded` (HTTP 429 with Retry-After) when it is full, never an
-unbounded backlog. Waiting means what cannot be admitted: a request whose rows fit the rows left
-free (by the running batch and by the requests queued before it) joins at the next step boundary
-and does not count (`admissible`), so 64 clients on 64 free rows are never refused for arriving
-during one step. Retry-After is derived from the queue (`retry_after`).
+Beam search reorders its rows every step, so it cannot share a batch; it runs as a lane of its
+own beside the batches (`LocalGenerator.beam_steps`): one forward of each beam search per loop
+iteration, interleaved with the decode steps, so six beam searches and a plain request all move
+together and a plain request is admitted while they run (no head-of-line blocking).
 
-Work that cannot join a shared loop (beam search, `Generator.score`) runs as a whole on the loop
-thread between steps (`Scheduler.call`), so the model is only ever driven from one thread.
+Memory: before a batch steps, the pool must hold its new tokens. When it cannot, the prefix
+cache gives back what no row holds, then the youngest requests are preempted (their rows leave
+the batch with their state kept, and are recomputed when admitted again, ahead of the queue:
+vLLM's recompute preemption), so no admitted request fails for want of memory. When the loop goes
+idle the pool gives back what a burst made it grow to (`trim`).
+
+The queue is bounded: `Overloaded` (HTTP 429 with Retry-After) when it is full, never an
+unbounded backlog. Waiting means what cannot be admitted at the next step boundary.
+
+Work that needs the model outside the loop (`Generator.score`, prompt log-probabilities) runs on
+the loop thread between steps (`Scheduler.call`), so the model is only ever driven from one thread.
 
 Shutting down is bounded (`begin_drain`): the loop finishes what it holds for up to a timeout,
 then ends the rest at a step boundary, each ticket with `Failed(ShuttingDown)` (a 503 in OpenAI's
-shape; a stream's error event and ``[DONE]``), and reports itself `drained`. A beam search,
-which runs as a whole on the loop thread, is stopped at its next forward past the deadline (its
-ledger's `stop`), and so is one whose client went away.
+shape; a stream's error event and ``[DONE]``), and reports itself `drained`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
-import math
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
-from metaloom.decode.batch import DecodeBatch, Row
-from metaloom.decode.specs import BeamParams
-from metaloom.errors import BudgetExceeded, Interrupted, InvalidParameter, MetaloomError
+from metaloom.decode.batch import DecodeBatch
+from metaloom.decode.specs import BeamParams, GuidanceParams
+from metaloom.errors import BudgetExceeded, InvalidParameter
 from metaloom.generator.local import LocalGenerator, chunks, completion
 from metaloom.generator.plan import plan
-from metaloom.generator.types import Completion, Request, StreamChunk
+from metaloom.generator.types import Request
 from metaloom.ledger import Ledger
-from metaloom.server.memory import trim
+from metaloom.server.admission import (
+    DrainRate,
+    Overloaded,
+    admissible,
+    beam_need,
+    kv_need,
+    retry_after,
+    too_large,
+    watermark,
+)
+from metaloom.server.limits import Limits
+from metaloom.server.memory import shrink_pool, trim
+from metaloom.server.tickets import Event, Failed, Finished, ShuttingDown, Sink, Stats, Ticket, chunk_of, ended
+
+__all__ = ["Event", "Failed", "Finished", "Overloaded", "Scheduler", "ShuttingDown", "Ticket"]
 
 log = logging.getLogger("metaloom.server")
 
 
-class ShuttingDown(MetaloomError):
-    """The server is shutting down: it admits nothing new, and what ran past the drain's
-    deadline was ended (HTTP 503)."""
-
-
-def _ended() -> ShuttingDown:
-    return ShuttingDown("server shutting down: the request was ended before it finished "
-                        "(shutdown timeout or a second signal)")
-
-
-class Overloaded(MetaloomError):
-    """The scheduler's queue is full; try again after ``retry_after`` seconds."""
-
-    def __init__(self, waiting: int, limit: int, retry_after: int = 1) -> None:
-        super().__init__(f"server overloaded: {waiting} requests waiting for a free decode row (limit {limit}); "
-                         f"retry after {retry_after} s")
-        self.waiting, self.limit, self.retry_after = waiting, limit, retry_after
-
-
-def admissible(needs: Sequence[int], free: int, busy: bool) -> int:
-    """How many of the queued requests (their row counts ``needs``, first in first out) the loop
-    admits at its next step boundary, with ``free`` rows free; ``busy``: rows are running. A
-    request waits when its rows do not fit what is left, and so does everything behind it (no
-    overtaking); one wider than every free row still goes in alone when nothing else runs."""
-    taken = 0
-    for need in needs:
-        if need > free and (taken or busy):
-            break
-        taken += 1
-        free -= need
-    return taken
-
-
-def retry_after(ahead_rows: int, rows_per_second: float | None, max_rows: int, cap: int = 600) -> int:
-    """Seconds a refused client should wait: the time for ``ahead_rows`` rows (those queued
-    before it, plus its own, less the rows free now) to leave the loop at the observed drain rate,
-    ``ceil(ahead_rows / rows_per_second)``; with no rate observed yet, one second per
-    ``max_rows`` rows ahead. An integer in ``1 .. cap`` (HTTP Retry-After)."""
-    if ahead_rows <= 0:
-        return 1
-    seconds = ahead_rows / rows_per_second if rows_per_second else ahead_rows / max_rows
-    return max(1, min(cap, math.ceil(seconds)))
-
-
-class DrainRate:
-    """Rows finished per second over the last ``window_s`` seconds: rows finished in the window
-    divided by the time from the oldest of them to ``now`` (at least one second). Not
-    thread-safe: the scheduler holds its lock around it."""
-
-    def __init__(self, window_s: float = 30.0) -> None:
-        if not window_s > 0:
-            raise InvalidParameter("window_s", window_s, "> 0")
-        self.window_s = window_s
-        self._events: deque[tuple[float, int]] = deque()
-
-    def record(self, now: float, rows: int) -> None:
-        self._events.append((now, rows))
-        self._prune(now)
-
-    def rate(self, now: float) -> float | None:
-        """Rows per second, or None when no row finished in the window."""
-        self._prune(now)
-        if not self._events:
-            return None
-        return sum(r for _, r in self._events) / max(1.0, now - self._events[0][0])
-
-    def _prune(self, now: float) -> None:
-        while self._events and self._events[0][0] < now - self.window_s:
-            self._events.popleft()
-
-
-@dataclass(frozen=True)
-class Finished:
-    """A ticket's last event: every sample's completion, in sample order."""
-
-    completions: tuple[Completion, ...]
-
-
-@dataclass(frozen=True)
-class Failed:
-    """A ticket's last event when the engine failed under it (a bug, logged with its traceback)."""
-
-    error: BaseException
-
-
-Event = StreamChunk | Finished | Failed
-Sink = Callable[[Event], None]
-
-
-@dataclass(eq=False)
-class Ticket:
-    """One submitted request: its rows once admitted, and where its events go. ``sink`` is
-    called on the loop thread, so it must only hand the event over (a queue put)."""
-
-    rows_to_admit: list[Any]
-    kind: type
-    ledger: Ledger
-    sink: Sink
-    submitted: float = field(default_factory=time.perf_counter)
-    rows: list[Row] = field(default_factory=list)
-    cancelled: bool = False
-    done: bool = False
-    first_token_at: float | None = None
-
-    def cancel(self) -> None:
-        """Ask the loop to end this request's rows at the next step boundary (thread-safe)."""
-        self.cancelled = True
-
-
-@dataclass(frozen=True)
-class Stats:
-    """What the loop is doing now (for /metrics and /health). ``waiting``: requests that cannot be
-    admitted at the next step boundary (no room), and calls queued for the loop thread;
-    ``queued``: every request not yet in the loop, those about to join included."""
-
-    waiting: int
-    running_requests: int
-    running_rows: int
-    steps: int
-    queued: int = 0
-
-
 class Scheduler:
     """``max_rows``: rows decoded together at most (admission waits for room); ``max_waiting``:
-    requests that cannot be admitted (no free row for them) before `submit` refuses with
-    `Overloaded`. ``clock``: seconds, for the drain rate behind Retry-After."""
+    requests that cannot be admitted before `submit` refuses with `Overloaded`; ``limits``: what
+    one request may ask for (`Limits`). ``clock``: seconds, for the drain rate behind Retry-After."""
 
     def __init__(self, generator: LocalGenerator, *, max_rows: int = 64, max_waiting: int = 256,
-                 on_step: Callable[[int], None] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 on_step: Callable[[int], None] | None = None, clock: Callable[[], float] = time.monotonic,
+                 limits: Limits | None = None) -> None:
         if max_rows < 1:
             raise InvalidParameter("max_rows", max_rows, ">= 1")
         if max_waiting < 0:
             raise InvalidParameter("max_waiting", max_waiting, ">= 0")
         self.generator = generator
         self.max_rows, self.max_waiting = max_rows, max_waiting
+        self.limits = limits or Limits()
         self.on_step = on_step  # called with the batch size after each step (metrics)
+        spec = generator.speculative
+        self._draft = 0 if spec is None else spec.num_draft + 1  # positions a step may write past the pending token
         self._waiting: deque[Ticket] = deque()
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
-        self._running: list[Ticket] = []
+        self._running: list[Ticket] = []  # tickets with rows in a batch
+        self._lanes: list[Ticket] = []  # beam searches running beside the batches
         self._batches: dict[type, DecodeBatch] = {}
         self._wake = threading.Condition()
         self._stop = False
-        self._busy_rows = 0  # rows in the loop or being admitted to it (under the lock)
+        self._busy_rows = 0  # rows in the loop or being admitted to it, beams included (under the lock)
+        self._prefilling = 0  # of those, rows being admitted now
+        self._order = itertools.count(1)  # admissions, in order (the youngest is preempted first)
+        self.preemptions = 0
         self.clock = clock
         self.drain = DrainRate()  # rows finished per second (under the lock)
         self._deadline: float | None = None  # set by begin_drain: when what still runs is ended
@@ -206,17 +112,24 @@ class Scheduler:
     # --- the callers' side (any thread) --------------------------------------------------------
     def submit(self, request: Request, ledger: Ledger, sink: Sink) -> Ticket:
         """Validate and queue ``request``; its chunks, then `Finished` (or `Failed`), go to ``sink``."""
+        self.limits.check_rows(request.params.n, 1)  # before any row is made
         p = plan(self.generator, request)  # a bad request raises here, in the caller's thread
-        if p.kind is BeamParams:  # beam search reorders its rows every step: it runs as a whole
-            ticket = Ticket([], BeamParams, ledger, sink)
-            with self._wake:
-                self._check_room(0)
-                self.call(lambda: self._beam(ticket, request))
-            return ticket
-        ticket = Ticket([], p.kind, ledger, sink)
-        ticket.rows_to_admit = p.rows(ledger, self.generator.model.device, ticket)
+        prompt_limit = self.limits.prompt_tokens(self.generator.model.max_context)
+        if len(p.ids) > prompt_limit:
+            raise InvalidParameter("prompt", f"{len(p.ids)} tokens", f"at most {prompt_limit} tokens "
+                                   "(server limit max_prompt_tokens)")
+        if isinstance(request.decoder, BeamParams):
+            spec, beams = request.decoder, request.decoder.beams
+            self.limits.check_beams(beams)
+            ticket = Ticket([], BeamParams, ledger, sink, kv=beam_need(len(p.ids), beams, request.params.max_tokens),
+                            beams=beams)
+            ticket.start = lambda: self._beam_steps(p, spec, ledger)
+        else:
+            rows = p.rows(ledger, self.generator.model.device, None)
+            ticket = Ticket(rows, p.kind, ledger, sink, kv=kv_need(rows, self._draft, _streams(p.kind)))
+        self._check_fits(ticket, request)
         with self._wake:
-            self._check_room(len(ticket.rows_to_admit))
+            self._check_room(ticket)
             self._waiting.append(ticket)
             self._wake.notify()
         return ticket
@@ -233,9 +146,8 @@ class Scheduler:
     def stats(self) -> Stats:
         with self._wake:
             blocked = len(self._waiting) - self._admissible()
-            return Stats(blocked + len(self._calls), len(self._running),
-                         sum(len(b.rows) for b in self._batches.values()), self.steps,
-                         len(self._waiting) + len(self._calls))
+            return Stats(blocked + len(self._calls), len(self._running) + len(self._lanes), self._busy_rows, self.steps,
+                         len(self._waiting) + len(self._calls), self._prefilling, self.preemptions)
 
     @property
     def draining(self) -> bool:
@@ -261,38 +173,62 @@ class Scheduler:
             self._wake.notify()
         self._thread.join(timeout=30)
 
-    def _admissible(self, extra: Sequence[int] = ()) -> int:  # under the lock
-        """`admissible` over the queue (and ``extra`` requests after it), at the rows free now."""
-        return admissible([*(len(t.rows_to_admit) for t in self._waiting), *extra], self.max_rows - self._busy_rows,
-                          self._busy_rows > 0)
+    # --- admission (under the lock) --------------------------------------------------------------
+    def _free_kv(self) -> int | None:
+        """KV slots free for new requests now (what the prefix cache alone holds counts as free:
+        it gives it back on demand), less the watermark; None without a bounded pool."""
+        pool = self.generator.pool
+        if pool is None or pool.max_slots is None:
+            return None
+        limit = pool.max_slots - 1
+        cache = self.generator.prefix_cache
+        spare = cache.tree.evictable() if cache is not None else 0
+        return limit - pool.used_slots + spare - watermark(limit)
 
-    def _check_open(self) -> None:  # under the lock
+    def _admissible(self, extra: Sequence[Ticket] = ()) -> int:
+        """`admissible` over the queue (and ``extra`` after it), at the rows and KV free now."""
+        queue = [*self._waiting, *extra]
+        return admissible([t.width for t in queue], self.max_rows - self._busy_rows, self._busy_rows > 0,
+                          [t.kv.start for t in queue], self._free_kv())
+
+    def _check_open(self) -> None:
         if self._stop or self._expired:
             raise ShuttingDown("server shutting down: not accepting new work")
 
-    def _check_room(self, need: int) -> None:  # under the lock
-        """Refuse a request of ``need`` rows only when it could not be admitted either (it would
-        wait) and ``max_waiting`` requests already wait. A call (``need`` 0: beam search, which
-        holds the loop thread for its whole run) counts as waiting, as do queued calls."""
+    def _check_fits(self, ticket: Ticket, request: Request) -> None:
+        """Refuse a request whose KV could never fit the pool, even alone (caller's thread)."""
+        pool = self.generator.pool
+        if pool is None or pool.max_slots is None:
+            return
+        error = too_large(ticket.kv, pool.max_slots - 1, pool.bytes_per_slot, ticket.width, request.params.max_tokens)
+        if error is not None:
+            raise error
+
+    def _check_room(self, ticket: Ticket) -> None:
+        """Refuse ``ticket`` only when it could not be admitted either (it would wait) and
+        ``max_waiting`` requests already wait (queued calls count as waiting)."""
         self._check_open()
         queued = len(self._waiting)
         waiting = queued - self._admissible() + len(self._calls)
-        fits = need > 0 and self._admissible([need]) > queued
-        if fits or waiting < self.max_waiting:
+        if self._admissible([ticket]) > queued or waiting < self.max_waiting:
             return
-        ahead = sum(len(t.rows_to_admit) for t in self._waiting) + max(need, 1) - (self.max_rows - self._busy_rows)
+        ahead = sum(t.width for t in self._waiting) - (self.max_rows - self._busy_rows)
         raise Overloaded(waiting, self.max_waiting, retry_after(ahead, self.drain.rate(self.clock()), self.max_rows))
+
+    def _take_admissible(self) -> list[Ticket]:
+        n = self._admissible()
+        return [self._waiting.popleft() for _ in range(n)]
 
     # --- the loop thread -------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._stop and not self._waiting and not self._calls and not self._running:
+                while not self._stop and not self._waiting and not self._calls and not self._running and not self._lanes:
                     if self._deadline is not None:
                         self.drained.set()
                     if self._worked:
                         self._worked = False
-                        trim()
+                        self._idle()
                     self._wake.wait()
                 self._worked = True
                 if self._stop:
@@ -307,7 +243,8 @@ class Scheduler:
                 calls = list(self._calls)
                 self._calls.clear()
                 admit = self._take_admissible()
-                self._busy_rows += sum(len(t.rows_to_admit) for t in admit)
+                self._prefilling = sum(t.width for t in admit if not t.beams)
+                self._busy_rows += sum(t.width for t in admit)
             for fn, future in calls:
                 if future.set_running_or_notify_cancel():
                     try:
@@ -316,44 +253,117 @@ class Scheduler:
                         future.set_exception(exc)
             for ticket in admit:
                 self._admit(ticket)
+            with self._wake:
+                self._prefilling = 0
             if admit:  # their first tokens go out now, not after the next step (time to first token)
                 self._deliver()
             self._cancel_requested()
             for kind, batch in list(self._batches.items()):
                 if batch.rows:
+                    self._make_room(kind, batch)
                     self._step(kind, batch)
+            for ticket in list(self._lanes):
+                self._advance(ticket)
             self._deliver()
             with self._wake:
-                self._busy_rows = sum(len(b.rows) for b in self._batches.values())
+                self._busy_rows = self._rows_now()
         self._shutdown()
 
-    def _take_admissible(self) -> list[Ticket]:  # under the lock
-        running = sum(len(b.rows) for b in self._batches.values())
-        n = admissible([len(t.rows_to_admit) for t in self._waiting], self.max_rows - running, running > 0)
-        return [self._waiting.popleft() for _ in range(n)]
+    def _rows_now(self) -> int:
+        return sum(len(b.rows) for b in self._batches.values()) + sum(t.beams for t in self._lanes)
+
+    def _idle(self) -> None:
+        """The loop has nothing to do: give back what a burst made the pool and allocator grow to."""
+        with contextlib.suppress(Exception):
+            shrink_pool(self.generator)
+        trim()
 
     def _admit(self, ticket: Ticket) -> None:
         if ticket.cancelled:
+            for row in ticket.rows:  # a preempted request's rows carry state: they end here
+                if not row.state.done:
+                    row.state.finish("cancelled")
             self._finish(ticket)
+            return
+        ticket.admitted = next(self._order)
+        if ticket.beams:
+            assert ticket.start is not None
+            ticket.steps = ticket.start()
+            self._lanes.append(ticket)
             return
         batch = self._batches.get(ticket.kind)
         if batch is None:
             batch = self._batches[ticket.kind] = self.generator.new_batch(ticket.kind)
         try:
-            ticket.rows = batch.admit(ticket.rows_to_admit)
+            rows = batch.admit(ticket.rows_to_admit)
         except Exception as exc:
             self._fail(ticket, exc)
             return
+        if ticket.resuming:  # a preempted request comes back: its resumed rows take their places
+            for i, row in zip(ticket.resuming, rows, strict=True):
+                ticket.rows[i] = row
+            ticket.resuming = []
+        else:
+            ticket.rows = rows
         ticket.rows_to_admit = []
         self._running.append(ticket)
 
     def _cancel_requested(self) -> None:
+        with self._wake:  # a cancelled request still queued leaves the queue now
+            gone = [t for t in self._waiting if t.cancelled]
+            for t in gone:
+                self._waiting.remove(t)
+        for ticket in gone:
+            self._admit(ticket)  # ends it (a preempted one's rows included)
         for ticket in self._running:
-            if ticket.cancelled and not ticket.done:
+            batch = self._batches.get(ticket.kind)
+            if ticket.done or batch is None:
+                continue
+            if ticket.cancelled:
                 live = [r for r in ticket.rows if not r.state.done]
-                batch = self._batches.get(ticket.kind)
-                if live and batch is not None:
+                if live:
                     batch.cancel(live)
+            elif ticket.ending:
+                ending, ticket.ending = ticket.ending, set()
+                rows = [ticket.rows[i] for i in sorted(ending) if i < len(ticket.rows) and not ticket.rows[i].state.done]
+                if rows:
+                    batch.cancel(rows, "stop")
+
+    def _make_room(self, kind: type, batch: DecodeBatch) -> None:
+        """Free the KV this step of ``batch`` will write, if the pool cannot hold it: first what
+        only the prefix cache holds, then the youngest requests, preempted (`_preempt`)."""
+        pool = self.generator.pool
+        if pool is None or pool.max_slots is None:
+            return
+        cache = self.generator.prefix_cache
+
+        def short() -> int:
+            live = sum(1 for r in batch.rows if not r.state.done)
+            return _streams(kind) * live * max(1, self._draft) - (pool.max_slots - 1 - pool.used_slots)
+
+        if short() > 0 and cache is not None:
+            cache.evict(short())
+        while short() > 0:
+            victims = sorted((t for t in self._running if not t.done and any(not r.state.done for r in t.rows)),
+                             key=lambda t: -t.admitted)
+            if len(victims) < 2:  # the last request runs on: it fits alone (checked at submit)
+                return
+            self._preempt(victims[0])
+
+    def _preempt(self, ticket: Ticket) -> None:
+        """Take ``ticket``'s live rows out of their batch, their state kept, and queue it first,
+        to be recomputed and carry on when admitted again."""
+        batch = self._batches[ticket.kind]
+        live = [i for i, r in enumerate(ticket.rows) if not r.state.done]
+        ticket.rows_to_admit = batch.detach([ticket.rows[i] for i in live])
+        ticket.resuming = live
+        ticket.kv = kv_need(ticket.rows_to_admit, self._draft, _streams(ticket.kind))
+        ticket.preemptions += 1
+        self._running.remove(ticket)
+        with self._wake:
+            self.preemptions += 1
+            self._waiting.appendleft(ticket)
+        log.info("KV pool full: preempted a request's %d rows (recomputed when admitted again)", len(live))
 
     def _step(self, kind: type, batch: DecodeBatch) -> None:
         try:
@@ -370,6 +380,40 @@ class Scheduler:
         self.steps += 1
         if self.on_step is not None:
             self.on_step(len(batch.rows))
+
+    def _beam_steps(self, p: Any, spec: BeamParams, ledger: Ledger) -> Any:
+        steps = self.generator.beam_steps([p], spec, ledger)
+        found = yield from steps
+        return found[0]
+
+    def _advance(self, ticket: Ticket) -> None:
+        """One forward of a running beam search (its lane); its hypotheses once it ends."""
+        assert ticket.steps is not None
+        if ticket.cancelled:
+            ticket.steps.close()
+            self._lanes.remove(ticket)
+            ticket.done = True
+            ticket.sink(Finished(()))
+            return
+        try:
+            next(ticket.steps)
+            return
+        except StopIteration as end:
+            found = end.value
+        except Exception as exc:
+            self._lanes.remove(ticket)
+            self._fail(ticket, exc)
+            return
+        self._lanes.remove(ticket)
+        ticket.first_token_at = time.perf_counter()
+        for i, c in enumerate(found):
+            ticket.sink(chunk_of(c, i))
+        ticket.done = True
+        with self._wake:
+            self.drain.record(self.clock(), ticket.beams)
+        with contextlib.suppress(BudgetExceeded):
+            ticket.ledger.charge(seconds=time.perf_counter() - ticket.submitted)
+        ticket.sink(Finished(tuple(found)))
 
     def _deliver(self) -> None:
         still: list[Ticket] = []
@@ -398,41 +442,9 @@ class Scheduler:
         ticket.done = True
         ticket.sink(Failed(exc))
 
-    def _beam(self, ticket: Ticket, request: Request) -> None:
-        if ticket.cancelled:
-            ticket.done = True
-            ticket.sink(Finished(()))
-            return
-        # beam search owns its loop: its ledger stops it at the next forward once the drain's
-        # deadline passed or the client went away (what it did until then is charged)
-        run = Ledger(parent=ticket.ledger, stop=lambda: ticket.cancelled or self._past_deadline())
-        try:
-            found = self.generator.generate([request], ledger=run)[0]
-        except Interrupted:
-            if ticket.cancelled:
-                ticket.done = True
-                ticket.sink(Finished(()))
-            else:
-                self._fail(ticket, _ended())
-            return
-        except Exception as exc:
-            self._fail(ticket, exc)
-            return
-        ticket.first_token_at = time.perf_counter()
-        for i, c in enumerate(found):
-            ticket.sink(StreamChunk(c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason, i, c.error,
-                                    c.top_logprobs or ()))
-        ticket.done = True
-        ticket.sink(Finished(tuple(found)))
-
-    def _past_deadline(self) -> bool:
-        """Whether a drain's deadline has passed (read without the lock: one float)."""
-        deadline = self._deadline
-        return deadline is not None and self.clock() >= deadline
-
     def _expire(self) -> None:
         """The drain's deadline passed: end everything queued and running, each with its error."""
-        error = _ended()
+        error = ended()
         with self._wake:
             waiting, calls = list(self._waiting), list(self._calls)
             self._waiting.clear()
@@ -450,17 +462,25 @@ class Scheduler:
                 with contextlib.suppress(Exception):
                     batch.cancel(live)
             self._fail(ticket, error)
-        self._running = []
+        for ticket in self._lanes:
+            if ticket.steps is not None:
+                ticket.steps.close()
+            self._fail(ticket, error)
+        lanes, self._running, self._lanes = len(self._lanes), [], []
         with self._wake:
-            self._busy_rows = sum(len(b.rows) for b in self._batches.values())
-        log.warning("shutdown timeout: ended %d running and %d queued requests", len(running), len(waiting))
+            self._busy_rows = self._rows_now()
+        log.warning("shutdown timeout: ended %d running, %d beam searches and %d queued requests", len(running), lanes,
+                    len(waiting))
 
     def _shutdown(self) -> None:
         with self._wake:
             waiting, calls = list(self._waiting), list(self._calls)
             self._waiting.clear()
             self._calls.clear()
-        for ticket in waiting + self._running:
+        for ticket in waiting + self._running + self._lanes:
+            if ticket.steps is not None:
+                with contextlib.suppress(Exception):
+                    ticket.steps.close()
             if not ticket.done:
                 self._fail(ticket, ShuttingDown("server shutting down"))
         for _, future in calls:
@@ -470,3 +490,9 @@ class Scheduler:
             with contextlib.suppress(Exception):
                 batch.close()
         self._batches.clear()
+
+
+def _streams(kind: type) -> int:
+    """KV streams a row of this decoder writes to the engine's pool (guidance's unconditional
+    stream shares it; contrastive decoding's amateur keeps a pool of its own)."""
+    return 2 if kind is GuidanceParams else 1

@@ -14,6 +14,7 @@ from metaloom.ledger import Budget
 from metaloom.meta.types import Strategy
 from metaloom.sampling.params import SamplingParams
 from metaloom.server.errors import ApiError
+from metaloom.server.limits import Limits
 from metaloom.server.protocol import StrategyOptions, strategy_params
 
 _DEFAULT = SamplingParams()
@@ -28,6 +29,7 @@ class StrategyCall:
     groups: dict[str, dict[str, str]] = field(default_factory=dict)
     budget: Budget | None = None
     trace: bool = False
+    origin: str = "metaloom.params"  # where the request set the parameters: the body's object or the model alias
 
     def __post_init__(self) -> None:
         from metaloom.wiring.configure import build_strategy
@@ -38,6 +40,18 @@ class StrategyCall:
             name = exc.name.removeprefix("strategy.")
             where = "metaloom.strategy" if name == "strategy" else f"metaloom.params.{name}"
             raise InvalidParameter(where, exc.value, exc.allowed) from exc
+
+    def within(self, limits: Limits, context: int) -> StrategyCall:
+        """This call within the server's limits: every width, depth and token parameter (nested
+        strategies' too) checked, and the budget it will run under (`Limits.strategy_budget`)."""
+        from metaloom.wiring.configure import build_strategy
+
+        def inspect(label: str, values: dict[str, Any]) -> None:
+            limits.check_component(label, values, context, self.origin)
+
+        build_strategy(self.name, self.params, self.groups, {"dry": True, "inspect": inspect})
+        budget = limits.strategy_budget(self.budget)
+        return dataclasses.replace(self, budget=budget)
 
     def build(self, sampling: SamplingParams, generator: Generator) -> Strategy:
         """The strategy, with the request's own sampling parameters (those it set) applied to it."""
@@ -83,7 +97,8 @@ def resolve_model(model: str, served: tuple[str, ...], options: StrategyOptions 
     params: dict[str, str] = {**spec.params, **{f"{g}.{k}": v for g, ps in spec.groups.items() if g != BUDGET
                                                 for k, v in ps.items()}}
     call = _from_options(StrategyOptions(strategy=spec.name, params=params))
-    return dataclasses.replace(call, budget=spec.budget())  # budget.FIELD=LIMIT in the alias caps each request's run
+    # budget.FIELD=LIMIT in the alias caps each request's run
+    return dataclasses.replace(call, budget=spec.budget(), origin="model")
 
 
 def _from_options(options: StrategyOptions) -> StrategyCall:

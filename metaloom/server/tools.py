@@ -194,9 +194,11 @@ def history(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
             call_id = m.get("tool_call_id")
             if not isinstance(call_id, str) or not call_id:
                 raise InvalidParameter(f"messages[{i}].tool_call_id", call_id, "the id of the call this answers")
+            if call_id not in names:  # OpenAI refuses a result for a call nobody made
+                raise InvalidParameter(f"messages[{i}].tool_call_id", call_id,
+                                       "the id of a call an earlier assistant message made (its tool_calls[].id)")
             message["tool_call_id"] = call_id
-            if call_id in names:
-                message["name"] = names[call_id]
+            message["name"] = names[call_id]
         out.append(message)
     return out
 
@@ -309,10 +311,12 @@ def grammar(given: Sequence[Function], choice: ToolChoice) -> ConstraintSpec:
 class Partial:
     """What a (possibly unfinished) reply holds so far: ``content`` (text that is surely not a
     call), and each call's name (None until its closing quote) and arguments text so far;
+    ``closed``: how many of the calls are whole blocks (``</tool_call>`` written);
     ``complete``: every call block is closed and nothing else follows."""
 
     content: str = ""
     calls: list[tuple[str | None, str]] = field(default_factory=list)
+    closed: int = 0
     complete: bool = False
 
 
@@ -366,6 +370,7 @@ def partial(text: str) -> Partial:
         if not text.startswith(closing, at):
             return out
         at += len(closing)
+        out.closed += 1
         if at == len(text):
             out.complete = True
             return out
@@ -374,18 +379,50 @@ def partial(text: str) -> Partial:
         at += 1
 
 
+@dataclass
+class Calls:
+    """The calls a reply makes, as a client may use them: only whole blocks (a call cut short by
+    ``max_tokens`` never appears as a call), each distinct call once (``repeated``: the reply
+    went on to repeat one, which a greedy model does until ``max_tokens``: the row may end
+    there), and ``content`` when the reply is text. No call markup is ever content."""
+
+    content: str | None
+    calls: list[tuple[str, str]]
+    repeated: bool = False
+    cut: bool = False  # a call was begun and not finished
+
+    @classmethod
+    def read(cls, text: str, final: bool = True) -> Calls:
+        """The calls of ``text`` (``final``: the whole reply; else the reply so far, whose
+        content may still become a call's opening)."""
+        p = partial(text)
+        if not text.startswith(OPEN):
+            return cls(p.content if not final else text, [])
+        calls: list[tuple[str, str]] = []
+        seen: set[tuple[str, str]] = set()
+        repeated = False
+        for name, args in p.calls[:p.closed]:
+            try:
+                canonical = json.dumps(json.loads(args), ensure_ascii=False)
+            except json.JSONDecodeError:  # the grammar makes it JSON: a block that is not is not a call
+                break
+            key = (str(name), canonical)
+            if key in seen:
+                repeated = True
+                break
+            seen.add(key)
+            calls.append(key)
+        return cls(None, calls, repeated, cut=not repeated and not p.complete and final)
+
+
 def parse(text: str) -> tuple[str | None, list[tuple[str, str]]]:
-    """A finished reply as (content, [(name, arguments JSON text)]): calls only when the reply
-    is nothing but well-formed call blocks (the grammar makes it so); otherwise it is all
-    content (a reply cut short by ``max_tokens`` mid-call among them)."""
-    p = partial(text)
-    if p.complete and all(name is not None for name, _ in p.calls):
-        try:
-            calls = [(str(name), json.dumps(json.loads(args), ensure_ascii=False)) for name, args in p.calls]
-        except json.JSONDecodeError:
-            return text, []
-        return None, calls
-    return text, []
+    """A finished reply as (content, [(name, arguments JSON text)]) (see `Calls`): calls when
+    it holds whole call blocks, content when it is text; a reply that began a call and never
+    finished one has neither (its markup is no answer)."""
+    read = Calls.read(text)
+    if read.calls:
+        return None, read.calls
+    return (read.content if read.content is not None else ""), []
 
 
 def call_id() -> str:
@@ -402,43 +439,54 @@ def message(text: str) -> tuple[dict[str, Any], bool]:
                            for n, a in calls]}, True
 
 
+def finish_reason(text: str, engine: str) -> str:
+    """OpenAI's finish reason of a reply that may call functions: ``tool_calls`` when it calls
+    and ended (a repeated call ends it too), the engine's own reason otherwise (``length``: a
+    call may have been cut; the whole ones are still returned)."""
+    read = Calls.read(text)
+    if read.calls and (engine == "stop" or read.repeated):
+        return "tool_calls"
+    return engine
+
+
 class ToolStream:
     """One streamed choice's reply as OpenAI's chat deltas: ``feed(text)`` each new piece and
-    get the deltas it allows (content, a call's id and name once its name is closed, its
-    arguments as they grow); `calls` says whether it called (the finish reason ``tool_calls``)."""
+    get the deltas it allows. Content streams as it comes; a call is sent whole (its id, name
+    and arguments in one delta) once its block is closed, so a cut or repeated call is never
+    sent: streamed and non-streamed replies hold the same calls. `repeated` says the reply
+    began repeating a call (the caller may end the row); `calls` whether it called."""
 
     def __init__(self) -> None:
         self.text = ""
         self.content_sent = 0
-        self.sent: list[tuple[str, int]] = []  # per call: its id, arguments characters sent
+        self.sent = 0  # calls sent
+        self.repeated = False
+        self.deltas: list[dict[str, Any]] = []  # what the last feed gave (the server keeps it here)
 
     @property
     def calls(self) -> bool:
-        return bool(self.sent)
+        return self.sent > 0
 
     def feed(self, piece: str) -> list[dict[str, Any]]:
         self.text += piece
-        p = partial(self.text)
+        if self.repeated:
+            return []
+        read = Calls.read(self.text, final=False)
         out: list[dict[str, Any]] = []
-        if len(p.content) > self.content_sent:
-            out.append({"content": p.content[self.content_sent:]})
-            self.content_sent = len(p.content)
-        for index, (name, args) in enumerate(p.calls):
-            if name is None:
-                break
-            if index == len(self.sent):
-                self.sent.append((call_id(), 0))
-                out.append({"tool_calls": [{"index": index, "id": self.sent[index][0], "type": "function",
-                                            "function": {"name": name, "arguments": ""}}]})
-            ident, done = self.sent[index]
-            if len(args) > done:
-                out.append({"tool_calls": [{"index": index, "function": {"arguments": args[done:]}}]})
-                self.sent[index] = (ident, len(args))
+        if read.content is not None and len(read.content) > self.content_sent:
+            out.append({"content": read.content[self.content_sent:]})
+            self.content_sent = len(read.content)
+        for index in range(self.sent, len(read.calls)):
+            name, args = read.calls[index]
+            out.append({"tool_calls": [{"index": index, "id": call_id(), "type": "function",
+                                        "function": {"name": name, "arguments": args}}]})
+        self.sent = len(read.calls)
+        self.repeated = read.repeated
         return out
 
     def finish(self) -> list[dict[str, Any]]:
         """At the end: text held back as a possible call opening that never became one."""
-        if not self.sent and self.content_sent < len(self.text):
+        if not self.text.startswith(OPEN) and self.content_sent < len(self.text):
             rest = self.text[self.content_sent:]
             self.content_sent = len(self.text)
             return [{"content": rest}]

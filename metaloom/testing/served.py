@@ -11,14 +11,17 @@ from typing import Any
 
 
 @contextlib.contextmanager
-def serve_app(app: Any, start_timeout: float = 30.0) -> Iterator[str]:
-    """Run ``app`` (ASGI) with uvicorn for the duration; yields its base URL."""
+def serve_app(app: Any, start_timeout: float = 30.0, header_timeout: float = 10.0) -> Iterator[str]:
+    """Run ``app`` (ASGI) with uvicorn for the duration, configured as `metaloom serve` runs it
+    (`metaloom.server.http.uvicorn_config`); yields its base URL."""
     import uvicorn
+
+    from metaloom.server.http import uvicorn_config
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, header_timeout=header_timeout, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout

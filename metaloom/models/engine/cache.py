@@ -170,6 +170,32 @@ class KVPool:
             self._free[self._nfree:self._nfree + gone.size] = gone[::-1]
             self._nfree += gone.size
 
+    def compact(self, slots: int) -> np.ndarray | None:
+        """Shrink the pool to ``slots`` slots, moving every live slot down to the lowest ids
+        (in order); returns the map from old slot ids to new ones (-1: a free slot), or None when
+        the live slots do not fit. Only valid while nothing but the caller (who remaps its own
+        references with the map) holds slot ids: the server does it when its loop is idle."""
+        with self.lock:
+            live = np.flatnonzero(self.refs[1:] > 0) + 1
+            if len(live) + 1 > slots or slots >= self.slots:
+                return None
+            mapping = np.full(self.slots, -1, dtype=np.int64)
+            mapping[SCRATCH] = SCRATCH
+            mapping[live] = np.arange(1, len(live) + 1, dtype=np.int64)
+            index = torch.as_tensor(live, dtype=torch.long, device=self.device)
+            for ts in (self.keys, self.values, self.key_scales, self.value_scales):
+                for i, t in enumerate(ts):
+                    small = torch.zeros((slots, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                    small[1:len(live) + 1] = t[index]
+                    ts[i] = small  # the same lists: holders of pool.keys see the new tensors
+            refs = np.zeros(slots, dtype=np.int64)
+            refs[SCRATCH] = 1
+            refs[1:len(live) + 1] = self.refs[live]
+            self.refs = refs
+            self._free = np.arange(slots - 1, len(live), -1, dtype=np.int64)
+            self._nfree = len(self._free)
+            return mapping
+
     def _grow(self, extra: int) -> None:
         old = self.slots
         new = max(2 * old, old + extra)
