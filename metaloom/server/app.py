@@ -2,51 +2,73 @@
 
 Plain requests go straight to the scheduler (continuous batching); a strategy (a ``metaloom``
 object in the body, or a model alias ``majority_vote@n=8:default``) runs in a worker thread
-against `ScheduledGenerator`, so its samples join the same decode loop. Usage is the request's
-own ledger: prompt, completion and cached tokens, and a ``metaloom`` block with forward passes,
-FLOPs, seconds and the rest.
+against `ScheduledGenerator`, so its samples join the same decode loop (`metaloom.server.calls`).
+Usage is the request's own ledger: prompt, completion and cached tokens, and a ``metaloom`` block
+with forward passes, FLOPs, seconds and the rest.
+
+Which routes need the API key (``--api-key``): every ``/v1`` route, ``/tokenize`` and
+``/detokenize`` always; ``/health``, ``/metrics`` and the docs (``/docs``, ``/redoc``,
+``/openapi.json``) only when ``open_routes`` leaves them out (by default all three are open).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import dataclasses
-import json
 import logging
 import secrets
-import time
-import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, cast
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from metaloom.decode.score import PromptPosition, shared_prompt_logprobs
-from metaloom.errors import InvalidGrammar, InvalidParameter, MetaloomError
+from metaloom.errors import InvalidParameter, MetaloomError
 from metaloom.generator.local import LocalGenerator
-from metaloom.generator.plan import check_ids, encode
-from metaloom.generator.types import Completion, StreamChunk, TokenIds, TopLogprobs
-from metaloom.generator.types import Request as GenerationRequest
-from metaloom.ledger import Ledger, Usage
-from metaloom.meta.types import Result
-from metaloom.server import protocol, tools
+from metaloom.generator.plan import check_ids
+from metaloom.ledger import Ledger
+from metaloom.server import protocol
+from metaloom.server.calls import Call, StrategyGate
 from metaloom.server.errors import ApiError, api_error
 from metaloom.server.http import Observed, ReadBody
 from metaloom.server.limits import OPEN_ROUTES, Limits
 from metaloom.server.memory import memory_parts, size_pools, storage_parts
 from metaloom.server.metrics import Metrics
 from metaloom.server.protocol import ChatBody, ChatFields, CompletionBody, CompletionFields
-from metaloom.server.scheduled import Cancelled, ScheduledGenerator
-from metaloom.server.scheduler import Event, Failed, Finished, Scheduler, Ticket
-from metaloom.server.strategy import StrategyCall, resolve_model
+from metaloom.server.scheduler import Scheduler
+from metaloom.server.strategy import resolve_model
 
 log = logging.getLogger("metaloom.server")
+_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/limits", "/health", "/metrics",
+                     "/tokenize", "/detokenize"})
+
+
+@dataclass
+class Served:
+    """What the routes share: the engine and its scheduler, the limits, the settings."""
+
+    generator: LocalGenerator
+    scheduler: Scheduler
+    metrics: Metrics
+    workers: ThreadPoolExecutor
+    gate: StrategyGate
+    limits: Limits
+    ids: tuple[str, ...]
+    settings: dict[str, int]  # max_rows, max_waiting, max_body_bytes: reported by /v1/limits
+    weights: dict[str, int]
+    authorised: Callable[[Request], None]
+
+    @property
+    def context(self) -> int:
+        return self.generator.model.max_context
+
+    def call(self, request: Request, *, chat: bool, model: str, logprobs: bool, token_ids: bool) -> Call:
+        return Call(self.scheduler, self.metrics, self.workers, request, self.limits, self.gate, chat=chat, model=model,
+                    logprobs=logprobs, token_ids=token_ids)
 
 
 def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: str | None = None,
@@ -54,16 +76,20 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
                strategy_workers: int = 8, limits: Limits | None = None, body_timeout: float = 30.0,
                open_routes: Sequence[str] = OPEN_ROUTES) -> FastAPI:
     """The server for ``generator``, answering to ``model_ids`` (the first is the listed id);
-    ``limits``: what one request may ask for (`metaloom.server.limits.Limits`, its defaults)."""
+    ``limits``: what one request may ask for (`metaloom.server.limits.Limits`, its defaults);
+    ``open_routes``: of health, metrics and docs, those served without the key."""
+    unknown = sorted(set(open_routes) - set(OPEN_ROUTES))
+    if unknown:
+        raise InvalidParameter("open_routes", unknown[0], f"some of {list(OPEN_ROUTES)}")
     limits = limits or Limits()
-    context = generator.model.max_context
     metrics = Metrics()
     scheduler = Scheduler(generator, max_rows=max_rows, max_waiting=max_waiting,
                           on_step=lambda rows: metrics.batch_size.observe(rows), limits=limits)
     workers = ThreadPoolExecutor(max_workers=strategy_workers, thread_name_prefix="metaloom-strategy")
-    ids = tuple(model_ids)
     size_pools(generator, max_rows)
-    weights = storage_parts([generator.model, generator.amateur])
+    served = Served(generator, scheduler, metrics, workers, StrategyGate(strategy_workers, max_waiting), limits,
+                    tuple(model_ids), {"max_rows": max_rows, "max_waiting": max_waiting, "max_body_bytes": max_body_bytes},
+                    storage_parts([generator.model, generator.amateur]), _key_check(api_key))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -76,31 +102,39 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
                   redoc_url="/redoc" if docs_open else None, openapi_url="/openapi.json" if docs_open else None)
     app.state.scheduler, app.state.metrics = scheduler, metrics
     app.add_middleware(ReadBody, limit=max_body_bytes, timeout=body_timeout)
+    app.add_middleware(Observed, observe=_observer(metrics))
+    _errors(app)
+    guard = {route: [] if route in open_routes else [Depends(served.authorised)] for route in OPEN_ROUTES}
+    _status_routes(app, served, guard)
+    if not docs_open:
+        _guarded_docs(app, served)
+    _model_routes(app, served)
+    _generation_routes(app, served)
+    return app
 
-    def observe(path: str, status: int, seconds: float, streamed: bool) -> None:
-        route = path if path in _ROUTES else "other"
-        metrics.requests.labels(route, str(status)).inc()
-        if not streamed:  # a stream's latency: in _sse, at its end
-            metrics.latency.labels(route).observe(seconds)
 
-    app.add_middleware(Observed, observe=observe)
-    unknown = sorted(set(open_routes) - set(OPEN_ROUTES))
-    if unknown:
-        raise InvalidParameter("open_routes", unknown[0], f"some of {list(OPEN_ROUTES)}")
-
-    def admitting() -> None:
-        """New work is refused once a shutdown began (work already in flight drains)."""
-        if scheduler.draining:
-            raise ApiError(503, "server shutting down: not accepting new requests", "server_error", code="shutting_down")
-
+def _key_check(api_key: str | None) -> Callable[[Request], None]:
     def authorised(request: Request) -> None:
         if api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", "invalid_request_error",
                            code="invalid_api_key")
+    return authorised
+
+
+def _observer(metrics: Metrics) -> Callable[[str, int, float, bool], None]:
+    def observe(path: str, status: int, seconds: float, streamed: bool) -> None:
+        route = path if path in _ROUTES else "other"
+        metrics.requests.labels(route, str(status)).inc()
+        if not streamed:  # a stream's latency: at its end (`Responder._sse`)
+            metrics.latency.labels(route).observe(seconds)
+    return observe
+
+
+def _errors(app: FastAPI) -> None:
+    """Every error in OpenAI's shape, with the status that says who must act (`api_error`)."""
 
     @app.exception_handler(ApiError)
     async def _api(_: Request, exc: ApiError) -> JSONResponse:
@@ -115,9 +149,8 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
-        kind = first.get("type", "")
         message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
-        if kind == "extra_forbidden":
+        if first.get("type", "") == "extra_forbidden":
             message = f"unknown field {param!r}: not an OpenAI or metaloom parameter"
         return ApiError(400, message, "invalid_request_error", param=param).response()
 
@@ -131,114 +164,129 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
         log.error("unhandled error on %s", request.url.path, exc_info=exc)
         return api_error(exc).response()
 
-    def guard(route: str) -> list[Any]:
-        """The key check for a route that is open without a key unless ``open_routes`` says so."""
-        return [] if route in open_routes else [Depends(authorised)]
 
-    @app.get("/health", response_model=None, dependencies=guard("health"))
+def _status_routes(app: FastAPI, s: Served, guard: dict[str, list[Any]]) -> None:
+    scheduler, metrics = s.scheduler, s.metrics
+
+    @app.get("/health", response_model=None, dependencies=guard["health"])
     def health() -> Any:
-        s = scheduler.stats()
-        body = {"status": "draining" if scheduler.draining else "ok", "waiting": s.waiting, "running_rows": s.running_rows}
+        st = scheduler.stats()
+        body = {"status": "draining" if scheduler.draining else "ok", "waiting": st.waiting,
+                "running_rows": st.running_rows, "prefilling_rows": st.prefilling_rows, "preemptions": st.preemptions}
         return JSONResponse(body, status_code=503) if scheduler.draining else body
 
-    if not docs_open:
-        @app.get("/openapi.json", dependencies=[Depends(authorised)], include_in_schema=False)
-        def openapi() -> dict[str, Any]:
-            return app.openapi()
-
-        @app.get("/docs", dependencies=[Depends(authorised)], include_in_schema=False)
-        def docs() -> Response:
-            return get_swagger_ui_html(openapi_url="/openapi.json", title="metaloom")
-
-    @app.get("/metrics", dependencies=guard("metrics"))
+    @app.get("/metrics", dependencies=guard["metrics"])
     def prometheus() -> Response:
-        s = scheduler.stats()
-        metrics.queue_depth.set(s.waiting)
-        metrics.running.set(s.running_rows)
-        for part, value in memory_parts(generator, weights).items():
+        st = scheduler.stats()
+        metrics.queue_depth.set(st.waiting)
+        metrics.running.set(st.running_rows)
+        metrics.prefilling.set(st.prefilling_rows)
+        metrics.preemptions.set(st.preemptions)
+        for part, value in memory_parts(s.generator, s.weights).items():
             metrics.memory.labels(part).set(value)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def model_card(model_id: str) -> dict[str, Any]:
-        return {"id": model_id, "object": "model", "created": 0, "owned_by": "metaloom", "root": generator.loaded.name,
-                "max_model_len": context, "metaloom": {"limits": limits.report(context)}}
 
-    @app.get("/v1/limits", dependencies=[Depends(authorised)])
-    def limits_route() -> dict[str, Any]:
+def _guarded_docs(app: FastAPI, s: Served) -> None:
+    """The docs behind the key (``open_routes`` without "docs")."""
+
+    @app.get("/openapi.json", dependencies=[Depends(s.authorised)], include_in_schema=False)
+    def openapi() -> dict[str, Any]:
+        return app.openapi()
+
+    @app.get("/docs", dependencies=[Depends(s.authorised)], include_in_schema=False)
+    def docs() -> Response:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="metaloom")
+
+
+def _model_routes(app: FastAPI, s: Served) -> None:
+    key = [Depends(s.authorised)]
+
+    def card(model_id: str) -> dict[str, Any]:
+        return {"id": model_id, "object": "model", "created": 0, "owned_by": "metaloom", "root": s.generator.loaded.name,
+                "max_model_len": s.context, "metaloom": {"limits": s.limits.report(s.context)}}
+
+    @app.get("/v1/limits", dependencies=key)
+    def limits() -> dict[str, Any]:
         """What one request may ask for (a 400 names the limit it passed), and the decode loop's
         capacity: rows decoded together, requests that may wait, the KV pool's slots."""
-        pool = generator.pool
+        pool = s.generator.pool
         kv = None if pool is None else {"max_slots": pool.max_slots, "bytes_per_slot": pool.bytes_per_slot}
-        return {"object": "limits", **limits.report(context), "max_rows": max_rows, "max_waiting": max_waiting,
-                "max_body_bytes": max_body_bytes, "kv_pool": kv}
+        return {"object": "limits", **s.limits.report(s.context), **s.settings, "kv_pool": kv}
 
-    @app.get("/v1/models", dependencies=[Depends(authorised)])
+    @app.get("/v1/models", dependencies=key)
     def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(ids[0])]}
+        return {"object": "list", "data": [card(s.ids[0])]}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorised)])
+    @app.get("/v1/models/{model_id:path}", dependencies=key)
     def model(model_id: str) -> dict[str, Any]:
         """OpenAI's retrieve: a served id, or a strategy alias of one (STRATEGY@param=v,...:ID); 404 else."""
-        resolve_model(model_id, ids, None)
-        return model_card(model_id)
+        resolve_model(model_id, s.ids, None)
+        return card(model_id)
 
-    @app.post("/tokenize", dependencies=[Depends(authorised)])
+    @app.post("/tokenize", dependencies=key)
     def tokenize(body: protocol.TokenizeBody) -> dict[str, Any]:
         """Token ids as the server would read the prompt (vLLM's route and shapes)."""
         if body.model is not None:
-            resolve_model(body.model, ids, None)  # 404 for a model not served
+            resolve_model(body.model, s.ids, None)  # 404 for a model not served
         if (body.prompt is None) == (body.messages is None):
             raise InvalidParameter("prompt", body.prompt, "exactly one of prompt and messages")
         protocol.valid_text(body.model_dump(exclude_none=True), "")
-        tokenizer = generator.tokenizer
-        limits.check_tools(body.tools)
+        s.limits.check_tools(body.tools)
+        tokenizer = s.generator.tokenizer
         text, special = protocol.tokenize_text(body, tokenizer)
         tokens = tokenizer.encode(text, add_special_tokens=special)
-        out: dict[str, Any] = {"count": len(tokens), "max_model_len": generator.model.max_context, "tokens": tokens}
+        out: dict[str, Any] = {"count": len(tokens), "max_model_len": s.context, "tokens": tokens}
         if body.return_token_strs:
             out["token_strs"] = [tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
         return out
 
-    @app.post("/detokenize", dependencies=[Depends(authorised)])
+    @app.post("/detokenize", dependencies=key)
     def detokenize(body: protocol.DetokenizeBody) -> dict[str, Any]:
         if body.model is not None:
-            resolve_model(body.model, ids, None)
-        check_ids("tokens", body.tokens, generator.model.vocab_size)
-        return {"prompt": generator.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+            resolve_model(body.model, s.ids, None)
+        check_ids("tokens", body.tokens, s.generator.model.vocab_size)
+        return {"prompt": s.generator.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorised), Depends(admitting)], response_model=None)
+
+def _generation_routes(app: FastAPI, s: Served) -> None:
+    def admitting() -> None:
+        """New work is refused once a shutdown began (work already in flight drains)."""
+        if s.scheduler.draining:
+            raise ApiError(503, "server shutting down: not accepting new requests", "server_error", code="shutting_down")
+
+    checks = [Depends(s.authorised), Depends(admitting)]
+
+    @app.post("/v1/chat/completions", dependencies=checks, response_model=None)
     async def chat(body: ChatBody, request: Request) -> Response | dict[str, Any]:  # type: ignore[valid-type]
         b = cast(ChatFields, body)
-        strategy = resolve_model(b.model, ids, b.metaloom)
-        limits.check_tools(b.tools)
-        if strategy is not None:
-            strategy = strategy.within(limits, context)
-        call = _Call(scheduler, metrics, workers, request, limits, chat=True, model=b.model, logprobs=bool(b.logprobs),
-                     token_ids=b.return_tokens_as_token_ids)
+        strategy = resolve_model(b.model, s.ids, b.metaloom)
+        s.limits.check_tools(b.tools)
+        call = s.call(request, chat=True, model=b.model, logprobs=bool(b.logprobs), token_ids=b.return_tokens_as_token_ids)
         call.continuous_usage = _continuous_usage(b)
         if strategy is not None:
+            strategy = strategy.within(s.limits, s.context)
             if protocol.calls_tools(body):
                 raise InvalidParameter("tools", "set", "not set with a strategy (function calling is for plain requests)")
             return await call.strategy(strategy, protocol.chat_request(body)[0], b.stream, _usage_wanted(b))
-        wanted, call.tools = protocol.chat_request(body, generator.tokenizer)
+        wanted, call.tools = protocol.chat_request(body, s.generator.tokenizer)
         named = protocol.named_constraint(body)
         call.constraint_field = "tools" if call.tools else (named[0] if named is not None else None)
         return await call.plain(call.fit([wanted], b), b.stream, _usage_wanted(b), Ledger())
 
-    @app.post("/v1/completions", dependencies=[Depends(authorised), Depends(admitting)], response_model=None)
+    @app.post("/v1/completions", dependencies=checks, response_model=None)
     async def completions(body: CompletionBody, request: Request) -> Response | dict[str, Any]:  # type: ignore[valid-type]
         b = cast(CompletionFields, body)
-        strategy = resolve_model(b.model, ids, b.metaloom)
-        if strategy is not None:
-            strategy = strategy.within(limits, context)
-        call = _Call(scheduler, metrics, workers, request, limits, chat=False, model=b.model, logprobs=b.logprobs is not None,
-                     token_ids=b.return_tokens_as_token_ids)
+        strategy = resolve_model(b.model, s.ids, b.metaloom)
+        call = s.call(request, chat=False, model=b.model, logprobs=b.logprobs is not None,
+                      token_ids=b.return_tokens_as_token_ids)
         call.continuous_usage = _continuous_usage(b)
         requests = protocol.completion_requests(body)
         named = protocol.named_constraint(body)
         call.constraint_field = named[0] if named is not None else None
         k, only = protocol.prompt_logprobs(body), protocol.scores_only(body)
         if strategy is not None:
+            strategy = strategy.within(s.limits, s.context)
             if len(requests) != 1:
                 raise ApiError(400, "a strategy takes one prompt", "invalid_request_error", param="prompt")
             if b.echo or k is not None:
@@ -253,12 +301,6 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
             return call.prompts_only(len(requests) * requests[0].params.n, b.stream, _usage_wanted(b), ledger)
         return await call.plain(call.fit(requests, b), b.stream, _usage_wanted(b), ledger)
 
-    return app
-
-
-_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/limits", "/health", "/metrics",
-                     "/tokenize", "/detokenize"})
-
 
 def _continuous_usage(body: ChatFields | CompletionFields) -> bool:
     return bool(body.stream_options is not None and body.stream_options.continuous_usage_stats)
@@ -266,463 +308,3 @@ def _continuous_usage(body: ChatFields | CompletionFields) -> bool:
 
 def _usage_wanted(body: ChatFields | CompletionFields) -> bool:
     return bool(body.stream_options is not None and body.stream_options.include_usage)
-
-
-class _Call:
-    """One HTTP call's run: submit, wait or stream, build the OpenAI response."""
-
-    def __init__(self, scheduler: Scheduler, metrics: Metrics, workers: ThreadPoolExecutor, http: Request,
-                 limits: Limits, *, chat: bool, model: str, logprobs: bool, token_ids: bool = False) -> None:
-        self.scheduler, self.metrics, self.workers, self.http = scheduler, metrics, workers, http
-        self.limits = limits
-        self.chat, self.model, self.logprobs, self.token_ids = chat, model, logprobs, token_ids
-        self.prompts: list[_Prompted] | None = None  # per request, when echo or prompt_logprobs asked for them
-        self.echo = False
-        self.continuous_usage = False  # stream_options.continuous_usage_stats
-        self.tools = False  # replies are read for function calls (`metaloom.server.tools`)
-        self.streams: dict[int, tools.ToolStream] = {}  # with tools: each choice's reader of its calls
-        self.constraint_field: str | None = None  # the field whose constraint the request carries
-        self.tickets: list[Ticket] = []
-        self.n = 1
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.started = time.perf_counter()
-        self.tokenizer = scheduler.generator.tokenizer
-        self.object = "chat.completion" if chat else "text_completion"
-
-    # --- plain requests ----------------------------------------------------------------------
-    def fit(self, requests: list[GenerationRequest], body: ChatFields | CompletionFields) -> list[GenerationRequest]:
-        """The requests within the server's limits (`Limits`: rows, beams, stop strings, generated
-        tokens), refused before any work when over one. Without ``max_tokens``, a request may fill
-        the context window (as OpenAI and vLLM do), up to its share of ``max_request_tokens``."""
-        limits = self.limits
-        first = requests[0]
-        beams = getattr(first.decoder, "beams", None)
-        limits.check_rows(first.params.n, len(requests))
-        if beams is not None:
-            limits.check_beams(beams)
-        limits.check_stop(first.params.stop)
-        rows = len(requests) * max(first.params.n, beams or 0)
-        if body.max_tokens is not None or getattr(body, "max_completion_tokens", None) is not None:
-            limits.check_tokens(rows, first.params.max_tokens)
-            return requests
-        engine = self.scheduler.generator
-        out = []
-        for r in requests:
-            used = len(r.prompt.ids) if isinstance(r.prompt, TokenIds) else len(encode(engine, r.prompt))
-            room = engine.model.max_context - used
-            if room > 0:
-                r = dataclasses.replace(r, params=dataclasses.replace(r.params, max_tokens=limits.default_tokens(rows, room)))
-            out.append(r)
-        return out
-
-    async def read_prompts(self, requests: list[GenerationRequest], k: int | None, ledger: Ledger, *,
-                           count_input: bool) -> list[_Prompted]:
-        """Each request's prompt as text and ids; with ``k``, their log-probabilities too (one pass
-        over them all, what they share computed once, on the loop thread between two steps)."""
-        engine = self.scheduler.generator
-        ids = [list(r.prompt.ids) if isinstance(r.prompt, TokenIds) else encode(engine, r.prompt) for r in requests]
-        positions: list[list[PromptPosition] | None] = [None] * len(requests)
-        if k is None and count_input:
-            ledger.charge(input_tokens=sum(map(len, ids)))
-        elif k is not None:  # one pass for all: what the prompts share is computed once (decode.score)
-            for one in ids:
-                check_ids("prompt ids", one, engine.model.vocab_size)
-            def read(k: int = k) -> list[list[PromptPosition]]:
-                started = time.perf_counter()
-                try:
-                    return shared_prompt_logprobs(engine.model, ids, k, ledger, pool=engine.pool, count_input=count_input)
-                finally:
-                    ledger.charge(seconds=time.perf_counter() - started)
-            positions = list(await asyncio.wrap_future(self.scheduler.call(read)))
-        return [_Prompted(r.prompt if isinstance(r.prompt, str) else self.tokenizer.decode(i), i, p)
-                for r, i, p in zip(requests, ids, positions, strict=True)]
-
-    def prompts_only(self, choices: int, stream: bool, include_usage: bool,
-                     ledger: Ledger) -> StreamingResponse | dict[str, Any]:
-        """``echo`` with ``max_tokens: 0``: each prompt back (with its log-probabilities), nothing generated."""
-        assert self.prompts is not None
-        n = choices // len(self.prompts)
-        empty = Completion(text="", token_ids=(), logprobs=(), finish_reason="length")
-        self._observe(ledger.usage, [])
-        if stream:
-            async def events() -> AsyncIterator[dict[str, Any]]:
-                for i in range(choices):
-                    out = self._chunk(i, {"text": ""}, "length")
-                    self._decorate(out["choices"][0], i // n, empty)
-                    yield out
-                if include_usage:
-                    yield self._usage_chunk(ledger.usage)
-            return self._sse(events())
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [self._choice(i, empty, i // n) for i in range(choices)], "usage": usage_block(ledger.usage)}
-
-    async def plain(self, requests: list[GenerationRequest], stream: bool, include_usage: bool,
-                    ledger: Ledger) -> StreamingResponse | dict[str, Any]:
-        loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
-        tickets: list[Ticket] = []
-        try:
-            for i, r in enumerate(requests):  # all validated (a bad one raises: 400) before any compute
-                def sink(event: Event, i: int = i) -> None:
-                    loop.call_soon_threadsafe(inbox.put_nowait, (i, event))
-                tickets.append(self.scheduler.submit(r, ledger, sink))
-        except InvalidGrammar as exc:  # named as the request set it, in one sentence
-            for t in tickets:
-                t.cancel()
-            field = self.constraint_field or "constraint"
-            raise ApiError(400, f"{field}: {exc}", "invalid_request_error", param=field, code="invalid_grammar") from exc
-        except BaseException:
-            for t in tickets:
-                t.cancel()
-            raise
-        n = requests[0].params.n
-        self.tickets, self.n = tickets, n
-        if stream:
-            return self._sse(self._stream_plain(inbox, tickets, ledger, n, include_usage))
-        try:
-            results: dict[int, tuple[Completion, ...]] = {}
-            while len(results) < len(requests):
-                i, event = await self._next(inbox)
-                if isinstance(event, Failed):
-                    raise event.error
-                if isinstance(event, Finished):
-                    results[i] = event.completions
-                elif self.tools and isinstance(event, StreamChunk):  # read as it comes: a repeated call ends the row
-                    self._read_calls(i * n + event.index, event.text)
-        finally:
-            for t in tickets:
-                t.cancel()  # a no-op for finished ones; frees the rows of a client gone away
-            self._observe(ledger.usage, tickets)  # what was generated, for a client gone away too
-        choices = [self._choice(i * n + j, c, i) for i in range(len(requests)) for j, c in enumerate(results[i])]
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage_block(ledger.usage)}
-
-    async def _next(self, inbox: asyncio.Queue[tuple[int, Event]]) -> tuple[int, Event]:
-        """The next event; a client that went away cancels the request (checked twice a second)."""
-        while True:
-            try:
-                return await asyncio.wait_for(inbox.get(), timeout=0.5)
-            except TimeoutError:
-                if await self.http.is_disconnected():
-                    raise Cancelled("client disconnected") from None
-
-    async def _stream_plain(self, inbox: asyncio.Queue[tuple[int, Event]], tickets: list[Ticket], ledger: Ledger, n: int,
-                            include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-        observed = False
-        try:
-            if self.chat:
-                for j in range(n):
-                    yield self._chunk(j, {"role": "assistant", "content": ""})
-            elif self.prompts is not None:  # echo / prompt_logprobs: the prompt first, once per choice
-                empty = Completion(text="", token_ids=(), logprobs=(), finish_reason="length")
-                for i in range(len(tickets) * n):
-                    out = self._chunk(i, {"text": ""})
-                    self._decorate(out["choices"][0], i // n, empty)
-                    yield out
-            finished = 0
-            sent: dict[int, int] = {}
-            while finished < len(tickets):
-                i, event = await inbox.get()
-                if isinstance(event, Failed):
-                    raise event.error
-                if isinstance(event, Finished):
-                    finished += 1
-                    continue
-                assert isinstance(event, StreamChunk)
-                index = i * n + event.index
-                outs = self._tool_deltas(index, event) if self.tools else [self._delta(index, event)]
-                if self.continuous_usage:  # vLLM's meaning: this choice's tokens so far, beside the request's prompt
-                    sent[index] = sent.get(index, 0) + len(event.token_ids)
-                    prompt = ledger.usage.input_tokens
-                    outs[-1]["usage"] = {"prompt_tokens": prompt, "completion_tokens": sent[index],
-                                         "total_tokens": prompt + sent[index]}
-                for out in outs:
-                    yield out
-            observed = True
-            self._observe(ledger.usage, tickets)
-            if include_usage:
-                yield self._usage_chunk(ledger.usage)
-        finally:
-            for t in tickets:
-                t.cancel()
-            if not observed:  # a stream the client closed: its tokens were generated all the same
-                self._observe(ledger.usage, tickets)
-
-    # --- strategies -----------------------------------------------------------------------------
-    async def strategy(self, call: StrategyCall, request: GenerationRequest, stream: bool,
-                       include_usage: bool) -> StreamingResponse | dict[str, Any]:
-        loop = asyncio.get_running_loop()
-        progress: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        prompt, sampling = request.prompt, request.params
-        if isinstance(prompt, TokenIds):  # strategies and their scorers read the question as text
-            raise ApiError(400, "a strategy takes a text prompt or chat messages, not token ids", "invalid_request_error",
-                           param="prompt")
-        if sampling.n != 1:  # the rest was checked with the call (names, types, values); this needs the body
-            raise InvalidParameter("n", sampling.n, "1 with a strategy (its samples are its own parameter, e.g. n)")
-        self.limits.check_stop(sampling.stop)
-        tally: dict[str, Any] = {"calls": 0, "samples_finished": 0, "output_tokens": 0}
-
-        def on_done(completions: tuple[Completion, ...]) -> None:  # a generator call finished
-            tally["calls"] += 1
-            tally["samples_finished"] += len(completions)
-            tally["output_tokens"] += sum(len(c.token_ids) for c in completions)
-            loop.call_soon_threadsafe(progress.put_nowait, dict(tally))
-
-        def on_event(kind: str, data: dict[str, Any]) -> None:  # a step of the strategy's trace: votes so far, ...
-            loop.call_soon_threadsafe(progress.put_nowait, {**tally, "trace": _jsonable({"kind": kind, **data})})
-
-        gen = ScheduledGenerator(self.scheduler, on_done=on_done)
-        ledger = Ledger(budget=call.budget, listener=on_event if stream else None)
-        # built in the worker: a component may load a model (a reward model), which must not block the event loop
-        future = loop.run_in_executor(self.workers, lambda: call.build(sampling, gen).run(prompt, gen, ledger=ledger))
-        if stream:
-            return self._sse(self._stream_strategy(call, future, progress, gen, ledger, include_usage))
-        try:
-            while True:
-                done, _ = await asyncio.wait({future}, timeout=0.5)
-                if done:
-                    break
-                if await self.http.is_disconnected():
-                    raise Cancelled("client disconnected")
-        finally:
-            if not future.done():
-                gen.cancel()
-        result = future.result()
-        self._observe(result.usage, [])
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [self._strategy_choice(result)], "usage": usage_block(result.usage),
-                "metaloom": call.report(result)}
-
-    async def _stream_strategy(self, call: StrategyCall, future: asyncio.Future[Result],
-                               progress: asyncio.Queue[dict[str, Any]],
-                               gen: ScheduledGenerator, ledger: Ledger, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-        try:
-            if self.chat:
-                yield self._chunk(0, {"role": "assistant", "content": ""})
-            while not future.done():
-                getter = asyncio.ensure_future(progress.get())
-                waiting: set[asyncio.Future[Any]] = {future, getter}
-                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                if getter in done:
-                    yield self._progress(call, getter.result())
-                else:
-                    getter.cancel()
-            while not progress.empty():
-                yield self._progress(call, progress.get_nowait())
-            result = future.result()
-            self._observe(result.usage, [])
-            text = {"content": result.best} if self.chat else {"text": result.best}
-            yield self._chunk(0, text)
-            yield self._chunk(0, {} if self.chat else {"text": ""}, finish=_finish(result))
-            if include_usage:
-                yield {"id": self.id, "object": self._chunk_object, "created": self.created, "model": self.model,
-                       "choices": [], "usage": usage_block(result.usage), "metaloom": call.report(result)}
-        finally:
-            if not future.done():
-                gen.cancel()
-
-    def _progress(self, call: StrategyCall, tally: dict[str, Any]) -> dict[str, Any]:
-        return {"id": self.id, "object": self._chunk_object, "created": self.created, "model": self.model,
-                "choices": [], "metaloom": {"event": "progress", "strategy": call.name, **tally}}
-
-    # --- response pieces --------------------------------------------------------------------------
-    @property
-    def _chunk_object(self) -> str:
-        return "chat.completion.chunk" if self.chat else "text_completion"
-
-    def _chunk(self, index: int, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": None}
-        if self.chat:
-            choice["delta"] = delta
-        else:
-            choice["text"] = delta.get("text", "")
-        return {"id": self.id, "object": self._chunk_object, "created": self.created, "model": self.model,
-                "choices": [choice]}
-
-    def _usage_chunk(self, usage: Usage) -> dict[str, Any]:
-        return {"id": self.id, "object": self._chunk_object, "created": self.created, "model": self.model,
-                "choices": [], "usage": usage_block(usage)}
-
-    def _delta(self, index: int, chunk: StreamChunk) -> dict[str, Any]:
-        delta = ({"content": chunk.text} if chunk.text else {}) if self.chat else {"text": chunk.text}
-        out = self._chunk(index, delta, chunk.finish_reason)
-        choice = out["choices"][0]
-        if self.logprobs and chunk.token_ids:
-            choice["logprobs"] = self._logprobs(chunk.token_ids, chunk.logprobs, chunk.top_logprobs or None)
-        if chunk.finish_reason is not None:
-            choice["stop_reason"] = chunk.stop_reason
-            if chunk.error is not None:
-                choice["error"] = chunk.error
-        return out
-
-    def _tool_deltas(self, index: int, chunk: StreamChunk) -> list[dict[str, Any]]:
-        """A streamed chunk of a choice whose reply may call functions: OpenAI's deltas (content,
-        each call's id and name, its arguments in pieces), the chunk's log-probabilities on the
-        first, the finish reason (``tool_calls`` for a reply that called) on the last."""
-        stream = self._read_calls(index, chunk.text)
-        deltas = stream.deltas
-        if chunk.finish_reason is not None:
-            deltas += stream.finish()
-        outs = [self._chunk(index, d) for d in deltas] or [self._chunk(index, {})]
-        if self.logprobs and chunk.token_ids:
-            outs[0]["choices"][0]["logprobs"] = self._logprobs(chunk.token_ids, chunk.logprobs, chunk.top_logprobs or None)
-        if chunk.finish_reason is not None:
-            last = outs[-1]["choices"][0]
-            last["finish_reason"] = tools.finish_reason(stream.text, chunk.finish_reason)
-            last["stop_reason"] = chunk.stop_reason
-            if chunk.error is not None:
-                last["error"] = chunk.error
-        return outs
-
-    def _read_calls(self, index: int, text: str) -> tools.ToolStream:
-        """Feed choice ``index``'s reader (its new deltas in ``.deltas``); a reply that began
-        repeating a call it made has its row ended (greedy models repeat until max_tokens)."""
-        stream = self.streams.setdefault(index, tools.ToolStream())
-        stream.deltas = stream.feed(text)
-        if stream.repeated and self.tickets:
-            self.tickets[index // self.n].end_row(index % self.n)
-        return stream
-
-    def _choice(self, index: int, c: Completion, request: int = 0) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": index, "finish_reason": c.finish_reason,
-                                  "stop_reason": c.stop_reason,
-                                  "logprobs": self._logprobs(c.token_ids, c.logprobs, c.top_logprobs) if self.logprobs else None}
-        if self.chat and self.tools:
-            choice["message"], _ = tools.message(c.text)
-            choice["finish_reason"] = tools.finish_reason(c.text, c.finish_reason)
-        elif self.chat:
-            choice["message"] = {"role": "assistant", "content": c.text}
-        else:
-            choice["text"] = c.text
-            if self.prompts is not None:
-                self._decorate(choice, request, c)
-        if c.error is not None:
-            choice["error"] = c.error
-        return choice
-
-    def _decorate(self, choice: dict[str, Any], request: int, c: Completion) -> None:
-        """A completions choice with its prompt: echoed before the text (and its log-probabilities
-        before the text's), and vLLM's ``prompt_logprobs``."""
-        assert self.prompts is not None
-        p = self.prompts[request]
-        if p.positions is not None:
-            choice["prompt_logprobs"] = [None, *({str(t): {"logprob": _finite(lp), "rank": rank, "decoded_token": self._name(t)}
-                                                  for t, lp, rank in self._ranked(pos)} for pos in p.positions)]
-        if not self.echo:
-            return
-        choice["text"] = p.text + choice["text"]
-        if self.logprobs and p.positions is not None:
-            head = self._logprobs(p.ids[1:], [q.logprob for q in p.positions], [q.top for q in p.positions])
-            first = self._name(p.ids[0])
-            tail = choice["logprobs"] or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-            shift = len(first) + sum(len(t) for t in head["tokens"])
-            choice["logprobs"] = {
-                "tokens": [first, *head["tokens"], *tail["tokens"]],
-                "token_logprobs": [None, *head["token_logprobs"], *tail["token_logprobs"]],
-                "top_logprobs": [None, *head["top_logprobs"], *tail["top_logprobs"]],
-                "text_offset": [0, *(len(first) + o for o in head["text_offset"]), *(shift + o for o in tail["text_offset"])],
-            }
-
-    @staticmethod
-    def _ranked(pos: Any) -> list[tuple[int, float, int]]:
-        """vLLM's prompt_logprobs entry: the prompt token with its rank, then the k most likely."""
-        out = [(pos.token, pos.logprob, pos.rank)]
-        out += [(t, lp, r) for r, (t, lp) in enumerate(pos.top, start=1) if t != pos.token]
-        return out
-
-    def _strategy_choice(self, result: Result) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(result), "logprobs": None}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": result.best}
-        else:
-            choice["text"] = result.best
-        return choice
-
-    def _name(self, token: int) -> str:
-        """A token as logprobs name it: its text, or vLLM's exact ``token_id:N``."""
-        return f"token_id:{token}" if self.token_ids else self.tokenizer.decode([token])
-
-    def _logprobs(self, ids: Sequence[int], lps: Sequence[float],
-                  tops: Sequence[TopLogprobs] | None) -> dict[str, Any]:
-        """OpenAI's logprobs object: chat's ``content`` list, or the completions API's parallel lists.
-        ``tops``: each position's most likely tokens (None: not asked for)."""
-        tokens = [self._name(t) for t in ids]
-        values = [_finite(lp) for lp in lps]
-        alternatives = [[(self._name(t), _finite(lp)) for t, lp in top] for top in tops] if tops else None
-        if self.chat:
-            def entry(t: str, lp: float) -> dict[str, Any]:
-                return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
-            return {"content": [{**entry(t, lp), "top_logprobs": [entry(*a) for a in alternatives[i]] if alternatives else []}
-                                for i, (t, lp) in enumerate(zip(tokens, values, strict=True))]}
-        offsets, at = [], 0
-        for t in tokens:
-            offsets.append(at)
-            at += len(t)
-        top_maps = [dict(a) for a in alternatives] if alternatives else [{} for _ in tokens]
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": top_maps, "text_offset": offsets}
-
-    def _sse(self, events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
-        async def body() -> AsyncIterator[str]:
-            try:
-                async for event in events:
-                    yield f"data: {json.dumps(event)}\n\n"
-            except Exception as exc:
-                error = api_error(exc)
-                if error.status >= 500 and error.status != 503:  # 503: a shutdown, not a fault
-                    log.error("error while streaming", exc_info=exc)
-                yield f"data: {json.dumps(error.body())}\n\n"
-            yield "data: [DONE]\n\n"
-            self.metrics.latency.labels("/v1/chat/completions" if self.chat else "/v1/completions").observe(
-                time.perf_counter() - self.started)
-        return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-    def _observe(self, usage: Usage, tickets: Sequence[Ticket]) -> None:
-        self.metrics.prompt_tokens.inc(usage.input_tokens)
-        self.metrics.cached_tokens.inc(usage.cached_tokens)
-        self.metrics.completion_tokens.inc(usage.output_tokens)
-        for t in tickets:
-            if t.first_token_at is not None:
-                self.metrics.ttft.observe(t.first_token_at - t.submitted)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Prompted:
-    """A completions prompt as echo and prompt_logprobs report it; ``positions``: its tokens'
-    log-probabilities from the second on (None: not asked for)."""
-
-    text: str
-    ids: list[int]
-    positions: list[PromptPosition] | None
-
-
-def _jsonable(value: Any) -> Any:
-    """A trace event's data as strict JSON takes it: non-finite numbers become null."""
-    if isinstance(value, float):
-        return value if value == value and abs(value) != float("inf") else None
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value if value is None or isinstance(value, (str, int, bool)) else str(value)
-
-
-def _finite(lp: float) -> float:
-    return lp if lp == lp and lp != float("-inf") else -9999.0  # strict JSON has no NaN/-inf
-
-
-def _finish(result: Result) -> str:
-    if result.stopped_reason is not None:  # "budget"
-        return str(result.stopped_reason)
-    if result.best_index is not None and result.candidates:
-        return result.candidates[result.best_index].finish_reason
-    return "stop"
-
-
-def usage_block(usage: Usage) -> dict[str, Any]:
-    """OpenAI's usage, with the ledger's other figures under ``metaloom``."""
-    extra = {k: v for k, v in usage.to_dict().items()
-             if k not in ("input_tokens", "output_tokens", "cached_tokens")}
-    return {"prompt_tokens": usage.input_tokens, "completion_tokens": usage.output_tokens,
-            "total_tokens": usage.input_tokens + usage.output_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}, "metaloom": extra}

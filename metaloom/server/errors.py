@@ -19,7 +19,7 @@ from metaloom.errors import (
     Unsupported,
 )
 from metaloom.server.admission import Overloaded
-from metaloom.server.tickets import ShuttingDown
+from metaloom.server.tickets import Cancelled, ShuttingDown
 
 
 class ApiError(Exception):
@@ -45,6 +45,8 @@ def api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, Overloaded):
         return ApiError(429, str(exc), "rate_limit_exceeded", code="overloaded",
                         headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, Cancelled):  # nobody is there to read it: nginx's "client closed request", for the logs
+        return ApiError(499, str(exc), "invalid_request_error", code="client_closed_request")
     if isinstance(exc, ShuttingDown):
         return ApiError(503, str(exc), "server_error", code="shutting_down")
     if isinstance(exc, RemoteTimeout):  # a server behind this one (a remote judge, ...) did not answer

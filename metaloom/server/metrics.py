@@ -22,7 +22,11 @@ class Metrics:
                                      registry=r)
         self.completion_tokens = Counter("metaloom_completion_tokens", "generated tokens", registry=r)
         self.queue_depth = Gauge("metaloom_queue_depth", "requests waiting to join the decode loop", registry=r)
-        self.running = Gauge("metaloom_running_rows", "rows in the decode loop", registry=r)
+        self.running = Gauge("metaloom_running_rows", "rows admitted to the decode loop (those being prefilled and "
+                             "beams searching included)", registry=r)
+        self.prefilling = Gauge("metaloom_prefilling_rows", "rows admitted and being prefilled now", registry=r)
+        self.preemptions = Gauge("metaloom_preemptions", "requests whose rows were taken out for want of KV memory "
+                                 "(recomputed when admitted again), since the start", registry=r)
         self.batch_size = Histogram("metaloom_batch_size", "rows per decode step", registry=r,
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
         self.ttft = Histogram("metaloom_time_to_first_token_seconds", "time to first token", registry=r, buckets=_BUCKETS)

@@ -167,7 +167,6 @@ def _refuse_unsupported(body: BaseModel) -> None:
             raise InvalidParameter(name, value, "not set: metaloom's server does not support it")
 
 
-MAX_N = 128  # samples per request: more is a 400, not a queue of rows that starves everyone else
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit (and vLLM's default max_logprobs)
 
 
@@ -180,8 +179,6 @@ def _top_count(name: str, value: Any) -> int:
 def sampling_params(body: BaseModel, *, chat: bool) -> SamplingParams:
     """The body's sampling parameters (validated by `SamplingParams`, which names a bad field)."""
     data = body.model_dump(exclude_none=True, by_alias=False)
-    if isinstance(data.get("n"), int) and data["n"] > MAX_N:
-        raise InvalidParameter("n", data["n"], f"at most {MAX_N} samples per request")
     if chat:
         if data.get("max_completion_tokens") is not None:
             if data.get("max_tokens", data["max_completion_tokens"]) != data["max_completion_tokens"]:

@@ -11,14 +11,12 @@ from __future__ import annotations
 import queue
 from collections.abc import Callable, Iterator, Sequence
 
-from metaloom.errors import MetaloomError
 from metaloom.generator.types import Completion, Message, Prompt, Request, Scored, StreamChunk, TokenIds
 from metaloom.ledger import Ledger
 from metaloom.server.scheduler import Event, Failed, Finished, Scheduler, Ticket
+from metaloom.server.tickets import Cancelled
 
-
-class Cancelled(MetaloomError):
-    """The request this work was for has gone (its client disconnected)."""
+__all__ = ["Cancelled", "ScheduledGenerator"]
 
 
 class ScheduledGenerator:

@@ -13,6 +13,10 @@ from metaloom.ledger import Ledger
 from metaloom.server.admission import KVNeed
 
 
+class Cancelled(MetaloomError):
+    """The request this work was for has gone (its client disconnected)."""
+
+
 class ShuttingDown(MetaloomError):
     """The server is shutting down: it admits nothing new, and what ran past the drain's
     deadline was ended (HTTP 503)."""
