@@ -232,3 +232,38 @@ def test_a_plain_request_is_not_held_behind_beam_searches(hostile):
         t.join(600)
     assert all(finished["plain"] < finished[f"beam{i}"] for i in range(3)), finished
     hostile.healthy()
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--max-n", "0"], "max_n"),
+    (["--open-routes", "health,admin"], "open_routes"),
+    (["--kv-pool-mb", "-1"], "kv_pool_mb"),
+    (["--body-timeout", "0"], "body_timeout"),
+])
+def test_bad_server_settings_are_refused_before_the_model_loads(flags, words):
+    import os
+    import subprocess
+    import sys
+
+    exe = os.path.join(os.path.dirname(sys.executable), "metaloom")
+    done = subprocess.run([exe, "serve", *flags], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and words in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_the_soak_benchmark_reads_outcomes_as_the_issue_counts_them():
+    from metaloom.bench.soak import Tally, format_table, outcome_of
+
+    assert [outcome_of(s) for s in (200, 400, 408, 429, 431, 500, 503)] == [
+        "answered", "refused", "refused", "refused", "refused", "5xx", "5xx"]
+    t = Tally()
+    t.add("plain", "answered")
+    t.add("oversize", "refused")
+    t.add("leaves", "disconnected")
+    assert (t.total("answered"), t.total("refused"), t.total("lost")) == (1, 1, 0)
+    summary = {"outcomes": {k: dict(v) for k, v in t.outcomes.items()}, "plain_p50_s": 0.1, "plain_p99_s": 0.2}
+    table = format_table({"model": "m", "dtype": "float32", "cpu": "cpu", "cores": 2, "soak_seconds": 1,
+                          "clients": 1, "kv_pool_limit_bytes": 1 << 20, "baseline": summary, "soak": summary,
+                          "plain_p99_ratio": 1.0, "preemptions": 0, "deaths": 0, "lost": 0, "server_errors": 0,
+                          "rss_start_bytes": 1, "rss_peak_bytes": 2, "rss_bound_bytes": 3,
+                          "targets": {"no_lost": True, "alive": False}})
+    assert "no_lost met" in table and "alive MISSED" in table

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 # name -> the module holding its HELP, add_args(parser) and main(args): one parser per benchmark
 BENCHMARKS: dict[str, str] = {name: f"metaloom.bench.{name}" for name in
-                              ("decode", "constrained", "speculative", "fork", "admit", "serve", "remote", "search",
-                               "gpu", "kv")}
+                              ("decode", "constrained", "speculative", "fork", "admit", "serve", "soak", "remote",
+                               "search", "gpu", "kv")}
 
 
 def model_args(p: argparse.ArgumentParser, *, repeats: int | None = 3, device: bool = False,

@@ -342,6 +342,7 @@ class Served:
     startup_s: float
     alive: Callable[[], bool]  # whether the server process is still running
     tail: Callable[[], str]  # the end of its output so far
+    pid: int = 0  # its process (the leader of its group)
 
 
 class StartFailed(Exception):
@@ -425,7 +426,7 @@ def serving(spec: ServerSpec) -> Iterator[Served]:
             except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError) as exc:
                 raise StartFailed(f"GET /v1/models gave no model id: {exc}", tail(log)) from exc
             yield Served(base_url=f"{base}/v1", model=model, startup_s=startup,
-                         alive=lambda: not _exited(proc.pid), tail=lambda: tail(log))
+                         alive=lambda: not _exited(proc.pid), tail=lambda: tail(log), pid=proc.pid)
         finally:
             _stop(proc)
 

@@ -58,6 +58,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         default = f.default
         limits.add_argument(flag, type=float if f.name == "max_request_seconds" else int, default=default,
                             metavar="N", help=_LIMIT_HELP[f.name] + (f" (default {default})" if default is not None else ""))
+    s.add_argument("--kv-pool-mb", type=float, default=None, metavar="MB",
+                   help="the most the KV pool may hold (default: half the memory available at the start); a request "
+                        "whose KV can never fit is a 400 saying how much it needs, one that cannot fit now waits, "
+                        "and a running one that finds the pool full is preempted and recomputed, never failed")
     s.add_argument("--prefix-cache-mb", type=int, default=1024,
                    help="radix prefix cache shared by all requests (a common system prompt is prefilled once); 0 off")
     s.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
@@ -82,11 +86,15 @@ def run(args: argparse.Namespace) -> int:
     if not args.shutdown_timeout >= 0:
         raise InvalidParameter("shutdown_timeout", args.shutdown_timeout, ">= 0 seconds")
     prefix_cache(args.prefix_cache_mb, None)  # validated before the load
+    if args.kv_pool_mb is not None and not args.kv_pool_mb > 0:
+        raise InvalidParameter("kv_pool_mb", args.kv_pool_mb, "> 0 MB")
     limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
     for name in ("body_timeout", "header_timeout"):
         if not getattr(args, name) > 0:
             raise InvalidParameter(name, getattr(args, name), "> 0 seconds")
     open_routes = () if args.open_routes == "none" else tuple(r for r in args.open_routes.split(",") if r)
+    if unknown := sorted(set(open_routes) - set(OPEN_ROUTES)):
+        raise InvalidParameter("open_routes", unknown[0], f"some of {', '.join(OPEN_ROUTES)}, comma-separated, or none")
     loaded = load(args.model, dtype=args.dtype, device=args.device, backend=args.backend, weights=args.weights,
                   **engine_options(args))
     generator = LocalGenerator(loaded, prefix_cache=prefix_cache(args.prefix_cache_mb, loaded))
@@ -94,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = create_app(generator, model_ids=[args.served_model_name or args.model], api_key=args.api_key,
                      max_rows=args.max_rows, max_waiting=args.max_waiting, max_body_bytes=int(args.max_body_mb * (1 << 20)),
-                     limits=limits, body_timeout=args.body_timeout, open_routes=open_routes)
+                     limits=limits, body_timeout=args.body_timeout, open_routes=open_routes,
+                     kv_pool_bytes=None if args.kv_pool_mb is None else int(args.kv_pool_mb * (1 << 20)))
     serve(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout, header_timeout=args.header_timeout)
     return 0
 

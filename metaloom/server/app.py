@@ -74,10 +74,11 @@ class Served:
 def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: str | None = None,
                max_rows: int = 64, max_waiting: int = 256, max_body_bytes: int = 4 << 20,
                strategy_workers: int = 8, limits: Limits | None = None, body_timeout: float = 30.0,
-               open_routes: Sequence[str] = OPEN_ROUTES) -> FastAPI:
+               open_routes: Sequence[str] = OPEN_ROUTES, kv_pool_bytes: int | None = None) -> FastAPI:
     """The server for ``generator``, answering to ``model_ids`` (the first is the listed id);
     ``limits``: what one request may ask for (`metaloom.server.limits.Limits`, its defaults);
-    ``open_routes``: of health, metrics and docs, those served without the key."""
+    ``open_routes``: of health, metrics and docs, those served without the key; ``kv_pool_bytes``:
+    the most the KV pool may hold (default: half the memory available at the start)."""
     unknown = sorted(set(open_routes) - set(OPEN_ROUTES))
     if unknown:
         raise InvalidParameter("open_routes", unknown[0], f"some of {list(OPEN_ROUTES)}")
@@ -86,7 +87,7 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
     scheduler = Scheduler(generator, max_rows=max_rows, max_waiting=max_waiting,
                           on_step=lambda rows: metrics.batch_size.observe(rows), limits=limits)
     workers = ThreadPoolExecutor(max_workers=strategy_workers, thread_name_prefix="metaloom-strategy")
-    size_pools(generator, max_rows)
+    size_pools(generator, max_rows, cap_bytes=kv_pool_bytes)
     served = Served(generator, scheduler, metrics, workers, StrategyGate(strategy_workers, max_waiting), limits,
                     tuple(model_ids), {"max_rows": max_rows, "max_waiting": max_waiting, "max_body_bytes": max_body_bytes},
                     storage_parts([generator.model, generator.amateur]), _key_check(api_key))

@@ -153,14 +153,19 @@ def shrink_pool(generator: LocalGenerator, floor: int = 256) -> int | None:
     return pool.slots
 
 
-def size_pools(generator: LocalGenerator, max_rows: int, available: int | None = None) -> None:
+def size_pools(generator: LocalGenerator, max_rows: int, available: int | None = None, cap_bytes: int | None = None) -> None:
     """Bound the engine's KV pool and prefix cache by `metaloom.server.memory.kv_pool_limit`
-    (``max_rows`` full context windows, half the memory available now) and `prefix_budget`."""
+    (``max_rows`` full context windows, half the memory available now; at most ``cap_bytes``,
+    ``metaloom serve --kv-pool-mb``) and `prefix_budget`."""
     pool = generator.pool
     available = meminfo() if available is None else available
-    if pool is None or available is None:
+    if pool is None or (available is None and cap_bytes is None):
         return
-    limit = kv_pool_limit(pool.bytes_per_slot, max_rows, generator.model.max_context, available)
+    limit = max_rows * generator.model.max_context + 1
+    if available is not None:
+        limit = kv_pool_limit(pool.bytes_per_slot, max_rows, generator.model.max_context, available)
+    if cap_bytes is not None:
+        limit = max(2, min(limit, cap_bytes // pool.bytes_per_slot))
     pool.max_slots = limit if pool.max_slots is None else min(pool.max_slots, limit)
     if generator.prefix_cache is not None:
         cache = generator.prefix_cache

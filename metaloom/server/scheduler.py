@@ -11,9 +11,11 @@ at once and free their KV; a cancelled ticket (a client that went away) has its 
 the next step boundary.
 
 Beam search reorders its rows every step, so it cannot share a batch; it runs as a lane of its
-own beside the batches (`LocalGenerator.beam_steps`): one forward of each beam search per loop
-iteration, interleaved with the decode steps, so six beam searches and a plain request all move
-together and a plain request is admitted while they run (no head-of-line blocking).
+own beside the batches (`LocalGenerator.beam_steps`) with a fair share: while rows decode, one
+beam search takes one forward per loop iteration, in turn, beside one step of each batch (so a
+plain request's steps are at most about twice as far apart as without beams); with nothing else
+running every beam search steps. Beam searches and plain requests all move together, and a plain
+request is admitted while they run (no head-of-line blocking).
 
 Memory: before a batch steps, the pool must hold its new tokens. When it cannot, the prefix
 cache gives back what no row holds, then the youngest requests are preempted (their rows leave
@@ -262,12 +264,23 @@ class Scheduler:
                 if batch.rows:
                     self._make_room(kind, batch)
                     self._step(kind, batch)
-            for ticket in list(self._lanes):
+            for ticket in self._lanes_now():
                 self._advance(ticket)
             self._deliver()
             with self._wake:
                 self._busy_rows = self._rows_now()
         self._shutdown()
+
+    def _lanes_now(self) -> list[Ticket]:
+        """The beam searches that step this iteration: a fair share beside the decode batches,
+        one of them in turn while rows decode (so plain requests' steps are at most twice as far
+        apart as without beams), every one when nothing else runs."""
+        if not self._lanes:
+            return []
+        if not any(b.rows for b in self._batches.values()):
+            return list(self._lanes)
+        self._lanes.append(self._lanes.pop(0))  # round robin
+        return [self._lanes[-1]]
 
     def _rows_now(self) -> int:
         return sum(len(b.rows) for b in self._batches.values()) + sum(t.beams for t in self._lanes)
@@ -315,6 +328,8 @@ class Scheduler:
                 self._waiting.remove(t)
         for ticket in gone:
             self._admit(ticket)  # ends it (a preempted one's rows included)
+        for ticket in [t for t in self._lanes if t.cancelled]:
+            self._advance(ticket)  # a cancelled beam search ends now, whoever's turn it is
         for ticket in self._running:
             batch = self._batches.get(ticket.kind)
             if ticket.done or batch is None:
