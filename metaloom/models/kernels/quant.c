@@ -25,9 +25,14 @@
  * count: a row's result is the same alone or in a batch (speculative verification can compare
  * with plain steps exactly). The paths sum in different orders, each within the same bound.
  *
- * Types (ggml ids): F16=1, Q4_0=2, Q4_1=3, Q5_0=6, Q8_0=8, Q4_K=12, Q6_K=14, BF16=30. F16 and
- * BF16 are raw values; here they are walked in "blocks" of 32 (64 bytes), so `in` must be a
- * multiple of 32 for every type (256 for the K types). quant.py checks before calling.
+ * Types (ggml ids): F16=1, Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q2_K=10, Q3_K=11, Q4_K=12,
+ * Q5_K=13, Q6_K=14, IQ4_NL=20, IQ4_XS=23, BF16=30 (`block_bytes` says how each block is laid out).
+ * F16 and BF16 are raw values; here they are walked in "blocks" of 32 (64 bytes), so `in` must be
+ * a multiple of 32 for every type (256 for the K types and IQ4_XS). quant.py checks before calling.
+ * Every decoded value is an exact product (a float16 scale of 11 significant bits times integers
+ * of at most 13 more: Q3_K's 6-bit scale and 3-bit quant, IQ4_XS's 6-bit scale and 7-bit value)
+ * with at most one rounding for an offset (Q4_1/Q5_1's m, the K types' dmin m), as gguf's numpy
+ * code computes it, so every path decodes gguf's values bit for bit.
  *
  * Vectors are GCC/Clang vector extensions, so this compiles on any target those compilers know;
  * it is built once per instruction-set path (metaloom/models/kernels/isa.py: avx512, avx2, neon,
@@ -75,7 +80,12 @@
 #define TILE_AHEAD 4
 #endif
 
-enum { F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14, BF16 = 30 };
+enum {
+    F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+    IQ4_NL = 20, IQ4_XS = 23, BF16 = 30
+};
+/* the super-block types: 256 elements a block */
+#define IS_K(t) ((t) == Q2_K || (t) == Q3_K || (t) == Q4_K || (t) == Q5_K || (t) == Q6_K || (t) == IQ4_XS)
 
 /* W lanes per vector: one AVX-512 register; on every other path 8 lanes, one AVX2 register or two
  * NEON or SSE2 ones (GCC lowers a generic vector wider than the machine's registers through
@@ -122,6 +132,14 @@ INLINE float sum16(const vec *v) {
     return hsum(v[0] + v[1]);
 #endif
 }
+#if W == 16
+static const vecu LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#else
+static const vecu LANE = {0, 1, 2, 3, 4, 5, 6, 7};
+#endif
+/* ggml's kvalues_iq4nl: IQ4_NL's and IQ4_XS's 16 values, as bytes for a table lookup */
+static const bytes16 IQ4_BYTES = {(uint8_t)-127, (uint8_t)-104, (uint8_t)-83, (uint8_t)-65, (uint8_t)-49, (uint8_t)-35,
+                                  (uint8_t)-22, (uint8_t)-10, 1, 13, 25, 38, 53, 69, 89, 113};
 INLINE uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 INLINE float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 INLINE uint16_t ld_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
@@ -183,6 +201,18 @@ INLINE vecu zx16(const uint8_t *p) {
     return __builtin_convertvector(h, vecu);
 }
 #endif
+/* tab[idx[i]] for 16 indices below 16 (one shuffle on x86 with SSSE3 and on aarch64) */
+#if defined(__AVX2__) || defined(__AVX512F__)
+INLINE bytes16 tbl16(bytes16 tab, bytes16 idx) { return (bytes16)_mm_shuffle_epi8((__m128i)tab, (__m128i)idx); }
+#elif defined(__aarch64__)
+INLINE bytes16 tbl16(bytes16 tab, bytes16 idx) { return (bytes16)vqtbl1q_u8((uint8x16_t)tab, (uint8x16_t)idx); }
+#else
+INLINE bytes16 tbl16(bytes16 tab, bytes16 idx) {
+    bytes16 r;
+    for (int i = 0; i < 16; i++) r[i] = tab[idx[i] & 15];
+    return r;
+}
+#endif
 #if !defined(__AVX512F__) && !defined(__AVX2__)
 /* 8 int8 at p (and no byte past them) as int32 lanes; AVX2 loads and widens them in one instruction */
 INLINE veci sx8(const uint8_t *p) {
@@ -202,6 +232,7 @@ INLINE vec lookup2(veci idx, vec tab_lo, vec tab_hi, uint32_t high) {
                                            (__m512i)idx, (__m512)tab_hi);
 }
 static const vec NIBBLE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+static const vec IQ4_VALUES = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 #endif
 
 /* IEEE half -> float, exact (subnormals, infinities, NaN); M. Dukhan's FP16 library method */
@@ -282,13 +313,19 @@ INLINE void st(void *p, int64_t i, vec v, const int bf) {
 /* ---- block formats ------------------------------------------------------------------------ */
 
 /* elements and bytes of one block as the kernels walk them (F16 / BF16: 32 values) */
-INLINE int block_elems(const int t) { return t == Q4_K || t == Q6_K ? 256 : 32; }
+INLINE int block_elems(const int t) { return IS_K(t) ? 256 : 32; }
 INLINE int block_bytes(const int t) {
     switch (t) {
     case Q4_0: return 18;  /* f16 d; 16 bytes: element j low nibble of byte j, 16 + j high nibble */
     case Q4_1: return 20;  /* f16 d, f16 m; nibbles as Q4_0; x = d q + m */
     case Q5_0: return 22;  /* f16 d; uint32 qh: bit j the 5th bit of element j; nibbles; x = d (q - 16) */
+    case Q5_1: return 24;  /* f16 d, f16 m; uint32 qh; nibbles; x = d q + m */
     case Q8_0: return 34;  /* f16 d; 32 int8 */
+    case Q2_K: return 84;  /* scales[16] (4-bit scale low, min high), 64 bytes of 2-bit quants, f16 d, f16 dmin */
+    case Q3_K: return 110; /* hmask[32], 64 bytes of 2-bit quants, 12 bytes of 6-bit scales, f16 d */
+    case Q5_K: return 176; /* f16 d, f16 dmin, 12 bytes of scales and mins (as Q4_K), qh[32], 128 bytes of nibbles */
+    case IQ4_NL: return 18; /* f16 d; nibbles as Q4_0, each an index into IQ4_BYTES */
+    case IQ4_XS: return 136; /* f16 d, uint16 scales_h, scales_l[4], 128 bytes of nibbles (16 a sub-block) */
     case Q4_K: return 144; /* f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles */
     case Q6_K: return 210; /* ql[128], qh[64], int8 scales[16], f16 d */
     case F16: case BF16: return 64;
@@ -300,11 +337,11 @@ INLINE int block_bytes(const int t) {
  * its scale with a broadcast load): Q4_K s[j] = d sc_j and s[8 + j] = dmin m_j for sub-block j
  * (elements 32j..32j+31); Q6_K s[j] = d scale_j (elements 16j..16j+15). Each product is exact. */
 typedef struct {
-    float s[16];
+    float s[32];
 } kscales;
 
 INLINE void prep(const int t, const uint8_t *b, kscales *k) {
-    if (t == Q4_K) { /* 12 bytes: sc_j, m_j = low 6 bits of bytes j, j + 4 for j < 4; for j >= 4 the
+    if (t == Q4_K || t == Q5_K) { /* 12 bytes: sc_j, m_j = low 6 bits of bytes j, j + 4 for j < 4; for j >= 4 the
                         nibbles of byte j + 4 with the top 2 bits of bytes j - 4, j on top */
         const uint8_t *q = b + 4;
         const float d = f16_to_f32(ld_u16(b)), dmin = f16_to_f32(ld_u16(b + 2));
@@ -333,7 +370,43 @@ INLINE void prep(const int t, const uint8_t *b, kscales *k) {
             vec r = i32_to_vec(sx(ld_b16(b + 192), j)) * d;
             memcpy(k->s + W * j, &r, sizeof r);
         }
+    } else if (t == Q2_K) { /* s[i] = d sc_i, s[16 + i] = dmin m_i for sub-block i of 16 */
+        const float d = f16_to_f32(ld_u16(b + 80)), dmin = f16_to_f32(ld_u16(b + 82));
+        for (int i = 0; i < 16; i++) {
+            k->s[i] = d * (float)(b[i] & 15);
+            k->s[16 + i] = dmin * (float)(b[i] >> 4);
+        }
+    } else if (t == Q3_K) { /* s[i] = d (sc_i - 32): 4 low bits from bytes 0-7, 2 high from bytes 8-11 */
+        const float d = f16_to_f32(ld_u16(b + 108));
+        const uint8_t *q = b + 96;
+        for (int i = 0; i < 16; i++) {
+            int low = i < 8 ? q[i] & 15 : q[i - 8] >> 4, high = (q[8 + i % 4] >> (2 * (i / 4))) & 3;
+            k->s[i] = d * (float)((low | high << 4) - 32);
+        }
+    } else if (t == IQ4_XS) { /* s[j] = d (ls_j - 32) for sub-block j of 32 */
+        const float d = f16_to_f32(ld_u16(b));
+        const unsigned sh = ld_u16(b + 2);
+        for (int j = 0; j < 8; j++) {
+            int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4);
+            k->s[j] = d * (float)(ls - 32);
+        }
     }
+}
+
+/* 32 elements as W-lane float vectors w[0..NV): q0 holds elements 0-15 and q1 16-31 as bytes
+ * (zero-extended), each q - sub converted exactly and scaled (the first half's lanes by a0, b0:
+ * a q + b, the second's by a1, b1; b only when `add`, so that a product -0 stays -0 as in the
+ * reference) with one rounding (a q is exact) */
+INLINE void widen32(bytes16 q0, bytes16 q1, int sub, vec a0, vec a1, vec b0, vec b1, const int add, vec *w) {
+    UNROLL for (int i = 0; i < NV; i++) {
+        vec f = i32_to_vec(zx(i < NV / 2 ? q0 : q1, i % (NV / 2)) - sub);
+        w[i] = add ? f * (i < NV / 2 ? a0 : a1) + (i < NV / 2 ? b0 : b1) : f * (i < NV / 2 ? a0 : a1);
+    }
+}
+
+/* the same for signed bytes (IQ4's values): elements 0-15 in q0, 16-31 in q1, times d (exact) */
+INLINE void widen32s(bytes16 q0, bytes16 q1, vec d, vec *w) {
+    UNROLL for (int i = 0; i < NV; i++) w[i] = i32_to_vec(sx(i < NV / 2 ? q0 : q1, i % (NV / 2))) * d;
 }
 
 /* Sub-block `s` (elements 32s..32s+31 of the block at b) as exact float32 values: w[i] holds
@@ -433,6 +506,62 @@ INLINE void decode(const int t, const uint8_t *b, const kscales *k, const int s,
         l1 |= ((h1 >> (2 * c)) & 3) << 4;
         UNROLL for (int i = 0; i < NV; i++)
             w[i] = i32_to_vec(zx(i < NV / 2 ? l0 : l1, i % (NV / 2)) - 32) * (i < NV / 2 ? s0 : s1);
+#endif
+        break;
+    }
+    case Q5_1: { /* d (nibble | 5th bit << 4) + m: the 5th bits of elements 0-15 and 16-31 from qh */
+        const uint32_t qh = ld_u32(b + 4);
+        bytes16 q = ld_b16(b + 8), lo = q & 15, hi = q >> 4;
+        vec d = bcast_f16(b), m = bcast_f16(b + 2);
+        UNROLL for (int i = 0; i < NV; i++) {
+            veci h = (veci)((((vecu){0} + (qh >> (W * i))) >> LANE) & 1u) << 4;
+            w[i] = i32_to_vec(zx(i < NV / 2 ? lo : hi, i % (NV / 2)) | h) * d + m;
+        }
+        break;
+    }
+    case Q5_K: { /* Q4_K's nibbles (at byte 48) with a 5th bit: bit s of qh[0..31] */
+        const uint8_t *q = b + 48 + 32 * (s >> 1);
+        bytes16 lo = ld_b16(q), hi = ld_b16(q + 16);
+        if (s & 1) {
+            lo >>= 4;
+            hi >>= 4;
+        } else {
+            lo &= 15;
+            hi &= 15;
+        }
+        lo |= ((ld_b16(b + 16) >> s) & 1) << 4;
+        hi |= ((ld_b16(b + 32) >> s) & 1) << 4;
+        vec sc = splat(k->s[s]), mn = splat(-k->s[8 + s]);
+        widen32(lo, hi, 0, sc, sc, mn, mn, 1, w);
+        break;
+    }
+    case Q2_K: { /* half n = s / 4, shift 2 (s % 4); sub-blocks 2s (elements 0-15), 2s + 1 (16-31) */
+        const uint8_t *q = b + 16 + 32 * (s >> 2);
+        const int sh = 2 * (s & 3);
+        bytes16 q0 = (ld_b16(q) >> sh) & 3, q1 = (ld_b16(q + 16) >> sh) & 3;
+        widen32(q0, q1, 0, splat(k->s[2 * s]), splat(k->s[2 * s + 1]), splat(-k->s[16 + 2 * s]),
+                splat(-k->s[17 + 2 * s]), 1, w);
+        break;
+    }
+    case Q3_K: { /* Q2_K's 2 bits (at byte 32) and a third from bit s of hmask[0..31]: q = low + 4 h - 4 */
+        const uint8_t *q = b + 32 + 32 * (s >> 2);
+        const int sh = 2 * (s & 3);
+        bytes16 q0 = ((ld_b16(q) >> sh) & 3) | (((ld_b16(b) >> s) & 1) << 2);
+        bytes16 q1 = ((ld_b16(q + 16) >> sh) & 3) | (((ld_b16(b + 16) >> s) & 1) << 2);
+        vec zero = splat(0.0f);
+        widen32(q0, q1, 4, splat(k->s[2 * s]), splat(k->s[2 * s + 1]), zero, zero, 0, w);
+        break;
+    }
+    case IQ4_NL: case IQ4_XS: { /* d IQ4_VALUES[nibble]: each product exact (at most 24 bits) */
+        const uint8_t *q = t == IQ4_NL ? b + 2 : b + 8 + 16 * s;
+#ifdef __AVX512F__
+        vec tab = IQ4_VALUES * (t == IQ4_NL ? bcast_f16(b) : splat(k->s[s]));
+        veci idx = (veci)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+        w[0] = lookup(idx, tab);
+        w[1] = lookup(idx >> 4, tab);
+#else
+        bytes16 qs = ld_b16(q);
+        widen32s(tbl16(IQ4_BYTES, qs & 15), tbl16(IQ4_BYTES, qs >> 4), t == IQ4_NL ? bcast_f16(b) : splat(k->s[s]), w);
 #endif
         break;
     }
@@ -547,6 +676,12 @@ TILE_SET(Q5_0)
 TILE_SET(Q8_0)
 TILE_SET(Q4_K)
 TILE_SET(Q6_K)
+TILE_SET(Q5_1)
+TILE_SET(Q2_K)
+TILE_SET(Q3_K)
+TILE_SET(Q5_K)
+TILE_SET(IQ4_NL)
+TILE_SET(IQ4_XS)
 TILE_SET(F16)
 TILE_SET(BF16)
 
@@ -558,6 +693,12 @@ static const tile_set *tiles_of(int t) {
     case Q8_0: return &Q8_0_tiles;
     case Q4_K: return &Q4_K_tiles;
     case Q6_K: return &Q6_K_tiles;
+    case Q5_1: return &Q5_1_tiles;
+    case Q2_K: return &Q2_K_tiles;
+    case Q3_K: return &Q3_K_tiles;
+    case Q5_K: return &Q5_K_tiles;
+    case IQ4_NL: return &IQ4_NL_tiles;
+    case IQ4_XS: return &IQ4_XS_tiles;
     case F16: return &F16_tiles;
     case BF16: return &BF16_tiles;
     default: return NULL;
@@ -708,6 +849,12 @@ static void dequantize_any(int t, const uint8_t *w, int64_t in, const int64_t *i
     case Q8_0: dequantize_part(Q8_0, w, in, ids, i0, i1, y, ybf); break;
     case Q4_K: dequantize_part(Q4_K, w, in, ids, i0, i1, y, ybf); break;
     case Q6_K: dequantize_part(Q6_K, w, in, ids, i0, i1, y, ybf); break;
+    case Q5_1: dequantize_part(Q5_1, w, in, ids, i0, i1, y, ybf); break;
+    case Q2_K: dequantize_part(Q2_K, w, in, ids, i0, i1, y, ybf); break;
+    case Q3_K: dequantize_part(Q3_K, w, in, ids, i0, i1, y, ybf); break;
+    case Q5_K: dequantize_part(Q5_K, w, in, ids, i0, i1, y, ybf); break;
+    case IQ4_NL: dequantize_part(IQ4_NL, w, in, ids, i0, i1, y, ybf); break;
+    case IQ4_XS: dequantize_part(IQ4_XS, w, in, ids, i0, i1, y, ybf); break;
     case F16: dequantize_part(F16, w, in, ids, i0, i1, y, ybf); break;
     case BF16: dequantize_part(BF16, w, in, ids, i0, i1, y, ybf); break;
     }

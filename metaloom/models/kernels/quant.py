@@ -8,8 +8,10 @@ and write the full-size weight every step.
 
 A `QuantWeight` is a weight [out, in] as ``blocks`` uint8 [out, row_bytes]: each row is that
 output's blocks along the input dimension, GGUF's own layout (ggml type ids: F16=1, Q4_0=2,
-Q4_1=3, Q5_0=6, Q8_0=8, Q4_K=12, Q6_K=14, BF16=30). Calling it on x [..., in] (float32 or
-bfloat16) gives x W^T [..., out] in x's dtype:
+Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q2_K=10, Q3_K=11, Q4_K=12, Q5_K=13, Q6_K=14, IQ4_NL=20,
+IQ4_XS=23, BF16=30: every type of the Q4_K_M, Q5_K_M, Q3_K_M, Q2_K, Q4_0/Q5_0/Q5_1/Q8_0 and
+IQ4_NL/IQ4_XS files people download). Calling it on x [..., in] (float32 or bfloat16) gives
+x W^T [..., out] in x's dtype:
 
 - up to `CROSSOVER_ROWS` rows: the C kernel, which decodes each block (once per 8 rows of x) in
   registers into the exact float32 values gguf.quants.dequantize gives and accumulates in
@@ -92,9 +94,15 @@ QTYPES: dict[int, QType] = {
     2: QType("Q4_0", 32, 18, 32),
     3: QType("Q4_1", 32, 20, 32),
     6: QType("Q5_0", 32, 22, 32),
+    7: QType("Q5_1", 32, 24, 32),
     8: QType("Q8_0", 32, 34, 32),
+    10: QType("Q2_K", 256, 84, 256),
+    11: QType("Q3_K", 256, 110, 256),
     12: QType("Q4_K", 256, 144, 256),
+    13: QType("Q5_K", 256, 176, 256),
     14: QType("Q6_K", 256, 210, 256),
+    20: QType("IQ4_NL", 32, 18, 32),
+    23: QType("IQ4_XS", 256, 136, 256),
     30: QType("BF16", 1, 2, 32),
 }
 BY_NAME: dict[str, int] = {q.name: k for k, q in QTYPES.items()}
@@ -268,12 +276,78 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return ((_halves(b, 208) * scale).unsqueeze(-1) * q).flatten(-2)
 
 
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    qh = b[..., 4:8].contiguous().view(torch.int32)
+    high = (qh >> torch.arange(32, dtype=torch.int32)) & 1
+    return _halves(b, 0) * (_nibbles(b[..., 8:24]).int() | (high << 4)).float() + _halves(b, 2)
+
+
+def _shifted(qs: torch.Tensor, shifts: list[int], mask: int) -> torch.Tensor:
+    """qs [..., 1, n] uint8 -> [..., len(shifts), n]: (qs >> shift) & mask for each shift."""
+    return (qs >> torch.tensor(shifts, dtype=torch.uint8).view(-1, 1)) & mask
+
+
+def _q2_k(b: torch.Tensor) -> torch.Tensor:
+    """16 sub-blocks of 16: sub-block 8n + 2j + h holds bits 2j of bytes 32n + 16h .. + 15 of qs;
+    scale byte: 4-bit scale (low) and min (high), times d and dmin."""
+    sc = b[..., 0:16]
+    dl = (_halves(b, 80) * (sc & 15).float()).unsqueeze(-1)
+    ml = (_halves(b, 82) * (sc >> 4).float()).unsqueeze(-1)
+    q = _shifted(b[..., 16:80].unflatten(-1, (2, 1, 32)), [0, 2, 4, 6], 3)  # [..., 2, 4, 32]
+    return (dl * q.flatten(-3).unflatten(-1, (16, 16)).float() - ml).flatten(-2)
+
+
+def _q3_k_scales(sc: torch.Tensor) -> torch.Tensor:
+    """Q3_K's 12 bytes of 6-bit scales [..., 12] -> [..., 16] signed (minus 32)."""
+    low = _shifted(sc[..., 0:8].unsqueeze(-2), [0, 4], 15).flatten(-2)  # [..., 16]
+    high = _shifted(sc[..., 8:12].unsqueeze(-2), [0, 2, 4, 6], 3).flatten(-2)
+    return (low | (high << 4)).int() - 32
+
+
+def _q3_k(b: torch.Tensor) -> torch.Tensor:
+    """As Q2_K's quants, each with a third bit from hmask (element e: bit e // 32 of byte e % 32);
+    a clear bit subtracts 4. Scale d (sc - 32) per sub-block of 16."""
+    dl = (_halves(b, 108) * _q3_k_scales(b[..., 96:108]).float()).unsqueeze(-1)
+    low = _shifted(b[..., 32:96].unflatten(-1, (2, 1, 32)), [0, 2, 4, 6], 3).flatten(-3)  # [..., 256]
+    high = _shifted(b[..., 0:32].unsqueeze(-2), list(range(8)), 1).flatten(-2)
+    q = low.to(torch.int8) - ((high ^ 1) << 2).to(torch.int8)
+    return (dl * q.unflatten(-1, (16, 16)).float()).flatten(-2)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    """Q4_K's nibbles (at byte 48) with a 5th bit: sub-block s's from bit s of qh[32]."""
+    scale, mins = _k_scales(b[..., 4:16])
+    d = (_halves(b, 0) * scale.float()).unsqueeze(-1)
+    m = (_halves(b, 2) * mins.float()).unsqueeze(-1)
+    low = _shifted(b[..., 48:176].unflatten(-1, (4, 1, 32)), [0, 4], 15).flatten(-3, -2)  # [..., 8, 32]
+    high = _shifted(b[..., 16:48].unsqueeze(-2), list(range(8)), 1)  # [..., 8, 32]
+    return (d * (low | (high << 4)).float() - m).flatten(-2)
+
+
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml's kvalues_iq4nl
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    return _halves(b, 0) * torch.tensor(IQ4_VALUES, dtype=torch.float32)[_nibbles(b[..., 2:18]).long()]
+
+
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    """8 sub-blocks of 32 (16 bytes each, nibbles as IQ4_NL), 6-bit scales: 4 low bits from
+    scales_l[4], 2 high from the uint16 scales_h; scale d (ls - 32)."""
+    high = (b[..., 2:4].contiguous().view(torch.int16).int() & 0xFFFF) >> torch.arange(0, 16, 2, dtype=torch.int32)
+    low = _shifted(b[..., 4:8].unsqueeze(-2), [0, 4], 15).transpose(-1, -2).flatten(-2).int()  # byte s // 2, nibble s % 2
+    dl = (_halves(b, 0) * (low | ((high & 3) << 4)).sub(32).float()).unsqueeze(-1)
+    q = _nibbles(b[..., 8:136].unflatten(-1, (8, 16))).long()  # [..., 8, 32]
+    return (dl * torch.tensor(IQ4_VALUES, dtype=torch.float32)[q]).flatten(-2)
+
+
 def _raw(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda b: b.contiguous().view(dtype).float()
 
 
 _DECODERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
-    1: _raw(torch.float16), 2: _q4_0, 3: _q4_1, 6: _q5_0, 8: _q8_0, 12: _q4_k, 14: _q6_k, 30: _raw(torch.bfloat16),
+    1: _raw(torch.float16), 2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 8: _q8_0, 10: _q2_k, 11: _q3_k, 12: _q4_k,
+    13: _q5_k, 14: _q6_k, 20: _iq4_nl, 23: _iq4_xs, 30: _raw(torch.bfloat16),
 }
 
 
