@@ -2,7 +2,7 @@
 
 import pytest
 
-from metaloom.score.answers import MathAnswer, classes
+from metaloom.score.answers import MathAnswer, classes, expand_scientific
 
 
 @pytest.mark.parametrize(("text", "answer"), [
@@ -44,7 +44,20 @@ from metaloom.score.answers import MathAnswer, classes
     (r"\boxed{x^2 + 1}", "x^2 + 1"),
     (r"The answer is $x \leq 3$", r"x \leq 3"),  # an inequality is not an equation
     (r"\boxed{x = 1, y = 2}", "x = 1, y = 2"),  # nor is a system's solution cut to its last value
-    ("The answer is 10%", "10"),
+    ("The answer is 10%", "10%"),  # a percentage keeps its sign (was "10")
+    # held-out misses of the audit (issue 48): scientific notation is the number it stands for
+    ("The distance is 3.0e8 meters.", "300000000"),  # was 3.0
+    (r"The answer is 6.02 \times 10^{23}.", "602000000000000000000000"),  # was 10, a value nobody wrote
+    ("So the answer is 3.0e8.", "300000000"),
+    (r"$6.02 \times 10^{23}$", "602000000000000000000000"),  # was None
+    ("The answer is 2.5E-3.", "0.0025"),
+    ("The answer is 1.5 x 10^3.", "1500"),
+    (r"\boxed{1.6 \times 10^{-19}}", "0.00000000000000000016"),
+    ("The speed is 3e8 m/s.", "300000000"),
+    ("The answer is 25%.", "25%"),  # was 25
+    ("The answer is -25%.", "-25%"),
+    (r"The answer is $25\%$.", "25%"),
+    ("The answer is 25 percent.", "25%"),
     ("The answer is unclear. Anyway 5 apples.", "5"),
     ("nothing here", None),
     # arithmetic outside a boxed or stated answer is working, never evaluated into a value no
@@ -67,6 +80,10 @@ def test_math_answer_is_the_final_value(text, answer):
     ("27", "42", False),
     (r"\frac{3}{4}", "3/5", False),
     ("x^2 + 1", "x^2 - 1", False),  # was True: both read as 1 without delimiters
+    ("300000000", "3e8", True),  # a reference written in scientific notation
+    ("602000000000000000000000", r"6.02 \times 10^{23}", True),
+    ("25%", "0.25", True),  # math-verify reads 25% as 0.25
+    ("25%", "0.3", False),
 ])
 def test_math_answers_compare_by_value(a, b, same):
     assert MathAnswer().same(a, b) is same
@@ -87,3 +104,24 @@ def test_equations_vote_with_their_values():
     answers = [m.extract(t) for t in texts]
     assert answers == ["27", "27", "27", "42", "27.0", None]
     assert classes(answers, m) == [0, 0, 0, 1, 0, None]
+
+
+@pytest.mark.parametrize(("text", "expanded"), [
+    ("3.0e8 m", "300000000 m"),
+    ("-1.5E-2.", "-0.015."),
+    (r"6.02 \times 10^{23}", "602000000000000000000000"),
+    (r"2 \cdot 10^{-3}", "0.002"),
+    ("4 * 10^2 = 400", "400 = 400"),
+    (r"1 \times 10^{99}", r"1 \times 10^{99}"),  # past MAX_EXPONENT the power of ten stays
+    ("v1e5, 0x1e5, 2e, e5, 3.0e8x", "v1e5, 0x1e5, 2e, e5, 3.0e8x"),  # not numbers in scientific notation
+])
+def test_scientific_notation_is_written_out(text, expanded):
+    assert expand_scientific(text) == expanded
+
+
+def test_votes_gather_across_notations():
+    m = MathAnswer()
+    texts = ["The answer is 3.0e8.", r"The answer is $3 \times 10^8$.", "The answer is 300,000,000.", "The answer is 3.0."]
+    answers = [m.extract(t) for t in texts]
+    assert answers == ["300000000", "300000000", "300000000", "3.0"]
+    assert classes(answers, m) == [0, 0, 0, 1]  # 3.0e8 no longer votes with 3.0

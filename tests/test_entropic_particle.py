@@ -159,8 +159,10 @@ def test_an_overconfident_scorer_collapses_particle_filtering_but_not_epf() -> N
     # later rounds: equal scores, maximum entropy, no annealing
     assert all(s["temperature"] == 1.0 and not s["annealed"] and s["before"] == s["after"] for s in steps[1:])
     nodes = by_text(tree_of(epf))
-    assert nodes["a"]["weight"] == pytest.approx(normalise(log_weights([0.999, 0.5, 0.5, 0.5]), first["temperature"])[0],
-                                                 abs=1e-6)
+    # a's importance weight is particle filtering's; the annealed one is what it was drawn with
+    assert nodes["a"]["weight"] == pytest.approx(weights([0.999, 0.5, 0.5, 0.5], 1.0)[0], abs=1e-6)
+    assert nodes["a"]["resampling_weight"] == pytest.approx(
+        normalise(log_weights([0.999, 0.5, 0.5, 0.5]), first["temperature"])[0], abs=1e-6)
     json.dumps(epf.to_dict())  # the trace is plain JSON
 
 

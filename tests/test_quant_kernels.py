@@ -36,7 +36,7 @@ needs = pytest.mark.skipif(KERNELS is None, reason=f"no quant kernels here: {AVA
 KERNELS_OF = kernels  # the library under test, for the path_kernels fixture (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("path_kernels")
 U = 2.0**-24
-K_TYPES = (12, 14)
+K_TYPES = (10, 11, 12, 13, 14, 23)  # 256 elements a block
 QWEN = os.environ.get("METALOOM_QWEN_GGUF", "/work/models/qwen2.5-coder-0.5b.gguf")  # a benchmark model, not in CI
 
 
@@ -49,6 +49,18 @@ def _f16_field(raw: np.ndarray, at: int, values: np.ndarray) -> None:
     raw[:, :, at:at + 2] = values.astype(np.float16).view(np.uint8).reshape(*values.shape, 2)
 
 
+# the float16 scale fields of the types gguf has no quantiser for: (byte offset, both signs?) in a block
+SCALE_FIELDS = {
+    10: ((80, False), (82, False)),  # Q2_K: d, dmin (mins are subtracted)
+    11: ((108, True),),  # Q3_K: d
+    12: ((0, False), (2, False)),  # Q4_K: d, dmin
+    13: ((0, False), (2, False)),  # Q5_K: d, dmin
+    14: ((208, True),),  # Q6_K: d
+    20: ((0, True),),  # IQ4_NL: d
+    23: ((0, True),),  # IQ4_XS: d
+}
+
+
 def random_blocks(qtype: int, out: int, inputs: int, seed: int = 0) -> np.ndarray:
     """uint8 [out, row_bytes]: gguf's own quantiser where it has one, else random quants with
     moderate finite scales."""
@@ -56,7 +68,7 @@ def random_blocks(qtype: int, out: int, inputs: int, seed: int = 0) -> np.ndarra
     scale = rng.uniform(0.1, 3, (out, 1))
     scale[out // 2] = 1e-5  # a row whose float16 scales (or F16 values) are subnormal
     w = rng.standard_normal((out, inputs)).astype(np.float32) * scale.astype(np.float32)
-    if qtype in (2, 3, 6, 8):
+    if qtype in (2, 3, 6, 7, 8):
         return gguf.quants.quantize(w, gguf.GGMLQuantizationType(qtype))
     if qtype == 1:
         return w.astype(np.float16).view(np.uint8)
@@ -65,12 +77,9 @@ def random_blocks(qtype: int, out: int, inputs: int, seed: int = 0) -> np.ndarra
     q = QTYPES[qtype]
     nb = inputs // q.block
     raw = rng.integers(0, 256, (out, nb, q.bytes), dtype=np.uint8)
-    d = rng.uniform(1e-3, 2e-2, (out, nb)) * scale / 3
-    if qtype == 12:  # Q4_K: d, dmin > 0 (mins are subtracted)
-        _f16_field(raw, 0, d)
-        _f16_field(raw, 2, rng.uniform(1e-3, 2e-2, (out, nb)) * scale / 3)
-    else:  # Q6_K: d of either sign
-        _f16_field(raw, 208, d * rng.choice([-1, 1], (out, nb)))
+    for at, signed in SCALE_FIELDS[qtype]:
+        d = rng.uniform(1e-3, 2e-2, (out, nb)) * scale / 3
+        _f16_field(raw, at, d * rng.choice([-1, 1], (out, nb)) if signed else d)
     return raw.reshape(out, -1)
 
 
@@ -388,8 +397,8 @@ def test_bad_input_is_a_typed_error_naming_the_problem():
     w, _ = weight(2, 4, 64)
     with pytest.raises(UnsupportedModel, match="99"):
         QuantWeight(99, w.blocks, 64)
-    with pytest.raises(UnsupportedModel, match="10"):  # Q2_K: a real ggml type, not one read here
-        QuantWeight(10, w.blocks, 64)
+    with pytest.raises(UnsupportedModel, match=r"16.*Q2_K=10.*IQ4_XS=23"):  # IQ2_XXS: a real ggml type, not read here
+        QuantWeight(16, w.blocks, 64)
     with pytest.raises(InvalidParameter, match="qtype"):
         QuantWeight("Q4_0", w.blocks, 64)  # type: ignore[arg-type]
     with pytest.raises(InvalidParameter, match="blocks"):  # Q4_0 rows of 64 inputs are 36 bytes

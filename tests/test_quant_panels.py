@@ -2,12 +2,13 @@
 against an independent numpy model of the documented layout, the way back, the panel matmul
 against a float64 reference, a row's independence of its batch, and the model using it.
 
-Error bound of the panel matmul (`_panel_excess`, `_k_excess`): per (row, output) each
+Error bound of the panel matmul (`_panel_excess`): per (row, output) each
 (sub-)block's n products q_i x_i are exact inside their fmas and summed in order (n - 1
 roundings), the sum times its scale and the offset c off S (S the (sub-)block's input sum, at
 most n - 1 roundings) are added with one rounding each, (sub-)blocks in order: |y - y_exact| <=
-(n + 2 blocks + 2) u sum_i (|scale q_i| + |c off|) |x_i| to first order, with c off = m (Q4_1),
--8 d (Q4_0), -16 d (Q5_0), -dmin m (Q4_K, n = 32), -32 d sc (Q6_K, n = 16). The 8-lane paths
+(n + 2 blocks + 2) u sum_i (|scale q_i| + |c off|) |x_i| to first order, with c off = m (Q4_1,
+Q5_1), -8 d (Q4_0), -16 d (Q5_0), -dmin m (Q4_K, Q5_K, n = 32; Q2_K, n = 16), -32 d sc (Q6_K,
+n = 16), -4 d (sc - 32) (Q3_K, n = 16), none for IQ4_NL / IQ4_XS (`offsets`). The 8-lane paths
 sum a sub-block's even and odd elements in two chains added at its end (at most n roundings all
 the same); without fma (generic x86) each product and each scaling is rounded as well, so the
 bound doubles there (`_fma_factor`).
@@ -38,23 +39,27 @@ def test_every_path_has_the_panel_matmul_for_every_panel_type(kernel_path):
 
 def _fma_factor() -> int:
     return 1 if isa.has_fma(isa.chosen().name) else 2
-PANEL_TYPES = pytest.mark.parametrize("qtype", [2, 3, 6, 12, 14], ids=["Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K"])
-SMALL_TYPES = pytest.mark.parametrize("qtype", [2, 3, 6], ids=["Q4_0", "Q4_1", "Q5_0"])
-K_TYPES = (12, 14)
-BYTES = {2: 18, 3: 20, 6: 22, 12: 144, 14: 210}
-HEAD = {2: 32, 3: 64, 6: 96}
+ALL = sorted(quant.PANEL_TYPES)
+PANEL_TYPES = pytest.mark.parametrize("qtype", ALL, ids=[quant.QTYPES[t].name for t in ALL])
+K_TYPES = (10, 11, 12, 13, 14, 23)  # super-blocks of 256
+BYTES = {t: quant.QTYPES[t].bytes for t in ALL}
+HEAD = {2: 32, 3: 64, 6: 96, 7: 128, 20: 32}
+QS = {2: 2, 20: 2, 3: 4, 6: 6, 7: 8}  # first quant byte of the 32-element types
+QUANT_BYTES = {2: (2, 18), 20: (2, 18), 3: (4, 20), 6: (2, 22), 7: (4, 24), 10: (16, 80), 11: (0, 96), 12: (16, 144),
+               13: (16, 176), 14: (0, 192), 23: (8, 136)}  # the bytes holding quants (and high bits) of a block
+SUB = {10: 16, 11: 16, 14: 16}  # elements a sub-block with its own scale (others: 32)
 
 
 def panel_reference(qtype: int, blocks: np.ndarray) -> np.ndarray:
-    """The panel layout as quant.c's comment states it, element by element in numpy."""
+    """The panel layout of the 32-element types as quant.c's comment states it, element by element in numpy."""
     out, row = blocks.shape
-    bb, nb, qs = BYTES[qtype], row // BYTES[qtype], {2: 2, 3: 4, 6: 6}[qtype]
+    bb, nb, qs = BYTES[qtype], row // BYTES[qtype], QS[qtype]
     g_blocks = blocks.reshape(out, nb, bb)
     panels = np.zeros((out // 16, nb, 16 * bb), dtype=np.uint8)
     for p in range(out // 16):
         for b in range(nb):
             g = p * nb + b
-            head_first = qtype != 3 and g % 2 == 1
+            head_first = qtype in (2, 6, 20) and g % 2 == 1
             nib_at, head_at = (HEAD[qtype], 0) if head_first else (0, 256)
             dst = panels[p, b]
             words = np.zeros((4, 16), dtype=np.uint32)
@@ -62,38 +67,47 @@ def panel_reference(qtype: int, blocks: np.ndarray) -> np.ndarray:
             for j in range(16):
                 src = g_blocks[16 * p + j, b]
                 dst[head_at + 2 * j:head_at + 2 * j + 2] = src[:2]  # d
-                if qtype == 3:
+                if qtype in (3, 7):
                     dst[head_at + 32 + 2 * j:head_at + 32 + 2 * j + 2] = src[2:4]  # m
                 for e in range(32):
                     q = int(src[qs + e % 16]) >> (4 * (e // 16)) & 15
                     words[e // 8, j] |= np.uint32(q << (4 * (e % 8)))
-                if qtype == 6:
-                    qh = int(src[2:6].view(np.uint32)[0])
+                if qtype in (6, 7):
+                    qh = int(src[qs - 4:qs].view(np.uint32)[0])
                     for i in range(32):  # element 8v + k's 5th bit at v + (4k + 4 if k < 7 else 0)
                         v, k = divmod(i, 8)
                         hi[j] |= np.uint32(((qh >> i) & 1) << (v + (4 * k + 4 if k < 7 else 0)))
             dst[nib_at:nib_at + 256] = words.view(np.uint8).reshape(-1)
-            if qtype == 6:
-                dst[head_at + 32:head_at + 96] = hi.view(np.uint8)
+            if qtype in (6, 7):
+                hi_at = head_at + (32 if qtype == 6 else 64)
+                dst[hi_at:hi_at + 64] = hi.view(np.uint8)
     return panels.reshape(out, row)
 
 
+def offsets(qtype: int, blocks: np.ndarray) -> np.ndarray:
+    """Each weight's offset term c off [out, in] in float64 (quant.c's panel arithmetic: a
+    weight is scale q + c off): the dequantised block with every quant (and high bit) 0, which
+    is c off for every type with one (Q4_0 -8 d, Q4_1/Q5_1 m, the K types' -dmin m, Q6_K's
+    -32 d sc, Q3_K's -4 d (sc - 32)); the IQ4 types have none."""
+    if qtype in (20, 23):
+        return np.zeros((blocks.shape[0], blocks.shape[1] // BYTES[qtype] * quant.QTYPES[qtype].block))
+    zero = blocks.copy().reshape(blocks.shape[0], -1, BYTES[qtype])
+    lo, hi = QUANT_BYTES[qtype]
+    zero[:, :, lo:hi] = 0
+    return reference(qtype, zero.reshape(blocks.shape)).astype(np.float64)
+
+
 def _panel_excess(y: torch.Tensor, x: torch.Tensor, qtype: int, blocks: np.ndarray, factor: int | None = None) -> float:
-    """max over outputs of |y - x W^T| / (bound u sum (|d q| + |c|) |x|), float64: <= 1 passes;
-    ``factor``: the bound's multiple (None: the path under test's, `_fma_factor`)."""
+    """max over outputs of |y - x W^T| / (bound u sum (|scale q| + |c off|) |x|), float64: <= 1
+    passes, with bound (n + 2 sub-blocks + 2) (n elements a sub-block); ``factor``: the bound's
+    multiple (None: the path under test's, `_fma_factor`)."""
     w = torch.from_numpy(reference(qtype, blocks)).double()
     factor = _fma_factor() if factor is None else factor
-    if qtype in K_TYPES:  # the offset, per element: Q4_K's -dmin m (its w's minimum over q), Q6_K's -32 d sc
-        return _k_excess(y, x, qtype, blocks, w, factor)
-    out, nb = blocks.shape[0], blocks.shape[1] // BYTES[qtype]
-    b = blocks.reshape(out, nb, BYTES[qtype])
-    d = torch.from_numpy(b[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float64))
-    c = torch.from_numpy(b[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64)) if qtype == 3 else \
-        d * (-8.0 if qtype == 2 else -16.0)
-    c = c.repeat_interleave(32, dim=1)  # [out, in]
+    c = torch.from_numpy(offsets(qtype, blocks))
     scale = x.double().abs() @ ((w - c).abs() + c.abs()).T
     exact = x.double() @ w.T
-    bound = (32 + 2 * nb + 2) * factor
+    sub = SUB.get(qtype, 32)
+    bound = (sub + 2 * (w.shape[1] // sub) + 2) * factor
     return ((y.double() - exact).abs() / (bound * U * scale + 1e-300)).max().item()
 
 
@@ -113,7 +127,7 @@ def _check_regrouping(qtype: int, blocks: np.ndarray, inputs: int) -> None:
     w = QuantWeight(qtype, torch.from_numpy(blocks.copy()), inputs)
     p = w.panelled()
     assert p.layout == "panel" and p.shape == w.shape and p.nbytes == w.nbytes
-    if qtype not in K_TYPES:  # element by element, as quant.c's comment states it
+    if qtype in QS:  # element by element, as quant.c's comment states it
         assert np.array_equal(p.blocks.numpy(), panel_reference(qtype, blocks))
     assert torch.equal(p.gguf().blocks, w.blocks)  # C, back
     assert torch.equal(unpanel_numpy(qtype, p.blocks, inputs), w.blocks)  # numpy bit moves, back
@@ -122,30 +136,16 @@ def _check_regrouping(qtype: int, blocks: np.ndarray, inputs: int) -> None:
 
 @needs
 def test_every_bit_of_a_k_block_lands_where_the_layout_says():
-    """One bit set at a time in a Q4_K / Q6_K block: the panel has exactly that bit set, at the
+    """One bit set at a time in a block of each type: the panel has exactly that bit set, at the
     place `_panel_sources` (the layout written out in Python) names."""
-    for qtype in K_TYPES:
+    for qtype in ALL:
         bb = BYTES[qtype]
         for bit in range(0, 16 * bb * 8, 97):  # a spread of bits over all 16 outputs' blocks
             blocks = np.zeros((16, bb), dtype=np.uint8)
             blocks.reshape(-1)[bit // 8] = 1 << (bit % 8)
-            p = QuantWeight(qtype, torch.from_numpy(blocks), 256).panelled()
+            p = QuantWeight(qtype, torch.from_numpy(blocks), quant.QTYPES[qtype].block).panelled()
             got = np.flatnonzero(np.unpackbits(p.blocks.numpy().reshape(-1), bitorder="little"))
             assert got.tolist() == [int(np.flatnonzero(quant._panel_sources(qtype, False) == bit)[0])], (qtype, bit)
-
-
-def _k_excess(y: torch.Tensor, x: torch.Tensor, qtype: int, blocks: np.ndarray, w: torch.Tensor, factor: int) -> float:
-    """The bound for Q4_K (sub-blocks of 32, offset -dmin m) and Q6_K (of 16, offset -32 d sc),
-    the offsets recovered from the dequantised weight of quants 0 (Q4_K) and 32 (Q6_K)."""
-    zero = blocks.copy().reshape(blocks.shape[0], -1, BYTES[qtype])
-    zero[:, :, 16:] = 0 if qtype == 12 else zero[:, :, 16:]  # Q4_K: every quant 0, w = -dmin m
-    zero[:, :, :192] = zero[:, :, :192] if qtype == 12 else 0  # Q6_K: every quant 0, w = -32 d sc
-    c = torch.from_numpy(reference(qtype, zero.reshape(blocks.shape))).double()
-    scale = x.double().abs() @ ((w - c).abs() + c.abs()).T
-    exact = x.double() @ w.T
-    sub = 32 if qtype == 12 else 16
-    bound = (sub + 2 * (w.shape[1] // sub) + 2) * factor
-    return ((y.double() - exact).abs() / (bound * U * scale + 1e-300)).max().item()
 
 
 @needs

@@ -4,6 +4,8 @@ Values are the tokens themselves (split by slicing), so every node must satisfy
 ``value == key`` and a match's spans must spell the matched prefix: a wrong split shows up.
 """
 
+import heapq
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -23,6 +25,26 @@ def _tree():
 
 # a small alphabet and short sequences make shared prefixes and edge splits frequent
 seqs = st.lists(st.integers(0, 3), min_size=0, max_size=12).map(tuple)
+
+
+def _expected_evictions(tree, tokens):
+    """What `evict(tokens)` must remove, found the slow way (every node walked, as the tree did
+    before it kept its evictable leaves): unreferenced leaves by (last use, creation order), a
+    parent joining once its last child is gone."""
+    children = {id(n): len(n.children) for n in tree.nodes()}
+    heap = [(n.last_used, n.serial, n) for n in tree.nodes() if n.is_leaf and n.refs == 0]
+    heapq.heapify(heap)
+    out, freed = [], 0
+    while freed < tokens and heap:
+        _, _, leaf = heapq.heappop(heap)
+        out.append(leaf.value)
+        freed += len(leaf.key)
+        parent = leaf.parent
+        if parent is not tree.root:
+            children[id(parent)] -= 1
+            if children[id(parent)] == 0 and parent.refs == 0:
+                heapq.heappush(heap, (parent.last_used, parent.serial, parent))
+    return out
 
 
 def _common(a, b):
@@ -82,7 +104,9 @@ class RadixMachine(RuleBasedStateMachine):
     def evict(self, tokens):
         before = {id(n): (n.tokens(), len(n.key), n.refs, n.last_used, n.is_leaf) for n in self.tree.nodes()}
         size, evictable = self.tree.size, self.tree.evictable()
+        expected = _expected_evictions(self.tree, tokens)
         out = self.tree.evict(tokens)
+        assert [e.value for e in out] == expected, "the order a full walk finds"
         freed = sum(e.tokens for e in out)
         gone = set(before) - {id(n) for n in self.tree.nodes()}
         assert sum(before[i][1] for i in gone) == freed == size - self.tree.size
@@ -114,6 +138,15 @@ class RadixMachine(RuleBasedStateMachine):
             total += len(node.key)
         assert self.tree.size == total, "total size is the sum of the node sizes"
         assert self._prefix_closure() | {()} == self.present
+
+    @invariant()
+    def evictable_count_and_leaves_are_kept_up_to_date(self):
+        if not hasattr(self, "tree"):
+            return
+        nodes = list(self.tree.nodes())
+        assert self.tree.evictable() == sum(len(n.key) for n in nodes if n.refs == 0)
+        assert self.tree._leaves == {n for n in nodes if n.is_leaf and n.refs == 0}
+        assert len(self.tree._heap) <= 2 * len(self.tree._leaves) + 65, "stale entries are compacted"
 
     @invariant()
     def locked_prefixes_survive_and_refs_count_locks(self):
@@ -172,3 +205,28 @@ def test_insert_rejects_an_offset_past_the_cached_prefix():
         tree.insert((1, 2, 3, 4), (4,), offset=3)
     assert tree.insert((1, 2, 3, 4), (2, 3, 4), offset=1) == 2  # the cached part of the value is dropped
     assert tree.match((1, 2, 3, 4)).length == 4
+
+
+def test_eviction_costs_what_it_frees_not_a_walk_of_the_tree(monkeypatch):
+    """2,000 cached prefixes; evicting one token pops one leaf: the tree is never walked (it
+    used to visit every node on each call) and the evictable count is not a sum over nodes."""
+    tree = _tree()
+    for i in range(2000):
+        key = (i // 50, 1000 + i)
+        tree.insert(key, key)
+    tree.lock(tree.match((0, 1000)))
+    for _ in range(5000):  # touches push heap entries; the heap stays bounded by the leaves
+        tree.match((3, 1150))
+    assert len(tree._heap) <= 2 * len(tree._leaves) + 65
+
+    def walked():
+        raise AssertionError("eviction walked the tree")
+
+    monkeypatch.setattr(tree, "nodes", walked)
+    assert tree.evictable() == tree.size - 2  # all but the locked path (0,) (1000,)
+    pops = []
+    monkeypatch.setattr(heapq, "heappop", lambda heap, real=heapq.heappop: pops.append(1) or real(heap))
+    out = tree.evict(1)
+    assert [e.value for e in out] == [(1001,)]  # the least recently used unlocked leaf
+    assert len(pops) <= 3, len(pops)
+    assert tree.evictable() == tree.size - 2

@@ -5,8 +5,6 @@ hand-worked example; one generator call and one scorer call per round; budgets; 
 from __future__ import annotations
 
 import math
-import random
-from collections import Counter
 from typing import Any
 
 import pytest
@@ -20,7 +18,7 @@ from metaloom.search.beam import DVTS, StepBeamSearch
 from metaloom.search.best_first import BestFirst
 from metaloom.search.lookahead import Lookahead
 from metaloom.search.mcts import MCTS, uct
-from metaloom.search.particle import ParticleFiltering, ess, resample, weights
+from metaloom.search.particle import ParticleFiltering
 from metaloom.search.rebase import Rebase, rebase_widths
 from metaloom.testing.scripted import ScriptedGenerator, ScriptedStepScorer
 from metaloom.wiring.configure import build_strategy
@@ -223,85 +221,6 @@ def test_lookahead_scores_steps_at_the_end_of_greedy_rollouts() -> None:
     assert nodes["a"]["state"] == "pruned"
     # round 1: one expansion call + one rollout call, and one scorer call for the lot
     assert gen.calls[:2] == [1, 2] and len(scorer.calls) >= 1 and len(scorer.calls[0]) == 2
-
-
-def test_particle_weights_and_ess() -> None:
-    # logit(0.5) = 0, logit(0.75) = ln 3: softmax -> 1/4, 3/4 (odds 1 : 3)
-    assert weights([0.5, 0.75], 1.0) == pytest.approx([0.25, 0.75])
-    assert weights([0.5, 0.75], 2.0) == pytest.approx([1 / (1 + math.sqrt(3)), math.sqrt(3) / (1 + math.sqrt(3))])
-    assert ess([0.25, 0.25, 0.25, 0.25]) == pytest.approx(4.0)
-    assert ess([1.0, 0.0]) == pytest.approx(1.0)
-    assert weights([1.0, 0.0], 1.0)[0] == pytest.approx(1.0)  # clamped, no division by zero
-
-
-def test_particle_resampling_distribution() -> None:
-    """Multinomial resampling draws index i with probability w_i: over 200 x 8 draws each
-    count is within 5 standard deviations of its binomial mean (a wrong rule, e.g. uniform or
-    keep-the-best, is far outside)."""
-    w = weights([0.2, 0.5, 0.8, 0.95, 0.5, 0.6, 0.3, 0.7], 1.0)
-    rng = random.Random(7)
-    counts: Counter[int] = Counter()
-    rounds_, n = 200, len(w)
-    for _ in range(rounds_):
-        counts.update(resample(w, rng))
-    total = rounds_ * n
-    for i, p in enumerate(w):
-        sd = math.sqrt(total * p * (1 - p))
-        assert abs(counts[i] - total * p) <= 5 * sd + 1, (i, counts[i], total * p)
-    # the uniform rule would put index 3 (w = 0.43) near 1/8: far outside the bound above
-    assert abs(total / n - total * w[3]) > 5 * math.sqrt(total * w[3] * (1 - w[3]))
-
-
-def test_particle_filtering_golden_run() -> None:
-    table = {"Q": ["a\n\n", "b\n\n"], "Qa\n\n": ["a1"], "Qb\n\n": ["b1", "b2"]}
-    scores = {"a": 0.01, "b": 0.99, "a1": 0.5, "b1": 0.9, "b2": 0.8}
-    gen = Counting(table)
-    result = ParticleFiltering(step_scorer=ScriptedStepScorer(scores), n=2, params=P).run("Q", gen, ledger=Ledger())
-    tree = tree_of(result)
-    nodes = by_text(tree)
-    resamples = [e for e in result.trace if e.kind == "resample"]
-    # weights 0.01 : 0.99 -> odds 1/99 : 99, w_b = 0.9999: both draws pick b (seeded), a is pruned
-    assert resamples and resamples[0].data["drawn"] == [nodes["b"]["id"]] * 2
-    assert nodes["a"]["state"] == "pruned"
-    # b is drawn twice: one request with n = 2
-    assert gen.calls == [1, 1] and sorted(n["text"] for n in tree["nodes"] if n["parent"] == nodes["b"]["id"]) == ["b1", "b2"]
-    assert result.best == "b\n\nb1"
-
-
-def test_particle_filtering_ess_threshold_skips_resampling() -> None:
-    table = {"Q": ["a\n\n", "b\n\n"], "Qa\n\n": ["a1"], "Qb\n\n": ["b1"]}
-    scores = {"a": 0.5, "b": 0.55, "a1": 0.5, "b1": 0.5}
-    result = ParticleFiltering(step_scorer=ScriptedStepScorer(scores), n=2, ess_threshold=0.5, params=P).run(
-        "Q", Counting(table), ledger=Ledger())
-    # ESS of nearly equal weights is about 2 >= 0.5 x 2: no resampling, both particles go on
-    assert not [e for e in result.trace if e.kind == "resample"]
-    assert sorted(c.text for c in result.candidates) == ["a\n\na1", "b\n\nb1"]
-
-
-def test_particle_filtering_answers_from_the_final_population_only() -> None:
-    """A particle that finished in round 0 and was not drawn at resampling is out of the
-    population: no candidate, no vote (it used to stay a candidate and vote)."""
-    from metaloom.score.answers import LastNumber
-
-    table = {"Q": ["7", "b\n\n"], "Qb\n\n": ["5", "5"]}
-    scores = {"7": 0.01, "b": 0.99, "5": 0.9}
-    result = ParticleFiltering(step_scorer=ScriptedStepScorer(scores), n=2, params=P, select="vote",
-                               extractor=LastNumber()).run("Q", Counting(table), ledger=Ledger())
-    nodes = by_text(tree_of(result))
-    assert nodes["7"]["finish"] is not None and nodes["7"]["state"] == "pruned"
-    assert sorted(c.text for c in result.candidates) == ["b\n\n5", "b\n\n5"]
-    assert "7" not in result.answers and result.best == "b\n\n5"
-
-
-def test_particle_filtering_does_not_resample_equal_weights() -> None:
-    """All particles scored alike: ESS = n, nothing to resample even at the default threshold (a
-    rule that resampled anyway would duplicate and drop particles at random)."""
-    table = {"Q": ["a\n\n", "b\n\n", "c\n\n"], "Qa\n\n": ["a1"], "Qb\n\n": ["b1"], "Qc\n\n": ["c1"]}
-    scores = {"a": 0.6, "b": 0.6, "c": 0.6, "a1": 0.6, "b1": 0.6, "c1": 0.6}
-    result = ParticleFiltering(step_scorer=ScriptedStepScorer(scores), n=3, params=P).run(
-        "Q", Counting(table), ledger=Ledger())
-    assert not [e for e in result.trace if e.kind == "resample"]
-    assert sorted(c.text for c in result.candidates) == ["a\n\na1", "b\n\nb1", "c\n\nc1"]
 
 
 def test_a_budget_stop_before_scoring_says_unscored_and_the_trace_ends_with_the_tree() -> None:

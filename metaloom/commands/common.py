@@ -9,37 +9,14 @@ from typing import Any, NotRequired, TypedDict
 
 from metaloom.errors import InvalidParameter
 from metaloom.sampling import SamplingParams
+from metaloom.sampling.params import SAMPLER_FLAGS
 from metaloom.wiring import engines
 
 _DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}
 
-# sampler flags: (SamplingParams field, type, help); the flag is the field with dashes
-_SAMPLER_FLAGS: tuple[tuple[str, type, str], ...] = (
-    ("temperature", float, "0 = greedy"),
-    ("dynatemp_range", float, "dynamic temperature: vary it in [t - range, t + range] by entropy (0 = off)"),
-    ("dynatemp_exponent", float, "dynamic temperature: exponent of the normalised entropy"),
-    ("top_n_sigma", float, "top-nσ: keep logits >= max - n·std (0 = off)"),
-    ("top_h", float, "top-H: entropy bound as a fraction of the entropy (0 = off)"),
-    ("top_k", int, "keep the k most likely tokens (0 = off)"),
-    ("top_p", float, "nucleus: smallest set with this much probability (1 = off)"),
-    ("min_p", float, "drop tokens below min_p times the top probability (0 = off)"),
-    ("typical_p", float, "locally typical sampling mass (1 = off)"),
-    ("epsilon_cutoff", float, "epsilon sampling: drop tokens below this probability (0 = off)"),
-    ("eta_cutoff", float, "eta sampling: entropy-adaptive epsilon (0 = off)"),
-    ("xtc_probability", float, "XTC: chance per token of excluding the top choices (0 = off)"),
-    ("xtc_threshold", float, "XTC: probability a token needs to count as a top choice"),
-    ("mirostat", int, "2 = mirostat v2 (0 = off)"),
-    ("mirostat_tau", float, "mirostat: target surprise in bits"),
-    ("mirostat_eta", float, "mirostat: learning rate"),
-    ("repetition_penalty", float, "CTRL penalty over prompt and output tokens (1 = off)"),
-    ("presence_penalty", float, "OpenAI presence penalty over output tokens"),
-    ("frequency_penalty", float, "OpenAI frequency penalty over output tokens"),
-    ("dry_multiplier", float, "DRY: penalty multiplier for extending a repeated sequence (0 = off)"),
-    ("dry_base", float, "DRY: base of the penalty's growth with the repeat length"),
-    ("dry_allowed_length", int, "DRY: repeats up to this long are free"),
-    ("dry_penalty_last_n", int, "DRY: tokens of history searched (-1 = all)"),
-    ("no_repeat_ngram_size", int, "ban any n-gram of this size from repeating (0 = off)"),
-)
+# sampler flags: (SamplingParams field, type, help), read from the fields' declarations
+# (`metaloom.sampling.knobs`); the flag is the field with dashes
+_SAMPLER_FLAGS = SAMPLER_FLAGS
 
 
 # metaloom.models.engine.options' KV_DTYPES and SHARED_PREFIX_MODES and

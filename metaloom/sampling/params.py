@@ -15,138 +15,133 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from metaloom.errors import InvalidParameter
+from metaloom.sampling.knobs import at_least, finite, in_range, integer, knob, knobs, one_of, strings
 
 DRY_BREAKERS = ("\n", ":", "\"", "*")  # llama.cpp's and text-generation-webui's default
+INF = math.inf
 
 
-def _finite(name: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise InvalidParameter(name, value, "a finite number")
+def _dynatemp_range(name: str, value: Any, params: Any) -> None:
+    finite(name, value)
+    if not 0.0 <= value <= params.temperature:
+        raise InvalidParameter(name, value, f"in [0, temperature={params.temperature}] so the lowest temperature is "
+                                            "not negative")
 
 
-def _integer(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise InvalidParameter(name, value, "an integer")
-
-
-def _in_range(name: str, value: Any, lo: float, hi: float, allowed: str, *, lo_open: bool = False,
-              hi_open: bool = False) -> None:
-    _finite(name, value)
-    if value < lo or (lo_open and value == lo) or value > hi or (hi_open and value == hi):
-        raise InvalidParameter(name, value, allowed)
+def _last_n(name: str, value: Any, _: Any) -> None:
+    integer(name, value)
+    if value != -1 and value < 1:
+        raise InvalidParameter(name, value, "-1 (whole history) or >= 1")
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0
-    top_k: int = 0  # 0 disables
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0  # CTRL-style, over prompt and output (1 disables)
-    presence_penalty: float = 0.0  # OpenAI-style, over output tokens
-    frequency_penalty: float = 0.0  # OpenAI-style, over output tokens
+    """One request's decoding parameters. Each sampler parameter is declared once, as a `knob`
+    (`metaloom.sampling.knobs`): its field, the pipeline step that reads it, its validation, its
+    CLI flag and the value a remote server is probed with. The rest are the request's own
+    (length, samples, seed, stop strings, log-probabilities)."""
+
+    temperature: float = knob(1.0, adapter=None, switch=False, check=in_range(0.0, INF, ">= 0 (0 means greedy)"),
+                              help="0 = greedy")
+    top_k: int = knob(0, adapter="top_k", check=at_least(0, ">= 0 (0 disables)"), probe=2,
+                      help="keep the k most likely tokens (0 = off)")
+    top_p: float = knob(1.0, adapter="top_p", check=in_range(0.0, 1.0, "in (0, 1]", lo_open=True),
+                        help="nucleus: smallest set with this much probability (1 = off)")
+    min_p: float = knob(0.0, adapter="min_p", check=in_range(0.0, 1.0, "in [0, 1]"), probe=0.05,
+                        help="drop tokens below min_p times the top probability (0 = off)")
+    # CTRL-style, over prompt and output (1 disables)
+    repetition_penalty: float = knob(1.0, adapter="repetition", greedy_too=True, probe=1.05,
+                                     check=in_range(0.0, INF, "> 0 (1 disables)", lo_open=True),
+                                     help="CTRL penalty over prompt and output tokens (1 = off)")
+    presence_penalty: float = knob(0.0, adapter="presence_frequency", greedy_too=True,
+                                   check=in_range(-2.0, 2.0, "in [-2, 2]"),
+                                   help="OpenAI presence penalty over output tokens")
+    frequency_penalty: float = knob(0.0, adapter="presence_frequency", greedy_too=True,
+                                    check=in_range(-2.0, 2.0, "in [-2, 2]"),
+                                    help="OpenAI frequency penalty over output tokens")
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     max_tokens: int = 256
     n: int = 1
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    ignore_eos: bool = False  # keep generating past end-of-sequence (benchmarks)
-    include_stop_str_in_output: bool = False  # keep a matched stop string in the text (vLLM's name)
+    ignore_eos: bool = field(default=False, metadata={"probe": True})  # keep generating past end-of-sequence (benchmarks)
+    # keep a matched stop string in the text (vLLM's name)
+    include_stop_str_in_output: bool = field(default=False, metadata={"probe": True})
     top_logprobs: int = 0  # also report the k most likely tokens at each position (OpenAI's name); 0: none
     # dynamic temperature (llama.cpp dynatemp): temperature in [t - range, t + range] by entropy
-    dynatemp_range: float = 0.0  # 0 disables
-    dynatemp_exponent: float = 1.0
-    typical_p: float = 1.0  # locally typical sampling (Meister et al. 2023); 1 disables
-    epsilon_cutoff: float = 0.0  # epsilon sampling (Hewitt et al. 2022); 0 disables
-    eta_cutoff: float = 0.0  # eta sampling (Hewitt et al. 2022); 0 disables
-    top_h: float = 0.0  # entropy-bounded truncation (Potraghloo et al. 2025); 0 disables
-    top_n_sigma: float = 0.0  # top-nσ (Tang et al. 2024); 0 disables
-    xtc_probability: float = 0.0  # exclude top choices; 0 disables
-    xtc_threshold: float = 0.1
-    mirostat: int = 0  # 0 off, 2 = mirostat v2 (Basu et al. 2021)
-    mirostat_tau: float = 5.0  # target surprise, bits
-    mirostat_eta: float = 0.1  # learning rate of mu
-    dry_multiplier: float = 0.0  # DRY "don't repeat yourself"; 0 disables
-    dry_base: float = 1.75
-    dry_allowed_length: int = 2
-    dry_penalty_last_n: int = -1  # -1 = whole history (prompt and output)
-    dry_sequence_breakers: tuple[str, ...] = DRY_BREAKERS
-    no_repeat_ngram_size: int = 0  # 0 disables
+    dynatemp_range: float = knob(0.0, adapter="dynatemp", check=_dynatemp_range, probe=0.1,
+                                 help="dynamic temperature: vary it in [t - range, t + range] by entropy (0 = off)")
+    dynatemp_exponent: float = knob(1.0, adapter="dynatemp", switch=False, probe=1.5,
+                                    check=in_range(0.0, INF, "> 0", lo_open=True),
+                                    help="dynamic temperature: exponent of the normalised entropy")
+    # locally typical sampling (Meister et al. 2023)
+    typical_p: float = knob(1.0, adapter="typical", check=in_range(0.0, 1.0, "in (0, 1] (1 disables)", lo_open=True),
+                            probe=0.95, help="locally typical sampling mass (1 = off)")
+    # epsilon and eta sampling (Hewitt et al. 2022)
+    epsilon_cutoff: float = knob(0.0, adapter="epsilon", probe=0.0003,
+                                 check=in_range(0.0, 1.0, "in [0, 1) (0 disables)", hi_open=True),
+                                 help="epsilon sampling: drop tokens below this probability (0 = off)")
+    eta_cutoff: float = knob(0.0, adapter="eta", check=in_range(0.0, 1.0, "in [0, 1) (0 disables)", hi_open=True),
+                             probe=0.0003, help="eta sampling: entropy-adaptive epsilon (0 = off)")
+    # entropy-bounded truncation (Potraghloo et al. 2025)
+    top_h: float = knob(0.0, adapter="top_h", check=in_range(0.0, 1.0, "in [0, 1] (0 disables)"), probe=0.9,
+                        help="top-H: entropy bound as a fraction of the entropy (0 = off)")
+    top_n_sigma: float = knob(0.0, adapter="top_n_sigma", check=in_range(0.0, INF, ">= 0 (0 disables)"), probe=2.0,
+                              help="top-nσ: keep logits >= max - n·std (0 = off)")  # Tang et al. 2024
+    xtc_probability: float = knob(0.0, adapter="xtc", check=in_range(0.0, 1.0, "in [0, 1] (0 disables)"), probe=0.1,
+                                  help="XTC: chance per token of excluding the top choices (0 = off)")
+    xtc_threshold: float = knob(0.1, adapter="xtc", switch=False, probe=0.2,
+                                check=in_range(0.0, 0.5, "in (0, 0.5] (above 0.5 no two tokens can pass it)",
+                                               lo_open=True),
+                                help="XTC: probability a token needs to count as a top choice")
+    # mirostat v2 (Basu et al. 2021): 0 off, 2 on; the pipeline reads a bool column instead
+    mirostat: int = knob(0, adapter="mirostat", column=False, probe=2,
+                         check=one_of((0, 2), "0 (off) or 2 (mirostat v2; v1 is not implemented)"),
+                         help="2 = mirostat v2 (0 = off)")
+    mirostat_tau: float = knob(5.0, adapter="mirostat", switch=False, probe=4.0,
+                               check=in_range(0.0, INF, "> 0 (bits)", lo_open=True),
+                               help="mirostat: target surprise in bits")
+    mirostat_eta: float = knob(0.1, adapter="mirostat", switch=False, probe=0.2, check=in_range(0.0, INF, ">= 0"),
+                               help="mirostat: learning rate")
+    # DRY "don't repeat yourself"
+    dry_multiplier: float = knob(0.0, adapter="dry", greedy_too=True, probe=0.5,
+                                 check=in_range(0.0, INF, ">= 0 (0 disables)"),
+                                 help="DRY: penalty multiplier for extending a repeated sequence (0 = off)")
+    dry_base: float = knob(1.75, adapter="dry", switch=False, greedy_too=True, probe=1.5,
+                           check=in_range(1.0, INF, ">= 1"), help="DRY: base of the penalty's growth with the repeat length")
+    dry_allowed_length: int = knob(2, adapter="dry", switch=False, greedy_too=True, probe=3,
+                                   check=at_least(1, ">= 1"), help="DRY: repeats up to this long are free")
+    dry_penalty_last_n: int = knob(-1, adapter="dry", switch=False, greedy_too=True, probe=64, check=_last_n,
+                                   help="DRY: tokens of history searched (-1 = all)")
+    # the CLI takes these with --dry-sequence-breaker (repeatable) and --no-dry-sequence-breakers
+    dry_sequence_breakers: tuple[str, ...] = knob(DRY_BREAKERS, adapter="dry", switch=False, greedy_too=True,
+                                                  column=False, check=strings, probe=["\n"], help=None)
+    no_repeat_ngram_size: int = knob(0, adapter="no_repeat_ngram", greedy_too=True, probe=3,
+                                     check=at_least(0, ">= 0 (0 disables)"),
+                                     help="ban any n-gram of this size from repeating (0 = off)")
 
     def __post_init__(self) -> None:
-        self._check_basics()
-        self._check_adapters()
+        self._check_request()
+        for f, k in knobs(SamplingParams):
+            k.check(f.name, getattr(self, f.name), self)
 
-    def _check_basics(self) -> None:
-        _finite("temperature", self.temperature)
-        if self.temperature < 0:
-            raise InvalidParameter("temperature", self.temperature, ">= 0 (0 means greedy)")
-        _integer("top_k", self.top_k)
-        if self.top_k < 0:
-            raise InvalidParameter("top_k", self.top_k, ">= 0 (0 disables)")
-        _in_range("top_p", self.top_p, 0.0, 1.0, "in (0, 1]", lo_open=True)
-        _in_range("min_p", self.min_p, 0.0, 1.0, "in [0, 1]")
-        _finite("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise InvalidParameter("repetition_penalty", self.repetition_penalty, "> 0 (1 disables)")
-        for name in ("presence_penalty", "frequency_penalty"):
-            _in_range(name, getattr(self, name), -2.0, 2.0, "in [-2, 2]")
+    def _check_request(self) -> None:
         for token, bias in self.logit_bias.items():
             if not isinstance(token, int) or isinstance(token, bool) or token < 0:
                 raise InvalidParameter("logit_bias", token, "token ids that are integers >= 0")
-            _finite(f"logit_bias[{token}]", bias)
-        _integer("max_tokens", self.max_tokens)
-        if self.max_tokens < 1:
-            raise InvalidParameter("max_tokens", self.max_tokens, ">= 1")
-        _integer("n", self.n)
-        if self.n < 1:
-            raise InvalidParameter("n", self.n, ">= 1")
+            finite(f"logit_bias[{token}]", bias)
+        at_least(1, ">= 1")("max_tokens", self.max_tokens, self)
+        at_least(1, ">= 1")("n", self.n, self)
         if self.seed is not None:
-            _integer("seed", self.seed)
+            integer("seed", self.seed)
             if not -(2**63) <= self.seed < 2**63:  # what a torch.Generator takes
                 raise InvalidParameter("seed", self.seed, "an integer in the int64 range [-2^63, 2^63)")
         if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidParameter("stop", self.stop, "a tuple of non-empty strings")
-        _integer("top_logprobs", self.top_logprobs)
-        if self.top_logprobs < 0:
-            raise InvalidParameter("top_logprobs", self.top_logprobs, ">= 0 (0: the chosen token's log-probability only)")
+        at_least(0, ">= 0 (0: the chosen token's log-probability only)")("top_logprobs", self.top_logprobs, self)
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParameter(name, getattr(self, name), "True or False")
-
-    def _check_adapters(self) -> None:
-        _finite("dynatemp_range", self.dynatemp_range)
-        if not 0.0 <= self.dynatemp_range <= self.temperature:
-            raise InvalidParameter("dynatemp_range", self.dynatemp_range,
-                                   f"in [0, temperature={self.temperature}] so the lowest temperature is not negative")
-        _in_range("dynatemp_exponent", self.dynatemp_exponent, 0.0, math.inf, "> 0", lo_open=True)
-        _in_range("typical_p", self.typical_p, 0.0, 1.0, "in (0, 1] (1 disables)", lo_open=True)
-        _in_range("epsilon_cutoff", self.epsilon_cutoff, 0.0, 1.0, "in [0, 1) (0 disables)", hi_open=True)
-        _in_range("eta_cutoff", self.eta_cutoff, 0.0, 1.0, "in [0, 1) (0 disables)", hi_open=True)
-        _in_range("top_h", self.top_h, 0.0, 1.0, "in [0, 1] (0 disables)")
-        _in_range("top_n_sigma", self.top_n_sigma, 0.0, math.inf, ">= 0 (0 disables)")
-        _in_range("xtc_probability", self.xtc_probability, 0.0, 1.0, "in [0, 1] (0 disables)")
-        _in_range("xtc_threshold", self.xtc_threshold, 0.0, 0.5, "in (0, 0.5] (above 0.5 no two tokens can pass it)",
-                  lo_open=True)
-        _integer("mirostat", self.mirostat)
-        if self.mirostat not in (0, 2):
-            raise InvalidParameter("mirostat", self.mirostat, "0 (off) or 2 (mirostat v2; v1 is not implemented)")
-        _in_range("mirostat_tau", self.mirostat_tau, 0.0, math.inf, "> 0 (bits)", lo_open=True)
-        _in_range("mirostat_eta", self.mirostat_eta, 0.0, math.inf, ">= 0")
-        _in_range("dry_multiplier", self.dry_multiplier, 0.0, math.inf, ">= 0 (0 disables)")
-        _in_range("dry_base", self.dry_base, 1.0, math.inf, ">= 1")
-        _integer("dry_allowed_length", self.dry_allowed_length)
-        if self.dry_allowed_length < 1:
-            raise InvalidParameter("dry_allowed_length", self.dry_allowed_length, ">= 1")
-        _integer("dry_penalty_last_n", self.dry_penalty_last_n)
-        if self.dry_penalty_last_n != -1 and self.dry_penalty_last_n < 1:
-            raise InvalidParameter("dry_penalty_last_n", self.dry_penalty_last_n, "-1 (whole history) or >= 1")
-        breakers = self.dry_sequence_breakers
-        if isinstance(breakers, str) or not all(isinstance(s, str) and s for s in breakers):
-            raise InvalidParameter("dry_sequence_breakers", breakers, "a tuple of non-empty strings")
-        _integer("no_repeat_ngram_size", self.no_repeat_ngram_size)
-        if self.no_repeat_ngram_size < 0:
-            raise InvalidParameter("no_repeat_ngram_size", self.no_repeat_ngram_size, ">= 0 (0 disables)")
 
     @property
     def greedy(self) -> bool:
@@ -154,30 +149,14 @@ class SamplingParams:
 
     @property
     def adapters(self) -> frozenset[str]:
-        """Names of the pipeline steps that act on this row. Greedy rows skip temperature and
-        everything after it, so only penalties and bias count for them."""
-        on = {
-            "repetition": self.repetition_penalty != 1.0,
-            "presence_frequency": self.presence_penalty != 0.0 or self.frequency_penalty != 0.0,
-            "dry": self.dry_multiplier > 0.0,
-            "no_repeat_ngram": self.no_repeat_ngram_size > 0,
-            "logit_bias": bool(self.logit_bias),
-        }
-        if not self.greedy:
-            on.update({
-                "dynatemp": self.dynatemp_range > 0.0,
-                "top_n_sigma": self.top_n_sigma > 0.0,
-                "top_k": self.top_k > 0,
-                "top_p": self.top_p < 1.0,
-                "min_p": self.min_p > 0.0,
-                "typical": self.typical_p < 1.0,
-                "epsilon": self.epsilon_cutoff > 0.0,
-                "eta": self.eta_cutoff > 0.0,
-                "top_h": self.top_h > 0.0,
-                "xtc": self.xtc_probability > 0.0,
-                "mirostat": self.mirostat == 2,
-            })
-        return frozenset(name for name, used in on.items() if used)
+        """Names of the pipeline steps that act on this row: each knob's ``adapter`` whose
+        switching parameter is away from its default, and ``logit_bias`` when set. Greedy rows
+        skip temperature and everything after it, so only penalties and bias count for them."""
+        on = {"logit_bias"} if self.logit_bias else set()
+        for f, k in knobs(SamplingParams):
+            if k.adapter and k.switch and (k.greedy_too or not self.greedy) and getattr(self, f.name) != f.default:
+                on.add(k.adapter)
+        return frozenset(on)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Checks that need the model: logit-bias ids must be in the vocabulary."""
@@ -223,3 +202,20 @@ class SamplingParams:
 # every scalar field is taken from a request body under its own name
 _OPENAI_SCALARS = tuple(f.name for f in fields(SamplingParams)
                         if f.name not in ("logit_bias", "max_tokens", "stop", "dry_sequence_breakers"))
+
+
+# what the other layers read from the declarations above
+# the CLI's sampler flags: (field, type, help), in field order (`metaloom.commands.common`)
+SAMPLER_FLAGS: tuple[tuple[str, type, str], ...] = tuple((f.name, type(f.default), k.help)
+                                                         for f, k in knobs(SamplingParams) if k.help is not None)
+# the per-row tensor columns each pipeline step reads (`metaloom.sampling.pipeline`); int fields are long
+ADAPTER_COLUMNS: dict[str, tuple[str, ...]] = {}
+for _f, _k in knobs(SamplingParams):
+    if _k.adapter is not None and _k.column:
+        ADAPTER_COLUMNS[_k.adapter] = (*ADAPTER_COLUMNS.get(_k.adapter, ()), _f.name)
+INTEGER_FIELDS = frozenset(f.name for f in fields(SamplingParams) if type(f.default) is int)
+# a valid non-default value of each field a remote server must be asked about
+# (`metaloom.generator.remote.detect`); OpenAI's own fields are not probed
+PROBES: dict[str, Any] = {f.name: f.metadata.get("probe", k.probe if (k := f.metadata.get("knob")) else None)
+                          for f in fields(SamplingParams)}
+PROBES = {name: value for name, value in PROBES.items() if value is not None}

@@ -10,7 +10,8 @@ Order (each step a pure batched function in `penalties.py`, `processors.py`, `tr
    are greedy and skip steps 4-7)
 5. truncation: top-nσ -> top-H -> top-k -> top-p -> min-p -> typical -> epsilon -> eta
    (top-nσ and top-H look at the whole distribution; from top-H on this is transformers'
-   warper order, so a chain of its processors gives the same distribution)
+   warper order, so a chain of its processors gives the same distribution). The steps that
+   rank by probability (top-H, top-k, top-p, min-p) share one sort (`truncation.truncate`)
 6. XTC (a coin per row from the row's `torch.Generator`)
 7. mirostat v2 (bound ``mu`` per row, from the `SamplingState`)
 8. draw: argmax for greedy rows, otherwise a categorical draw keyed by the row's seed and
@@ -35,41 +36,16 @@ import torch
 from metaloom.errors import InvalidParameter
 from metaloom.sampling import counter
 from metaloom.sampling import processors as P
-from metaloom.sampling.params import SamplingParams
+from metaloom.sampling.knobs import knobs
+from metaloom.sampling.params import ADAPTER_COLUMNS, INTEGER_FIELDS, SamplingParams
 from metaloom.sampling.state import SamplingState
+from metaloom.sampling.truncation import STEPS, Step, truncate
 
 NEG_INF = float("-inf")
 
-# per-row parameter columns each adapter reads (named as in SamplingParams)
-_COLUMNS: dict[str, tuple[str, ...]] = {
-    "repetition": ("repetition_penalty",),
-    "presence_frequency": ("presence_penalty", "frequency_penalty"),
-    "dry": ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n"),
-    "no_repeat_ngram": ("no_repeat_ngram_size",),
-    "dynatemp": ("dynatemp_range", "dynatemp_exponent"),
-    "top_n_sigma": ("top_n_sigma",),
-    "top_k": ("top_k",),
-    "top_p": ("top_p",),
-    "min_p": ("min_p",),
-    "typical": ("typical_p",),
-    "epsilon": ("epsilon_cutoff",),
-    "eta": ("eta_cutoff",),
-    "top_h": ("top_h",),
-    "xtc": ("xtc_probability", "xtc_threshold"),
-    "mirostat": ("mirostat_tau", "mirostat_eta"),
-}
-_LONG = {"top_k", "dry_allowed_length", "dry_penalty_last_n", "no_repeat_ngram_size"}
-# truncation steps of stage 5, in order: adapter -> (function, column)
-_TRUNCATION: tuple[tuple[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor], str], ...] = (
-    ("top_n_sigma", P.top_n_sigma, "top_n_sigma"),
-    ("top_h", P.top_h, "top_h"),
-    ("top_k", P.top_k, "top_k"),
-    ("top_p", P.top_p, "top_p"),
-    ("min_p", P.min_p, "min_p"),
-    ("typical", P.typical, "typical_p"),
-    ("epsilon", P.epsilon, "epsilon_cutoff"),
-    ("eta", P.eta, "eta_cutoff"),
-)
+# stage 5: each truncation step with the adapter its field's knob names
+_ADAPTER = {f.name: k.adapter for f, k in knobs(SamplingParams)}
+_TRUNCATION: tuple[tuple[str, Step], ...] = tuple((str(_ADAPTER[step.field]), step) for step in STEPS)
 
 
 @dataclass(frozen=True)
@@ -173,9 +149,7 @@ class Sampler:
         t = torch.where(self.greedy, torch.ones_like(self.temperature), self.temperature)
         dynamic = "dynatemp" in on
         y = P.dynamic_temperature(x, t, c["dynatemp_range"], c["dynatemp_exponent"]) if dynamic else P.temperature(x, t)
-        for adapter, fn, column in _TRUNCATION:
-            if adapter in on:
-                y = fn(y, c[column])
+        y = truncate(y, [(step, c[step.field]) for adapter, step in _TRUNCATION if adapter in on])
         if "xtc" in on:
             y = P.xtc(y, c["xtc_threshold"], self._coins(generators, logits.device))
         if "mirostat" in on:
@@ -296,8 +270,8 @@ def make_sampler(params: Sequence[SamplingParams], vocab_size: int, device: torc
                "greedy": torch.tensor([p.greedy for p in rows], dtype=torch.bool, device=device),
                "mirostat": torch.tensor(["mirostat" in p.adapters for p in rows], dtype=torch.bool, device=device)}
     for adapter in enabled:
-        for name in _COLUMNS.get(adapter, ()):
-            columns[name] = col(name, torch.long if name in _LONG else torch.float32)
+        for name in ADAPTER_COLUMNS.get(adapter, ()):
+            columns[name] = col(name, torch.long if name in INTEGER_FIELDS else torch.float32)
     bias = None
     if "logit_bias" in enabled:
         bias = torch.zeros(len(rows), vocab_size)

@@ -6,11 +6,26 @@ inputs are never mutated and a disabled row comes back unchanged. Probabilities 
 the logits as given (after temperature and the earlier truncations, renormalised), as when
 transformers chains its warpers. Every adapter here except typical and XTC always keeps the
 most likely token (argmax-invariant).
+
+One sort for the steps that rank by probability. Top-H, top-k, top-p and min-p each keep a
+prefix of the tokens sorted by probability, so each has a form on logits already sorted in
+descending order (``*_sorted``: it removes a suffix, and what it leaves is still sorted for the
+next one). `truncate` runs the stage-5 steps in order and, where consecutive enabled steps have
+that form and one of them sorts anyway (top-H, top-p), sorts once, runs them all on the sorted
+logits and puts the result back in vocabulary order once (as vLLM's sampler does for top-k and
+top-p). The sort is stable, and each standalone function (``top_p`` ...) is its sorted form
+between a stable sort and the scatter back, so the shared sort gives the same tensor bit for
+bit as the steps one at a time; top-k and min-p compare values elementwise (the k-th largest
+logit; exp(logit - max) against p), which no order changes. Typical ranks tokens by another
+key (the distance of their surprise from the entropy) and keeps its own sort; epsilon and eta
+need no order.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +44,19 @@ def _below_top(logits: torch.Tensor) -> torch.Tensor:
 
 def _unsort(sorted_mask: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(sorted_mask).scatter(-1, order, sorted_mask)
+
+
+def sort_desc(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, order): the row sorted in descending order, ties in vocabulary order (stable, so
+    every step sorting the same values agrees on them)."""
+    return torch.sort(logits, dim=-1, descending=True, stable=True)
+
+
+def _on_sorted(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], logits: torch.Tensor,
+               param: torch.Tensor) -> torch.Tensor:
+    """A sorted form applied to logits in vocabulary order: sort, apply, scatter back."""
+    values, order = sort_desc(logits)
+    return _unsort(fn(values, param), order)
 
 
 def top_n_sigma(logits: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
@@ -53,23 +81,37 @@ def top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < kth, NEG_INF)
 
 
+def top_k_sorted(values: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """`top_k` on logits sorted in descending order (the k-th largest is at position k - 1)."""
+    vocab = values.shape[-1]
+    k_eff = torch.where(k > 0, k.clamp(max=vocab), torch.full_like(k, vocab))
+    return values.masked_fill(values < values.gather(-1, (k_eff - 1)[:, None]), NEG_INF)
+
+
 def top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Nucleus (Holtzman et al. 2020): keep the smallest set of most likely tokens whose
     probability sum reaches p; the most likely token is always kept."""
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
+    return _on_sorted(top_p_sorted, logits, p)
+
+
+def top_p_sorted(values: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """`top_p` on logits sorted in descending order."""
+    probs = torch.softmax(values, dim=-1)
     before = torch.cumsum(probs, dim=-1) - probs  # mass strictly before each token
-    remove_sorted = (before >= p[:, None]) & (p < 1)[:, None]  # p = 1 keeps all, whatever the rounding
-    remove_sorted[:, 0] = False
-    return logits.masked_fill(_unsort(remove_sorted, order), NEG_INF)
+    remove = (before >= p[:, None]) & (p < 1)[:, None]  # p = 1 keeps all, whatever the rounding
+    remove[:, 0] = False
+    return values.masked_fill(remove, NEG_INF)
 
 
 def min_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Min-p (Nguyen et al. 2024): drop tokens whose probability is below p times the top
-    token's probability."""
-    probs = torch.softmax(logits, dim=-1)
-    threshold = p[:, None] * probs.max(dim=-1, keepdim=True).values
-    return logits.masked_fill(probs < threshold, NEG_INF)
+    token's probability. The ratio of two probabilities is exp(logit - max logit): no softmax,
+    and the same in any order of the vocabulary."""
+    ratio = torch.exp(logits - logits.max(dim=-1, keepdim=True).values)
+    return logits.masked_fill(ratio < p[:, None], NEG_INF)
+
+
+min_p_sorted = min_p  # elementwise against the row's maximum: the same on sorted logits
 
 
 def typical(logits: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
@@ -110,13 +152,16 @@ def top_h(logits: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     their entropy terms -p log p stays within alpha * H(p); the most likely token is always kept.
     transformers scans only the 100 most likely tokens (a speed cap that also renormalises p
     over them); here the whole vocabulary counts, so the two agree when V <= 100. 0 disables."""
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    terms = torch.special.entr(torch.softmax(sorted_logits, dim=-1))
+    return _on_sorted(top_h_sorted, logits, alpha)
+
+
+def top_h_sorted(values: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """`top_h` on logits sorted in descending order."""
+    terms = torch.special.entr(torch.softmax(values, dim=-1))
     cum = terms.cumsum(-1)
-    keep_sorted = cum <= alpha[:, None] * cum[:, -1:]  # cum[-1] = H(p); alpha 1 keeps every token
-    keep_sorted[:, 0] = True
-    out = logits.masked_fill(_unsort(~keep_sorted, order), NEG_INF)
-    return torch.where((alpha > 0)[:, None], out, logits)
+    keep = cum <= alpha[:, None] * cum[:, -1:]  # cum[-1] = H(p); alpha 1 keeps every token
+    keep[:, 0] = True
+    return torch.where((alpha > 0)[:, None], values.masked_fill(~keep, NEG_INF), values)
 
 
 def xtc(logits: torch.Tensor, threshold: torch.Tensor, apply: torch.Tensor) -> torch.Tensor:
@@ -146,3 +191,57 @@ def mirostat_update(mu: torch.Tensor, logprob: torch.Tensor, tau: torch.Tensor, 
     """mu - eta * (observed surprise - tau), the surprise -log2 p of the drawn token under the
     final (truncated, renormalised) distribution. All [B]."""
     return mu - eta_ * (-logprob / math.log(2) - tau)
+
+
+Truncate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One truncation step of stage 5: the `SamplingParams` field it reads (its knob names the
+    adapter), the function on logits in vocabulary order, and, for a step that keeps a prefix
+    of the tokens ranked by probability, its form on logits sorted in descending order
+    (``sorts``: the function sorts by itself, so a shared sort saves one)."""
+
+    field: str
+    apply: Truncate
+    on_sorted: Truncate | None = None
+    sorts: bool = False
+
+
+# stage 5 in order (`metaloom.sampling.pipeline`): top-nσ and top-H look at the whole
+# distribution; from top-H on this is transformers' warper order
+STEPS: tuple[Step, ...] = (
+    Step("top_n_sigma", top_n_sigma),
+    Step("top_h", top_h, top_h_sorted, sorts=True),
+    Step("top_k", top_k, top_k_sorted),
+    Step("top_p", top_p, top_p_sorted, sorts=True),
+    Step("min_p", min_p, min_p_sorted),
+    Step("typical_p", typical),
+    Step("epsilon_cutoff", epsilon),
+    Step("eta_cutoff", eta),
+)
+
+
+def truncate(logits: torch.Tensor, steps: Sequence[tuple[Step, torch.Tensor]]) -> torch.Tensor:
+    """Run ``steps`` (each with its per-row parameter [B]) in order on logits [B, V]. A run of
+    consecutive steps with a sorted form shares one sort when one of them sorts anyway (a run
+    of top-k and min-p alone needs no sort at all: top-k takes `torch.topk`)."""
+    i = 0
+    while i < len(steps):
+        j = i
+        while j < len(steps) and steps[j][0].on_sorted is not None:
+            j += 1
+        run = steps[i:j]
+        if any(step.sorts for step, _ in run):
+            values, order = sort_desc(logits)
+            for step, param in run:
+                assert step.on_sorted is not None
+                values = step.on_sorted(values, param)
+            logits = torch.empty_like(values).scatter_(-1, order, values)
+            i = j
+            continue
+        step, param = steps[i]
+        logits = step.apply(logits, param)
+        i += 1
+    return logits

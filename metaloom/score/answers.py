@@ -58,6 +58,28 @@ _LITERAL = re.compile(rf"{_NUM}(?:\s*/\s*{_NUM})?|[-+]?\\[dt]?frac\s*{_FRAC_ARG}
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # "= 32": the written result of an equation (a number, not arithmetic, after the sign)
 _STATED = re.compile(rf"(?<![<>!=:])=(?!=)\s*({_NUM})(?!\s*[-+*/^\d])")
+# a number in scientific notation, as text or LaTeX writes it: 3.0e8, 6.02E-23,
+# 6.02 \times 10^{23}, 1.5 x 10^3, 2 \cdot 10^{-5}. math-verify reads "3.0e8" as 3.0 in text and
+# as 3.0·e·8 in LaTeX, and "6.02 \times 10^{23}" outside $...$ as 10: it is rewritten as the
+# decimal it stands for before math-verify sees it.
+_MANTISSA = r"(?P<m>[-+]?(?:\d+(?:\.\d*)?|\.\d+))"
+_SCIENTIFIC = re.compile(
+    rf"(?<![\w.]){_MANTISSA}(?:[eE](?P<e>[-+]?\d+)(?!\w|\.\d)"
+    rf"|\s*(?:\\times|\\cdot|×|·|\*|x)\s*10\s*\^\s*(?:\{{\s*(?P<b>[-+]?\d+)\s*\}}|(?P<p>[-+]?\d+)))")
+MAX_EXPONENT = 60  # beyond it the decimal would be a wall of zeros: the LaTeX power of ten stays
+
+
+def _decimal(m: re.Match[str]) -> str:
+    """The decimal a scientific-notation match stands for (``3.0e8`` -> ``300000000``)."""
+    exponent = int(m["e"] or m["b"] or m["p"])
+    if abs(exponent) > MAX_EXPONENT:
+        return f"{m['m']} \\times 10^{{{exponent}}}"
+    return format(Decimal(m["m"]).scaleb(exponent).normalize(), "f")
+
+
+def expand_scientific(text: str) -> str:
+    """``text`` with every number in scientific notation written out as a decimal."""
+    return _SCIENTIFIC.sub(_decimal, text)
 
 
 def _last_boxed(text: str) -> str | None:
@@ -100,11 +122,15 @@ class MathAnswer:
     final result, boxed or after an answer phrase (``\\boxed{42 - 15}`` -> ``27``): found
     anywhere else it is working, not an answer (``17 + 25 represents a mix`` states no
     answer; ``17 + 25 = 32 ... 17 + 25`` states 32, its last equation's result), so the
-    extractor never votes for a value no sample wrote."""
+    extractor never votes for a value no sample wrote. A number in scientific notation is the
+    decimal it stands for (``3.0e8`` and ``3 \\times 10^8`` -> ``300000000``: math-verify alone
+    reads 3.0 and 10), and a percentage keeps its sign (``25%``, which `same` finds equal to
+    0.25)."""
 
     name: str = "math"
 
     def extract(self, text: str) -> str | None:
+        text = expand_scientific(text)
         boxed = _last_boxed(text)
         spans = [boxed] if boxed is not None else []
         phrases = list(_ANSWER_PHRASE.finditer(text))
@@ -134,6 +160,7 @@ class MathAnswer:
 def _parse_answer(answer: str) -> list:
     """math-verify's reading of an extracted answer (LaTeX without delimiters included)."""
     mv, t = _math_verify(), _timeout()
+    answer = expand_scientific(answer)  # a reference may be written 3e8
     return mv.parse(f"${answer}$", parsing_timeout=t) or mv.parse(answer, parsing_timeout=t)
 
 
@@ -150,9 +177,10 @@ def _parse(span: str, evaluate: bool = True) -> str | None:
         raw = side
         reparsed = _parse_answer(side)
         value = reparsed[0] if reparsed else side
-    percent = "%" in raw or re.search(re.escape(raw) + r"\s*\\?%", span) is not None
-    if percent:
-        return raw
+    if "%" in raw or re.search(re.escape(raw) + r"\s*(?:\\?%|per\s?cent\b)", span, re.IGNORECASE) is not None:
+        # a percentage keeps its sign as written: "25%" is not the number 25 (math-verify's
+        # `verify` still finds 25% == 0.25 when votes are compared)
+        return raw.replace("\\%", "%") if "%" in raw else raw + "%"
     canonical = _canonical(value, raw)
     return canonical if evaluate or canonical == raw else None
 

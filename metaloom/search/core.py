@@ -99,6 +99,9 @@ class Search:
         self._round_start: Usage | None = None
         self._round_parents: list[int] = []
         self._round_children: list[int] = []
+        # node id -> members of the population it stands for (particle filtering's copies of one
+        # particle drawn several times); a finished node votes that many times, 1 where absent
+        self.copies: dict[int, int] = {}
 
     # --- one round: generate, then score -------------------------------------------------
 
@@ -266,6 +269,9 @@ class Search:
                 done = [max(scored, key=lambda n: (n.score, n.depth, -n.id))]
         partial = bool(done) and not done[0].finished
         for n in done:
+            if n.id in self.copies:
+                n.extra["copies"] = self.copies[n.id]
+        for n in done:
             c = self.tree.completion(n)
             run.candidates.append(dataclasses.replace(c, finish_reason="budget") if partial and self.stop == "budget" else c)
         # a solution the budget stopped before it was scored is unscored (NaN; null in JSON), not 0.0
@@ -283,7 +289,9 @@ class Search:
                 ended = [cfg.final_scorer is not None or n.finish == "eos" for n in done]
                 run.best_index = min(range(len(done)), key=lambda i: (not ended[i], -known[i], i))
             else:
-                weights = [max(s, 0.0) for s in known] if cfg.select == "weighted_vote" else [1.0] * len(done)
+                copies = [self.copies.get(n.id, 1) for n in done]
+                weights = [k * (max(s, 0.0) if cfg.select == "weighted_vote" else 1.0) for s, k in zip(known, copies,
+                                                                                                      strict=True)]
                 decide(run, run.answers, weights, cfg.extractor)
             if run.best_index is not None:
                 best = done[run.best_index]

@@ -27,14 +27,21 @@ ePF keeps the particle filter and changes the distribution it resamples from:
    A particle with no successor (finished, or cut by a budget) is its own: r̂_i = r_i, r'_i = r_i.
    The modulated score weights resampling only; the node keeps its own score for the answer.
 
+The annealing shapes only the distribution a resampling draws from: whether to resample is
+decided by the effective sample size of the particles' own (importance) weights, as in particle
+filtering (`metaloom.search.particle`), since an ESS taken on the annealed weights would let the
+flattening suppress the very resampling the weights call for. Weights accumulate between
+resamplings as there; the annealing applies to the accumulated log-weights.
+
 The abstract does not give the rules' exact form; these are the simplest faithful ones (the
 choices: the target entropy equals the trigger threshold, the annealing is a temperature on
 the log-weights found exactly, the look-ahead is greedy and combined by the geometric mean of
 the odds). Per round: one generator call for the particles' steps, ``d`` more for the
 rollouts, one step-scorer call for both (and the final scorer's, where solutions finish).
 Each round's "entropy" event records the entropy before and after annealing, the target and
-the temperature used; each particle's node records its ``weight`` and, with a look-ahead, its
-``lookahead_score`` and ``modulated_score``.
+the temperature used; each particle's node records its ``weight`` (the importance weight), its
+``resampling_weight`` when annealed and, with a look-ahead, its ``lookahead_score`` and
+``modulated_score``.
 """
 
 from __future__ import annotations
@@ -51,32 +58,18 @@ from metaloom.score.protocols import Prompt
 from metaloom.search.aggregate import aggregate
 from metaloom.search.core import Search, run_search
 from metaloom.search.lookahead import roll_ahead
-from metaloom.search.particle import EPS, ParticleFiltering
+from metaloom.search.particle import ParticleFiltering, logit, normalise
 from metaloom.search.tree import Node
 
+__all__ = ["EntropicParticleFiltering", "annealing_temperature", "entropy", "log_weights", "logit", "modulate",
+           "normalise"]
+
 BISECTION_STEPS = 200  # halvings of β's interval: far below float precision long before
-
-
-def logit(r: float) -> float:
-    """log(r / (1 - r)) with r clamped into [EPS, 1 - EPS], as particle filtering weighs."""
-    r = min(max(r, EPS), 1.0 - EPS)
-    return math.log(r / (1.0 - r))
 
 
 def log_weights(scores: Sequence[float], temperature: float = 1.0) -> list[float]:
     """Particle filtering's log-weights ℓ_i = logit(r_i) / ``temperature``."""
     return [logit(r) / temperature for r in scores]
-
-
-def normalise(logw: Sequence[float], temperature: float = 1.0) -> list[float]:
-    """w_i = exp(ℓ_i / T) / Σ_j exp(ℓ_j / T) (T: ``temperature``; T = inf gives uniform weights)."""
-    if math.isinf(temperature):
-        return [1.0 / len(logw)] * len(logw)
-    scaled = [v / temperature for v in logw]
-    top = max(scaled)
-    e = [math.exp(v - top) for v in scaled]
-    total = sum(e)
-    return [v / total for v in e]
 
 
 def entropy(w: Sequence[float]) -> float:
@@ -162,18 +155,22 @@ class EntropicParticleFiltering(ParticleFiltering):
         s.end_round()
         return children
 
-    def resampling_weights(self, s: Search, particles: list[Node], step: int) -> list[float]:
+    def log_weights(self, s: Search, particles: list[Node], step: int) -> list[float]:
+        """The round's log-weights from the look-ahead-modulated scores."""
         scores = [p.score or 0.0 for p in particles]
         if self.lookahead:
             scores = modulate(scores, [p.extra.get("lookahead_score", r) for p, r in zip(particles, scores, strict=True)])
             for p, r in zip(particles, scores, strict=True):
                 if "lookahead_score" in p.extra:
                     p.extra["modulated_score"] = round(r, 6)
-        logw = log_weights(scores, self.temperature)
+        return log_weights(scores, self.temperature)
+
+    def resampling_weights(self, s: Search, logw: list[float], step: int) -> list[float]:
+        """The weights annealed back to the target entropy where they fell below it."""
         before = normalise(logw)
-        target = self.entropy_threshold * math.log(len(particles))
+        target = self.entropy_threshold * math.log(len(logw))
         t = annealing_temperature(logw, target)
         w = normalise(logw, t)
         s.run.event("entropy", step=step, before=entropy(before), after=entropy(w), target=target,
-                    max=math.log(len(particles)), temperature=t, annealed=t > 1.0)
+                    max=math.log(len(logw)), temperature=t, annealed=t > 1.0)
         return w

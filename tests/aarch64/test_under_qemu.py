@@ -116,7 +116,7 @@ def _excess(y: torch.Tensor, x: torch.Tensor, ref: np.ndarray, c: float) -> floa
 
 
 def _inputs(qtype: int) -> int:
-    return 768 if qtype in (12, 14) else 96
+    return 768 if quant.QTYPES[qtype].block == 256 else 96
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # scales past float16, on purpose
@@ -149,12 +149,12 @@ def test_matmul_dequantize_and_quantize(driver, qtype):
 
 @pytest.mark.parametrize("qtype", PANEL_TYPES, ids=[quant.QTYPES[t].name for t in PANEL_TYPES])
 def test_panel_regrouping_and_panel_matmul(driver, qtype):
-    inputs = 256 if qtype in (12, 14) else 96
+    inputs = 256 if quant.QTYPES[qtype].block == 256 else 96
     blocks = random_blocks(qtype, 48, inputs, seed=22)
     w = quant.QuantWeight(qtype, torch.from_numpy(blocks.copy()), inputs)
     rc, (panels,) = driver.call("quant_panel", qtype, w.blocks, 48, inputs, Out(tuple(w.blocks.shape), torch.uint8), 0, 2)
     assert rc == 0
-    expected = panel_reference(qtype, blocks) if qtype in (2, 3, 6) else w.panelled().blocks.numpy()
+    expected = panel_reference(qtype, blocks) if quant.QTYPES[qtype].block == 32 else w.panelled().blocks.numpy()
     assert np.array_equal(panels.numpy(), expected)  # the same bytes as the layout says (and as on x86)
     x = torch.randn(40, inputs, generator=torch.Generator().manual_seed(24))
     x[0, 5] = 3e3  # an outlier input, as real activations have

@@ -2,7 +2,8 @@
 chosen had it drawn only those samples, and what they cost.
 
 Why: a sampling strategy's N samples are i.i.d. draws, so any k of them (in a random order)
-are a draw of the same strategy at N=k. Reading smaller N off the largest N costs no model
+are a draw of the same strategy at N=k; its accuracy at N=k is the expectation over those
+ordered subsets (`outcome`: exact for majority vote and best-of-N, `metaloom.eval.analysis.exact`). Reading smaller N off the largest N costs no model
 calls and lowers variance (every N sees the same pool). The rules here are the strategies'
 own, tie rules included (`metaloom.meta.voting.decide`, `metaloom.meta.helpers.select_top`,
 `metaloom.meta.mbr.MBR`, `metaloom.score.mbr.mbr_select`), so ``pick`` over the first k
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from metaloom.errors import InvalidParameter
+from metaloom.eval.analysis.exact import exact_correct
 from metaloom.eval.records import POOLED, Record, Selection
 
 # what a point costs, per problem: each is an x axis of the curves. ``kv_bytes_peak`` is the most
@@ -309,12 +311,17 @@ class Outcome:
 
 
 def outcome(record: Record, k: int | None, *, seed: int = 0, draws: int = 200) -> Outcome:
-    """The record at N=k: its expected correctness over random ordered k-subsets of its
-    candidates (`draw_subsets`; the same subsets for every spec of the problem), their mean
-    cost, and pass@k. ``k`` None, or a record without candidates (a run that failed before
-    sampling): the record as run (coverage, where k is given: its own correctness). A record
-    with fewer than k candidates (a budget stop) is read with all it has. A record with
-    ``error`` set counts as incorrect (coverage 0 too) and keeps its cost."""
+    """The record at N=k: its expected correctness over ordered k-subsets of its candidates
+    drawn uniformly (at k = n: over the orders of the whole pool; ties depend on the order),
+    their expected cost, and pass@k. Majority vote and best-of-N: exact (`exact`: a closed
+    form over every ordered subset); weighted vote and MBR: the mean over ``draws`` random
+    ordered subsets (`draw_subsets`; the same subsets for every spec of the problem). The cost
+    is exact for every kind: the shared part plus k/n of the candidates' own costs (each
+    candidate is in a k-subset with probability k/n). ``k`` None, or a record without
+    candidates (a run that failed before sampling): the record as run (coverage, where k is
+    given: its own correctness). A record with fewer than k candidates (a budget stop) is read
+    with all it has. A record with ``error`` set counts as incorrect (coverage 0 too) and keeps
+    its cost."""
     cands = record.candidates
     failed = record.error is not None
     if k is None or not cands:
@@ -322,18 +329,19 @@ def outcome(record: Record, k: int | None, *, seed: int = 0, draws: int = 200) -
         return Outcome(correct, None if k is None else correct, record_cost(record))
     n = len(cands)
     kk = min(k, n)
-    sub = draw_subsets(n, kk, draws, subset_rng(seed, record.problem, kk))
-    own = {"output_tokens": np.array([c.tokens for c in cands], dtype=np.float64),
-           "flops": np.array([c.flops for c in cands], dtype=np.float64),
-           "seconds": np.array([c.seconds for c in cands], dtype=np.float64),
-           "kv_bytes_peak": np.array([_num(c.kv_bytes) for c in cands], dtype=np.float64)}
+    own = {"output_tokens": [float(c.tokens) for c in cands], "flops": [_num(c.flops) for c in cands],
+           "seconds": [float(c.seconds) for c in cands], "kv_bytes_peak": [_num(c.kv_bytes) for c in cands]}
     # a record without a shared peak (written before peaks were measured) has no memory cost: NaN
     shared = {name: record.shared.get(name, None if name == "kv_bytes_peak" else 0.0) for name in COSTS}
-    cost = {name: _num(shared[name]) + float(own[name][sub].sum(axis=1).mean()) for name in COSTS}
+    cost = {name: _num(shared[name]) + kk / n * math.fsum(own[name]) for name in COSTS}
     if failed:
         return Outcome(0.0, 0.0, cost)
-    picked = pick_many(record, sub)
-    right = np.array([c.correct for c in cands] + [False])  # index -1: no choice, incorrect
-    correct = float(right[picked].mean())
+    selection_of(record)  # checked before either rule reads it
+    exact = exact_correct(record, kk)
+    if exact is None:
+        sub = draw_subsets(n, kk, draws, subset_rng(seed, record.problem, kk))
+        picked = pick_many(record, sub)
+        right = np.array([c.correct for c in cands] + [False])  # index -1: no choice, incorrect
+        exact = float(right[picked].mean())
     coverage = pass_at_k(n, sum(c.correct for c in cands), kk)
-    return Outcome(correct, coverage, cost)
+    return Outcome(exact, coverage, cost)

@@ -25,17 +25,13 @@ from metaloom.errors import InvalidParameter, RemoteError, ServerUnreachable
 from metaloom.generator.capabilities import SAMPLING_FIELDS, Capabilities
 from metaloom.generator.remote.transport import Json, Transport
 from metaloom.generator.remote.wire import OPENAI_SAMPLING, choices_of, logprob_entries, token_ids, top_entries
+from metaloom.sampling.params import PROBES
 
 PROBE_TEXT = "hello"  # plain lowercase letters: a valid prompt even for a toy character vocabulary
 VLLM_EXTRAS = frozenset({"top_k", "min_p", "repetition_penalty", "ignore_eos", "include_stop_str_in_output"})
-# a valid, non-default value for every sampling field beyond OpenAI's (probed at temperature 0.5)
-PROBE_VALUES: dict[str, Any] = {
-    "top_k": 2, "min_p": 0.05, "repetition_penalty": 1.05, "ignore_eos": True, "include_stop_str_in_output": True,
-    "dynatemp_range": 0.1, "dynatemp_exponent": 1.5, "typical_p": 0.95, "epsilon_cutoff": 0.0003, "eta_cutoff": 0.0003,
-    "top_h": 0.9, "top_n_sigma": 2.0, "xtc_probability": 0.1, "xtc_threshold": 0.2, "mirostat": 2, "mirostat_tau": 4.0,
-    "mirostat_eta": 0.2, "dry_multiplier": 0.5, "dry_base": 1.5, "dry_allowed_length": 3, "dry_penalty_last_n": 64,
-    "dry_sequence_breakers": ["\n"], "no_repeat_ngram_size": 3,
-}
+# a valid, non-default value for every sampling field beyond OpenAI's (probed at temperature 0.5),
+# declared with the field (`metaloom.sampling.knobs`)
+PROBE_VALUES: dict[str, Any] = PROBES
 # probed one by one (a field added to SamplingParams later, with no probe value, counts as not served)
 EXTRA_SAMPLING = frozenset(PROBE_VALUES) & SAMPLING_FIELDS
 

@@ -5,14 +5,16 @@ Why: a batch-1 decode step reads every weight once, so its speed is bytes per to
 Q4_1 file holds 0.625 bytes per weight; dequantised to float32 it is 4 bytes, to bfloat16 2.
 
 - **Storage.** The first native load of a GGUF writes its blocks next to the dense conversion
-  (`metaloom.models.load.converted_folder`), in ``<folder>/native/model.safetensors``: each
+  (`metaloom.models.load.converted_folder`), in ``<folder>/native-<types>/model.safetensors``: each
   kept weight a uint8 tensor [out, row bytes] exactly as the file stores it (rows un-permuted
   for llama's Q/K, like the dense weights), the rest float32, and each kept weight's ggml type
   and input size in the file's metadata. Later loads memory-map it.
 - **What is kept.** Every 2-D weight whose type the kernels run (`metaloom.models.kernels.quant.QTYPES`:
-  Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K, F16, BF16). A weight of another type (Q5_1, Q2_K, the
-  IQ types…) is dequantised to float32 and runs dense: exact, only larger. Norms and biases are
-  always dense. The embedding stays quantised and is looked up row by row.
+  Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, F16, BF16). A weight
+  of another type (IQ2/IQ3/IQ1, TQ, MXFP4) is dequantised by `gguf` to float32 and runs dense: exact,
+  only larger; a type `gguf` cannot dequantise either is an `UnsupportedModel` naming it and the
+  types the kernels read. Norms and biases are always dense. The embedding stays quantised and is
+  looked up row by row.
 - **Activations** are ``--dtype`` (float32 or bfloat16); the kernels accumulate in float32.
 - **The default** (``weights=None`` / ``auto``): whichever of native and dense decodes faster at
   batch 1 on this machine, measured once per (GGUF file, dtype, CPU, thread count, kernel path)
@@ -36,7 +38,6 @@ from metaloom.errors import NotAModel
 from metaloom.models.load import user_cache_dir, write_folder
 from metaloom.models.protocols import LanguageModel
 
-BLOCKS_DIR = "native"
 BLOCKS_FILE = "model.safetensors"
 _META_KEY = "metaloom.ggml_types"  # {name: [ggml type id, in_features]}
 
@@ -47,13 +48,20 @@ def kept_types() -> frozenset[int]:
     return frozenset(QTYPES)
 
 
+def blocks_dir() -> str:
+    """The blocks' subfolder, named by the set of types kept: a GGUF converted before the kernels
+    read more types is converted again (its new types kept, not dense), never read stale."""
+    ids = ",".join(str(t) for t in sorted(kept_types()))
+    return "native-" + hashlib.sha256(ids.encode()).hexdigest()[:8]
+
+
 def blocks_path(gguf_path: str, folder: str) -> str:
     """``folder``'s native blocks file for ``gguf_path``, written on first use (atomically)."""
     from safetensors.torch import save_file
 
     from metaloom.models.engine.gguf_file import read_gguf_blocks
 
-    target = os.path.join(folder, BLOCKS_DIR)
+    target = os.path.join(folder, blocks_dir())
     path = os.path.join(target, BLOCKS_FILE)
     if os.path.exists(path):
         return path

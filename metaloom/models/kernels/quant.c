@@ -25,9 +25,14 @@
  * count: a row's result is the same alone or in a batch (speculative verification can compare
  * with plain steps exactly). The paths sum in different orders, each within the same bound.
  *
- * Types (ggml ids): F16=1, Q4_0=2, Q4_1=3, Q5_0=6, Q8_0=8, Q4_K=12, Q6_K=14, BF16=30. F16 and
- * BF16 are raw values; here they are walked in "blocks" of 32 (64 bytes), so `in` must be a
- * multiple of 32 for every type (256 for the K types). quant.py checks before calling.
+ * Types (ggml ids): F16=1, Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q2_K=10, Q3_K=11, Q4_K=12,
+ * Q5_K=13, Q6_K=14, IQ4_NL=20, IQ4_XS=23, BF16=30 (`block_bytes` says how each block is laid out).
+ * F16 and BF16 are raw values; here they are walked in "blocks" of 32 (64 bytes), so `in` must be
+ * a multiple of 32 for every type (256 for the K types and IQ4_XS). quant.py checks before calling.
+ * Every decoded value is an exact product (a float16 scale of 11 significant bits times integers
+ * of at most 13 more: Q3_K's 6-bit scale and 3-bit quant, IQ4_XS's 6-bit scale and 7-bit value)
+ * with at most one rounding for an offset (Q4_1/Q5_1's m, the K types' dmin m), as gguf's numpy
+ * code computes it, so every path decodes gguf's values bit for bit.
  *
  * Vectors are GCC/Clang vector extensions, so this compiles on any target those compilers know;
  * it is built once per instruction-set path (metaloom/models/kernels/isa.py: avx512, avx2, neon,
@@ -43,7 +48,12 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__AVX512F__) || defined(__F16C__)
+/* the AVX-512 code: built for CPUs with it, or under emulation (METALOOM_EMULATE_AVX512: its
+ * intrinsics from SIMDe, so that a test runs this path on a CPU without AVX-512) */
+#if defined(__AVX512F__) || defined(METALOOM_EMULATE_AVX512)
+#define ML_AVX512 1
+#endif
+#if defined(ML_AVX512) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 #ifdef __aarch64__
@@ -57,7 +67,7 @@
  * lanes (below), AVX-512 has 32 registers and AVX2 16 (NEON 32 of half the width). Tiles: one row,
  * T_ONE outputs; up to T_FEW_ROWS rows, T_FEW_NO outputs; more (up to MAX_CHUNK), T_PAIR_NO
  * outputs, then one at a time. */
-#ifdef __AVX512F__
+#ifdef ML_AVX512
 #define MAX_CHUNK 8 /* rows of x per pass over the weight */
 #define MAX_ACC 16  /* accumulators of a tile (NO x RMAX) */
 #define T_ONE 8
@@ -75,13 +85,18 @@
 #define TILE_AHEAD 4
 #endif
 
-enum { F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14, BF16 = 30 };
+enum {
+    F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+    IQ4_NL = 20, IQ4_XS = 23, BF16 = 30
+};
+/* the super-block types: 256 elements a block */
+#define IS_K(t) ((t) == Q2_K || (t) == Q3_K || (t) == Q4_K || (t) == Q5_K || (t) == Q6_K || (t) == IQ4_XS)
 
 /* W lanes per vector: one AVX-512 register; on every other path 8 lanes, one AVX2 register or two
  * NEON or SSE2 ones (GCC lowers a generic vector wider than the machine's registers through
  * memory: with 16 lanes on AVX2 every accumulator went to the stack and back each block, and a
  * Q8_0 matvec ran at 4 GB/s on a Zen 3 core). NV vectors hold the 32 elements of a sub-block. */
-#ifdef __AVX512F__
+#ifdef ML_AVX512
 #define W 16
 #else
 #define W 8
@@ -122,6 +137,14 @@ INLINE float sum16(const vec *v) {
     return hsum(v[0] + v[1]);
 #endif
 }
+#if W == 16
+static const vecu LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#else
+static const vecu LANE = {0, 1, 2, 3, 4, 5, 6, 7};
+#endif
+/* ggml's kvalues_iq4nl: IQ4_NL's and IQ4_XS's 16 values, as bytes for a table lookup */
+static const bytes16 IQ4_BYTES = {(uint8_t)-127, (uint8_t)-104, (uint8_t)-83, (uint8_t)-65, (uint8_t)-49, (uint8_t)-35,
+                                  (uint8_t)-22, (uint8_t)-10, 1, 13, 25, 38, 53, 69, 89, 113};
 INLINE uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 INLINE float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 INLINE uint16_t ld_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
@@ -138,7 +161,7 @@ INLINE vec ldf(const float *p) {
  * W uint16 at p (zx16). With one instruction each on AVX-512, AVX2 and NEON: GCC turns a generic
  * char or short vector conversion into a byte at a time through general registers there (a Q4_1
  * matvec at 1 GB/s). */
-#if defined(__AVX512F__)
+#if defined(ML_AVX512)
 INLINE veci zx(bytes16 b, int j) { (void)j; return (veci)_mm512_cvtepu8_epi32((__m128i)b); }
 INLINE veci sx(bytes16 b, int j) { (void)j; return (veci)_mm512_cvtepi8_epi32((__m128i)b); }
 INLINE vecu zx16(const uint8_t *p) { return (vecu)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)); }
@@ -183,7 +206,19 @@ INLINE vecu zx16(const uint8_t *p) {
     return __builtin_convertvector(h, vecu);
 }
 #endif
-#if !defined(__AVX512F__) && !defined(__AVX2__)
+/* tab[idx[i]] for 16 indices below 16 (one shuffle on x86 with SSSE3 and on aarch64) */
+#if defined(__AVX2__) || defined(ML_AVX512)
+INLINE bytes16 tbl16(bytes16 tab, bytes16 idx) { return (bytes16)_mm_shuffle_epi8((__m128i)tab, (__m128i)idx); }
+#elif defined(__aarch64__)
+INLINE bytes16 tbl16(bytes16 tab, bytes16 idx) { return (bytes16)vqtbl1q_u8((uint8x16_t)tab, (uint8x16_t)idx); }
+#else
+INLINE bytes16 tbl16(bytes16 tab, bytes16 idx) {
+    bytes16 r;
+    for (int i = 0; i < 16; i++) r[i] = tab[idx[i] & 15];
+    return r;
+}
+#endif
+#if !defined(ML_AVX512) && !defined(__AVX2__)
 /* 8 int8 at p (and no byte past them) as int32 lanes; AVX2 loads and widens them in one instruction */
 INLINE veci sx8(const uint8_t *p) {
     bytes16 b = {0};
@@ -192,7 +227,7 @@ INLINE veci sx8(const uint8_t *p) {
 }
 #endif
 
-#ifdef __AVX512F__
+#ifdef ML_AVX512
 /* tab[idx & 15] per lane (one vpermps): a 4-bit quant's 16 possible values, computed once per
  * block, replace a convert and a multiply per lane */
 INLINE vec lookup(veci idx, vec tab) { return (vec)_mm512_permutexvar_ps((__m512i)idx, (__m512)tab); }
@@ -202,6 +237,7 @@ INLINE vec lookup2(veci idx, vec tab_lo, vec tab_hi, uint32_t high) {
                                            (__m512i)idx, (__m512)tab_hi);
 }
 static const vec NIBBLE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+static const vec IQ4_VALUES = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 #endif
 
 /* IEEE half -> float, exact (subnormals, infinities, NaN); M. Dukhan's FP16 library method */
@@ -232,7 +268,7 @@ INLINE uint16_t f32_to_f16(float f) {
 
 /* W halves at p -> W floats, exact */
 INLINE vec f16_to_vec(const uint8_t *p) {
-#ifdef __AVX512F__
+#ifdef ML_AVX512
     return (vec)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 #elif defined(__AVX2__) && defined(__F16C__)
     return (vec)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
@@ -251,7 +287,7 @@ INLINE vec f16_to_vec(const uint8_t *p) {
 
 /* the half at p, in every lane */
 INLINE vec bcast_f16(const uint8_t *p) {
-#if defined(__AVX512F__) /* a conversion of one half and a broadcast: fewer 512-bit shuffles */
+#if defined(ML_AVX512) /* a conversion of one half and a broadcast: fewer 512-bit shuffles */
     return (vec)_mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(ld_u16(p))));
 #else
     return splat(f16_to_f32(ld_u16(p)));
@@ -282,13 +318,19 @@ INLINE void st(void *p, int64_t i, vec v, const int bf) {
 /* ---- block formats ------------------------------------------------------------------------ */
 
 /* elements and bytes of one block as the kernels walk them (F16 / BF16: 32 values) */
-INLINE int block_elems(const int t) { return t == Q4_K || t == Q6_K ? 256 : 32; }
+INLINE int block_elems(const int t) { return IS_K(t) ? 256 : 32; }
 INLINE int block_bytes(const int t) {
     switch (t) {
     case Q4_0: return 18;  /* f16 d; 16 bytes: element j low nibble of byte j, 16 + j high nibble */
     case Q4_1: return 20;  /* f16 d, f16 m; nibbles as Q4_0; x = d q + m */
     case Q5_0: return 22;  /* f16 d; uint32 qh: bit j the 5th bit of element j; nibbles; x = d (q - 16) */
+    case Q5_1: return 24;  /* f16 d, f16 m; uint32 qh; nibbles; x = d q + m */
     case Q8_0: return 34;  /* f16 d; 32 int8 */
+    case Q2_K: return 84;  /* scales[16] (4-bit scale low, min high), 64 bytes of 2-bit quants, f16 d, f16 dmin */
+    case Q3_K: return 110; /* hmask[32], 64 bytes of 2-bit quants, 12 bytes of 6-bit scales, f16 d */
+    case Q5_K: return 176; /* f16 d, f16 dmin, 12 bytes of scales and mins (as Q4_K), qh[32], 128 bytes of nibbles */
+    case IQ4_NL: return 18; /* f16 d; nibbles as Q4_0, each an index into IQ4_BYTES */
+    case IQ4_XS: return 136; /* f16 d, uint16 scales_h, scales_l[4], 128 bytes of nibbles (16 a sub-block) */
     case Q4_K: return 144; /* f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles */
     case Q6_K: return 210; /* ql[128], qh[64], int8 scales[16], f16 d */
     case F16: case BF16: return 64;
@@ -300,11 +342,11 @@ INLINE int block_bytes(const int t) {
  * its scale with a broadcast load): Q4_K s[j] = d sc_j and s[8 + j] = dmin m_j for sub-block j
  * (elements 32j..32j+31); Q6_K s[j] = d scale_j (elements 16j..16j+15). Each product is exact. */
 typedef struct {
-    float s[16];
+    float s[32];
 } kscales;
 
 INLINE void prep(const int t, const uint8_t *b, kscales *k) {
-    if (t == Q4_K) { /* 12 bytes: sc_j, m_j = low 6 bits of bytes j, j + 4 for j < 4; for j >= 4 the
+    if (t == Q4_K || t == Q5_K) { /* 12 bytes: sc_j, m_j = low 6 bits of bytes j, j + 4 for j < 4; for j >= 4 the
                         nibbles of byte j + 4 with the top 2 bits of bytes j - 4, j on top */
         const uint8_t *q = b + 4;
         const float d = f16_to_f32(ld_u16(b)), dmin = f16_to_f32(ld_u16(b + 2));
@@ -333,7 +375,43 @@ INLINE void prep(const int t, const uint8_t *b, kscales *k) {
             vec r = i32_to_vec(sx(ld_b16(b + 192), j)) * d;
             memcpy(k->s + W * j, &r, sizeof r);
         }
+    } else if (t == Q2_K) { /* s[i] = d sc_i, s[16 + i] = dmin m_i for sub-block i of 16 */
+        const float d = f16_to_f32(ld_u16(b + 80)), dmin = f16_to_f32(ld_u16(b + 82));
+        for (int i = 0; i < 16; i++) {
+            k->s[i] = d * (float)(b[i] & 15);
+            k->s[16 + i] = dmin * (float)(b[i] >> 4);
+        }
+    } else if (t == Q3_K) { /* s[i] = d (sc_i - 32): 4 low bits from bytes 0-7, 2 high from bytes 8-11 */
+        const float d = f16_to_f32(ld_u16(b + 108));
+        const uint8_t *q = b + 96;
+        for (int i = 0; i < 16; i++) {
+            int low = i < 8 ? q[i] & 15 : q[i - 8] >> 4, high = (q[8 + i % 4] >> (2 * (i / 4))) & 3;
+            k->s[i] = d * (float)((low | high << 4) - 32);
+        }
+    } else if (t == IQ4_XS) { /* s[j] = d (ls_j - 32) for sub-block j of 32 */
+        const float d = f16_to_f32(ld_u16(b));
+        const unsigned sh = ld_u16(b + 2);
+        for (int j = 0; j < 8; j++) {
+            int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4);
+            k->s[j] = d * (float)(ls - 32);
+        }
     }
+}
+
+/* 32 elements as W-lane float vectors w[0..NV): q0 holds elements 0-15 and q1 16-31 as bytes
+ * (zero-extended), each q - sub converted exactly and scaled (the first half's lanes by a0, b0:
+ * a q + b, the second's by a1, b1; b only when `add`, so that a product -0 stays -0 as in the
+ * reference) with one rounding (a q is exact) */
+INLINE void widen32(bytes16 q0, bytes16 q1, int sub, vec a0, vec a1, vec b0, vec b1, const int add, vec *w) {
+    UNROLL for (int i = 0; i < NV; i++) {
+        vec f = i32_to_vec(zx(i < NV / 2 ? q0 : q1, i % (NV / 2)) - sub);
+        w[i] = add ? f * (i < NV / 2 ? a0 : a1) + (i < NV / 2 ? b0 : b1) : f * (i < NV / 2 ? a0 : a1);
+    }
+}
+
+/* the same for signed bytes (IQ4's values): elements 0-15 in q0, 16-31 in q1, times d (exact) */
+INLINE void widen32s(bytes16 q0, bytes16 q1, vec d, vec *w) {
+    UNROLL for (int i = 0; i < NV; i++) w[i] = i32_to_vec(sx(i < NV / 2 ? q0 : q1, i % (NV / 2))) * d;
 }
 
 /* Sub-block `s` (elements 32s..32s+31 of the block at b) as exact float32 values: w[i] holds
@@ -342,7 +420,7 @@ INLINE void decode(const int t, const uint8_t *b, const kscales *k, const int s,
     switch (t) {
     case Q4_0: {
         vec d = bcast_f16(b);
-#ifdef __AVX512F__
+#ifdef ML_AVX512
         veci q = (veci)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2)));
         vec tab = (NIBBLE - 8.0f) * d; /* exact: 11-bit d times a 4-bit integer */
         w[0] = lookup(q, tab);
@@ -354,7 +432,7 @@ INLINE void decode(const int t, const uint8_t *b, const kscales *k, const int s,
         break;
     }
     case Q4_1: {
-#ifdef __AVX512F__
+#ifdef ML_AVX512
         /* both halves in one conversion, then two broadcasts */
         __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)ld_u32(b)));
         vec d = (vec)_mm512_broadcastss_ps(dm), m = (vec)_mm512_broadcastss_ps(_mm_movehdup_ps(dm));
@@ -372,7 +450,7 @@ INLINE void decode(const int t, const uint8_t *b, const kscales *k, const int s,
     case Q5_0: {
         vec d = bcast_f16(b);
         uint32_t qh = ld_u32(b + 2);
-#ifdef __AVX512F__
+#ifdef ML_AVX512
         veci q = (veci)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 6)));
         vec lo = (NIBBLE - 16.0f) * d, hi = NIBBLE * d; /* 5th bit clear, set (two tables keep -0 exact) */
         w[0] = lookup2(q, lo, hi, qh & 0xFFFF);
@@ -395,7 +473,7 @@ INLINE void decode(const int t, const uint8_t *b, const kscales *k, const int s,
     case Q4_K: { /* sub-block s: nibbles of bytes 32 (s / 2) .. + 31, low for even s, high for odd */
         const uint8_t *q = b + 16 + 32 * (s >> 1);
         vec sc = splat(k->s[s]), mn = splat(k->s[8 + s]);
-#ifdef __AVX512F__
+#ifdef ML_AVX512
         veci lo = (veci)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
         veci hi = (veci)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
         vec tab = NIBBLE * sc - mn; /* sc q is exact: one rounding, as the reference's */
@@ -418,7 +496,7 @@ INLINE void decode(const int t, const uint8_t *b, const kscales *k, const int s,
         const int n = s >> 2, c = s & 3;
         const uint8_t *ql = b + 64 * n + 32 * (c & 1), *qh = b + 128 + 32 * n;
         vec s0 = splat(k->s[8 * n + 2 * c]), s1 = splat(k->s[8 * n + 2 * c + 1]);
-#ifdef __AVX512F__ /* the 32 quants as bytes in one 256-bit register, minus 32 there: fewer 512-bit ops */
+#ifdef ML_AVX512 /* the 32 quants as bytes in one 256-bit register, minus 32 there: fewer 512-bit ops */
         __m256i lo = _mm256_loadu_si256((const __m256i *)ql), hi = _mm256_loadu_si256((const __m256i *)qh);
         lo = _mm256_and_si256(_mm256_srli_epi16(lo, 4 * (c >> 1)), _mm256_set1_epi8(15));
         hi = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hi, 2 * c), 4), _mm256_set1_epi8(48));
@@ -433,6 +511,62 @@ INLINE void decode(const int t, const uint8_t *b, const kscales *k, const int s,
         l1 |= ((h1 >> (2 * c)) & 3) << 4;
         UNROLL for (int i = 0; i < NV; i++)
             w[i] = i32_to_vec(zx(i < NV / 2 ? l0 : l1, i % (NV / 2)) - 32) * (i < NV / 2 ? s0 : s1);
+#endif
+        break;
+    }
+    case Q5_1: { /* d (nibble | 5th bit << 4) + m: the 5th bits of elements 0-15 and 16-31 from qh */
+        const uint32_t qh = ld_u32(b + 4);
+        bytes16 q = ld_b16(b + 8), lo = q & 15, hi = q >> 4;
+        vec d = bcast_f16(b), m = bcast_f16(b + 2);
+        UNROLL for (int i = 0; i < NV; i++) {
+            veci h = (veci)((((vecu){0} + (qh >> (W * i))) >> LANE) & 1u) << 4;
+            w[i] = i32_to_vec(zx(i < NV / 2 ? lo : hi, i % (NV / 2)) | h) * d + m;
+        }
+        break;
+    }
+    case Q5_K: { /* Q4_K's nibbles (at byte 48) with a 5th bit: bit s of qh[0..31] */
+        const uint8_t *q = b + 48 + 32 * (s >> 1);
+        bytes16 lo = ld_b16(q), hi = ld_b16(q + 16);
+        if (s & 1) {
+            lo >>= 4;
+            hi >>= 4;
+        } else {
+            lo &= 15;
+            hi &= 15;
+        }
+        lo |= ((ld_b16(b + 16) >> s) & 1) << 4;
+        hi |= ((ld_b16(b + 32) >> s) & 1) << 4;
+        vec sc = splat(k->s[s]), mn = splat(-k->s[8 + s]);
+        widen32(lo, hi, 0, sc, sc, mn, mn, 1, w);
+        break;
+    }
+    case Q2_K: { /* half n = s / 4, shift 2 (s % 4); sub-blocks 2s (elements 0-15), 2s + 1 (16-31) */
+        const uint8_t *q = b + 16 + 32 * (s >> 2);
+        const int sh = 2 * (s & 3);
+        bytes16 q0 = (ld_b16(q) >> sh) & 3, q1 = (ld_b16(q + 16) >> sh) & 3;
+        widen32(q0, q1, 0, splat(k->s[2 * s]), splat(k->s[2 * s + 1]), splat(-k->s[16 + 2 * s]),
+                splat(-k->s[17 + 2 * s]), 1, w);
+        break;
+    }
+    case Q3_K: { /* Q2_K's 2 bits (at byte 32) and a third from bit s of hmask[0..31]: q = low + 4 h - 4 */
+        const uint8_t *q = b + 32 + 32 * (s >> 2);
+        const int sh = 2 * (s & 3);
+        bytes16 q0 = ((ld_b16(q) >> sh) & 3) | (((ld_b16(b) >> s) & 1) << 2);
+        bytes16 q1 = ((ld_b16(q + 16) >> sh) & 3) | (((ld_b16(b + 16) >> s) & 1) << 2);
+        vec zero = splat(0.0f);
+        widen32(q0, q1, 4, splat(k->s[2 * s]), splat(k->s[2 * s + 1]), zero, zero, 0, w);
+        break;
+    }
+    case IQ4_NL: case IQ4_XS: { /* d IQ4_VALUES[nibble]: each product exact (at most 24 bits) */
+        const uint8_t *q = t == IQ4_NL ? b + 2 : b + 8 + 16 * s;
+#ifdef ML_AVX512
+        vec tab = IQ4_VALUES * (t == IQ4_NL ? bcast_f16(b) : splat(k->s[s]));
+        veci idx = (veci)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+        w[0] = lookup(idx, tab);
+        w[1] = lookup(idx >> 4, tab);
+#else
+        bytes16 qs = ld_b16(q);
+        widen32s(tbl16(IQ4_BYTES, qs & 15), tbl16(IQ4_BYTES, qs >> 4), t == IQ4_NL ? bcast_f16(b) : splat(k->s[s]), w);
 #endif
         break;
     }
@@ -547,6 +681,12 @@ TILE_SET(Q5_0)
 TILE_SET(Q8_0)
 TILE_SET(Q4_K)
 TILE_SET(Q6_K)
+TILE_SET(Q5_1)
+TILE_SET(Q2_K)
+TILE_SET(Q3_K)
+TILE_SET(Q5_K)
+TILE_SET(IQ4_NL)
+TILE_SET(IQ4_XS)
 TILE_SET(F16)
 TILE_SET(BF16)
 
@@ -558,6 +698,12 @@ static const tile_set *tiles_of(int t) {
     case Q8_0: return &Q8_0_tiles;
     case Q4_K: return &Q4_K_tiles;
     case Q6_K: return &Q6_K_tiles;
+    case Q5_1: return &Q5_1_tiles;
+    case Q2_K: return &Q2_K_tiles;
+    case Q3_K: return &Q3_K_tiles;
+    case Q5_K: return &Q5_K_tiles;
+    case IQ4_NL: return &IQ4_NL_tiles;
+    case IQ4_XS: return &IQ4_XS_tiles;
     case F16: return &F16_tiles;
     case BF16: return &BF16_tiles;
     default: return NULL;
@@ -708,6 +854,12 @@ static void dequantize_any(int t, const uint8_t *w, int64_t in, const int64_t *i
     case Q8_0: dequantize_part(Q8_0, w, in, ids, i0, i1, y, ybf); break;
     case Q4_K: dequantize_part(Q4_K, w, in, ids, i0, i1, y, ybf); break;
     case Q6_K: dequantize_part(Q6_K, w, in, ids, i0, i1, y, ybf); break;
+    case Q5_1: dequantize_part(Q5_1, w, in, ids, i0, i1, y, ybf); break;
+    case Q2_K: dequantize_part(Q2_K, w, in, ids, i0, i1, y, ybf); break;
+    case Q3_K: dequantize_part(Q3_K, w, in, ids, i0, i1, y, ybf); break;
+    case Q5_K: dequantize_part(Q5_K, w, in, ids, i0, i1, y, ybf); break;
+    case IQ4_NL: dequantize_part(IQ4_NL, w, in, ids, i0, i1, y, ybf); break;
+    case IQ4_XS: dequantize_part(IQ4_XS, w, in, ids, i0, i1, y, ybf); break;
     case F16: dequantize_part(F16, w, in, ids, i0, i1, y, ybf); break;
     case BF16: dequantize_part(BF16, w, in, ids, i0, i1, y, ybf); break;
     }
@@ -849,10 +1001,24 @@ int quant_quantize(int t, const void *x, int xbf, int64_t rows, int64_t in, uint
  *         word w, element 8g+k's at 4k + 4 + 2 (g % 2), at 2 (g % 2) for k = 7) | scales[4][16]
  *         u32 (the int8 scales, 4 to a word) | d[16]: 3360 bytes = 16 x 210; the odd ones put d
  *         first (see `q6k_at`)
+ * The types added later follow the same patterns:
+ *   Q5_1: nib | head d[16], m[16], hi[16] u32 (128; hi as Q5_0's): 384 bytes = 16 x 24
+ *   IQ4_NL: as Q4_0 (each nibble an index into IQ4_VALUES)
+ *   Q5_K: nib (as Q4_K) | hi[8 sub-blocks][16] u32 (as Q5_0's) | d[16] | dmin[16] | scales[3][16]:
+ *         2816 bytes = 16 x 176
+ *   IQ4_XS: nib (as Q4_K) | d[16] | scales_h[16] u16 | scales_l[16] u32: 2176 bytes = 16 x 136
+ *   Q2_K: q[16 sub-blocks of 16][16] u32 (2-bit quants: element k of the sub-block's first 8 at
+ *         bits 4k, 4k + 1, of its last 8 at 4k + 2, 4k + 3) | scales[4][16] u32 (GGUF's 16 scale
+ *         bytes, 4 to a word) | d[16] | dmin[16]: 1344 bytes = 16 x 84
+ *   Q3_K: q[16][16] u32 (the 2 low bits, as Q2_K) | hi[8][16] u32 (the third bits of sub-blocks
+ *         2w and 2w + 1 in word w: element k of a sub-block's first 8 at 4k + 2 (i % 2), of its
+ *         last 8 at 4k + 1 + 2 (i % 2), for sub-block i) | scales[3][16] u32 | d[16]: 1760 bytes
+ *         = 16 x 110; the odd ones put d first (see `q3k_at`)
  *
  * Arithmetic (per row of x and output): a (sub-)block's weights are scale q + c off with q the
  * unsigned quant: Q4_1 d q + m, Q4_0 d (q - 8), Q5_0 d (q - 16), Q4_K (d sc) q - dmin m, Q6_K
- * (d sc) (q - 32). So y = sum over (sub-)blocks of [scale (sum_i q_i x_i) + c off S] with S the
+ * (d sc) (q - 32); Q5_1 as Q4_1, Q5_K and Q2_K as Q4_K, Q3_K (d (sc - 32)) (q - 4) with q its
+ * 3 bits; IQ4_NL and IQ4_XS have no offset (q a value of IQ4_VALUES, read from a table). So y = sum over (sub-)blocks of [scale (sum_i q_i x_i) + c off S] with S the
  * (sub-)block's input sum. Lane k of a word is converted as q 2^e(k) (exact: at most 6
  * significant bits) against x prescaled by 2^-e(k) (exact but for inputs below ~2^-98), so each
  * product q x is exact inside its fma. Order, the same for every row count, tile and thread:
@@ -861,15 +1027,24 @@ int quant_quantize(int t, const void *x, int xbf, int64_t rows, int64_t in, uint
  * make the error bound (n + 2 blocks + 2) u sum_i (|scale q_i| + |c off|) |x_i| (n elements a
  * sub-block) rather than the GGUF kernel's; tests/test_quant_panels.py holds every type to it. */
 
-INLINE int panel_head(const int t) { return t == Q4_0 ? 32 : t == Q4_1 ? 64 : 96; }
+/* the 32-element types' panels: a head and nib; the head's size, whether the odd blocks swap the
+ * two (their 16 blocks are not a whole number of cache lines), where m and hi sit in the head */
+INLINE int panel_head(const int t) { return t == Q4_0 || t == IQ4_NL ? 32 : t == Q4_1 ? 64 : t == Q5_0 ? 96 : 128; }
+INLINE int panel_swaps(const int t) { return t == Q4_0 || t == Q5_0 || t == IQ4_NL; }
+INLINE int head_hi(const int t) { return t == Q5_0 ? 32 : 64; }
 /* offsets of nib and of the head in panel block g (counted from the weight's first) */
-INLINE int64_t nib_at(const int t, int64_t g) { return t != Q4_1 && (g & 1) ? panel_head(t) : 0; }
-INLINE int64_t head_at(const int t, int64_t g) { return t != Q4_1 && (g & 1) ? 0 : 256; }
-/* Q5_0: the bit of a panel's hi word holding element i's 5th bit */
+INLINE int64_t nib_at(const int t, int64_t g) { return panel_swaps(t) && (g & 1) ? panel_head(t) : 0; }
+INLINE int64_t head_at(const int t, int64_t g) { return panel_swaps(t) && (g & 1) ? 0 : 256; }
+/* Q5_0, Q5_1, Q5_K: the bit of a panel's hi word holding element i's 5th bit */
 INLINE int q5_hi_bit(int i) { return i / 8 + (i % 8 < 7 ? 4 * (i % 8) + 4 : 0); }
-INLINE int panel_qs(const int t) { return t == Q4_0 ? 2 : t == Q4_1 ? 4 : 6; } /* GGUF: first quant byte */
+/* GGUF: the first quant byte, and Q5_0 / Q5_1's qh */
+INLINE int panel_qs(const int t) { return t == Q4_0 || t == IQ4_NL ? 2 : t == Q4_1 ? 4 : t == Q5_0 ? 6 : 8; }
+INLINE int gguf_qh(const int t) { return t == Q5_0 ? 2 : 4; }
+INLINE int small_panel(const int t) { return t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == IQ4_NL; }
+INLINE int five_bit(const int t) { return t == Q5_0 || t == Q5_1 || t == Q5_K; }
+INLINE int iq4(const int t) { return t == IQ4_NL || t == IQ4_XS; }
 
-static int panel_type(int t) { return t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q4_K || t == Q6_K; }
+static int panel_type(int t) { return small_panel(t) || IS_K(t); }
 
 /* Q6_K panel super-blocks: where d, nib, hi and the scales start; the odd ones (which start at
  * 32 mod 64) put d first so that nib and hi stay aligned */
@@ -877,6 +1052,19 @@ typedef struct {
     int d, nib, hi, sc;
 } k6_at;
 INLINE k6_at q6k_at(int64_t g) { return g & 1 ? (k6_at){0, 32, 2080, 3104} : (k6_at){3328, 0, 2048, 3072}; }
+/* Q3_K panel super-blocks alike: d, q (the low bits), hi, scales */
+typedef struct {
+    int d, q, hi, sc;
+} k3_at;
+INLINE k3_at q3k_at(int64_t g) { return g & 1 ? (k3_at){0, 32, 1056, 1568} : (k3_at){1728, 0, 1024, 1536}; }
+/* the fixed offsets of the other K types' panel blocks (-1: none) */
+typedef struct {
+    int hi, d, dmin, sc;
+} kk_at;
+INLINE kk_at kk(const int t) {
+    return t == Q4_K ? (kk_at){-1, 2048, 2080, 2112} : t == Q5_K ? (kk_at){2048, 2560, 2592, 2624}
+         : t == IQ4_XS ? (kk_at){-1, 2048, 2080, 2112} : (kk_at){-1, 1280, 1312, 1024}; /* Q2_K */
+}
 
 /* the `width` bits at bit `fs` of byte *f to bit `ts` of byte *to (whose bits there are 0) */
 INLINE void move_bits(const uint8_t *f, int fs, uint8_t *to, int ts, int width) {
@@ -888,25 +1076,60 @@ INLINE void move_bits(const uint8_t *f, int fs, uint8_t *to, int ts, int width) 
 
 /* GGUF block of output j (g) <-> lane j of panel block P, number g_index (the layouts above) */
 static void panel_block(int t, uint8_t *g, uint8_t *P, int64_t g_index, int j, int back) {
-    if (t == Q4_0 || t == Q4_1 || t == Q5_0) {
+    if (small_panel(t)) {
         const int qs = panel_qs(t);
         uint8_t *head = P + head_at(t, g_index), *nib = P + nib_at(t, g_index);
         COPY(g, head + 2 * j, 2); /* d */
-        if (t == Q4_1) COPY(g + 2, head + 32 + 2 * j, 2); /* m */
+        if (t == Q4_1 || t == Q5_1) COPY(g + 2, head + 32 + 2 * j, 2); /* m */
         for (int e = 0; e < 32; e++) /* GGUF: element e low nibble of byte e, 16 + e its high one */
             MOVE(g + qs + e % 16, 4 * (e / 16), nib + 64 * (e / 8) + 4 * j + (e % 8) / 2, 4 * (e & 1), 4);
-        if (t == Q5_0)
+        if (five_bit(t))
             for (int i = 0; i < 32; i++) {
                 int hb = q5_hi_bit(i);
-                MOVE(g + 2 + i / 8, i % 8, head + 32 + 4 * j + hb / 8, hb % 8, 1);
+                MOVE(g + gguf_qh(t) + i / 8, i % 8, head + head_hi(t) + 4 * j + hb / 8, hb % 8, 1);
             }
-    } else if (t == Q4_K) { /* nib [8 sub-blocks][4][16] u32 | d[16] | dmin[16] | scales [3][16] u32 */
-        COPY(g, P + 2048 + 2 * j, 2);
-        COPY(g + 2, P + 2080 + 2 * j, 2);
-        for (int w = 0; w < 3; w++) COPY(g + 4 + 4 * w, P + 2112 + 64 * w + 4 * j, 4);
+    } else if (t == Q4_K || t == Q5_K || t == IQ4_XS) { /* nib [8 sub-blocks][4][16] u32, then kk(t)'s */
+        const kk_at at = kk(t);
+        COPY(g, P + at.d + 2 * j, 2);
+        if (t == IQ4_XS) {
+            COPY(g + 2, P + at.dmin + 2 * j, 2); /* scales_h (at dmin's place) */
+            COPY(g + 4, P + at.sc + 4 * j, 4);   /* scales_l */
+        } else {
+            COPY(g + 2, P + at.dmin + 2 * j, 2);
+            for (int w = 0; w < 3; w++) COPY(g + 4 + 4 * w, P + at.sc + 64 * w + 4 * j, 4);
+        }
         for (int e = 0; e < 256; e++) {
             int sb = e / 32, l = e % 32, k = l % 8;
-            MOVE(g + 16 + 32 * (sb / 2) + l, 4 * (sb & 1), P + 256 * sb + 64 * (l / 8) + 4 * j + k / 2, 4 * (k & 1), 4);
+            uint8_t *to = P + 256 * sb + 64 * (l / 8) + 4 * j + k / 2;
+            if (t == IQ4_XS) /* sub-block sb: 16 bytes at 8 + 16 sb, elements l and l + 16 in one */
+                MOVE(g + 8 + 16 * sb + l % 16, 4 * (l / 16), to, 4 * (k & 1), 4);
+            else /* sub-blocks 2i, 2i + 1: the low and high nibbles of 32 bytes */
+                MOVE(g + (t == Q4_K ? 16 : 48) + 32 * (sb / 2) + l, 4 * (sb & 1), to, 4 * (k & 1), 4);
+            if (t == Q5_K) { /* the 5th bit: bit sb of qh[l] */
+                int hb = q5_hi_bit(l);
+                MOVE(g + 16 + l, sb, P + at.hi + 64 * sb + 4 * j + hb / 8, hb % 8, 1);
+            }
+        }
+    } else if (t == Q2_K || t == Q3_K) { /* element 128 n + 32 jj + 16 h + l: sub-block 8 n + 2 jj + h */
+        const k3_at a3 = q3k_at(g_index);
+        const int qo = t == Q2_K ? 0 : a3.q, qs = t == Q2_K ? 16 : 32;
+        if (t == Q2_K) {
+            const kk_at at = kk(t);
+            for (int w = 0; w < 4; w++) COPY(g + 4 * w, P + at.sc + 64 * w + 4 * j, 4);
+            COPY(g + 80, P + at.d + 2 * j, 2);
+            COPY(g + 82, P + at.dmin + 2 * j, 2);
+        } else {
+            for (int w = 0; w < 3; w++) COPY(g + 96 + 4 * w, P + a3.sc + 64 * w + 4 * j, 4);
+            COPY(g + 108, P + a3.d + 2 * j, 2);
+        }
+        for (int e = 0; e < 256; e++) {
+            int n = e / 128, jj = (e % 128) / 32, h = (e % 32) / 16, l = e % 16, i = 8 * n + 2 * jj + h;
+            int qb = 4 * (l % 8) + 2 * (l / 8); /* the 2 low bits in word i */
+            MOVE(g + qs + 32 * n + 16 * h + l, 2 * jj, P + qo + 64 * i + 4 * j + qb / 8, qb % 8, 2);
+            if (t == Q3_K) { /* the third: bit 4 n + jj of hmask[16 h + l] */
+                int hb = 4 * (l % 8) + l / 8 + 2 * (i & 1);
+                MOVE(g + 16 * h + l, 4 * n + jj, P + a3.hi + 64 * (i / 2) + 4 * j + hb / 8, hb % 8, 1);
+            }
         }
     } else { /* Q6_K: nib [32][16] u32, hi [16][16] u32, scales [4][16] u32, d[16] (q6k_at) */
         k6_at at = q6k_at(g_index);
@@ -937,7 +1160,10 @@ static void panel_part(int t, uint8_t *w, int64_t nb, uint8_t *p, int back, int6
 }
 
 /* 1 << t for each type with a panel matmul in this build (every path has them) */
-int quant_panel_types(void) { return 1 << Q4_0 | 1 << Q4_1 | 1 << Q5_0 | 1 << Q4_K | 1 << Q6_K; }
+int quant_panel_types(void) {
+    return 1 << Q4_0 | 1 << Q4_1 | 1 << Q5_0 | 1 << Q5_1 | 1 << Q2_K | 1 << Q3_K | 1 << Q4_K | 1 << Q5_K | 1 << Q6_K |
+           1 << IQ4_NL | 1 << IQ4_XS;
+}
 
 /* blocks [out, in / 32 * BB] -> panels (back = 0) or panels -> blocks (back = 1), the same
  * size. Returns 0; -1 not a panel type, `in` not a multiple of 32 or `out` of 16. */
@@ -957,10 +1183,12 @@ int quant_panel(int t, uint8_t *blocks, int64_t out, int64_t in, uint8_t *panels
 /* lane k of a quant word is converted as q 2^pshift(k). AVX-512 converts unsigned: only Q5_0's
  * and Q6_K's lane 7 (5, 6 bits) is first shifted down 4 so that q 2^28 stays below 2^32; the
  * portable kernel converts signed, so every lane 7 is shifted down (q 2^24 < 2^31). */
-#ifdef __AVX512F__
-INLINE int pshift(const int t, const int k) { return (t == Q5_0 || t == Q6_K) && k == 7 ? 24 : 4 * k; }
+/* IQ4 types: their values are looked up (vpermps) as floats on AVX-512 (no scaling, 0), and
+ * elsewhere from a byte table into the top byte of a lane (2^24, `pquant8`) */
+#ifdef ML_AVX512
+INLINE int pshift(const int t, const int k) { return iq4(t) ? 0 : (five_bit(t) || t == Q6_K) && k == 7 ? 24 : 4 * k; }
 #else
-INLINE int pshift(const int t, const int k) { (void)t; return k == 7 ? 24 : 4 * k; }
+INLINE int pshift(const int t, const int k) { return iq4(t) || k == 7 ? 24 : 4 * k; }
 #endif
 
 /* Per row of x, prepared once per call: xs [in] = x 2^-pshift(i % 8) (exact but below ~2^-98);
@@ -986,8 +1214,10 @@ static void panel_prep(int t, const void *x, int xbf, int64_t in, float *xs, flo
 
 /* A panel block holds SUBS(t) sub-blocks, each with its own scale: Q4_0/Q4_1/Q5_0 one of 32
  * elements, Q4_K eight of 32, Q6_K sixteen of 16; a sub-block is GROUPS(t) words of 8 quants */
-INLINE int psubs(const int t) { return t == Q4_K ? 8 : t == Q6_K ? 16 : 1; }
-INLINE int pgroups(const int t) { return t == Q6_K ? 2 : 4; }
+INLINE int psubs(const int t) { return t == Q6_K || t == Q2_K || t == Q3_K ? 16 : IS_K(t) ? 8 : 1; }
+INLINE int pgroups(const int t) { return psubs(t) == 16 ? 2 : 4; }
+/* whether a sub-block's weights have an offset term (c off S): all but the IQ4 types */
+INLINE int poff(const int t) { return !iq4(t); }
 
 /* every cache line of each of T panels' block b + dist, into L2 (prefetcht1): T streams of short
  * blocks are more than the hardware prefetchers keep ahead of. On AVX-512 one block ahead:
@@ -997,7 +1227,7 @@ INLINE int pgroups(const int t) { return t == Q6_K ? 2 : 4; }
  * reaching further: about 4 KB ahead (Zen 3, 2 threads, SmolLM2's Q4_1 layers streamed from
  * DRAM: 13.4 GB/s one block ahead, 14-15.7 at 2-8 KB; Q4_K and Q6_K best at 2 blocks) */
 INLINE int pdist(const int t) {
-#ifdef __AVX512F__
+#ifdef ML_AVX512
     (void)t;
     return 1;
 #else
@@ -1016,6 +1246,17 @@ INLINE void pprefetch(const int t, const uint8_t *pw, int64_t pb, int64_t p0, in
  * each path's), as the GGUF-layout tiles are */
 typedef void (*ptile_fn)(const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, int64_t p0,
                          void *y, int64_t out, int ybf);
+typedef void (*prows_fn)(const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, int64_t p,
+                         void *y, int64_t out, int ybf, int R);
+/* a type's panel kernels: one row against 8, 4, 2, 1 panels (AVX-512; 1 and 2 elsewhere, 2 NULL
+ * where one panel was fastest), and `prows` */
+typedef struct {
+    ptile_fn tile[4];
+    prows_fn rows;
+} ptile_set;
+#define PANEL_TYPES(X) X(Q4_0) X(Q4_1) X(Q5_0) X(Q5_1) X(Q2_K) X(Q3_K) X(Q4_K) X(Q5_K) X(Q6_K) X(IQ4_NL) X(IQ4_XS)
+#define PSET_CASE(TY) case TY: return &p##TY##_set;
+#define PSET_OF static const ptile_set *pset(int t) { switch (t) { PANEL_TYPES(PSET_CASE) default: return NULL; } }
 #define PTILE(TY, T)                                                                               \
     static __attribute__((noinline)) void p##TY##_##T(const uint8_t *pw, int64_t nb, const float *xs, const float *S,  \
                                                       int64_t in, int64_t p0, void *y, int64_t out, int ybf) {       \
@@ -1027,45 +1268,98 @@ typedef void (*ptile_fn)(const uint8_t *pw, int64_t nb, const float *xs, const f
         prows(TY, pw, nb, xs, S, in, p, y, out, ybf, R);                                           \
     }
 
-#ifdef __AVX512F__
+#ifdef ML_AVX512
 /* The exact quant q 2^pshift(k) of element k of a group of 8, in each lane, from the lanes'
  * quant word V and (Q5_0, Q6_K) the group's hi word H */
 INLINE __m512i pquant(const int t, const int k, __m512i V, __m512i H) {
     const int e = pshift(t, k);
-    __m512i q = k == 7 && (t == Q5_0 || t == Q6_K) ? _mm512_and_si512(_mm512_srli_epi32(V, 4), _mm512_set1_epi32(15 << 24))
-                                                   : _mm512_and_si512(V, _mm512_set1_epi32((int)(15u << e)));
-    if (t == Q5_0 || t == Q6_K) { /* the 1 or 2 high bits sit at 4k + 4 in H (at 0 for k = 7, moved to 28) */
+    if (t == Q2_K || t == Q3_K) /* 2 or 3 bits at 4k (Q3_K's merged by `pwords`): at most 7 2^28 */
+        return _mm512_and_si512(V, _mm512_set1_epi32((int)((t == Q2_K ? 3u : 7u) << e)));
+    const int high = five_bit(t) || t == Q6_K;
+    __m512i q = k == 7 && high ? _mm512_and_si512(_mm512_srli_epi32(V, 4), _mm512_set1_epi32(15 << 24))
+                               : _mm512_and_si512(V, _mm512_set1_epi32((int)(15u << e)));
+    if (high) { /* the 1 or 2 high bits sit at 4k + 4 in H (at 0 for k = 7, moved to 28) */
         __m512i h = k == 7 ? _mm512_slli_epi32(H, 28) : H;
-        const unsigned bits = t == Q5_0 ? 1u : 3u;
+        const unsigned bits = t == Q6_K ? 3u : 1u;
         q = _mm512_ternarylogic_epi32(q, h, _mm512_set1_epi32((int)(bits << (e + 4))), 0xF8); /* q | (h & mask) */
     }
     return q;
 }
 
+/* element k's value as a float: q 2^pshift(k) converted exactly, or (IQ4) looked up */
+INLINE __m512 pquantf(const int t, const int k, __m512i V, __m512i H) {
+    if (iq4(t)) return _mm512_permutexvar_ps(k ? _mm512_srli_epi32(V, 4 * k) : V, (__m512)IQ4_VALUES);
+    return _mm512_cvtepu32_ps(pquant(t, k, V, H));
+}
+
 /* group v of sub-block sb of panel block P (number g): the quant word V, the hi word H (Q5_0,
  * Q6_K: shifted so that the group's bits sit at 4k + 4, and at 0 for k = 7) */
 INLINE void pwords(const int t, const uint8_t *P, int64_t g, int sb, int v, __m512i *V, __m512i *H) {
-    if (t == Q4_K) {
+    if (t == Q4_K || t == Q5_K || t == IQ4_XS) {
         *V = _mm512_loadu_si512(P + 256 * sb + 64 * v);
+        if (t == Q5_K) *H = _mm512_srl_epi32(_mm512_loadu_si512(P + kk(t).hi + 64 * sb), _mm_cvtsi32_si128(v));
     } else if (t == Q6_K) {
         const k6_at at = q6k_at(g);
         *V = _mm512_loadu_si512(P + at.nib + 64 * (2 * sb + v));
         __m512i h = _mm512_loadu_si512(P + at.hi + 64 * sb); /* groups 2 sb, 2 sb + 1 */
         *H = v ? _mm512_srli_epi32(h, 2) : h;
+    } else if (t == Q2_K) { /* group v of sub-block sb: its 2 bits at 4k + 2v */
+        __m512i q = _mm512_loadu_si512(P + 64 * sb);
+        *V = v ? _mm512_srli_epi32(q, 2) : q;
+    } else if (t == Q3_K) { /* the 2 low bits at 4k and the third (moved to 4k + 2) in one word */
+        const k3_at at = q3k_at(g);
+        __m512i q = _mm512_srl_epi32(_mm512_loadu_si512(P + at.q + 64 * sb), _mm_cvtsi32_si128(2 * v));
+        __m512i h = _mm512_loadu_si512(P + at.hi + 64 * (sb / 2));
+        h = _mm512_srl_epi32(sb & 1 ? h : _mm512_slli_epi32(h, 2), _mm_cvtsi32_si128(v));
+        *V = _mm512_ternarylogic_epi32(_mm512_set1_epi32(0x33333333), q, h, 0xCA); /* mask ? q : h */
     } else {
         *V = _mm512_loadu_si512(P + nib_at(t, g) + 64 * v);
-        if (t == Q5_0) *H = _mm512_srl_epi32(_mm512_loadu_si512(P + head_at(t, g) + 32), _mm_cvtsi32_si128(v));
+        if (five_bit(t))
+            *H = _mm512_srl_epi32(_mm512_loadu_si512(P + head_at(t, g) + head_hi(t)), _mm_cvtsi32_si128(v));
     }
 }
 
 /* sub-block sb's scale and offset vectors: its weights are scale q + c off, off times the
  * sub-block's input sum S[at] (at: into a row's S) */
+INLINE __m512 ph16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+
 INLINE void pscales(const int t, const uint8_t *P, int64_t g, int64_t b, int sb, int64_t n32, __m512 *scale,
                     __m512 *off, float *c, int64_t *at) {
-    if (t == Q4_K) { /* d sc q - dmin m (GGUF's get_scale_min_k4 for the 6-bit sc, m) */
-        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + 2048)));
-        __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + 2080)));
-        __m512i q0 = _mm512_loadu_si512(P + 2112), q1 = _mm512_loadu_si512(P + 2176), q2 = _mm512_loadu_si512(P + 2240);
+    const __m128i by = _mm_cvtsi32_si128(8 * (sb % 4));
+    if (t == Q2_K) { /* d sc q - dmin m: scale byte sb, sc its low 4 bits, m its high */
+        const kk_at k2 = kk(t);
+        __m512i w = _mm512_srl_epi32(_mm512_loadu_si512(P + k2.sc + 64 * (sb / 4)), by);
+        *scale = _mm512_mul_ps(ph16(P + k2.d), _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(15))));
+        *off = _mm512_mul_ps(ph16(P + k2.dmin),
+                             _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, 4), _mm512_set1_epi32(15))));
+        *c = -1.0f;
+        *at = n32 + 16 * b + sb;
+    } else if (t == Q3_K) { /* d (sc - 32) (q - 4) */
+        const k3_at k3 = q3k_at(g);
+        const int i = sb % 8;
+        __m512i lo = _mm512_srl_epi32(_mm512_loadu_si512(P + k3.sc + 64 * (i / 4)), _mm_cvtsi32_si128(8 * (i % 4) + 4 * (sb / 8)));
+        __m512i hi = _mm512_srl_epi32(_mm512_loadu_si512(P + k3.sc + 128), _mm_cvtsi32_si128(8 * (sb % 4) + 2 * (sb / 4)));
+        __m512i sc = _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(15)),
+                                     _mm512_slli_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(3)), 4));
+        *scale = *off = _mm512_mul_ps(ph16(P + k3.d), _mm512_cvtepi32_ps(_mm512_sub_epi32(sc, _mm512_set1_epi32(32))));
+        *c = -4.0f;
+        *at = n32 + 16 * b + sb;
+    } else if (t == IQ4_XS) { /* d (ls - 32): ls's 4 low bits in scales_l, 2 high in scales_h */
+        const kk_at kx = kk(t);
+        __m512i sh = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(P + kx.dmin)));
+        __m512i sl = _mm512_loadu_si512(P + kx.sc);
+        __m512i ls = _mm512_or_si512(
+            _mm512_and_si512(_mm512_srl_epi32(sl, _mm_cvtsi32_si128(4 * sb)), _mm512_set1_epi32(15)),
+            _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(sh, _mm_cvtsi32_si128(2 * sb)), _mm512_set1_epi32(3)), 4));
+        *scale = _mm512_mul_ps(ph16(P + kx.d), _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, _mm512_set1_epi32(32))));
+        *off = _mm512_setzero_ps();
+        *c = 0.0f;
+        *at = 0;
+    } else if (t == Q4_K || t == Q5_K) { /* d sc q - dmin m (GGUF's get_scale_min_k4 for the 6-bit sc, m) */
+        const kk_at k4 = kk(t);
+        __m512 d = ph16(P + k4.d), dmin = ph16(P + k4.dmin);
+        __m512i q0 = _mm512_loadu_si512(P + k4.sc), q1 = _mm512_loadu_si512(P + k4.sc + 64),
+                q2 = _mm512_loadu_si512(P + k4.sc + 128);
         const __m512i m63 = _mm512_set1_epi32(63), m15 = _mm512_set1_epi32(15), m3 = _mm512_set1_epi32(3);
         __m512i sc, mn;
         if (sb < 4) {
@@ -1093,16 +1387,17 @@ INLINE void pscales(const int t, const uint8_t *P, int64_t g, int64_t b, int sb,
         *at = n32 + 16 * b + sb;
     } else {
         const uint8_t *head = P + head_at(t, g);
-        *scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)head));
-        *off = t == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(head + 32))) : *scale;
-        *c = t == Q4_1 ? 1.0f : t == Q4_0 ? -8.0f : -16.0f;
+        const int m = t == Q4_1 || t == Q5_1;
+        *scale = ph16(head);
+        *off = m ? ph16(head + 32) : t == IQ4_NL ? _mm512_setzero_ps() : *scale;
+        *c = m ? 1.0f : t == Q4_0 ? -8.0f : t == Q5_0 ? -16.0f : 0.0f;
         *at = b;
     }
 }
 
 /* the 8 quants of a group as exact floats q 2^pshift(k) */
 INLINE void pdecode(const int t, __m512i V, __m512i H, __m512 *f) {
-    UNROLL for (int k = 0; k < 8; k++) f[k] = _mm512_cvtepu32_ps(pquant(t, k, V, H));
+    UNROLL for (int k = 0; k < 8; k++) f[k] = pquantf(t, k, V, H);
 }
 
 /* One row of prepared x (xs, S) against panels p0..p0+T-1: per lane (output), each sub-block's
@@ -1127,7 +1422,7 @@ INLINE void ptile(const int t, const uint8_t *pw, int64_t nb, const float *xs, c
                     __m512i V, H = _mm512_setzero_si512();
                     pwords(t, pw + g * BB16, g, sb, v, &V, &H);
                     UNROLL for (int k = 0; k < 8; k++)
-                        sum[tt] = _mm512_fmadd_ps(_mm512_cvtepu32_ps(pquant(t, k, V, H)), _mm512_set1_ps(xv[k]), sum[tt]);
+                        sum[tt] = _mm512_fmadd_ps(pquantf(t, k, V, H), _mm512_set1_ps(xv[k]), sum[tt]);
                 }
             }
             UNROLL for (int tt = 0; tt < T; tt++) {
@@ -1137,7 +1432,7 @@ INLINE void ptile(const int t, const uint8_t *pw, int64_t nb, const float *xs, c
                 int64_t at;
                 pscales(t, pw + g * BB16, g, b, sb, n32, &scale, &off, &c, &at);
                 acc[tt] = _mm512_fmadd_ps(sum[tt], scale, acc[tt]);
-                acc[tt] = _mm512_fmadd_ps(off, _mm512_set1_ps(c * S[at]), acc[tt]); /* c S exact: c a power of 2 */
+                if (poff(t)) acc[tt] = _mm512_fmadd_ps(off, _mm512_set1_ps(c * S[at]), acc[tt]); /* c S exact: c a power of 2 */
             }
         }
     }
@@ -1179,7 +1474,7 @@ static void prows(int t, const uint8_t *pw, int64_t nb, const float *xs, const f
             pscales(t, P, g, b, sb, n32, &scale, &off, &c, &at);
             for (int r = 0; r < R; r++) {
                 acc[r] = _mm512_fmadd_ps(sum[r], scale, acc[r]);
-                acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(c * S[r * stride + at]), acc[r]);
+                if (poff(t)) acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(c * S[r * stride + at]), acc[r]);
             }
         }
     }
@@ -1190,19 +1485,15 @@ static void prows(int t, const uint8_t *pw, int64_t nb, const float *xs, const f
  * chain waits on the fma latency); more rows: `prows`, panel by panel */
 #define PTILE_SET(TY)                                                                              \
     PTILE(TY, 8) PTILE(TY, 4) PTILE(TY, 2) PTILE(TY, 1) PROWS(TY)                                   \
-    static const ptile_fn p##TY##_tiles[4] = {p##TY##_8, p##TY##_4, p##TY##_2, p##TY##_1};
-PTILE_SET(Q4_0)
-PTILE_SET(Q4_1)
-PTILE_SET(Q5_0)
-PTILE_SET(Q4_K)
-PTILE_SET(Q6_K)
+    static const ptile_set p##TY##_set = {{p##TY##_8, p##TY##_4, p##TY##_2, p##TY##_1}, p##TY##_rows};
+PANEL_TYPES(PTILE_SET)
+PSET_OF
 
 /* panels lo..hi of one prepared row */
 static void panel_row(int t, const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, void *y,
                       int64_t out, int ybf, int64_t lo, int64_t hi) {
     int64_t p = lo;
-    const ptile_fn *f = t == Q4_0 ? pQ4_0_tiles : t == Q4_1 ? pQ4_1_tiles : t == Q5_0 ? pQ5_0_tiles
-                      : t == Q4_K ? pQ4_K_tiles : pQ6_K_tiles;
+    const ptile_fn *f = pset(t)->tile;
     for (; p + 8 <= hi; p += 8) f[0](pw, nb, xs, S, in, p, y, out, ybf);
     if (p + 4 <= hi) f[1](pw, nb, xs, S, in, p, y, out, ybf), p += 4;
     if (p + 2 <= hi) f[2](pw, nb, xs, S, in, p, y, out, ybf), p += 2;
@@ -1221,12 +1512,32 @@ _Static_assert(W == 8, "the portable panel kernel is written for 8 lanes");
 INLINE vecu ldu(const uint8_t *p) { vecu v; memcpy(&v, p, sizeof v); return v; }
 INLINE vec cvt8(vecu q) { return __builtin_convertvector((veci)q, vec); }
 
+/* each of the 32 bytes of v (each below 16) replaced by IQ4_BYTES[it] */
+INLINE vecu tbl32(vecu v) {
+#if defined(__AVX2__)
+    return (vecu)_mm256_shuffle_epi8(_mm256_broadcastsi128_si256((__m128i)IQ4_BYTES), (__m256i)v);
+#else
+    bytes16 h[2];
+    memcpy(h, &v, sizeof v);
+    h[0] = tbl16(IQ4_BYTES, h[0]);
+    h[1] = tbl16(IQ4_BYTES, h[1]);
+    memcpy(&v, h, sizeof v);
+    return v;
+#endif
+}
+
 /* the exact quant q 2^pshift(k) of element k of a group of 8, in each lane, from the lanes'
- * quant word V (Q5_0, Q6_K: the merged words of `pwords8`) */
+ * quant word V (Q5_0, Q5_1, Q5_K, Q6_K: the merged words of `pwords8`; Q3_K: the merged word;
+ * IQ4: V the even elements' values as bytes, H the odd ones', each taken into the top byte) */
 INLINE vec pquant8(const int t, const int k, vecu V, vecu H) {
     const int e = pshift(t, k);
-    if (t != Q5_0 && t != Q6_K) return cvt8(k == 7 ? (V >> 4) & (15u << 24) : V & (15u << e));
-    const unsigned bits = t == Q5_0 ? 31u : 63u; /* 5 or 6 bits: the nibble and its high bits above it */
+    if (iq4(t)) return cvt8(((k & 1 ? H : V) << (24 - 8 * (k / 2))) & 0xFF000000u);
+    if (t == Q2_K || t == Q3_K) {
+        const unsigned bits = t == Q2_K ? 3u : 7u;
+        return cvt8(k == 7 ? (V >> 4) & (bits << 24) : V & (bits << e));
+    }
+    if (!five_bit(t) && t != Q6_K) return cvt8(k == 7 ? (V >> 4) & (15u << 24) : V & (15u << e));
+    const unsigned bits = t == Q6_K ? 63u : 31u; /* 5 or 6 bits: the nibble and its high bits above it */
     if (k == 7) return cvt8(((H >> 4) & (15u << 24)) | ((H << 28) & ((bits >> 4) << 28)));
     return cvt8((k & 1 ? H : V) & (bits << e));
 }
@@ -1240,19 +1551,31 @@ INLINE vec pquant8(const int t, const int k, vecu V, vecu H) {
  * weights streamed at 2 threads on a Zen 3: 10.3 -> 11.8 GB/s). */
 INLINE void pwords8(const int t, const uint8_t *P, int64_t g, int sb, int v, int h, vecu *V, vecu *H) {
     vecu hi = {0};
-    if (t == Q4_K) {
+    if (t == Q4_K || t == Q5_K || t == IQ4_XS) {
         *V = ldu(P + 256 * sb + 64 * v + 32 * h);
+        if (t == Q5_K) hi = ldu(P + kk(t).hi + 64 * sb + 32 * h) >> (unsigned)v;
     } else if (t == Q6_K) {
         const k6_at at = q6k_at(g);
         *V = ldu(P + at.nib + 64 * (2 * sb + v) + 32 * h);
         vecu hh = ldu(P + at.hi + 64 * sb + 32 * h);
         hi = v ? hh >> 2 : hh;
+    } else if (t == Q2_K) {
+        *V = ldu(P + 64 * sb + 32 * h) >> (unsigned)(2 * v);
+    } else if (t == Q3_K) { /* the 2 low bits at 4k, the third moved to 4k + 2 */
+        const k3_at at = q3k_at(g);
+        vecu hh = ldu(P + at.hi + 64 * (sb / 2) + 32 * h);
+        hh = (sb & 1 ? hh : hh << 2) >> (unsigned)v;
+        *V = ((ldu(P + at.q + 64 * sb + 32 * h) >> (unsigned)(2 * v)) & 0x33333333u) | (hh & 0x44444444u);
     } else {
         *V = ldu(P + nib_at(t, g) + 64 * v + 32 * h);
-        if (t == Q5_0) hi = ldu(P + head_at(t, g) + 32 + 32 * h) >> (unsigned)v;
+        if (five_bit(t)) hi = ldu(P + head_at(t, g) + head_hi(t) + 32 * h) >> (unsigned)v;
     }
-    if (t == Q5_0 || t == Q6_K) {
-        const unsigned even = t == Q5_0 ? 0x10101010u : 0x30303030u, odd = t == Q5_0 ? 0x01010101u : 0x03030303u;
+    if (iq4(t)) { /* the values as bytes: even elements' in V, odd ones' in H */
+        *H = tbl32((*V >> 4) & 0x0F0F0F0Fu);
+        *V = tbl32(*V & 0x0F0F0F0Fu);
+    }
+    if (five_bit(t) || t == Q6_K) {
+        const unsigned even = t == Q6_K ? 0x30303030u : 0x10101010u, odd = t == Q6_K ? 0x03030303u : 0x01010101u;
         vecu diff = *V ^ hi;
         *H = *V ^ (diff & odd);
         *V = *V ^ (diff & even);
@@ -1262,9 +1585,33 @@ INLINE void pwords8(const int t, const uint8_t *P, int64_t g, int sb, int v, int
 /* half h of sub-block sb's scale and offset (as `pscales` above) */
 INLINE void pscales8(const int t, const uint8_t *P, int64_t g, int64_t b, int sb, int64_t n32, int h, vec *scale,
                      vec *off, float *c, int64_t *at) {
-    if (t == Q4_K) {
-        vec d = f16_to_vec(P + 2048 + 16 * h), dmin = f16_to_vec(P + 2080 + 16 * h);
-        vecu q0 = ldu(P + 2112 + 32 * h), q1 = ldu(P + 2176 + 32 * h), q2 = ldu(P + 2240 + 32 * h);
+    if (t == Q2_K) {
+        const kk_at k2 = kk(t);
+        vecu w = ldu(P + k2.sc + 64 * (sb / 4) + 32 * h) >> (8 * (sb % 4));
+        *scale = f16_to_vec(P + k2.d + 16 * h) * cvt8(w & 15u);
+        *off = f16_to_vec(P + k2.dmin + 16 * h) * cvt8((w >> 4) & 15u);
+        *c = -1.0f;
+        *at = n32 + 16 * b + sb;
+    } else if (t == Q3_K) {
+        const k3_at k3 = q3k_at(g);
+        const int i = sb % 8;
+        vecu lo = ldu(P + k3.sc + 64 * (i / 4) + 32 * h) >> (8 * (i % 4) + 4 * (sb / 8));
+        vecu hi = ldu(P + k3.sc + 128 + 32 * h) >> (8 * (sb % 4) + 2 * (sb / 4));
+        *scale = *off = f16_to_vec(P + k3.d + 16 * h) * cvt8(((lo & 15u) | ((hi & 3u) << 4)) - 32u);
+        *c = -4.0f;
+        *at = n32 + 16 * b + sb;
+    } else if (t == IQ4_XS) {
+        const kk_at kx = kk(t);
+        vecu sh = zx16(P + kx.dmin + 16 * h), sl = ldu(P + kx.sc + 32 * h);
+        vecu ls = ((sl >> (4 * sb)) & 15u) | (((sh >> (2 * sb)) & 3u) << 4);
+        *scale = f16_to_vec(P + kx.d + 16 * h) * cvt8(ls - 32u);
+        *off = splat(0.0f);
+        *c = 0.0f;
+        *at = 0;
+    } else if (t == Q4_K || t == Q5_K) {
+        const kk_at k4 = kk(t);
+        vec d = f16_to_vec(P + k4.d + 16 * h), dmin = f16_to_vec(P + k4.dmin + 16 * h);
+        vecu q0 = ldu(P + k4.sc + 32 * h), q1 = ldu(P + k4.sc + 64 + 32 * h), q2 = ldu(P + k4.sc + 128 + 32 * h);
         vecu sc, mn;
         if (sb < 4) {
             sc = (q0 >> (8 * sb)) & 63u;
@@ -1287,9 +1634,10 @@ INLINE void pscales8(const int t, const uint8_t *P, int64_t g, int64_t b, int sb
         *at = n32 + 16 * b + sb;
     } else {
         const uint8_t *head = P + head_at(t, g);
+        const int m = t == Q4_1 || t == Q5_1;
         *scale = f16_to_vec(head + 16 * h);
-        *off = t == Q4_1 ? f16_to_vec(head + 32 + 16 * h) : *scale;
-        *c = t == Q4_1 ? 1.0f : t == Q4_0 ? -8.0f : -16.0f;
+        *off = m ? f16_to_vec(head + 32 + 16 * h) : t == IQ4_NL ? splat(0.0f) : *scale;
+        *c = m ? 1.0f : t == Q4_0 ? -8.0f : t == Q5_0 ? -16.0f : 0.0f;
         *at = b;
     }
 }
@@ -1331,7 +1679,7 @@ INLINE void ptile(const int t, const uint8_t *pw, int64_t nb, const float *xs, c
                 int64_t at;
                 pscales8(t, pw + g * BB16, g, b, sb, n32, i % 2, &scale, &off, &c, &at);
                 acc[i] = (sum[0][i] + sum[1][i]) * scale + acc[i];
-                acc[i] = off * splat(c * S[at]) + acc[i];
+                if (poff(t)) acc[i] = off * splat(c * S[at]) + acc[i];
             }
         }
     }
@@ -1378,7 +1726,7 @@ static void prows(int t, const uint8_t *pw, int64_t nb, const float *xs, const f
                 pscales8(t, P, g, b, sb, n32, h, &scale, &off, &c, &at);
                 for (int r = 0; r < R; r++) {
                     acc[2 * r + h] = (even[2 * r + h] + odd[2 * r + h]) * scale + acc[2 * r + h];
-                    acc[2 * r + h] = off * splat(c * S[r * stride + at]) + acc[2 * r + h];
+                    if (poff(t)) acc[2 * r + h] = off * splat(c * S[r * stride + at]) + acc[2 * r + h];
                 }
             }
         }
@@ -1390,21 +1738,29 @@ static void prows(int t, const uint8_t *pw, int64_t nb, const float *xs, const f
 /* one row: NP panels at a time (4 NP chains), then 1 for those left over. One panel (4 chains)
  * was fastest streaming from DRAM on a Zen 3 for every type but Q4_K, whose sub-blocks' scales
  * cost more per group and which took two (13.2 -> 14.4 GB/s; Q5_0 7.3 with one, 5.9 with two) */
-#define PTILE_SET(TY) PTILE(TY, 1) PROWS(TY)
+#define PTILE_SET(TY) PTILE(TY, 1) PROWS(TY) static const ptile_set p##TY##_set = {{p##TY##_1, NULL}, p##TY##_rows};
+#define PTILE_SET2(TY)                                                                             \
+    PTILE(TY, 1) PTILE(TY, 2) PROWS(TY) static const ptile_set p##TY##_set = {{p##TY##_1, p##TY##_2}, p##TY##_rows};
 PTILE_SET(Q4_0)
 PTILE_SET(Q4_1)
 PTILE_SET(Q5_0)
-PTILE_SET(Q4_K)
+PTILE_SET(Q5_1)
+PTILE_SET(Q2_K)
+PTILE_SET(Q3_K)
+PTILE_SET2(Q4_K)
+PTILE_SET2(Q5_K)
 PTILE_SET(Q6_K)
-PTILE(Q4_K, 2)
+PTILE_SET(IQ4_NL)
+PTILE_SET2(IQ4_XS)
+PSET_OF
 
 static void panel_row(int t, const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, void *y,
                       int64_t out, int ybf, int64_t lo, int64_t hi) {
     int64_t p = lo;
-    if (t == Q4_K)
-        for (; p + 2 <= hi; p += 2) pQ4_K_2(pw, nb, xs, S, in, p, y, out, ybf);
-    ptile_fn one = t == Q4_0 ? pQ4_0_1 : t == Q4_1 ? pQ4_1_1 : t == Q5_0 ? pQ5_0_1 : t == Q4_K ? pQ4_K_1 : pQ6_K_1;
-    for (; p < hi; p++) one(pw, nb, xs, S, in, p, y, out, ybf);
+    const ptile_set *f = pset(t);
+    if (f->tile[1])
+        for (; p + 2 <= hi; p += 2) f->tile[1](pw, nb, xs, S, in, p, y, out, ybf);
+    for (; p < hi; p++) f->tile[0](pw, nb, xs, S, in, p, y, out, ybf);
 }
 #endif
 
@@ -1415,8 +1771,7 @@ static void panel_chunk(int t, const uint8_t *pw, int64_t nb, const float *xs, c
         panel_row(t, pw, nb, xs, S, in, y, out, ybf, lo, hi);
         return;
     }
-    void (*rows)(const uint8_t *, int64_t, const float *, const float *, int64_t, int64_t, void *, int64_t, int, int) =
-        t == Q4_0 ? pQ4_0_rows : t == Q4_1 ? pQ4_1_rows : t == Q5_0 ? pQ5_0_rows : t == Q4_K ? pQ4_K_rows : pQ6_K_rows;
+    prows_fn rows = pset(t)->rows;
     for (int64_t p = lo; p < hi; p++) rows(pw, nb, xs, S, in, p, y, out, ybf, R);
 }
 

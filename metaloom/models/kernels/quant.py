@@ -8,15 +8,17 @@ and write the full-size weight every step.
 
 A `QuantWeight` is a weight [out, in] as ``blocks`` uint8 [out, row_bytes]: each row is that
 output's blocks along the input dimension, GGUF's own layout (ggml type ids: F16=1, Q4_0=2,
-Q4_1=3, Q5_0=6, Q8_0=8, Q4_K=12, Q6_K=14, BF16=30). Calling it on x [..., in] (float32 or
-bfloat16) gives x W^T [..., out] in x's dtype:
+Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q2_K=10, Q3_K=11, Q4_K=12, Q5_K=13, Q6_K=14, IQ4_NL=20,
+IQ4_XS=23, BF16=30: every type of the Q4_K_M, Q5_K_M, Q3_K_M, Q2_K, Q4_0/Q5_0/Q5_1/Q8_0 and
+IQ4_NL/IQ4_XS files people download). Calling it on x [..., in] (float32 or bfloat16) gives
+x W^T [..., out] in x's dtype:
 
 - up to `CROSSOVER_ROWS` rows: the C kernel, which decodes each block (once per 8 rows of x) in
   registers into the exact float32 values gguf.quants.dequantize gives and accumulates in
   float32 (activations are never quantised, unlike llama.cpp), so results match a float64
   reference to float32 rounding, and a row's result does not depend on the other rows in the
   call or on the thread count;
-- a model's Q4_0, Q4_1, Q5_0, Q4_K and Q6_K weights are regrouped when it is built
+- a model's weights of every quantised type but Q8_0 are regrouped when it is built
   (`QuantWeight.panelled`: 16 outputs side by side, the same bytes, on every kernel path): the
   panel kernel reads them 1.2-1.7x as fast per core on AVX-512 and about 2x on AVX2 (Zen 3),
   where widening GGUF's bytes into lanes costs more still (quant.c says why). It sums each
@@ -39,7 +41,6 @@ into ``~/.cache/metaloom/kernels/<hash>/quant.so``; `kernels()` says why not whe
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from metaloom.errors import InvalidParameter, UnsupportedModel
-from metaloom.models.kernels import cbuild
+from metaloom.models.kernels import cbuild, panels
 
 SOURCE = Path(__file__).with_name("quant.c")
 ABI_VERSION = 2  # must match quant.c
@@ -92,9 +93,15 @@ QTYPES: dict[int, QType] = {
     2: QType("Q4_0", 32, 18, 32),
     3: QType("Q4_1", 32, 20, 32),
     6: QType("Q5_0", 32, 22, 32),
+    7: QType("Q5_1", 32, 24, 32),
     8: QType("Q8_0", 32, 34, 32),
+    10: QType("Q2_K", 256, 84, 256),
+    11: QType("Q3_K", 256, 110, 256),
     12: QType("Q4_K", 256, 144, 256),
+    13: QType("Q5_K", 256, 176, 256),
     14: QType("Q6_K", 256, 210, 256),
+    20: QType("IQ4_NL", 32, 18, 32),
+    23: QType("IQ4_XS", 256, 136, 256),
     30: QType("BF16", 1, 2, 32),
 }
 BY_NAME: dict[str, int] = {q.name: k for k, q in QTYPES.items()}
@@ -268,12 +275,78 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return ((_halves(b, 208) * scale).unsqueeze(-1) * q).flatten(-2)
 
 
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    qh = b[..., 4:8].contiguous().view(torch.int32)
+    high = (qh >> torch.arange(32, dtype=torch.int32)) & 1
+    return _halves(b, 0) * (_nibbles(b[..., 8:24]).int() | (high << 4)).float() + _halves(b, 2)
+
+
+def _shifted(qs: torch.Tensor, shifts: list[int], mask: int) -> torch.Tensor:
+    """qs [..., 1, n] uint8 -> [..., len(shifts), n]: (qs >> shift) & mask for each shift."""
+    return (qs >> torch.tensor(shifts, dtype=torch.uint8).view(-1, 1)) & mask
+
+
+def _q2_k(b: torch.Tensor) -> torch.Tensor:
+    """16 sub-blocks of 16: sub-block 8n + 2j + h holds bits 2j of bytes 32n + 16h .. + 15 of qs;
+    scale byte: 4-bit scale (low) and min (high), times d and dmin."""
+    sc = b[..., 0:16]
+    dl = (_halves(b, 80) * (sc & 15).float()).unsqueeze(-1)
+    ml = (_halves(b, 82) * (sc >> 4).float()).unsqueeze(-1)
+    q = _shifted(b[..., 16:80].unflatten(-1, (2, 1, 32)), [0, 2, 4, 6], 3)  # [..., 2, 4, 32]
+    return (dl * q.flatten(-3).unflatten(-1, (16, 16)).float() - ml).flatten(-2)
+
+
+def _q3_k_scales(sc: torch.Tensor) -> torch.Tensor:
+    """Q3_K's 12 bytes of 6-bit scales [..., 12] -> [..., 16] signed (minus 32)."""
+    low = _shifted(sc[..., 0:8].unsqueeze(-2), [0, 4], 15).flatten(-2)  # [..., 16]
+    high = _shifted(sc[..., 8:12].unsqueeze(-2), [0, 2, 4, 6], 3).flatten(-2)
+    return (low | (high << 4)).int() - 32
+
+
+def _q3_k(b: torch.Tensor) -> torch.Tensor:
+    """As Q2_K's quants, each with a third bit from hmask (element e: bit e // 32 of byte e % 32);
+    a clear bit subtracts 4. Scale d (sc - 32) per sub-block of 16."""
+    dl = (_halves(b, 108) * _q3_k_scales(b[..., 96:108]).float()).unsqueeze(-1)
+    low = _shifted(b[..., 32:96].unflatten(-1, (2, 1, 32)), [0, 2, 4, 6], 3).flatten(-3)  # [..., 256]
+    high = _shifted(b[..., 0:32].unsqueeze(-2), list(range(8)), 1).flatten(-2)
+    q = low.to(torch.int8) - ((high ^ 1) << 2).to(torch.int8)
+    return (dl * q.unflatten(-1, (16, 16)).float()).flatten(-2)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    """Q4_K's nibbles (at byte 48) with a 5th bit: sub-block s's from bit s of qh[32]."""
+    scale, mins = _k_scales(b[..., 4:16])
+    d = (_halves(b, 0) * scale.float()).unsqueeze(-1)
+    m = (_halves(b, 2) * mins.float()).unsqueeze(-1)
+    low = _shifted(b[..., 48:176].unflatten(-1, (4, 1, 32)), [0, 4], 15).flatten(-3, -2)  # [..., 8, 32]
+    high = _shifted(b[..., 16:48].unsqueeze(-2), list(range(8)), 1)  # [..., 8, 32]
+    return (d * (low | (high << 4)).float() - m).flatten(-2)
+
+
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml's kvalues_iq4nl
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    return _halves(b, 0) * torch.tensor(IQ4_VALUES, dtype=torch.float32)[_nibbles(b[..., 2:18]).long()]
+
+
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    """8 sub-blocks of 32 (16 bytes each, nibbles as IQ4_NL), 6-bit scales: 4 low bits from
+    scales_l[4], 2 high from the uint16 scales_h; scale d (ls - 32)."""
+    high = (b[..., 2:4].contiguous().view(torch.int16).int() & 0xFFFF) >> torch.arange(0, 16, 2, dtype=torch.int32)
+    low = _shifted(b[..., 4:8].unsqueeze(-2), [0, 4], 15).transpose(-1, -2).flatten(-2).int()  # byte s // 2, nibble s % 2
+    dl = (_halves(b, 0) * (low | ((high & 3) << 4)).sub(32).float()).unsqueeze(-1)
+    q = _nibbles(b[..., 8:136].unflatten(-1, (8, 16))).long()  # [..., 8, 32]
+    return (dl * torch.tensor(IQ4_VALUES, dtype=torch.float32)[q]).flatten(-2)
+
+
 def _raw(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda b: b.contiguous().view(dtype).float()
 
 
 _DECODERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
-    1: _raw(torch.float16), 2: _q4_0, 3: _q4_1, 6: _q5_0, 8: _q8_0, 12: _q4_k, 14: _q6_k, 30: _raw(torch.bfloat16),
+    1: _raw(torch.float16), 2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 8: _q8_0, 10: _q2_k, 11: _q3_k, 12: _q4_k,
+    13: _q5_k, 14: _q6_k, 20: _iq4_nl, 23: _iq4_xs, 30: _raw(torch.bfloat16),
 }
 
 
@@ -284,75 +357,18 @@ def dequantize_torch(qtype: int, blocks: torch.Tensor, in_features: int) -> torc
     return _DECODERS[qtype](blocks.view(blocks.shape[0], in_features // q.block, q.bytes)).reshape(-1, in_features)
 
 
-# Types with quant.c's panel layout (16 outputs side by side: see `QuantWeight.panelled`)
-PANEL_TYPES = frozenset({2, 3, 6, 12, 14})  # Q4_0, Q4_1, Q5_0, Q4_K, Q6_K
-PANEL = 16  # outputs per panel
+# Types with quant.c's panel layout (16 outputs side by side: see `QuantWeight.panelled`), stated
+# bit by bit in `metaloom.models.kernels.panels`
+PANEL_TYPES = panels.PANEL_TYPES
+PANEL = panels.PANEL
 LAYOUTS = ("gguf", "panel")
+_panel_sources = panels.panel_sources
 
 
-@functools.cache
-def _panel_sources(qtype: int, odd: bool) -> np.ndarray:
-    """For one panel block of ``qtype`` (16 outputs' blocks regrouped; ``odd``: its index from the
-    weight's first block is odd): for each of its bits, the bit of the 16 GGUF blocks it holds
-    (bits counted little-endian within bytes, output j's block at j * bytes * 8). The layout as
-    quant.c documents it, written out a second time."""
-    bb = QTYPES[qtype].bytes
-    src = np.full(16 * bb * 8, -1, dtype=np.int64)
-
-    def move(j: int, gbyte: int, gbit: int, pbyte: int, pbit: int, width: int) -> None:
-        src[pbyte * 8 + pbit:pbyte * 8 + pbit + width] = np.arange(width) + j * bb * 8 + gbyte * 8 + gbit
-
-    for j in range(16):
-        if qtype in (2, 3, 6):
-            swap = odd and qtype != 3
-            nib, head = ({2: 32, 6: 96}[qtype], 0) if swap else (0, 256)
-            move(j, 0, 0, head + 2 * j, 0, 16)  # d
-            if qtype == 3:
-                move(j, 2, 0, head + 32 + 2 * j, 0, 16)  # m
-            qs = {2: 2, 3: 4, 6: 6}[qtype]
-            for e in range(32):
-                move(j, qs + e % 16, 4 * (e // 16), nib + 64 * (e // 8) + 4 * j + (e % 8) // 2, 4 * (e % 2), 4)
-            if qtype == 6:
-                for i in range(32):  # hi[j]: element 8v+k's 5th bit at v + (4k + 4 if k < 7 else 0)
-                    bit = i // 8 + (4 * (i % 8) + 4 if i % 8 < 7 else 0)
-                    move(j, 2 + i // 8, i % 8, head + 32 + 4 * j + bit // 8, bit % 8, 1)
-        elif qtype == 12:  # Q4_K: nib [8][4][16] u32 | d[16] | dmin[16] | scales [3][16] u32
-            move(j, 0, 0, 2048 + 2 * j, 0, 16)
-            move(j, 2, 0, 2080 + 2 * j, 0, 16)
-            for w in range(3):
-                move(j, 4 + 4 * w, 0, 2112 + 64 * w + 4 * j, 0, 32)
-            for e in range(256):
-                sb, lane = e // 32, e % 32
-                move(j, 16 + 32 * (sb // 2) + lane, 4 * (sb % 2), 256 * sb + 64 * (lane // 8) + 4 * j + (e % 8) // 2,
-                     4 * (e % 2), 4)
-        else:  # Q6_K: nib [32][16] u32, hi [16][16] u32, scales [4][16] u32, d[16]; odd: d first
-            d_at, nib, hi, sc = (0, 32, 2080, 3104) if odd else (3328, 0, 2048, 3072)
-            move(j, 208, 0, d_at + 2 * j, 0, 16)
-            for w in range(4):
-                move(j, 192 + 4 * w, 0, sc + 64 * w + 4 * j, 0, 32)
-            for e in range(256):
-                n, c, lane, g, k = e // 128, (e % 128) // 32, e % 32, e // 8, e % 8
-                move(j, 64 * n + lane + 32 * (c % 2), 4 * (c // 2), nib + 64 * g + 4 * j + k // 2, 4 * (k % 2), 4)
-                hs = (4 * k + 4 if k < 7 else 0) + 2 * (g % 2)
-                move(j, 128 + 32 * n + lane, 2 * c, hi + 64 * (g // 2) + 4 * j + hs // 8, hs % 8, 2)
-    assert (src >= 0).all() and len(set(src.tolist())) == src.size  # a permutation of the bits
-    return src
-
-
-def unpanel_numpy(qtype: int, panels: torch.Tensor, in_features: int) -> torch.Tensor:
+def unpanel_numpy(qtype: int, panelled: torch.Tensor, in_features: int) -> torch.Tensor:
     """GGUF blocks [out, row_bytes] from quant.c's panel layout (see `QuantWeight.panelled`), by
-    numpy bit moves (`_panel_sources`): what the C kernels' ``quant_panel(back=1)`` gives, for
-    when they are gone."""
-    q = QTYPES[qtype]
-    out, nb = panels.shape[0], in_features // q.block
-    blocks = panels.numpy().reshape(out // PANEL * nb, PANEL * q.bytes)  # [panel block, bytes]
-    bits = np.unpackbits(blocks, axis=1, bitorder="little")
-    gguf_bits = np.empty_like(bits)
-    for odd in (False, True):
-        rows = np.arange(odd, blocks.shape[0], 2)
-        gguf_bits[np.ix_(rows, _panel_sources(qtype, odd))] = bits[rows]
-    g = np.packbits(gguf_bits, axis=1, bitorder="little").reshape(out // PANEL, nb, PANEL, q.bytes)
-    return torch.from_numpy(np.ascontiguousarray(g.transpose(0, 2, 1, 3).reshape(out, nb * q.bytes)))
+    numpy bit moves: what the C kernels' ``quant_panel(back=1)`` gives, for when they are gone."""
+    return panels.unpanel_numpy(qtype, panelled, in_features, QTYPES[qtype].block)
 
 
 # ---- the weight -----------------------------------------------------------------------------------
@@ -376,9 +392,8 @@ class QuantWeight:
         if self.layout not in LAYOUTS:
             raise InvalidParameter("layout", self.layout, f"one of {list(LAYOUTS)}")
         if self.layout == "panel" and (self.qtype not in PANEL_TYPES or self.blocks.shape[0] % PANEL):
-            raise InvalidParameter("layout", self.layout,
-                                   f"panels hold Q4_0, Q4_1, Q5_0, Q4_K or Q6_K weights of a multiple of "
-                                   f"{PANEL} outputs")
+            names = ", ".join(QTYPES[t].name for t in sorted(PANEL_TYPES))
+            raise InvalidParameter("layout", self.layout, f"panels hold {names} weights of a multiple of {PANEL} outputs")
         if not isinstance(self.qtype, int):
             raise InvalidParameter("qtype", self.qtype, "a ggml type id (an int; qtype_id converts a name)")
         q = QTYPES[qtype_id(self.qtype)]  # an unknown id is an UnsupportedModel naming the known ones
@@ -418,8 +433,8 @@ class QuantWeight:
         return f"QuantWeight({self.info.name}, shape={self.shape}{', panels' if self.layout == 'panel' else ''})"
 
     def panelled(self) -> QuantWeight:
-        """This weight in the panel layout where this machine's kernels have it (Q4_0, Q4_1,
-        Q5_0, Q4_K, Q6_K, out a multiple of 16, the kernels built), else itself. Why: in GGUF's layout a block's
+        """This weight in the panel layout where this machine's kernels have it (every quantised
+        type but Q8_0, out a multiple of 16, the kernels built), else itself. Why: in GGUF's layout a block's
         quants lie along the input, and widening them into vector lanes costs more than reading
         them (see quant.c); with 16 outputs in the 16 lanes a 4-bit matvec runs about twice as
         fast per core. A regrouping of the same bytes: nothing is requantised."""
