@@ -13,7 +13,7 @@ from metaloom.constrain.grammar import compile_constraint
 from metaloom.constrain.vocab import Vocabulary
 from metaloom.errors import InvalidParameter
 from metaloom.generator import LocalGenerator
-from metaloom.server import tools
+from metaloom.server import tool_reply, tools
 from tests.test_server import serving
 
 WEATHER = {"type": "function", "function": {
@@ -171,33 +171,33 @@ def test_each_tool_choice_allows_what_it_says(vocab, smollm):
 # --- the reply -----------------------------------------------------------------------------------
 
 def test_parse_reads_calls_only_from_well_formed_blocks():
-    assert tools.parse(PARIS + "\n" + NOON) == (None, [("get_weather", '{"city": "Paris", "unit": "celsius"}'),
+    assert tool_reply.parse(PARIS + "\n" + NOON) == (None, [("get_weather", '{"city": "Paris", "unit": "celsius"}'),
                                                       ("get_time", '{"zone": "CET"}')])
-    assert tools.parse("Sunny.") == ("Sunny.", [])
+    assert tool_reply.parse("Sunny.") == ("Sunny.", [])
     cut = PARIS[:-5]  # max_tokens mid-call: no call, and its markup is no answer either
-    assert tools.parse(cut) == ("", [])
-    assert tools.parse("<tool") == ("<tool", [])  # text that never opened a call is text
+    assert tool_reply.parse(cut) == ("", [])
+    assert tool_reply.parse("<tool") == ("<tool", [])  # text that never opened a call is text
 
 
 def test_whole_calls_survive_a_cut_and_a_repeated_call_is_dropped():
     """The reported case: greedy with tool_choice required repeats its call until max_tokens.
     The whole calls come back (each once); the cut one never does; no markup leaks."""
     repeated = PARIS + "\n" + PARIS + "\n" + PARIS[:30]
-    assert tools.parse(repeated) == (None, [("get_weather", '{"city": "Paris", "unit": "celsius"}')])
+    assert tool_reply.parse(repeated) == (None, [("get_weather", '{"city": "Paris", "unit": "celsius"}')])
     cut_after_two = PARIS + "\n" + NOON + "\n" + NOON[:-9]
-    assert tools.parse(cut_after_two)[1] == [("get_weather", '{"city": "Paris", "unit": "celsius"}'),
+    assert tool_reply.parse(cut_after_two)[1] == [("get_weather", '{"city": "Paris", "unit": "celsius"}'),
                                              ("get_time", '{"zone": "CET"}')]
-    assert tools.finish_reason(repeated, "length") == "tool_calls"  # it ended by repeating itself
-    assert tools.finish_reason(cut_after_two, "length") == "length"  # a new call was cut: say so
-    assert tools.finish_reason(PARIS, "stop") == "tool_calls" and tools.finish_reason("Sunny.", "stop") == "stop"
-    message, called = tools.message(repeated)
+    assert tool_reply.finish_reason(repeated, "length") == "tool_calls"  # it ended by repeating itself
+    assert tool_reply.finish_reason(cut_after_two, "length") == "length"  # a new call was cut: say so
+    assert tool_reply.finish_reason(PARIS, "stop") == "tool_calls" and tool_reply.finish_reason("Sunny.", "stop") == "stop"
+    message, called = tool_reply.message(repeated)
     assert called and message["content"] is None and len(message["tool_calls"]) == 1
 
 
 def test_the_stream_sends_each_whole_call_once_and_agrees_with_the_finished_reply():
     text = PARIS + "\n" + tools.block("get_time", '{"zone": "a \\" } b"}')  # a brace and a quote inside a string
     for step in (1, 3, 7):
-        stream = tools.ToolStream()
+        stream = tool_reply.ToolStream()
         deltas = [d for i in range(0, len(text), step) for d in stream.feed(text[i:i + step])] + stream.finish()
         assert stream.calls and not any("content" in d for d in deltas)
         calls = [d["tool_calls"][0] for d in deltas]
@@ -205,18 +205,18 @@ def test_the_stream_sends_each_whole_call_once_and_agrees_with_the_finished_repl
         assert all(c["id"].startswith("call_") for c in calls)
         assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris", "unit": "celsius"},
                                                                          {"zone": 'a " } b'}]
-        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == tools.parse(text)[1]
-    stream = tools.ToolStream()
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == tool_reply.parse(text)[1]
+    stream = tool_reply.ToolStream()
     repeated = PARIS + "\n" + PARIS + "\n" + PARIS[:20]
     deltas = [d for ch in repeated for d in stream.feed(ch)] + stream.finish()
     assert stream.repeated and len(deltas) == 1 and deltas[0]["tool_calls"][0]["function"]["arguments"] == (
         '{"city": "Paris", "unit": "celsius"}')
-    stream = tools.ToolStream()
+    stream = tool_reply.ToolStream()
     assert [d for ch in PARIS[:-3] for d in stream.feed(ch)] + stream.finish() == []  # a cut call: nothing at all
-    stream = tools.ToolStream()
+    stream = tool_reply.ToolStream()
     held = stream.feed("<to")  # could still open a call: held back
     assert held == [] and stream.feed("day it rains") == [{"content": "<today it rains"}]
-    stream = tools.ToolStream()
+    stream = tool_reply.ToolStream()
     assert stream.feed("<tool") == [] and stream.finish() == [{"content": "<tool"}] and not stream.calls
 
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 from metaloom.decode.batch import NewRow
 from metaloom.errors import InvalidParameter, MetaloomError
+from metaloom.models.engine.cache import KVPool
+from metaloom.prefix.pool import PrefixCache
 
 
 class Overloaded(MetaloomError):
@@ -80,6 +82,23 @@ def too_large(need: KVNeed, limit: int, bytes_per_slot: int, rows: int, max_toke
 def watermark(limit: int) -> int:
     """Slots admission keeps free for the rows already running (vLLM keeps 1%)."""
     return max(16, limit // 100)
+
+
+def free_slots(pool: KVPool | None, cache: PrefixCache | None) -> int | None:
+    """KV slots free for new requests now (what only the prefix cache holds counts as free: it
+    gives it back on demand), less the watermark; None without a bounded pool."""
+    if pool is None or pool.max_slots is None:
+        return None
+    limit = pool.max_slots - 1
+    spare = cache.tree.evictable() if cache is not None else 0
+    return limit - pool.used_slots + spare - watermark(limit)
+
+
+def shortfall(pool: KVPool | None, need: int) -> int:
+    """Slots missing for ``need`` more in the pool's limit (<= 0: they fit)."""
+    if pool is None or pool.max_slots is None:
+        return 0
+    return need - (pool.max_slots - 1 - pool.used_slots)
 
 
 def admissible(needs: Sequence[int], free: int, busy: bool, kv: Sequence[int] = (), free_kv: int | None = None) -> int:

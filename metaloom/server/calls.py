@@ -20,7 +20,7 @@ from metaloom.generator.types import Completion, StreamChunk, TokenIds
 from metaloom.generator.types import Request as GenerationRequest
 from metaloom.ledger import Ledger
 from metaloom.meta.types import Result
-from metaloom.server import tools
+from metaloom.server import tool_reply
 from metaloom.server.admission import Overloaded
 from metaloom.server.errors import ApiError
 from metaloom.server.limits import Limits
@@ -62,7 +62,7 @@ class Call(Responder):
         self.echo = False
         self.continuous_usage = False  # stream_options.continuous_usage_stats
         self.tools = False  # replies are read for function calls (`metaloom.server.tools`)
-        self.streams: dict[int, tools.ToolStream] = {}  # with tools: each choice's reader of its calls
+        self.streams: dict[int, tool_reply.ToolStream] = {}  # with tools: each choice's reader of its calls
         self.constraint_field: str | None = None  # the field whose constraint the request carries
         self.tickets: list[Ticket] = []
         self.n = 1
@@ -319,16 +319,16 @@ class Call(Responder):
             outs[0]["choices"][0]["logprobs"] = self._logprobs(chunk.token_ids, chunk.logprobs, chunk.top_logprobs or None)
         if chunk.finish_reason is not None:
             last = outs[-1]["choices"][0]
-            last["finish_reason"] = tools.finish_reason(stream.text, chunk.finish_reason)
+            last["finish_reason"] = tool_reply.finish_reason(stream.text, chunk.finish_reason)
             last["stop_reason"] = chunk.stop_reason
             if chunk.error is not None:
                 last["error"] = chunk.error
         return outs
 
-    def _read_calls(self, index: int, text: str) -> tools.ToolStream:
+    def _read_calls(self, index: int, text: str) -> tool_reply.ToolStream:
         """Feed choice ``index``'s reader (its new deltas in ``.deltas``); a reply that began
         repeating a call it made has its row ended (greedy models repeat until max_tokens)."""
-        stream = self.streams.setdefault(index, tools.ToolStream())
+        stream = self.streams.setdefault(index, tool_reply.ToolStream())
         stream.deltas = stream.feed(text)
         if stream.repeated and self.tickets:
             self.tickets[index // self.n].end_row(index % self.n)
@@ -339,8 +339,8 @@ class Call(Responder):
                                   "stop_reason": c.stop_reason,
                                   "logprobs": self._logprobs(c.token_ids, c.logprobs, c.top_logprobs) if self.logprobs else None}
         if self.chat and self.tools:
-            choice["message"], _ = tools.message(c.text)
-            choice["finish_reason"] = tools.finish_reason(c.text, c.finish_reason)
+            choice["message"], _ = tool_reply.message(c.text)
+            choice["finish_reason"] = tool_reply.finish_reason(c.text, c.finish_reason)
         elif self.chat:
             choice["message"] = {"role": "assistant", "content": c.text}
         else:

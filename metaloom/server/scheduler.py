@@ -58,10 +58,11 @@ from metaloom.server.admission import (
     Overloaded,
     admissible,
     beam_need,
+    free_slots,
     kv_need,
     retry_after,
+    shortfall,
     too_large,
-    watermark,
 )
 from metaloom.server.limits import Limits
 from metaloom.server.memory import shrink_pool, trim
@@ -177,15 +178,7 @@ class Scheduler:
 
     # --- admission (under the lock) --------------------------------------------------------------
     def _free_kv(self) -> int | None:
-        """KV slots free for new requests now (what the prefix cache alone holds counts as free:
-        it gives it back on demand), less the watermark; None without a bounded pool."""
-        pool = self.generator.pool
-        if pool is None or pool.max_slots is None:
-            return None
-        limit = pool.max_slots - 1
-        cache = self.generator.prefix_cache
-        spare = cache.tree.evictable() if cache is not None else 0
-        return limit - pool.used_slots + spare - watermark(limit)
+        return free_slots(self.generator.pool, self.generator.prefix_cache)
 
     def _admissible(self, extra: Sequence[Ticket] = ()) -> int:
         """`admissible` over the queue (and ``extra`` after it), at the rows and KV free now."""
@@ -347,14 +340,11 @@ class Scheduler:
     def _make_room(self, kind: type, batch: DecodeBatch) -> None:
         """Free the KV this step of ``batch`` will write, if the pool cannot hold it: first what
         only the prefix cache holds, then the youngest requests, preempted (`_preempt`)."""
-        pool = self.generator.pool
-        if pool is None or pool.max_slots is None:
-            return
-        cache = self.generator.prefix_cache
+        pool, cache = self.generator.pool, self.generator.prefix_cache
 
         def short() -> int:
             live = sum(1 for r in batch.rows if not r.state.done)
-            return _streams(kind) * live * max(1, self._draft) - (pool.max_slots - 1 - pool.used_slots)
+            return shortfall(pool, _streams(kind) * live * max(1, self._draft))
 
         if short() > 0 and cache is not None:
             cache.evict(short())
@@ -459,13 +449,23 @@ class Scheduler:
 
     def _expire(self) -> None:
         """The drain's deadline passed: end everything queued and running, each with its error."""
-        error = ended()
+        counts = self._end_all(ended())
+        log.warning("shutdown timeout: ended %d running, %d beam searches and %d queued requests", *counts)
+
+    def _shutdown(self) -> None:
+        self._end_all(ShuttingDown("server shutting down"))
+        for batch in self._batches.values():
+            with contextlib.suppress(Exception):
+                batch.close()
+        self._batches.clear()
+
+    def _end_all(self, error: BaseException) -> tuple[int, int, int]:
+        """Fail everything queued, running and searching with ``error``; returns how many of each
+        (running, beam searches, queued) were ended."""
         with self._wake:
             waiting, calls = list(self._waiting), list(self._calls)
             self._waiting.clear()
             self._calls.clear()
-        for ticket in waiting:
-            self._fail(ticket, error)
         for _, future in calls:
             if future.set_running_or_notify_cancel():
                 future.set_exception(error)
@@ -476,35 +476,18 @@ class Scheduler:
             if live and batch is not None:
                 with contextlib.suppress(Exception):
                     batch.cancel(live)
-            self._fail(ticket, error)
         for ticket in self._lanes:
-            if ticket.steps is not None:
-                ticket.steps.close()
-            self._fail(ticket, error)
-        lanes, self._running, self._lanes = len(self._lanes), [], []
-        with self._wake:
-            self._busy_rows = self._rows_now()
-        log.warning("shutdown timeout: ended %d running, %d beam searches and %d queued requests", len(running), lanes,
-                    len(waiting))
-
-    def _shutdown(self) -> None:
-        with self._wake:
-            waiting, calls = list(self._waiting), list(self._calls)
-            self._waiting.clear()
-            self._calls.clear()
-        for ticket in waiting + self._running + self._lanes:
             if ticket.steps is not None:
                 with contextlib.suppress(Exception):
                     ticket.steps.close()
+        counts = (len(running), len(self._lanes), len(waiting))
+        for ticket in [*waiting, *running, *self._lanes]:
             if not ticket.done:
-                self._fail(ticket, ShuttingDown("server shutting down"))
-        for _, future in calls:
-            if future.set_running_or_notify_cancel():
-                future.set_exception(ShuttingDown("server shutting down"))
-        for batch in self._batches.values():
-            with contextlib.suppress(Exception):
-                batch.close()
-        self._batches.clear()
+                self._fail(ticket, error)
+        self._running, self._lanes = [], []
+        with self._wake:
+            self._busy_rows = self._rows_now()
+        return counts
 
 
 def _streams(kind: type) -> int:
