@@ -79,6 +79,11 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return default if f is None else f.contents()
 
 
+def _rows(reader: Any, name: str) -> int:
+    """The outputs (rows) of tensor ``name`` (GGUF lists dims fastest first), or 0."""
+    return next((int(t.shape[-1]) for t in reader.tensors if t.name == name), 0)
+
+
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     """Inverse of llama.cpp's ``permute`` for Q/K rows: [(heads, D/2, 2), ...] -> [(heads, 2, D/2), ...]."""
     rows = w.shape[0]
@@ -101,7 +106,7 @@ def _config(reader: Any, arch: str, path: str) -> dict[str, Any]:
     eos = sorted({int(x) for key in eos_fields if (x := _field(reader, key)) is not None})
     head_dim = int(num("attention.key_length", hidden // heads))
     cfg: dict[str, Any] = {
-        "vocab_size": int(num("vocab_size", len(tokens.data) if tokens else 0)),
+        "vocab_size": int(num("vocab_size", len(tokens.data) if tokens else _rows(reader, "token_embd.weight"))),
         "hidden_size": hidden,
         "intermediate_size": int(num("feed_forward_length")),
         "num_hidden_layers": int(num("block_count")),
