@@ -74,8 +74,9 @@ def plan(layers: list[Any], kernels: QuantKernels, dtype: torch.dtype,
     i rotates by ``ropes[i]`` (cos, sin) and slides over ``windows[i]`` positions (None: none);
     its optional norms (per-head q/k, post-attention, post-MLP) are NULL where it has none."""
     keep: list[torch.Tensor] = []
-    fns = {"panel": ctypes.cast(kernels.lib.quant_panel_matmul, ctypes.c_void_p).value,
-           "gguf": ctypes.cast(kernels.lib.quant_matmul, ctypes.c_void_p).value}
+    lib = kernels.lib  # each weight's kernel by its layout and activations (q8: quant_q8.h's)
+    fns = {("panel", "float"): lib.quant_panel_matmul, ("gguf", "float"): lib.quant_matmul,
+           ("panel", "q8"): lib.quant_panel_matmul_q8, ("gguf", "q8"): lib.quant_matmul_q8}
 
     def weight(w: object, bias: torch.Tensor | None = None) -> WeightDesc | None:
         from metaloom.models.engine.weights import Concat
@@ -87,7 +88,8 @@ def plan(layers: list[Any], kernels: QuantKernels, dtype: torch.dtype,
         for i, q in enumerate(blocks):
             assert q is not None  # checked above
             keep.append(q.blocks)
-            parts[i] = PartDesc(fns[q.layout], q.blocks.data_ptr(), q.qtype, q.out_features, q.in_features,
+            fn = ctypes.cast(fns[q.layout, q.activations], ctypes.c_void_p).value
+            parts[i] = PartDesc(fn, q.blocks.data_ptr(), q.qtype, q.out_features, q.in_features,
                                 int(q.nbytes >= PARALLEL_MIN_BYTES))
         if bias is not None:
             bias = bias.to(dtype).contiguous()
