@@ -24,7 +24,7 @@ ORIGINAL = 32  # the LongRoPE model's original context: its long factors apply f
 PHI = {"num_attention_heads": 2, "num_key_value_heads": 1, "pad_token_id": 0, "eos_token_id": 1}
 FAMILIES = {
     "qwen3": ("qwen3", {}),
-    "gemma2": ("gemma2", {"sliding_window": 8, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0,
+    "gemma2": ("gemma2", {"sliding_window": 8, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 0.5,
                           "final_logit_softcapping": 3.0, "tie_word_embeddings": True}),
     "gemma3": ("gemma3_text", {"sliding_window": 8, "query_pre_attn_scalar": 16, "tie_word_embeddings": True,
                                "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
@@ -99,7 +99,7 @@ def test_the_config_names_the_family(family):
         assert config.embed_scale == pytest.approx(8.0) and config.layer_window(0) == 8
         assert config.layer_window(1 if name == "gemma2" else 2) is None  # a global layer
     if name == "gemma2":
-        assert config.attn_softcap == 2.0 and config.final_softcap == 3.0 and config.attention_scale == 24 ** -0.5
+        assert config.attn_softcap == 0.5 and config.final_softcap == 3.0 and config.attention_scale == 24 ** -0.5
     if name == "gemma3":
         assert config.qk_norm and config.layer_rope(0)[0] == 1e4 and config.layer_rope(2) == (
             1e6, {"factor": 2.0, "rope_type": "linear"})
