@@ -44,6 +44,10 @@ def test_status_counts_pairs_times_each_strategy_and_sees_the_lock(tmp_path):
         held = sweep_status(out)
         assert held.holder is not None and f"pid {os.getpid()}" in held.holder
         assert "running (pid" in render(held)
+    # a run of greedy alone into the folder: the other strategies are planned at what they have
+    with sweep_lock(out, [GREEDY]):
+        only = sweep_status(out)
+        assert (only.done, only.planned) == (8, 10) and only.seconds_left == pytest.approx(2 * 2.0)
     text = render(status, now=status.last_record + 65)
     assert "8/16 pairs over 4 problems, not running; last record 0:01:05 ago; time left at this pace 0:01:04" in text
     assert re.search(r"majority_vote@n=8\s+2/4\s+accuracy 100.0%\s+10.0 s a pair", text)

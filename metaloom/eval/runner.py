@@ -478,7 +478,7 @@ def run_sweep(sweep: Sweep, *, executor: Executor = local_executor, force: bool 
     """Run what ``sweep.out`` does not hold yet; returns every record of the sweep's specs. The
     folder is locked for the run (`metaloom.eval.lock`): a second run into it is refused."""
     refuse_foreign(sweep.out, force=force)  # before the lock file is made in a folder that is not ours
-    with sweep_lock(sweep.out):
+    with sweep_lock(sweep.out, sweep.specs):
         return _run_sweep(sweep, executor=executor, force=force, progress=progress)
 
 

@@ -4,7 +4,8 @@ from another terminal without touching it.
 
 Read only: ``DIR/config.json`` (the planned problems and strategies), ``DIR/records.jsonl``
 (what finished) and ``DIR/.lock`` (whether a `metaloom eval` holds the folder now, and who:
-`metaloom.eval.lock`). Per strategy: pairs done of planned, errors, accuracy so far (as the
+`metaloom.eval.lock`, with the strategies that run runs: a strategy of the config the running
+sweep does not run is planned at what it has). Per strategy: pairs done of planned, errors, accuracy so far (as the
 report defines it: a sampling strategy's expected accuracy over the order of its samples), the
 mean seconds a finished pair took. The time left is, per strategy, its remaining pairs times
 its own mean seconds (a strategy that has not finished a pair yet: the mean over all finished
@@ -61,9 +62,10 @@ class Status:
         return sum(r.planned for r in self.rows)
 
 
-def holder(out: str) -> str | None:
-    """Who holds ``out``'s sweep lock ("pid P on HOST, since T"), or None when nobody does.
-    Probed with a shared non-blocking flock, released at once."""
+def holder(out: str) -> tuple[str, list[str] | None] | None:
+    """Who holds ``out``'s sweep lock ("pid P on HOST, since T") and the strategies that run
+    runs (None where the lock does not say), or None when nobody holds it. Probed with a shared
+    non-blocking flock, released at once."""
     path = os.path.join(out, LOCK)
     if not os.path.exists(path):
         return None
@@ -79,9 +81,11 @@ def holder(out: str) -> str | None:
             try:
                 with open(path) as f:
                     h = json.load(f)
-                return f"pid {h['pid']} on {h['host']}, since {h['since']}"
-            except (OSError, ValueError, KeyError, TypeError):
-                return "a metaloom eval (holder unknown)"
+                running = h.get("strategies")
+                return (f"pid {h['pid']} on {h['host']}, since {h['since']}",
+                        [str(s) for s in running] if isinstance(running, list) else None)
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                return "a metaloom eval (holder unknown)", None
         fcntl.flock(fd, fcntl.LOCK_UN)
         return None
     finally:
@@ -108,6 +112,9 @@ def sweep_status(out: str) -> Status:
         config: Mapping[str, Any] = json.load(f)
     problems = [str(p) for p in config.get("problems") or ()]
     specs = [str(s) for s in config.get("strategies") or ()]
+    held = holder(out)
+    # a running sweep plans what its lock says; the config lists every strategy any run asked for
+    running = set(held[1]) if held and held[1] else None
     path = os.path.join(out, RECORDS)
     latest = {r.key: r for r in read_records(path)} if os.path.exists(path) else {}
     wanted = set(problems)
@@ -118,11 +125,12 @@ def sweep_status(out: str) -> Status:
     for s in specs:
         rs = by_spec[s]
         mean = sum(r.seconds for r in rs) / len(rs) if rs else None
-        rows.append(Row(s, len(rs), len(problems), sum(r.error is not None for r in rs), _accuracy(rs), mean))
+        planned = len(problems) if running is None or s in running else len(rs)
+        rows.append(Row(s, len(rs), planned, sum(r.error is not None for r in rs), _accuracy(rs), mean))
         pace = mean if mean is not None else overall
-        left += (len(problems) - len(rs)) * (pace or 0.0)
-    return Status(out, tuple(rows), len(problems), holder(out), os.path.getmtime(path) if latest else None,
-                  left if overall is not None else None)
+        left += (planned - len(rs)) * (pace or 0.0)
+    return Status(out, tuple(rows), len(problems), held[0] if held else None,
+                  os.path.getmtime(path) if latest else None, left if overall is not None else None)
 
 
 def _clock(seconds: float | None) -> str:
