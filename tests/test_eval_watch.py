@@ -61,7 +61,7 @@ def test_the_report_command_prints_the_status_and_checks_its_flags(tmp_path, cap
     out = str(tmp_path / "sweep")
     make_sweep(out)
     args = argparse.Namespace(dir=out, output=None, screenshot=None, merge=[], difficulty="agreement", bins=3,
-                              status=True, follow=None)
+                              status=True, follow=None, exclude=[])
     assert run(args) == 0
     assert "16/16 pairs" in capsys.readouterr().out
     assert run(replace_ns(args, follow=0.01)) == 0  # complete: printed once, no wait
@@ -104,6 +104,18 @@ def test_two_models_merge_into_one_report_with_their_strategies_labelled(tmp_pat
         json.dump(config, f)
     with pytest.raises(InvalidParameter, match="same task"):
         load.merge_sweeps([load.load_sweep(small), load.load_sweep(large)])
+
+
+def test_exclude_leaves_strategies_out_of_the_report(tmp_path):
+    out = str(tmp_path / "sweep")
+    make_sweep(out)
+    part = load.without(load.load_sweep(out), ["best_of_n", "step_beam"])
+    assert {r.strategy for r in part.records} == {GREEDY, MV}
+    assert part.config["strategies"] == [GREEDY, MV]
+    page = build_report(out, exclude=["best_of_n"])
+    assert BON not in page and MV in page
+    with pytest.raises(InvalidParameter, match="exclude"):
+        load.without(load.load_sweep(out), ["@", "greedy"])
 
 
 def test_the_report_shows_the_power_law_and_the_oracle_bins(tmp_path):

@@ -27,6 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "first 4 samples (no ground truth, its cost charged); pass_rate = the model's pass rate "
                         "over the whole pool (Snell et al.'s oracle difficulty: reads the ground truth, not charged)")
     r.add_argument("--bins", type=int, default=3, help="difficulty bins for compute-optimal selection")
+    r.add_argument("--exclude", action="append", default=[], metavar="TEXT",
+                   help="leave out the strategies whose spec contains TEXT (repeatable): a report on part of a sweep")
     r.add_argument("--status", action="store_true",
                    help="print where the sweep in DIR stands (pairs done, accuracy so far, time left, whether a "
                         "metaloom eval is writing it) instead of writing the report")
@@ -55,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidParameter("bins", args.bins, "an integer >= 1")
     from metaloom.eval.report import write_report
 
-    path = write_report(args.dir, path=args.output, merge=args.merge,
+    path = write_report(args.dir, path=args.output, merge=args.merge, exclude=args.exclude,
                         options={"difficulty": args.difficulty, "bins": args.bins})
     print(path)
     if args.screenshot:

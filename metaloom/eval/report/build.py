@@ -58,15 +58,18 @@ def _ordered(first: Iterable[Any], seen: Iterable[str]) -> list[str]:
 
 def build_report(out_dir: str, *, analysis: Mapping[str, Any] | None = None, analyze: Analyze | None = None,
                  problems: Iterable[Any] | None = None, merge: Sequence[str] = (),
-                 options: Mapping[str, Any] | None = None) -> str:
+                 options: Mapping[str, Any] | None = None, exclude: Sequence[str] = ()) -> str:
     """The report of DIR as one HTML string. ``analysis``: the dict of
     `metaloom.eval.analysis.analyze` over DIR's records (computed with ``analyze``, default
     that function with ``options``, when not given); ``problems``: prompts and references (see
     the module); ``merge``: other sweep folders of the same task read with DIR's
-    (`load.merge_sweeps`: each model's strategies labelled with it)."""
+    (`load.merge_sweeps`: each model's strategies labelled with it); ``exclude``: leave out the
+    strategies whose spec (label) contains any of these texts."""
     sweep = load.load_sweep(out_dir)
     if merge:
         sweep = load.merge_sweeps([sweep, *(load.load_sweep(d) for d in merge)])
+    if exclude:
+        sweep = load.without(sweep, exclude)
     if analysis is None:
         from metaloom.eval.analysis.select import sweep_seed
 
@@ -103,11 +106,12 @@ def build_report(out_dir: str, *, analysis: Mapping[str, Any] | None = None, ana
 
 def write_report(out_dir: str, *, path: str | None = None, analysis: Mapping[str, Any] | None = None,
                  analyze: Analyze | None = None, problems: Iterable[Any] | None = None, merge: Sequence[str] = (),
-                 options: Mapping[str, Any] | None = None) -> str:
+                 options: Mapping[str, Any] | None = None, exclude: Sequence[str] = ()) -> str:
     """Write the report (default ``DIR/report.html``) and return its path (``merge``,
-    ``options``: `build_report`'s). Written to a temporary file first and renamed: a report
+    ``options``, ``exclude``: `build_report`'s). Written to a temporary file first and renamed: a report
     open in a browser is never half a page."""
-    page = build_report(out_dir, analysis=analysis, analyze=analyze, problems=problems, merge=merge, options=options)
+    page = build_report(out_dir, analysis=analysis, analyze=analyze, problems=problems, merge=merge, options=options,
+                        exclude=exclude)
     path = path or os.path.join(out_dir, REPORT)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -200,3 +200,16 @@ def merge_sweeps(sweeps: list[Sweep]) -> Sweep:
     config = {**first.config, "setup": setup, "strategies": strategies, "problems": problems,
               "merged": [{"dir": s.out_dir, "model": mapping(s.config.get("setup")).get("model")} for s in sweeps]}
     return Sweep(first.out_dir, config, records, max(s.written for s in sweeps))
+
+
+def without(sweep: Sweep, exclude: Sequence[str]) -> Sweep:
+    """``sweep`` without the strategies whose spec contains any of ``exclude``'s texts (records
+    and the config's strategy list); nothing left: `InvalidParameter`."""
+    def kept(spec: str) -> bool:
+        return not any(text in spec for text in exclude)
+
+    records = [r for r in sweep.records if kept(r.strategy)]
+    if not records:
+        raise InvalidParameter("exclude", list(exclude), "texts that leave some strategy of the sweep")
+    config = {**sweep.config, "strategies": [s for s in sweep.config.get("strategies") or () if kept(str(s))]}
+    return replace(sweep, config=config, records=records)
