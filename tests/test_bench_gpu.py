@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from metaloom.bench import gpu
+from metaloom.bench.gpu import runner
+from metaloom.bench.gpu.args import ShapeRun, options, parse_shapes
 from metaloom.cli import build_parser, main
 from metaloom.errors import InvalidParameter
 
@@ -23,7 +24,8 @@ def parse(*extra: str):
 def test_tiny_shape_every_system_generates_exactly_the_tokens_asked(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "gpu.json"
-    args = parse("--out", str(out), "--static-cases", "greedy")
+    # a budget no shared machine runs out of: rows skipped for time are the next test's subject
+    args = parse("--out", str(out), "--static-cases", "greedy", "--budget-s", "5000")
     assert args.run(args) == 0
     captured = capsys.readouterr()
     report = json.loads(captured.out)
@@ -79,20 +81,20 @@ def test_smoke_compares_graphs_on_and_off(capsys):
 
 def test_bad_arguments_are_typed_errors(capsys):
     with pytest.raises(InvalidParameter, match="shapes"):
-        gpu.options(parse("--shapes", "tiny,70b"))
+        options(parse("--shapes", "tiny,70b"))
     with pytest.raises(InvalidParameter, match="shapes"):
-        gpu.options(parse("--shapes", "tiny:greedy+s32"))
+        options(parse("--shapes", "tiny:greedy+s32"))
     with pytest.raises(InvalidParameter, match="systems"):
-        gpu.options(parse("--systems", "graphs,vllm"))
+        options(parse("--systems", "graphs,vllm"))
     with pytest.raises(InvalidParameter, match="baseline_path"):
-        gpu.options(parse("--baseline-path", "/nonexistent"))
+        options(parse("--baseline-path", "/nonexistent"))
     assert main([*ARGS, "--shapes", "70b"]) == 2  # the CLI: one error line, exit status 2
     assert "invalid shapes='70b'" in capsys.readouterr().err
 
 
 def test_shapes_parse_in_order_with_their_cases():
-    assert gpu.parse_shapes("1b,7b:greedy+s16,135m", ["greedy", "s64"]) == [
-        gpu.ShapeRun("1b", ("greedy", "s64")), gpu.ShapeRun("7b", ("greedy", "s16")), gpu.ShapeRun("135m", ("greedy", "s64"))]
+    assert parse_shapes("1b,7b:greedy+s16,135m", ["greedy", "s64"]) == [
+        ShapeRun("1b", ("greedy", "s64")), ShapeRun("7b", ("greedy", "s16")), ShapeRun("135m", ("greedy", "s64"))]
 
 
 def test_a_failing_compilation_is_the_rows_note_and_the_row_is_measured_without_it(capsys, monkeypatch):
@@ -107,7 +109,7 @@ def test_a_failing_compilation_is_the_rows_note_and_the_row_is_measured_without_
             raise RuntimeError("inductor: no working C compiler\nmore lines")
         return real(model, case, device, static=static, compile=compile)
 
-    monkeypatch.setattr(gpu, "transformers_compiles", lambda device: True)  # as on CUDA
+    monkeypatch.setattr(runner, "transformers_compiles", lambda device: True)  # as on CUDA
     monkeypatch.setattr(gpu_worker, "transformers_call", call)
     args = parse("--shapes", "tiny:greedy", "--systems", "eager,tf-static")
     assert args.run(args) == 0
@@ -120,7 +122,7 @@ def test_a_failing_compilation_is_the_rows_note_and_the_row_is_measured_without_
 
 
 def test_a_compilation_that_does_not_fit_is_skipped(capsys, monkeypatch):
-    monkeypatch.setattr(gpu, "transformers_compiles", lambda device: True)
+    monkeypatch.setattr(runner, "transformers_compiles", lambda device: True)
     args = parse("--shapes", "tiny:greedy", "--systems", "eager,tf-static", "--compile-s", "100000")
     assert args.run(args) == 0
     rows = {r["key"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
@@ -174,7 +176,7 @@ def test_spec_case_speculates_with_graphs_on_and_off_and_reports_acceptance(caps
     assert speedup == rows["graphs"]["tok_s"] / rows["graphs-nospec"]["tok_s"]
     assert "speculation vs none" in captured.err and "drafts accepted per verify step" in captured.err
     with pytest.raises(InvalidParameter, match="spec_draft"):
-        gpu.options(parse("--spec-draft", "16"))
+        options(parse("--spec-draft", "16"))
 
 
 def test_the_mixed_row_runs_only_where_it_differs_from_graphs(capsys, monkeypatch):

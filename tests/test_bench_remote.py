@@ -10,25 +10,14 @@ import textwrap
 
 import pytest
 
-from metaloom.bench import remote
-from metaloom.bench.remote import (
-    COUNTERS,
-    Metaloom,
-    Optillm,
-    OptillmFailed,
-    Options,
-    Outcome,
-    aggregate,
-    chat,
-    counter_deltas,
-    fanout_tokens,
-    format_table,
-    make_problems,
-    options,
-    parse_metrics,
-    rotation,
-    usage_check,
-)
+from metaloom.bench.remote import rotation
+from metaloom.bench.remote import systems as remote_systems
+from metaloom.bench.remote.args import Options, options
+from metaloom.bench.remote.metrics import COUNTERS, counter_deltas, parse_metrics
+from metaloom.bench.remote.outcomes import Outcome, aggregate, usage_check
+from metaloom.bench.remote.problems import SEED, SYSTEM_PROMPT, Problem, chat, make_problems
+from metaloom.bench.remote.systems import Metaloom, Optillm, OptillmFailed, fanout_tokens
+from metaloom.bench.remote.table import format_table
 from metaloom.errors import InvalidParameter
 from metaloom.meta.types import Event
 from metaloom.sampling.params import SamplingParams
@@ -39,18 +28,18 @@ pytest.importorskip("reasoning_gym")
 # --- problems ------------------------------------------------------------------------------------
 
 def test_problems_are_deterministic_and_held_out_from_the_tests_seed():
-    a, _ = make_problems("addition", 20, remote.SEED)
-    b, _ = make_problems("addition", 20, remote.SEED)
+    a, _ = make_problems("addition", 20, SEED)
+    b, _ = make_problems("addition", 20, SEED)
     assert [(p.index, p.question, p.answer) for p in a] == [(p.index, p.question, p.answer) for p in b]
     assert len(a) == 20 and [p.index for p in a] == list(range(20))
     assert all(p.question.startswith("Calculate ") and " + " in p.question for p in a)
     other, _ = make_problems("addition", 20, 2025)  # tests/test_meta_model.py's problems
     assert [p.question for p in a] != [p.question for p in other]
-    assert remote.SEED != 2025
+    assert SEED != 2025
 
 
 def test_answers_are_judged_by_reasoning_gyms_scorer():
-    problems, correct = make_problems("arithmetic", 5, remote.SEED)
+    problems, correct = make_problems("arithmetic", 5, SEED)
     for p in problems:
         assert correct(p.answer, p)
         assert not correct(str(int(p.answer) + 1), p)
@@ -64,7 +53,7 @@ def test_bad_problem_settings_are_refused(preset, size):
 
 
 def test_every_system_gets_the_same_chat():
-    assert chat("Calculate 1 + 2.") == ({"role": "system", "content": remote.SYSTEM_PROMPT},
+    assert chat("Calculate 1 + 2.") == ({"role": "system", "content": SYSTEM_PROMPT},
                                         {"role": "user", "content": "Calculate 1 + 2."})
 
 
@@ -199,7 +188,7 @@ def test_the_table_shows_every_row_the_check_and_the_skipped():
 def test_metaloom_runner_reports_answer_ledger_and_samples():
     from metaloom.testing.scripted import ScriptedGenerator
 
-    problems, correct = make_problems("addition", 1, remote.SEED)
+    problems, correct = make_problems("addition", 1, SEED)
     p = problems[0]
     wrong = str(int(p.answer) + 1)
     gen = ScriptedGenerator({p.question: [f"It is {p.answer}.", f"It is {wrong}.", f"Sum: {p.answer}", "no idea"]})
@@ -255,12 +244,12 @@ def fake_optillm(tmp_path, monkeypatch):
     (pkg / "bon.py").write_text(FAKE_BON)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
     readings = iter([{"vllm:generation_tokens_total": 100.0 * i, "vllm:prompt_tokens_total": 10.0 * i} for i in range(100)])
-    monkeypatch.setattr(remote, "read_metrics", lambda url: next(readings))
+    monkeypatch.setattr(remote_systems, "read_metrics", lambda url: next(readings))
     return str(venv)
 
 
 def test_optillm_runs_through_its_driver(fake_optillm, tmp_path):
-    problem = remote.Problem(0, "Calculate 2 + 2.", "4", {})
+    problem = Problem(0, "Calculate 2 + 2.", "4", {})
     right = lambda answer, p: answer == p.answer  # noqa: E731
     opt = Optillm(fake_optillm, "http://127.0.0.1:1/v1", "m", str(tmp_path / "log"))
     try:
@@ -271,7 +260,7 @@ def test_optillm_runs_through_its_driver(fake_optillm, tmp_path):
         assert sc.server == {"generation": 100, "prompt": 10, "cached": 0, "requests": 0}
         bon = opt.run("best_of_n", problem, 4, SamplingParams(max_tokens=9), right)
         assert (bon.answer, bon.correct, bon.output_tokens, bon.samples, bon.sample_accuracy) == ("5", False, 28, None, None)
-        failed = opt.run("best_of_n", remote.Problem(1, "fail", "1", {}), 4, SamplingParams(), right)
+        failed = opt.run("best_of_n", Problem(1, "fail", "1", {}), 4, SamplingParams(), right)
         assert failed.error == "RuntimeError: provider down" and not failed.correct
     finally:
         opt.close()

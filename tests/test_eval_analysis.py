@@ -15,7 +15,8 @@ import pytest
 from metaloom.errors import InvalidParameter
 from metaloom.eval.analysis import analyze, choice_for_budget, pass_at_k, pick, pick_many, subset_cost
 from metaloom.eval.analysis.curves import frontier, interval, points, shared_problems, sizes, with_n
-from metaloom.eval.analysis.select import agreement_probe, difficulty_bins, efficiency, split
+from metaloom.eval.analysis.difficulty import agreement_probe
+from metaloom.eval.analysis.select import difficulty_bins, efficiency, split
 from metaloom.eval.analysis.subsample import outcome
 from metaloom.eval.records import Candidate, Record, Selection
 from metaloom.ledger import Ledger

@@ -61,6 +61,11 @@ def test_select_prints_a_spec_run_and_the_server_accept(tmp_path):
     assert call is not None and call.name == "majority_vote"
     with pytest.raises(InvalidParameter, match="select-budget"):
         select(records, "default", 1.0, 0)  # below every strategy's cost
+    # the oracle pass-rate bins are not charged: the largest budget is the vote's own 20 tokens,
+    # where the agreement probe's 4 samples raise it to 40
+    assert chosen["budget"] == 40.0
+    oracle = select(records, "default", None, 0, difficulty="pass_rate")
+    assert oracle["budget"] == 20.0 and oracle["compute_optimal_accuracy"] == 1.0
 
 
 @pytest.mark.model
@@ -138,3 +143,39 @@ def test_select_and_the_report_pick_alike_on_an_all_zero_sweep(tmp_path, monkeyp
     assert f"<span class=\"strategy\">{chosen['strategy']}</span>" in page
     # with the sweep's seed this split makes the sampled answer the cheaper: not a tie broken by order
     assert chosen["strategy"] == "majority_vote@n=1"
+
+
+def test_chat_template_args_reach_the_sweeps_model_and_its_run_line(monkeypatch):
+    """`metaloom eval --chat-template-arg` built a Setup with a dict it has no field for (a
+    TypeError before any run); now the variables travel as JSON text (a Setup is hashable), reach
+    `load`, are part of the sweep's identity and of the `metaloom run` line --select prints."""
+    import argparse
+    import shlex
+
+    from metaloom.commands.evaluate import register, run_line, setup_of
+    from metaloom.eval import runner
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["eval", "--task", "countdown", "--strategies", "greedy", "--out", "x",
+                              "--chat-template-arg", "enable_thinking=false", "--chat-template-arg", "name=Bob"])
+    setup = setup_of(args)
+    assert json.loads(setup.chat_template_args) == {"enable_thinking": False, "name": "Bob"}
+    assert hash(setup) and setup.identity()["chat_template_args"] == setup.chat_template_args
+    plain = setup_of(parser.parse_args(["eval", "--task", "countdown", "--strategies", "greedy", "--out", "x"]))
+    assert plain.chat_template_args is None and "chat_template_args" not in plain.identity()
+    seen = {}
+
+    def fake_load(model, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("stop here")
+
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("metaloom.models.load"), "load", fake_load)
+    with pytest.raises(RuntimeError, match="stop here"):
+        runner.Worker(setup)
+    assert seen["chat_template_args"] == {"enable_thinking": False, "name": "Bob"}
+    line = shlex.split(run_line("greedy", setup))
+    assert line[line.index("--chat-template-arg") + 1] == "enable_thinking=false"
+    assert "name=\"Bob\"" in line

@@ -306,7 +306,7 @@ def test_run_takes_a_strategy_spec(capsys):
     from metaloom.commands.run import Dotted, strategy_config
 
     ns = argparse.Namespace(strategy="majority_vote@n=3,extractor=last_number", prompt="q", dotted=[])
-    params, _groups, _ = strategy_config(ns)
+    params, _groups, _, _ = strategy_config(ns)
     assert (ns.strategy, params) == ("majority_vote", {"n": "3", "extractor": "last_number"})
     ns = argparse.Namespace(strategy="majority_vote@n=3", prompt="q", dotted=[Dotted("strategy", "n", "4")])
     with pytest.raises(InvalidParameter, match="already sets"):

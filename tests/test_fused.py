@@ -281,9 +281,9 @@ class _Counting:
 @needs
 @pytest.mark.parametrize("parallel_from", [10**9, 0])  # one thread; every step split over threads
 def test_fused_steps_over_forked_rows_equal_pytorch_steps(monkeypatch, parallel_from):
-    import metaloom.models.engine.llama as llama
+    import metaloom.models.engine.fused_step as fused_step
 
-    monkeypatch.setattr(llama, "PARALLEL_MIN_KEYS", parallel_from)
+    monkeypatch.setattr(fused_step, "PARALLEL_MIN_KEYS", parallel_from)
     plain = _tiny()
     counting = _Counting(KERNELS)
     fused = LlamaModel(plain.config, plain.embed, plain.layers, plain.norm, plain.lm_head, fused=counting)

@@ -8,6 +8,7 @@ import os
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +40,8 @@ def test_each_path_is_built_with_its_own_flags_never_the_build_machines():
     assert isa.flags("generic") == ()
     assert isa.flags("neon", frozenset({"asimd"})) == ("-march=armv8-a",)
     assert isa.flags("neon", frozenset({"asimd", "asimddp"})) == ("-march=armv8.2-a+dotprod",)
+    assert "-mavx512vnni" not in isa.flags("avx512", AVX512_CPU)
+    assert isa.flags("avx512", AVX512_CPU | {"avx512_vnni"})[-1] == "-mavx512vnni"  # int8 dot products where the CPU has them
     assert not any("native" in f for name in isa.NAMES for f in isa.flags(name))
     assert isa.library_env("avx2").get("ATEN_CPU_CAPABILITY", "avx2") == "avx2"
 
@@ -99,3 +102,36 @@ def test_a_path_the_cpu_cannot_run_is_never_built_or_loaded(tmp_path):
     built = build_library(FUSED_SOURCE, fused_bind, cache_dir=tmp_path, path=lacking)
     assert built.value is None and "cannot run" in built.reason
     assert not list(tmp_path.rglob("*.so"))
+
+
+LACKED = [n for n in isa.NAMES if isa.PATHS[n].arch in ("any", isa.machine()) and n not in isa.runnable()]
+
+
+@pytest.mark.skipif(compiler() is None, reason="needs a C compiler")
+@pytest.mark.skipif(not LACKED, reason=f"this CPU runs every path of its architecture ({', '.join(isa.runnable())})")
+@pytest.mark.parametrize("path", LACKED or ["none"])
+@pytest.mark.parametrize("source", ["quant.c", "fused.c"])
+def test_a_path_this_cpu_lacks_still_compiles(path, source, tmp_path):
+    """The code of a path this machine cannot run (avx512 on an AVX2 x86) is compiled with that
+    path's flags (and, for avx512, with VNNI as on a CPU that has it): the compiler checks it here,
+    the CPUs that have it run it (and tests/aarch64/test_avx512_emulated.py runs its logic)."""
+    src = Path(isa.__file__).with_name(source)
+    variants = [isa.flags(path, frozenset())]
+    if path == "avx512":
+        variants.append(isa.flags(path, frozenset({"avx512_vnni"})))
+    for flags in variants:
+        run = subprocess.run([compiler(), *flags, "-O1", "-fno-math-errno", "-fopenmp", "-c", str(src), "-o",
+                              str(tmp_path / "out.o")], capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_a_build_is_keyed_by_the_headers_its_source_includes(tmp_path):
+    from metaloom.models.kernels.cbuild import source_text
+
+    (tmp_path / "k.c").write_text('#include <math.h>\n#include "a.h"\nint f(void) { return A; }\n')
+    (tmp_path / "a.h").write_text('#include "b.h"\n#define A B\n')
+    (tmp_path / "b.h").write_text("#define B 1\n")
+    before = source_text(tmp_path / "k.c")
+    assert b"#define B 1" in before  # followed through a.h
+    (tmp_path / "b.h").write_text("#define B 2\n")
+    assert source_text(tmp_path / "k.c") != before  # an edited header is a new build

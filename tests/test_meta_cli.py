@@ -78,7 +78,7 @@ def parsed(*argv):
 
 
 def test_cli_parameters_configure_the_strategy_and_its_components():
-    args, (params, groups, sampling) = parsed(
+    args, (params, groups, sampling, _) = parsed(
         "--strategy", "best_of_n", "--strategy.n", "3", "--strategy.scorer", "logprob", "--scorer.normalize", "true",
         "--strategy.extractor=last_number", "Which is larger, 900 or 1,000?", "--temperature", "0.5", "--seed", "7")
     assert args.prompt == "Which is larger, 900 or 1,000?"
@@ -88,11 +88,42 @@ def test_cli_parameters_configure_the_strategy_and_its_components():
     assert type(s) is BestOfN and s.n == 3 and s.inner is None
     assert type(s.scorer) is SequenceLogprob and s.scorer.normalize is True
     assert type(s.extractor) is LastNumber and s.extractor.extract(args.prompt) == "1000"
-    args, (params, groups, _) = parsed("--strategy", "majority_vote", "Q", "--strategy.inner", "chain",
+    args, (params, groups, _, _) = parsed("--strategy", "majority_vote", "Q", "--strategy.inner", "chain",
                                        "--inner.max_tokens", "64,8")
     s = build_strategy(args.strategy, params, groups)
     assert type(s) is MajorityVote and type(s.extractor) is MathAnswer and s.n == MajorityVote().n
     assert type(s.inner) is Chain and s.inner.max_tokens == (64, 8)
+
+
+def test_run_reads_the_strategy_text_once_and_builds_it_after_the_load(monkeypatch):
+    """`metaloom run` checks everything before a model loads and builds the strategy after it,
+    from one reading of the text: each parameter converted once (it used to be read twice, a
+    dry pass and then the real one)."""
+    from metaloom.wiring import configure
+
+    seen = []
+    real = configure.convert
+    monkeypatch.setattr(configure, "convert", lambda value, t, where, *rest: seen.append(where) or real(value, t, where, *rest))
+    _, config = parsed("--strategy", "best_of_n", "--strategy.n", "3", "--strategy.scorer", "judge",
+                       "--scorer.method", "sample", "Q")
+    assert sorted(seen) == ["scorer.method", "strategy.n", "strategy.scorer"]
+    marker = object()
+    s = config.plan.build({"generator": marker})  # the model being run reaches the judge now
+    assert type(s) is BestOfN and s.n == 3 and s.scorer.generator is marker and s.scorer.method == "sample"
+    assert sorted(seen) == ["scorer.method", "strategy.n", "strategy.scorer"]  # nothing read again
+    with pytest.raises(InvalidParameter, match="a model to run"):
+        config.plan.build({})
+
+
+def test_run_sends_chat_messages_or_with_raw_the_text_as_it_is():
+    from metaloom.commands.run import run_prompt
+    from metaloom.score.protocols import Raw, as_chat
+
+    args, _ = parsed("--strategy", "greedy", "--system", "Be brief.", "Q")
+    assert run_prompt(args) == ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q"})
+    args, _ = parsed("--strategy", "greedy", "--raw", "Q:")
+    raw = run_prompt(args)
+    assert type(raw) is Raw and raw == "Q:" and as_chat(raw) is raw  # not read as a chat message
 
 
 def test_budget_limits_are_typed_numbers():
@@ -116,7 +147,7 @@ def test_a_budget_in_a_strategy_spec_reaches_run_and_the_server():
     # `metaloom run --strategy SPEC`: the spec's limits join --budget's
     ns = argparse.Namespace(strategy="majority_vote@n=3,budget.output_tokens=40", prompt="q", dotted=[],
                             budget=["flops=1e9"])
-    params, groups, _ = strategy_config(ns)
+    params, groups, _, _ = strategy_config(ns)
     assert params == {"n": "3"} and groups == {} and parse_budget(ns.budget) == Budget(output_tokens=40, flops=1e9)
     ns = argparse.Namespace(strategy="majority_vote@budget.output_tokens=40", prompt="q", dotted=[],
                             budget=["output_tokens=9"])
@@ -195,7 +226,7 @@ def test_a_missing_prompt_is_one_error_line_naming_the_parameter(capsys, monkeyp
 
 
 def test_dotted_values_never_become_the_prompt():
-    args, (params, _, _) = parsed("--strategy", "best_of_n", "--strategy.n", "3", "the prompt")
+    args, (params, _, _, _) = parsed("--strategy", "best_of_n", "--strategy.n", "3", "the prompt")
     assert args.prompt == "the prompt" and params == {"n": "3"}  # "3" went to n, "the prompt" to the prompt
     # a value the strategy itself refuses is caught while parsing, before any model is loaded
     with pytest.raises(InvalidParameter, match="invalid n=0"):

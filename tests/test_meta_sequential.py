@@ -12,6 +12,7 @@ from metaloom.sampling.params import SamplingParams
 from metaloom.score.answers import LastNumber
 from metaloom.score.feedback import CRITIQUE_TEMPLATE, CritiqueFeedback, FunctionFeedback, ScorerFeedback
 from metaloom.score.logprob import SequenceLogprob
+from metaloom.score.protocols import Raw
 from metaloom.testing.scripted import Say, ScriptedGenerator, ScriptedScorer, count_tokens, word_id
 
 
@@ -57,7 +58,7 @@ def test_refine_stops_after_its_rounds_and_keeps_the_best_scored():
 def test_refine_with_prompted_critique_on_raw_prompts():
     critique = CRITIQUE_TEMPLATE.format(prompt="Q:", candidate=" 4")
     table = {"Q:": [" 4"], critique: ["CORRECT"]}
-    r, g = run(Refine(), table, prompt="Q:")  # feedback=None: the generator critiques itself
+    r, g = run(Refine(), table, prompt=Raw("Q:"))  # feedback=None: the generator critiques itself
     assert (r.best, r.best_index, r.scores, r.stopped_reason) == (" 4", 0, (1.0,), None)
     assert [c.text for c in r.candidates] == [" 4"]
     assert [e.to_dict() for e in r.trace] == [
@@ -77,7 +78,7 @@ def test_refine_revises_a_raw_prompt_after_a_failed_critique():
     critique = [CRITIQUE_TEMPLATE.format(prompt="Q:", candidate=c) for c in (" 5", " 4")]
     revision = "Q: 5\n\n" + REVISE.format(feedback="5 is wrong: 2 + 2 = 4.") + "\n\n"  # answer and feedback appended
     table = {"Q:": [" 5"], critique[0]: ["5 is wrong: 2 + 2 = 4."], revision: [" 4"], critique[1]: ["CORRECT"]}
-    r, g = run(Refine(rounds=1, params=SamplingParams(temperature=0.7, seed=7)), table, prompt="Q:")
+    r, g = run(Refine(rounds=1, params=SamplingParams(temperature=0.7, seed=7)), table, prompt=Raw("Q:"))
     assert [c.text for c in r.candidates] == [" 5", " 4"] and (r.best, r.best_index, r.scores) == (" 4", 1, (0.0, 1.0))
     feedback = [e.data for e in r.trace if e.kind == "feedback"]
     assert [(f["passed"], f["message"]) for f in feedback] == [(False, "5 is wrong: 2 + 2 = 4."), (True, "CORRECT")]
@@ -159,7 +160,7 @@ def test_first_finish_in_rounds_stops_the_rest():
     assert [q.params.max_tokens for q in g.requests] == [2, 4, 4, 4]
     # round 1 continues each sample exactly from its own tokens: the prompt, then its 2 tokens
     first = [tuple(word_id(w) for w in words) for words in (("a", " b"), ("p", " q"), ("x", " y"))]
-    assert [q.prefix for q in g.requests] == [(), *first] and {q.prompt for q in g.requests} == {"Q"}
+    assert [q.prefix for q in g.requests] == [(), *first] and all(q.prompt == CHAT for q in g.requests)
     # round 0: one request, n=3; round 1: three requests of 1 + 2 input tokens
     assert r.usage == Usage(input_tokens=1 + 3 * 3, output_tokens=6 + 10, forward_passes=2 + 4)
     event = next(e for e in r.trace if e.kind == "first_finish").data

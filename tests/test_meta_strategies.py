@@ -11,6 +11,7 @@ from metaloom.meta import MBR, BestOfN, Chain, MajorityVote, Result, WeightedVot
 from metaloom.score.answers import ChoiceLetter, CodeOutcomes, ExactString, LastNumber, MathAnswer
 from metaloom.score.judge import JUDGE_TEMPLATE, PAIR_TEMPLATE, LLMJudge, PairwiseJudge
 from metaloom.score.logprob import SequenceLogprob
+from metaloom.score.protocols import Raw
 from metaloom.score.verifier import FunctionVerifier
 from metaloom.testing.scripted import Say, ScriptedGenerator, ScriptedScorer, count_tokens
 
@@ -173,6 +174,10 @@ def test_best_of_n_over_an_inner_strategy_uses_child_ledgers():
 
 
 def test_requests_are_what_the_strategy_claims():
+    """A plain str is the user's message (the chat template applies, as `metaloom run` does);
+    `Raw` text goes as it is."""
     _r, g = run(MajorityVote(n=3, extractor=LastNumber()))
-    assert g.requests == [Request("Q", g.requests[0].params)]
+    assert g.requests == [Request(({"role": "user", "content": "Q"},), g.requests[0].params)]
+    _r, g = run(MajorityVote(n=3, extractor=LastNumber()), prompt=Raw("Q"))
+    assert g.requests == [Request("Q", g.requests[0].params)] and type(g.requests[0].prompt) is Raw
     assert g.requests[0].params.n == 3 and g.requests[0].params.temperature == 0.7

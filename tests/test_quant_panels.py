@@ -88,10 +88,11 @@ def offsets(qtype: int, blocks: np.ndarray) -> np.ndarray:
     """Each weight's offset term c off [out, in] in float64 (quant.c's panel arithmetic: a
     weight is scale q + c off): the dequantised block with every quant (and high bit) 0, which
     is c off for every type with one (Q4_0 -8 d, Q4_1/Q5_1 m, the K types' -dmin m, Q6_K's
-    -32 d sc, Q3_K's -4 d (sc - 32)); the IQ4 types have none."""
-    if qtype in (20, 23):
-        return np.zeros((blocks.shape[0], blocks.shape[1] // BYTES[qtype] * quant.QTYPES[qtype].block))
-    zero = blocks.copy().reshape(blocks.shape[0], -1, BYTES[qtype])
+    -32 d sc, Q3_K's -4 d (sc - 32)); Q8_0 and the IQ4 types have none."""
+    q = quant.QTYPES[qtype]
+    if qtype in (8, 20, 23):
+        return np.zeros((blocks.shape[0], blocks.shape[1] // q.bytes * q.block))
+    zero = blocks.copy().reshape(blocks.shape[0], -1, q.bytes)
     lo, hi = QUANT_BYTES[qtype]
     zero[:, :, lo:hi] = 0
     return reference(qtype, zero.reshape(blocks.shape)).astype(np.float64)

@@ -19,6 +19,7 @@ from metaloom.ledger import Budget, Ledger
 from metaloom.meta.refine import REVISE, revision_prompt
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.feedback import ExecutionFeedback, FunctionFeedback, Verdict
+from metaloom.score.protocols import Raw
 from metaloom.search.rebase import rebase_widths
 from metaloom.search.refine_tree import RefineTree
 from metaloom.search.trace import check_tree
@@ -85,7 +86,7 @@ def test_rebase_allocation_on_hand_made_scores() -> None:
 def test_expands_the_best_scored_by_rebase_and_stops_at_a_pass() -> None:
     gen, feedback = Counting(TABLE), TableFeedback(SCORES)
     result = RefineTree(feedback=feedback, initial=3, width=4, depth=3, temperature=0.1, params=P).run(
-        "Q", gen, ledger=Ledger())
+        Raw("Q"), gen, ledger=Ledger())
     tree = tree_of(result)
     check_tree(tree)
     nodes = by_text(tree)
@@ -107,7 +108,7 @@ def test_expands_the_best_scored_by_rebase_and_stops_at_a_pass() -> None:
 
 def test_children_prompts_carry_the_parents_feedback() -> None:
     gen = ScriptedGenerator(TABLE)
-    RefineTree(feedback=TableFeedback(SCORES), initial=3, width=4, depth=1, params=P).run("Q", gen, ledger=Ledger())
+    RefineTree(feedback=TableFeedback(SCORES), initial=3, width=4, depth=1, params=P).run(Raw("Q"), gen, ledger=Ledger())
     assert [(r.prompt, r.params.n) for r in gen.requests] == [("Q", 3), (fix("a"), 3), (fix("b"), 1)]
     assert "Feedback on your answer:\nfix a\n" in str(gen.requests[1].prompt)
     chat = ScriptedGenerator({"Q": ["a", "b", "c"], REVISE.format(feedback="fix a"): ["a1"]})  # a chat: its last user turn
@@ -121,12 +122,12 @@ def test_children_prompts_carry_the_parents_feedback() -> None:
 def test_depth_limit_and_going_on_after_a_pass() -> None:
     feedback = TableFeedback(SCORES)
     result = RefineTree(feedback=feedback, initial=3, width=4, depth=1, params=P).run(
-        "Q", ScriptedGenerator(TABLE), ledger=Ledger())
+        Raw("Q"), ScriptedGenerator(TABLE), ledger=Ledger())
     assert tree_of(result)["stop"] == "finished" and len(result.candidates) == 7
     assert result.best == "a"  # nothing passed: the best score
     everything = TableFeedback(SCORES)
     result = RefineTree(feedback=everything, initial=3, width=4, depth=2, stop_on_pass=False, params=P).run(
-        "Q", ScriptedGenerator(TABLE), ledger=Ledger())
+        Raw("Q"), ScriptedGenerator(TABLE), ledger=Ledger())
     assert everything.seen[-4:] == ["a21", "pass", "a23", "b11"] and result.best == "pass"
 
 
@@ -134,7 +135,7 @@ def test_budget_stop_keeps_the_tree_and_the_best_judged() -> None:
     # round 0: 3 x (word + EOS) = 6 output tokens; round 1's first step brings 4 more, past 8
     ledger = Ledger(budget=Budget(output_tokens=8))
     result = RefineTree(feedback=TableFeedback(SCORES), initial=3, width=4, params=P).run(
-        "Q", ScriptedGenerator(TABLE), ledger=ledger)
+        Raw("Q"), ScriptedGenerator(TABLE), ledger=ledger)
     assert result.stopped_reason == "budget" and result.best == "a"
     assert [c.finish_reason for c in result.candidates] == ["stop"] * 3 + ["budget"] * 4
     assert result.scores[:3] == (0.9, 0.8, 0.1) and all(math.isnan(s) for s in result.scores[3:])
@@ -148,7 +149,7 @@ def test_execution_feedback_reaches_the_refinement() -> None:
     first = ScriptedGenerator({"Q": [wrong]})
     ask = feedback("Q", first.generate([Request("Q", P)], ledger=Ledger())[0][0], ledger=Ledger()).message
     gen = ScriptedGenerator({"Q": [wrong], fix(wrong, ask): [right]})
-    result = RefineTree(feedback=feedback, initial=1, width=1, depth=2, params=P).run("Q", gen, ledger=Ledger())
+    result = RefineTree(feedback=feedback, initial=1, width=1, depth=2, params=P).run(Raw("Q"), gen, ledger=Ledger())
     refining = str(gen.requests[1].prompt)
     assert refining.startswith("Q" + wrong) and "assert double(3) == 6" in refining and "failed" in refining
     assert result.best == right and result.scores == (0.0, 1.0)

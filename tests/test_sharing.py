@@ -161,7 +161,7 @@ def test_model_steps_with_shared_prefix_attention_equal_steps_without(dtype):
 
 @needs
 def test_auto_turns_sharing_on_only_where_enough_is_shared(monkeypatch):
-    import metaloom.models.engine.llama as llama
+    import metaloom.models.engine.fused_step as llama
 
     model = _tiny().with_fused(KERNELS)
     auto = model.with_options(EngineOptions(shared_prefix_attention="auto"))

@@ -39,7 +39,13 @@ def add_model_args(p: argparse.ArgumentParser, *, remote: bool = False) -> None:
                         + ("; with --backend openai, the model id the server lists" if remote else ""))
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--device", default="auto", help="auto (CUDA when present) | cpu | cuda | cuda:N")
-    p.add_argument("--backend", default="auto", help="auto | native | transformers" + (" | openai" if remote else ""))
+    p.add_argument("--backend", default="auto",
+                   help="auto = the native engine where it runs the architecture (Llama 3.x, SmolLM2, Qwen2/3, "
+                        "Mistral, Gemma 2/3, Phi-3/3.5/4-mini), else transformers (any causal LM or GGUF it reads); "
+                        "--json's usage says which ran | native | transformers" + (" | openai" if remote else ""))
+    p.add_argument("--chat-template-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="a variable for the model's chat template, e.g. enable_thinking=false (Qwen3); VALUE is "
+                        "JSON where it parses (true, 3, \"text\"), else text (repeatable)")
     p.add_argument("--weights", default="auto", choices=("auto", "native", "dense"),
                    help="a GGUF's weights: native = its quantised blocks as they are (quantised CPU kernels), "
                         "dense = dequantised to --dtype, auto = whichever decodes faster here (measured once)")
@@ -92,6 +98,7 @@ class EngineFlags(TypedDict):
     shared_prefix_attention: str
     kv_policy: NotRequired[str]
     kv_budget: NotRequired[int | None]
+    chat_template_args: NotRequired[dict[str, Any]]
 
 
 def engine_options(args: argparse.Namespace) -> EngineFlags:
@@ -104,7 +111,25 @@ def engine_options(args: argparse.Namespace) -> EngineFlags:
 
         check_policy(args.kv_policy, args.kv_budget)
         flags["kv_policy"], flags["kv_budget"] = args.kv_policy, args.kv_budget
+    if getattr(args, "chat_template_arg", None):
+        flags["chat_template_args"] = chat_template_args(args.chat_template_arg)
     return flags
+
+
+def chat_template_args(items: list[str]) -> dict[str, Any]:
+    """``--chat-template-arg KEY=VALUE`` items as a dict; VALUE as JSON where it parses."""
+    import json
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise InvalidParameter("chat-template-arg", item, "KEY=VALUE with KEY a template variable name")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
 
 
 def remote_generator(args: argparse.Namespace, local_only: dict[str, object] | None = None) -> Any:
@@ -180,12 +205,16 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def kernel_usage(loaded: object) -> dict[str, str]:
-    """``{"isa": path}``: the instruction-set path metaloom's CPU kernels ran for a local model on
-    the CPU (`metaloom.models.kernels.isa`; "none: why" where they could not be built); {} otherwise."""
+    """``{"backend": which engine ran the local model (native or transformers), "isa": path}``:
+    the instruction-set path metaloom's CPU kernels ran for it on the CPU
+    (`metaloom.models.kernels.isa`; "none: why" where they could not be built); {} for a remote one."""
     model = getattr(loaded, "model", None)
-    if model is None or str(getattr(model, "device", "cpu")) != "cpu":
+    if model is None:
         return {}
+    backend = {"backend": str(getattr(loaded, "backend", "native"))}
+    if str(getattr(model, "device", "cpu")) != "cpu":
+        return backend
     from metaloom.models.kernels.quant import kernels
 
     available = kernels()
-    return {"isa": available.kernels.isa if available.kernels is not None else f"none: {available.reason}"}
+    return backend | {"isa": available.kernels.isa if available.kernels is not None else f"none: {available.reason}"}

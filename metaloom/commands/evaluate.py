@@ -41,6 +41,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--select-budget", type=float, default=None, metavar="FLOPS",
                    help="FLOPs per problem for --select (output tokens where FLOPs are unknown; default: the largest "
                         "budget analysed)")
+    e.add_argument("--difficulty", default="agreement", choices=("agreement", "pass_rate"),
+                   help="how --select bins problems: agreement = answer agreement among the first 4 samples (no "
+                        "ground truth, its cost charged); pass_rate = the model's pass rate over the whole pool "
+                        "(Snell et al.'s oracle difficulty: reads the ground truth, not charged)")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.add_argument("--json", action="store_true", help="print the summary (and selection) as one JSON object")
     e.set_defaults(run=run)
@@ -64,8 +68,11 @@ def setup_of(args: argparse.Namespace) -> Any:
         raise InvalidParameter("base-url", None, "the server's URL with --backend openai (e.g. http://127.0.0.1:8000)")
     if args.backend == "openai":
         refuse_local_only(args)
+    engine: dict[str, Any] = dict(engine_options(args))
+    template = engine.pop("chat_template_args", None)  # a Setup is hashable: the dict travels as JSON text
     return Setup(task=args.task, limit=args.limit, seed=args.seed, model=args.model, dtype=args.dtype,
-                 device=args.device, backend=args.backend, weights=args.weights, **engine_options(args),
+                 device=args.device, backend=args.backend, weights=args.weights, **engine,
+                 chat_template_args=None if template is None else json.dumps(template, sort_keys=True),
                  base_url=args.base_url,
                  api_key=args.api_key, model_params=args.model_params, tokenizer=args.tokenizer,
                  max_tokens=args.max_tokens, temperature=args.temperature, prefix_cache_mb=args.prefix_cache_mb,
@@ -124,7 +131,7 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
 def run_line(spec: str, setup: Any) -> str:
     """The `metaloom run` command that runs ``spec`` as the sweep ran it: its model, and every
     setting of the sweep that changes what the strategy generates (dtype, weights, device,
-    backend, max tokens, temperature, a remote server)."""
+    backend, max tokens, temperature, a remote server, the chat template's variables)."""
     import shlex
 
     parts = ["metaloom", "run", "--strategy", spec, "--model", setup.model]
@@ -137,18 +144,22 @@ def run_line(spec: str, setup: Any) -> str:
         value = getattr(setup, name)
         if value is not None:
             parts += [f"--{name.replace('_', '-')}", str(value)]
+    for key, value in json.loads(getattr(setup, "chat_template_args", None) or "{}").items():
+        parts += ["--chat-template-arg", f"{key}={json.dumps(value)}"]
     return " ".join(shlex.quote(p) for p in parts) + " PROMPT"
 
 
-def select(records: list[Any], model: str, budget: float | None, seed: int, setup: Any = None) -> dict[str, Any]:
+def select(records: list[Any], model: str, budget: float | None, seed: int, setup: Any = None,
+           difficulty: str = "agreement") -> dict[str, Any]:
     """The compute-optimal choice at ``budget`` (default: the largest analysed) as a spec that
     `metaloom run --strategy` and the server's model aliases take: the best single strategy
     chosen on the selection half (one spec needs no difficulty probe), with the per-bin
     choices and both held-out accuracies beside it. ``seed``: the sweep's (its split); the
-    rule is `metaloom.eval.analysis.pick_for_budget`, the one the report names its pick by."""
+    rule is `metaloom.eval.analysis.pick_for_budget`, the one the report names its pick by.
+    ``difficulty``: the probe the per-bin choices bin by (`metaloom.eval.analysis.difficulty`)."""
     from metaloom.eval.analysis import analyze, pick_for_budget
 
-    analysis = analyze(records, seed=seed)
+    analysis = analyze(records, seed=seed, difficulty=difficulty)
     chosen = analysis.get("selection")
     if not chosen or not chosen.get("rows"):
         raise InvalidParameter("select", "--select", "a sweep with problems to select on ("
@@ -178,7 +189,8 @@ def run(args: argparse.Namespace) -> int:
     bar = None if args.no_progress else SweepProgress
     records = run_sweep(sweep, executor=executor, force=args.force, progress=bar)
     rows = summary(records, sweep.specs)
-    chosen = select(records, args.model, args.select_budget, args.seed, sweep.setup) if args.select else None
+    chosen = select(records, args.model, args.select_budget, args.seed, sweep.setup,
+                    args.difficulty) if args.select else None
     if args.json:
         print(json.dumps({"out": args.out, "summary": rows, **({"select": chosen} if chosen else {})}))
         return 0

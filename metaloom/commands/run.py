@@ -31,6 +31,8 @@ from metaloom.commands.common import (
 )
 from metaloom.errors import InvalidParameter
 from metaloom.ledger import parse_budget
+from metaloom.score.protocols import Prompt, Raw
+from metaloom.wiring.configure import Plan
 from metaloom.wiring.engines import prefix_cache
 
 
@@ -107,12 +109,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(run=run)
 
 
-def strategy_config(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, dict[str, str]], dict[str, Any]]:
-    """(strategy params, component params by field, sampling overrides), checked before any
-    model loads: the dotted values against the strategy's (and its components') fields and
-    types, the sampling flags, then that a prompt was given."""
+class RunConfig(NamedTuple):
+    """What `strategy_config` read: the strategy's parameters and its components' (as text),
+    the sampling overrides, and the `Plan` they make, built once the model is loaded."""
+
+    params: dict[str, str]
+    groups: dict[str, dict[str, str]]
+    sampling: dict[str, Any]
+    plan: Plan
+
+
+def strategy_config(args: argparse.Namespace) -> RunConfig:
+    """The run's configuration, checked before any model loads: the dotted values against the
+    strategy's (and its components') fields, types and value checks, the sampling flags, then
+    that a prompt was given. Its plan is built once the model is there (`Plan.build`): the text
+    is read once, not once to check and again to build."""
     from metaloom.sampling import SamplingParams
-    from metaloom.wiring.configure import build_strategy
+    from metaloom.wiring.configure import plan_strategy
     from metaloom.wiring.spec import BUDGET, parse_spec
 
     dotted: list[Dotted] = getattr(args, "dotted", [])
@@ -142,14 +155,14 @@ def strategy_config(args: argparse.Namespace) -> tuple[dict[str, str], dict[str,
         d = swallowed[-1]
         hint = f" ({d.value!r} was taken as the value of --{d.group}.{d.param}, so the prompt is missing)"
     try:
-        build_strategy(args.strategy, params, groups, {"dry": True})  # names, parameters, types
+        plan = plan_strategy(args.strategy, params, groups)  # names, parameters, types, values
     except InvalidParameter as exc:
         if hint:
             raise InvalidParameter(exc.name, exc.value, exc.allowed + hint) from exc
         raise
     if prompt is None:
         raise InvalidParameter("prompt", None, "the text to run the strategy on, as its own argument" + hint)
-    return params, groups, sampling
+    return RunConfig(params, groups, sampling, plan)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -157,9 +170,8 @@ def run(args: argparse.Namespace) -> int:
     from metaloom.ledger import Ledger
     from metaloom.models import load
     from metaloom.sampling import SamplingParams
-    from metaloom.wiring.configure import build_strategy
 
-    params, groups, sampling = strategy_config(args)  # names, parameters, types, prompt: before the load
+    _, _, sampling, plan = strategy_config(args)  # names, parameters, types, prompt: before the load
     budget = parse_budget(args.budget)
     prefix_cache(args.prefix_cache_mb, None)  # validated before the load
     generator: Any = remote_generator(args)
@@ -180,15 +192,12 @@ def run(args: argparse.Namespace) -> int:
     bar = None
     if args.progress or sys.stderr.isatty():
         generator, bar = with_progress(generator)
-    strategy = build_strategy(args.strategy, params, groups, {"generator": generator, "load_generator": second})
+    strategy = plan.build({"generator": generator, "load_generator": second})
     if sampling:
         if not isinstance(getattr(strategy, "params", None), SamplingParams):
             raise InvalidParameter("sampling flags", sampling, f"none: strategy {args.strategy!r} has no sampling params")
         strategy = dataclasses.replace(strategy, params=dataclasses.replace(strategy.params, **sampling))
-    prompt: Any = args.prompt
-    if not args.raw:
-        system = ({"role": "system", "content": args.system},) if args.system else ()
-        prompt = (*system, {"role": "user", "content": args.prompt})
+    prompt = run_prompt(args)
     ledger = Ledger(budget=budget)
     try:
         result = strategy.run(prompt, generator, ledger=ledger)
@@ -213,6 +222,15 @@ def run(args: argparse.Namespace) -> int:
     for e in result.trace:
         print("trace: " + json.dumps(e.to_dict(), default=str))
     return 0
+
+
+def run_prompt(args: argparse.Namespace) -> Prompt:
+    """The prompt as the strategy gets it: chat messages (``--system`` first), or with ``--raw``
+    the text as it is (`Raw`: a plain str would be read as the user's message)."""
+    if args.raw:
+        return Raw(args.prompt)
+    system = ({"role": "system", "content": args.system},) if args.system else ()
+    return (*system, {"role": "user", "content": args.prompt})
 
 
 class _Progress:

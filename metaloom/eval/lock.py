@@ -3,7 +3,9 @@ runs, so a second run into the same ``--out`` stops at once and says who holds i
 both running every pair (they did: 6 records for 3 pairs).
 
 The lock is ``flock`` on the file, so it dies with its process (no stale lock after a crash);
-the file holds the holder's pid, host and start time for the message.
+the file holds the holder's pid, host and start time for the message, and the strategies it is
+running (`metaloom.eval.status` reads them: a folder's config lists every strategy any run of it
+asked for, the lock what the running one will do).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from metaloom.errors import MetaloomError
 
@@ -25,9 +27,9 @@ class SweepLocked(MetaloomError):
 
 
 @contextlib.contextmanager
-def sweep_lock(out: str) -> Iterator[None]:
+def sweep_lock(out: str, strategies: Sequence[str] = ()) -> Iterator[None]:
     """Hold ``out``'s lock for the block (creating ``out``); a `SweepLocked` naming the holder
-    when another process holds it."""
+    when another process holds it. ``strategies``: what this run will run, for the status."""
     try:
         import fcntl
     except ImportError:  # no flock on this platform: nothing to hold
@@ -44,7 +46,7 @@ def sweep_lock(out: str) -> Iterator[None]:
                               "to finish, or give another --out") from None
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                 "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
+                                 "since": time.strftime("%Y-%m-%d %H:%M:%S"), "strategies": list(strategies)}).encode())
         yield
     finally:
         os.close(fd)  # releases the lock

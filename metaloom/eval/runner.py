@@ -60,6 +60,7 @@ class Setup:
     shared_prefix_attention: str = "auto"
     kv_policy: str = "full"
     kv_budget: int | None = None
+    chat_template_args: str | None = None  # a JSON object (hashable, as a Setup must be): --chat-template-arg
     base_url: str | None = None
     api_key: str | None = None
     model_params: float | None = None
@@ -79,7 +80,7 @@ class Setup:
         # the engine options at their default are left out: a sweep written before they existed
         # ran with them at their defaults, and stays comparable (resumable) with one run now
         for k, default in (("kv_dtype", "auto"), ("shared_prefix_attention", "auto"), ("kv_policy", "full"),
-                           ("kv_budget", None)):
+                           ("kv_budget", None), ("chat_template_args", None)):
             if d[k] == default:
                 d.pop(k)
         return d
@@ -143,7 +144,9 @@ class Worker:
             self.loaded = load(setup.model, dtype=setup.dtype, device=setup.device, backend=setup.backend,
                                weights=setup.weights, kv_dtype=setup.kv_dtype,
                                shared_prefix_attention=setup.shared_prefix_attention,
-                               kv_policy=setup.kv_policy, kv_budget=setup.kv_budget)
+                               kv_policy=setup.kv_policy, kv_budget=setup.kv_budget,
+                               **({"chat_template_args": json.loads(setup.chat_template_args)}
+                                  if setup.chat_template_args is not None else {}))
             self.row_flops = model_row_flops(self.loaded.model)
 
     def generator_for_run(self, problem: int, pooled: bool, saved: str | None = None) -> Any:
@@ -475,7 +478,7 @@ def run_sweep(sweep: Sweep, *, executor: Executor = local_executor, force: bool 
     """Run what ``sweep.out`` does not hold yet; returns every record of the sweep's specs. The
     folder is locked for the run (`metaloom.eval.lock`): a second run into it is refused."""
     refuse_foreign(sweep.out, force=force)  # before the lock file is made in a folder that is not ours
-    with sweep_lock(sweep.out):
+    with sweep_lock(sweep.out, sweep.specs):
         return _run_sweep(sweep, executor=executor, force=force, progress=progress)
 
 

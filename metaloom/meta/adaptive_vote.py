@@ -24,7 +24,7 @@ from metaloom.meta.types import Result
 from metaloom.meta.voting import decide
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.answers import Extractor, MathAnswer
-from metaloom.score.protocols import Prompt
+from metaloom.score.protocols import Prompt, as_chat
 
 RULES = ("share", "beta", "dirichlet")
 
@@ -75,6 +75,7 @@ class AdaptiveVote:
         ensure(isinstance(self.params, SamplingParams), "params", self.params, "a SamplingParams")
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
+        prompt = as_chat(prompt)  # a plain str is the user's message (`Raw` for none)
         def body(run: Run) -> None:
             r, sure = 0, 0.0
             while len(run.candidates) < self.max_samples:

@@ -27,7 +27,7 @@ from metaloom.meta.types import Result, Strategy
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.answers import Extractor
 from metaloom.score.logprob import SequenceLogprob
-from metaloom.score.protocols import Prompt, Scorer
+from metaloom.score.protocols import Prompt, Scorer, as_chat
 
 
 def _mean_logprob() -> SequenceLogprob:
@@ -55,6 +55,7 @@ class BestOfN:
         component("inner", self.inner, Strategy, "None or a Strategy instance", optional=True)
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
+        prompt = as_chat(prompt)  # a plain str is the user's message (`Raw` for none)
         def body(run: Run) -> None:
             candidates = collect(run, generator, prompt, self.params, self.n, self.extractor, inner=self.inner)
             run.scores.extend(score(run, self.scorer, prompt, candidates))

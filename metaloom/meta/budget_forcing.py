@@ -32,7 +32,7 @@ from metaloom.meta.helpers import (
 from metaloom.meta.types import Result
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.answers import Extractor
-from metaloom.score.protocols import Prompt
+from metaloom.score.protocols import Prompt, as_chat
 
 
 def _greedy() -> SamplingParams:
@@ -79,6 +79,7 @@ class BudgetForcing:
         component("extractor", self.extractor, Extractor, "None or an Extractor instance", optional=True)
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
+        prompt = as_chat(prompt)  # a plain str is the user's message (`Raw` for none)
         base = render(generator, prompt) + self.think_start
 
         def body(run: Run) -> None:

@@ -28,7 +28,7 @@ from metaloom.meta.types import Result
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.answers import Extractor
 from metaloom.score.prompting import fill, user_text
-from metaloom.score.protocols import Prompt
+from metaloom.score.protocols import Prompt, as_chat
 
 THINK = "{prompt}\nLet's think step by step."
 ANSWER = "{prompt}\nLet's think step by step.\n{step1}\nTherefore, the final answer is"
@@ -72,6 +72,7 @@ class Chain:
         component("extractor", self.extractor, Extractor, "None or an Extractor instance", optional=True)
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
+        prompt = as_chat(prompt)  # a plain str is the user's message (`Raw` for none)
         question = user_text(prompt)
 
         def body(run):

@@ -27,7 +27,7 @@ from metaloom.ledger import Ledger
 from metaloom.meta.helpers import Run, continue_all, default_sampling, ensure, guarded, positive, sample_n, stop_if_budget
 from metaloom.meta.types import Result
 from metaloom.sampling.params import SamplingParams
-from metaloom.score.protocols import Prompt
+from metaloom.score.protocols import Prompt, as_chat
 
 MODES = ("rounds", "stream")
 
@@ -56,6 +56,7 @@ class FirstFinish:
         ensure(isinstance(self.params, SamplingParams), "params", self.params, "a SamplingParams")
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
+        prompt = as_chat(prompt)  # a plain str is the user's message (`Raw` for none)
         return guarded(ledger, lambda run: (self._rounds if self.mode == "rounds" else self._stream)(run, generator, prompt))
 
     def _rounds(self, run: Run, generator: Generator, prompt: Prompt) -> None:

@@ -21,7 +21,7 @@ from metaloom.sampling.params import SamplingParams
 from metaloom.score.answers import Extractor
 from metaloom.score.mbr import mbr_select
 from metaloom.score.prompting import user_text
-from metaloom.score.protocols import Prompt, Utility
+from metaloom.score.protocols import Prompt, Utility, as_chat
 
 
 def default_utility() -> Utility:
@@ -70,6 +70,7 @@ class MBR:
         component("inner", self.inner, Strategy, "None or a Strategy instance", optional=True)
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
+        prompt = as_chat(prompt)  # a plain str is the user's message (`Raw` for none)
         def body(run: Run) -> None:
             candidates = collect(run, generator, prompt, self.params, self.n, self.extractor, inner=self.inner)
             texts = [a or "" for a in run.answers] if self.extractor is not None else [c.text for c in candidates]

@@ -36,7 +36,7 @@ from metaloom.meta.helpers import (
 from metaloom.meta.types import Result
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.logprob import SequenceLogprob
-from metaloom.score.protocols import Prompt, Scorer
+from metaloom.score.protocols import Prompt, Scorer, as_chat
 
 
 def _mean_logprob() -> SequenceLogprob:
@@ -69,6 +69,7 @@ class PrunedBestOfN:
         ensure(isinstance(self.params, SamplingParams), "params", self.params, "a SamplingParams")
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
+        prompt = as_chat(prompt)  # a plain str is the user's message (`Raw` for none)
         def body(run: Run) -> None:
             used = min(self.chunk_tokens, self.max_tokens)
             params = dataclasses.replace(self.params, max_tokens=used)

@@ -19,7 +19,7 @@ from metaloom.meta.types import Result
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.feedback import CritiqueFeedback, Feedback, Verdict
 from metaloom.score.prompting import fill
-from metaloom.score.protocols import Prompt
+from metaloom.score.protocols import Prompt, as_chat
 
 REVISE = "Feedback on your answer:\n{feedback}\n\nWrite an improved answer to the original question."
 
@@ -74,6 +74,7 @@ class Refine:
         ensure(isinstance(self.params, SamplingParams), "params", self.params, "a SamplingParams")
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
+        prompt = as_chat(prompt)  # a plain str is the user's message (`Raw` for none)
         feedback: Feedback = self.feedback if self.feedback is not None else CritiqueFeedback(generator)
 
         def body(run: Run) -> None:

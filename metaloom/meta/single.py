@@ -11,7 +11,7 @@ from metaloom.meta.helpers import Run, component, ensure, extract_all, generate_
 from metaloom.meta.types import Result
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.answers import Extractor
-from metaloom.score.protocols import Prompt
+from metaloom.score.protocols import Prompt, as_chat
 
 
 def _greedy() -> SamplingParams:
@@ -30,6 +30,7 @@ class Single:
         component("extractor", self.extractor, Extractor, "None or an Extractor instance", optional=True)
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
+        prompt = as_chat(prompt)  # a plain str is the user's message (`Raw` for none)
         def body(run: Run) -> None:
             out = generate_one(run, generator, prompt, self.params, "sample")
             run.candidates.append(out)

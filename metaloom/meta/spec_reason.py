@@ -34,7 +34,7 @@ from metaloom.meta.types import Result, usage_dict
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.answers import Extractor
 from metaloom.score.prompting import fill
-from metaloom.score.protocols import Prompt
+from metaloom.score.protocols import Prompt, as_chat
 from metaloom.score.step_judge import STEP_TEMPLATE, StepJudge
 
 METHODS = ("judge", "likelihood")
@@ -99,6 +99,7 @@ class SpecReason:
         component("extractor", self.extractor, Extractor, "None or an Extractor instance", optional=True)
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
+        prompt = as_chat(prompt)  # a plain str is the user's message (`Raw` for none)
         small_gen = self.drafter if self.drafter is not None else generator
         generator.capabilities.require("score", type(generator).__name__, "spec_reason judges steps with the "
                                                                             "large model's Generator.score")

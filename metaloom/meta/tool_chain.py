@@ -39,7 +39,7 @@ from metaloom.meta.types import Result
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.answers import Extractor
 from metaloom.score.prompting import fill, user_text
-from metaloom.score.protocols import Prompt
+from metaloom.score.protocols import Prompt, as_chat
 from metaloom.tools import TOOLS, Observation, Tool, ToolSettings, call_tool, make_tools
 
 INSTRUCTIONS = """Answer the question. You can use these tools:
@@ -184,6 +184,7 @@ class ToolChain:
         component("extractor", self.extractor, Extractor, "None or an Extractor instance", optional=True)
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
+        prompt = as_chat(prompt)  # a plain str is the user's message (`Raw` for none)
         # tools are built before any model call: a missing corpus or sandbox is a typed error here
         tools = {t.name: t for t in make_tools(self.tools, ToolSettings(self.corpus, self.top_k, self.tool_timeout_s))}
         text = fill(self.template, "template", tools=describe(tools.values()), names=", ".join(tools),

@@ -16,7 +16,7 @@ from metaloom.meta.types import Result, Strategy
 from metaloom.meta.voting import decide
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.answers import Extractor, MathAnswer
-from metaloom.score.protocols import Prompt, Scorer
+from metaloom.score.protocols import Prompt, Scorer, as_chat
 
 TRANSFORMS = ("identity", "exp")
 
@@ -40,6 +40,7 @@ class MajorityVote:
         component("inner", self.inner, Strategy, "None or a Strategy instance", optional=True)
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
+        prompt = as_chat(prompt)  # a plain str is the user's message (`Raw` for none)
         def body(run: Run) -> None:
             candidates = collect(run, generator, prompt, self.params, self.n, self.extractor, inner=self.inner)
             decide(run, run.answers, [1.0] * len(candidates), self.extractor)
@@ -73,6 +74,7 @@ class WeightedVote:
         component("inner", self.inner, Strategy, "None or a Strategy instance", optional=True)
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
+        prompt = as_chat(prompt)  # a plain str is the user's message (`Raw` for none)
         def body(run: Run) -> None:
             candidates = collect(run, generator, prompt, self.params, self.n, self.extractor, inner=self.inner)
             run.scores.extend(score(run, self.scorer, prompt, candidates))

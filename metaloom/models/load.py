@@ -14,8 +14,9 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -39,6 +40,7 @@ class LoadedModel:
     folder: str  # a transformers-loadable folder holding these weights (dequantised)
     dtype: torch.dtype
     weights: str = "dense"  # "native": a GGUF's quantised blocks as they are (metaloom.models.engine.native)
+    backend: str = "native"  # which engine runs it: "native" or "transformers"
 
 
 def default_model_path() -> str:
@@ -96,29 +98,68 @@ def write_folder(target: str, prefix: str, write: Callable[[str], None]) -> None
         raise
 
 
-def converted_folder(gguf_path: str) -> str:
-    """The transformers folder for ``gguf_path``, converting it on first use."""
-    from safetensors.torch import save_file
+def transformers_gguf_architectures() -> list[str]:
+    """The GGUF architectures the installed transformers reads (its GGUF loader's list)."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    from metaloom.models.engine.gguf_file import read_gguf, save_gguf_tokenizer
+    return sorted(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer"))
+
+
+def _transformers_reads(arch: str) -> bool:
+    # transformers renames a few llama.cpp architectures before its check (qwen2moe -> qwen2_moe, ...)
+    names = set(transformers_gguf_architectures())
+    return bool({arch, arch.replace("moe", "_moe"), arch.replace("-", "_")} & names)
+
+
+def converted_folder(gguf_path: str) -> str:
+    """The transformers folder for ``gguf_path``, converting it on first use: by metaloom's own
+    reader for the architectures the native engine runs (its config completed by transformers'
+    config class, so transformers loads the folder as it loads the GGUF), by transformers' GGUF
+    loader for the others it reads. An architecture neither reads is an `UnsupportedModel`
+    naming both lists."""
+    from metaloom.models.engine.gguf_file import ARCH_TO_MODEL_TYPE, architecture
 
     stem = os.path.basename(gguf_path).removesuffix(".gguf")
     target = os.path.join(cache_root(), f"{stem}-{_fingerprint(gguf_path)}")
     if os.path.exists(os.path.join(target, "config.json")):
         return target
+    arch = architecture(gguf_path)
+    native = arch in ARCH_TO_MODEL_TYPE
+    if not native and not _transformers_reads(arch):
+        import transformers
+
+        raise UnsupportedModel(f"GGUF architecture {arch!r}: neither backend reads it (native: "
+                               f"{sorted(ARCH_TO_MODEL_TYPE)}; transformers {transformers.__version__}: "
+                               f"{transformers_gguf_architectures()})")
     os.makedirs(cache_root(), exist_ok=True)
-
-    def write(tmp: str) -> None:
-        cfg, sd = read_gguf(gguf_path)
-        config = LlamaConfig.from_hf(cfg)
-        save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(tmp, "model.safetensors"))
-        save_gguf_tokenizer(gguf_path, tmp)
-        # config.json last: its presence marks a complete conversion
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(config.to_hf() | {"torch_dtype": "float32"}, f, indent=1)
-
-    write_folder(target, ".converting-", write)
+    write_folder(target, ".converting-", lambda tmp: _convert(gguf_path, tmp, native))
     return target
+
+
+def _convert(gguf_path: str, tmp: str, native: bool) -> None:
+    from safetensors.torch import save_file
+
+    from metaloom.models.engine.gguf_file import read_gguf, save_gguf_tokenizer
+
+    if native:
+        cfg, sd = read_gguf(gguf_path)
+        save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(tmp, "model.safetensors"))
+    else:
+        from transformers import AutoModelForCausalLM
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)),
+                                                         gguf_file=os.path.basename(gguf_path), dtype=torch.float32)
+        except Exception as exc:  # transformers raises ValueError, KeyError, ... on what it cannot map
+            raise NotAModel(f"transformers cannot read {gguf_path}: {' '.join(str(exc).split())}") from exc
+        model.save_pretrained(tmp)
+        with open(os.path.join(tmp, "config.json")) as f:
+            cfg = json.load(f)
+        os.remove(os.path.join(tmp, "config.json"))
+    save_gguf_tokenizer(gguf_path, tmp)
+    # config.json last: its presence marks a complete conversion
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg | {"torch_dtype": "float32"}, f, indent=1)
 
 
 def gguf_source(spec: str | None) -> str | None:
@@ -192,7 +233,8 @@ def pick_device(device: str | None) -> torch.device:
 def load(spec: str | None = "default", *, dtype: str = "float32", device: str | None = None,
          backend: str = "auto", pack: bool | None = None, fused: bool | None = None,
          weights: str | None = None, kv_dtype: str = "auto", shared_prefix_attention: str = "auto",
-         kv_policy: str = "full", kv_budget: int | None = None) -> LoadedModel:
+         kv_policy: str = "full", kv_budget: int | None = None,
+         chat_template_args: Mapping[str, Any] | None = None) -> LoadedModel:
     """Load a model (see the module docstring). For the native model:
 
     - ``weights``: ``native`` keeps a GGUF's quantised blocks and multiplies by them in the
@@ -209,7 +251,13 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
       off): how the KV cache is held and read (`metaloom.models.engine.options.EngineOptions`);
     - ``kv_policy`` (full, streaming, h2o, snapkv) and ``kv_budget`` (tokens; set exactly when
       the policy is not full): which positions a row keeps once it holds ``kv_budget``
-      (`metaloom.models.engine.kv_policy`).
+      (`metaloom.models.engine.kv_policy`);
+    - ``chat_template_args``: extra variables for the model's chat template (Qwen3's
+      ``enable_thinking``).
+
+    ``backend``: ``auto`` runs the native engine when it runs the model's architecture
+    (`metaloom.models.engine.config.LlamaConfig.from_hf` accepts its config), else transformers;
+    the result's ``backend`` says which ran.
 
     True for either of pack and fused where it cannot be done is an `InvalidParameter` naming
     why; so is a kv_dtype or shared_prefix_attention other than auto, a kv_policy other than
@@ -229,10 +277,11 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
     except (OSError, json.JSONDecodeError) as exc:
         raise NotAModel(f"{folder}/config.json is not readable JSON: {exc}") from exc
     dev = pick_device(device)
-    native = hf_cfg.get("model_type") in NATIVE_MODEL_TYPES
-    use_native = backend == "native" or (backend == "auto" and native)
+    why_native = native_reason(hf_cfg)
+    use_native = backend == "native" or (backend == "auto" and why_native is None)
     if not use_native:  # refuse before reading any weights
         _refuse_engine_options(options, hf_cfg.get("model_type"))
+        _check_transformers_rope(hf_cfg, why_native)
     gguf = gguf_source(spec)
     why_dense = _why_not_native(gguf, use_native, dtype, dev)
     if weights == "native" and why_dense is not None:
@@ -258,10 +307,57 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
         from metaloom.models.engine.hf_adapter import HFModel
 
         model = HFModel.from_folder(folder, dtype=DTYPES[dtype], device=dev)
-        eos_cfg = hf_cfg.get("eos_token_id")
-        eos = tuple(eos_cfg) if isinstance(eos_cfg, list) else ((eos_cfg,) if eos_cfg is not None else ())
-    tokenizer = HFTokenizer(folder, extra_eos_ids=eos)
-    return LoadedModel(model=model, tokenizer=tokenizer, name=name, folder=folder, dtype=DTYPES[dtype], weights=mode)
+        eos = _ids(hf_cfg.get("eos_token_id"))
+    tokenizer = HFTokenizer(folder, extra_eos_ids=(*eos, *_generation_eos(folder)), template_args=chat_template_args)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, folder=folder, dtype=DTYPES[dtype], weights=mode,
+                       backend="native" if use_native else "transformers")
+
+
+def native_reason(hf_cfg: Mapping[str, Any]) -> str | None:
+    """Why the native engine cannot run a model of this transformers config, or None when it can."""
+    if hf_cfg.get("model_type") not in NATIVE_MODEL_TYPES:
+        return f"model_type {hf_cfg.get('model_type')!r} (native: {sorted(NATIVE_MODEL_TYPES)})"
+    try:
+        LlamaConfig.from_hf(hf_cfg)
+    except UnsupportedModel as exc:
+        return str(exc)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise NotAModel(f"config.json is not a valid {hf_cfg.get('model_type')} config: {exc!r}") from exc
+    return None
+
+
+def _check_transformers_rope(hf_cfg: Mapping[str, Any], why_native: str | None) -> None:
+    """An `UnsupportedModel` naming both backends' lists when the config's RoPE scaling is one
+    transformers does not know either (else transformers fails deep in its config class)."""
+    from metaloom.models.engine.config import ROPE_TYPES
+
+    params = [hf_cfg.get("rope_scaling") or {}, hf_cfg.get("rope_parameters") or {}]
+    params += [p for p in params[1].values() if isinstance(p, dict)]
+    kinds = {str(p.get("rope_type", p.get("type"))) for p in params if isinstance(p, dict)} - {"None", "default"}
+    if not kinds:
+        return
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    known = {"default", "su", *ROPE_INIT_FUNCTIONS}
+    unknown = sorted(k for k in kinds if k not in known)
+    if unknown:
+        raise UnsupportedModel(f"rope scaling type {unknown[0]!r}: neither backend runs it (native: "
+                               f"{', '.join(ROPE_TYPES)}; transformers: {', '.join(sorted(known))})"
+                               + (f"; native: {why_native}" if why_native and "rope" not in why_native else ""))
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    return tuple(value) if isinstance(value, list) else ((value,) if value is not None else ())
+
+
+def _generation_eos(folder: str) -> tuple[int, ...]:
+    """The stop tokens of the folder's ``generation_config.json`` (Gemma's <end_of_turn>, Llama
+    3's <|eot_id|>), where it has one."""
+    try:
+        with open(os.path.join(folder, "generation_config.json")) as f:
+            return _ids(json.load(f).get("eos_token_id"))
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return ()
 
 
 def _refuse_engine_options(options: EngineOptions, model_type: object) -> None:

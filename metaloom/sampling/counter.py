@@ -93,26 +93,6 @@ def inverse_cdf(logprobs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=logprobs.shape[-1] - 1)
 
 
-# Streams: which kind of draw a counter is for. A row's plain draw of its n-th token uses counter
-# n (stream `PLAIN`); every other draw about the same position takes its own stream, so no two
-# draws of a row ever share a uniform: speculative decoding's acceptance coins (`ACCEPT`, one per
-# drafted token or tried tree child, `index` its rank among its siblings) and a draft model's own
-# draws (`DRAFT`). Layout of the 62-bit counter: stream (6 bits) | position (48) | index (8).
-PLAIN, ACCEPT, DRAFT = 0, 1, 2
-STREAM_SHIFT, POSITION_SHIFT = 56, 8
-MAX_POSITION, MAX_INDEX = (1 << 48) - 1, (1 << 8) - 1
-
-
-def stream_counter(stream: int, position: np.ndarray, index: np.ndarray | int = 0) -> np.ndarray:
-    """The counters [B] int64 of draws of kind ``stream`` about tokens ``position`` [B] of their
-    rows: ``position`` itself for `PLAIN` (the plain draw's counter), else the layout above.
-    ``index`` (< 256) tells apart draws of one stream at one position."""
-    position = np.asarray(position, dtype=np.int64)
-    if stream == PLAIN:
-        return position
-    return (np.int64(stream) << STREAM_SHIFT) | (position << POSITION_SHIFT) | np.asarray(index, dtype=np.int64)
-
-
 def row_uniforms(keys: np.ndarray, device: torch.device | str) -> torch.Tensor:
     """[B] float64 uniforms on ``device`` for rows given as [B, 2] int64 (key, counter) on the host."""
     keys = np.asarray(keys, dtype=np.int64).reshape(-1, 2)

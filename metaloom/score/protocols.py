@@ -18,6 +18,24 @@ from metaloom.ledger import Ledger
 Prompt = str | tuple[Message, ...]
 
 
+class Raw(str):
+    """Text a strategy sends as it is, with no chat template: a plain completion (what
+    ``metaloom run --raw`` runs, a /v1/completions prompt, a base model's few-shot text).
+    ``Raw("Q: 2+2?\nA:")`` is a `str` everywhere; only `as_chat` tells it apart."""
+
+    __slots__ = ()
+
+
+def as_chat(prompt: Prompt) -> Prompt:
+    """What a strategy runs on. A plain `str` is the user's message: one chat message, so the
+    model's chat template applies (as ``metaloom run`` does; an instruct model given the bare
+    text tends to answer nothing). `Raw` text and chat messages stay as they are, so a nested
+    strategy given the outer one's prompt sees the same prompt."""
+    if type(prompt) is str:
+        return ({"role": "user", "content": prompt},)
+    return prompt
+
+
 @runtime_checkable
 class Scorer(Protocol):
     @property

@@ -26,7 +26,7 @@ from metaloom.meta.types import Result
 from metaloom.meta.voting import decide
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.answers import Extractor
-from metaloom.score.protocols import Prompt, Scorer, StepScorer
+from metaloom.score.protocols import Prompt, Scorer, StepScorer, as_chat
 from metaloom.search.aggregate import aggregate, check_aggregation
 from metaloom.search.tree import Node, Tree
 
@@ -310,6 +310,8 @@ def run_search(config: SearchConfig, name: str, prompt: Prompt, generator: Gener
                body: Callable[[Search], None]) -> Result:
     """Run ``body`` as a search: a budget stop or a failing scorer still reports the tree and
     the best finished solution so far (`metaloom.meta.helpers.guarded`)."""
+
+    prompt = as_chat(prompt)  # a plain str is the user's message (`Raw` for none)
 
     def outer(run: Run) -> None:
         search = Search(config, name, run, generator, prompt)

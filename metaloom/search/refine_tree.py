@@ -46,7 +46,7 @@ from metaloom.sampling.params import SamplingParams
 from metaloom.score.answers import Extractor
 from metaloom.score.feedback import CritiqueFeedback, Feedback
 from metaloom.score.prompting import fill
-from metaloom.score.protocols import Prompt
+from metaloom.score.protocols import Prompt, as_chat
 from metaloom.search.core import finalized
 from metaloom.search.rebase import rebase_widths
 from metaloom.search.tree import Node, Tree
@@ -93,6 +93,7 @@ class RefineTree:
         component("extractor", self.extractor, Extractor, "None or an Extractor instance", optional=True)
 
     def run(self, prompt: Prompt, generator: Generator, *, ledger: Ledger) -> Result:
+        prompt = as_chat(prompt)  # a plain str is the user's message (`Raw` for none)
         feedback: Feedback = self.feedback if self.feedback is not None else CritiqueFeedback(generator)
 
         def body(run: Run) -> None:

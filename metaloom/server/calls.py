@@ -20,6 +20,7 @@ from metaloom.generator.types import Completion, StreamChunk, TokenIds
 from metaloom.generator.types import Request as GenerationRequest
 from metaloom.ledger import Ledger
 from metaloom.meta.types import Result
+from metaloom.score.protocols import Raw
 from metaloom.server import tool_reply
 from metaloom.server.admission import Overloaded
 from metaloom.server.errors import ApiError
@@ -235,6 +236,8 @@ class Call(Responder):
         if isinstance(prompt, TokenIds):  # strategies and their scorers read the question as text
             raise ApiError(400, "a strategy takes a text prompt or chat messages, not token ids", "invalid_request_error",
                            param="prompt")
+        if isinstance(prompt, str):  # /v1/completions: the text as it is (a strategy reads a plain str as chat)
+            prompt = Raw(prompt)
         if sampling.n != 1:  # the rest was checked with the call (names, types, values); this needs the body
             raise InvalidParameter("n", sampling.n, "1 with a strategy (its samples are its own parameter, e.g. n)")
         self.limits.check_stop(sampling.stop)

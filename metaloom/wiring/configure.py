@@ -6,6 +6,11 @@ Feedback, Strategy) names a registry entry, configured in turn by ``FIELD.PARAM`
 Unknown names and parameters raise `InvalidParameter` listing the valid ones: only the
 parameters text can set (`settable`); sampling params come from the sampling flags, a
 `Generator` parameter receives the model being run.
+
+Two steps, each done once: `plan_strategy` reads the text (names, parameters, types, the
+strategy's own value checks) into a `Plan` before any model loads, and `Plan.build` makes the
+objects once the model is there (the model being run, a second model named by text, a task's
+public tests are filled in then). `build_strategy` is both at once.
 """
 
 from __future__ import annotations
@@ -101,17 +106,12 @@ def convert(value: str, t: Any, where: str, groups: Mapping[str, dict[str, str]]
     if nullable and value.lower() in ("none", "null"):
         return None
     if t is Generator:  # a second model: the command loads it as it loaded the first (a model id remotely)
-        if context.get("dry"):
-            return None
-        loader = context.get("load_generator")
-        if loader is None:
-            raise InvalidParameter(where, value, "no model here: a second model is given to metaloom run or metaloom eval")
-        return loader(value)
+        return _SecondModel(value, where)
     kind = kind_of(t)
     if kind is not None:
         label, table = kind
         field_name = where.rsplit(".", 1)[-1]
-        return build(field_name, lookup(label, table(), value), groups.get(field_name, {}), groups, context)
+        return plan(field_name, lookup(label, table(), value), groups.get(field_name, {}), groups, context)
     if t is bool:
         if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
             raise InvalidParameter(where, value, "true or false")
@@ -143,11 +143,80 @@ def _json(value: str, where: str, kind: type) -> Any:
     return out
 
 
-def build(label: str, entry: Callable[..., Any], params: Mapping[str, str], groups: Mapping[str, dict[str, str]],
-          context: Mapping[str, Any]) -> Any:
-    """Call ``entry`` with ``params`` converted to its declared types; parameters typed
-    `Generator` receive ``context["generator"]``. With ``context["dry"]`` nothing is called;
-    ``context["inspect"](label, values)`` sees every component's converted values first."""
+@dataclass(frozen=True)
+class _SecondModel:
+    """A second model named by text (a drafter), loaded at build time as the first was."""
+
+    name: str
+    where: str
+
+    def make(self, context: Mapping[str, Any]) -> Any:
+        loader = context.get("load_generator")
+        if loader is None:
+            raise InvalidParameter(self.where, self.name, "no model here: a second model is given to metaloom run or "
+                                                          "metaloom eval")
+        return loader(self.name)
+
+
+@dataclass(frozen=True)
+class _FromContext:
+    """A value the caller supplies at build time: the model being run, or a task's public tests."""
+
+    key: str
+    label: str
+
+    def make(self, context: Mapping[str, Any]) -> Any:
+        if self.key == "generator":
+            if "generator" not in context:
+                raise InvalidParameter(self.label, None, "a model to run: build it with context['generator']")
+            return context["generator"]
+        if context.get(self.key) is None:
+            # the problem's visible tests come from the task being evaluated, never from text
+            raise InvalidParameter(self.label, None, "a task that shows tests: public tests come from the problem "
+                                   "in metaloom eval (--task humaneval); elsewhere name the tests (tests feedback, "
+                                   "execution scorer)")
+        return context[self.key]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A strategy or component read from text and checked, not yet made: ``entry`` and its
+    converted ``values`` (a component's own `Plan`, or what the caller supplies at build time)."""
+
+    label: str
+    entry: Callable[..., Any]
+    values: Mapping[str, Any]
+
+    def build(self, context: Mapping[str, Any] | None = None) -> Any:
+        """The object, made once: ``context["generator"]`` is the model being run (judges and
+        critics use it), ``context["load_generator"](name)`` loads a second model,
+        ``context["public_tests"]`` the task's visible tests."""
+        context = context or {}
+        return self.entry(**{k: _make(v, context) for k, v in self.values.items()})
+
+
+def _make(value: Any, context: Mapping[str, Any]) -> Any:
+    if isinstance(value, Plan):
+        return value.build(context)
+    if isinstance(value, (_SecondModel, _FromContext)):
+        return value.make(context)
+    if isinstance(value, tuple):
+        return tuple(_make(v, context) for v in value)
+    return value
+
+
+def _planned(value: Any) -> bool:
+    """Whether ``value`` is made only at build time (what a value check cannot see yet)."""
+    return isinstance(value, (Plan, _SecondModel, _FromContext)) or (
+        isinstance(value, tuple) and any(_planned(v) for v in value))
+
+
+def plan(label: str, entry: Callable[..., Any], params: Mapping[str, str], groups: Mapping[str, dict[str, str]],
+         context: Mapping[str, Any]) -> Plan:
+    """``entry`` with ``params`` converted to its declared types, checked and not yet called.
+    ``context["inspect"](label, values)`` sees every component's converted values (those made at
+    build time as None). A dataclass entry's own value checks (``__post_init__``) run too, on a
+    throwaway copy made with the components' defaults, when it can be made without them."""
     declared = params_of(entry)
     types = {p.name: p.type for p in declared}
     names = [p.name for p in declared if settable(p.type)]  # only what text can set is offered
@@ -156,48 +225,57 @@ def build(label: str, entry: Callable[..., Any], params: Mapping[str, str], grou
             raise InvalidParameter(f"{label}.{key}", value, f"one of {names}")
         if key not in names:
             raise _not_settable(f"{label}.{key}", value, types[key])
-    kwargs: dict[str, Any] = {}
+    values: dict[str, Any] = {}
     for p in declared:
-        if is_generator(p.type) and p.default is REQUIRED and ("generator" in context or context.get("dry")):
-            kwargs[p.name] = context.get("generator")  # judges and critics use the model being run
+        if is_generator(p.type) and p.default is REQUIRED:
+            values[p.name] = _FromContext("generator", f"{label}.{p.name}")  # judges and critics use the model run
         elif p.type is PublicTests:
-            # the problem's visible tests come from the task being evaluated, never from text
-            if context.get("public_tests") is None and not context.get("dry"):
-                raise InvalidParameter(label, None, "a task that shows tests: public tests come from the problem "
-                                       "in metaloom eval (--task humaneval); elsewhere name the tests (tests feedback, "
-                                       "execution scorer)")
-            kwargs[p.name] = context.get("public_tests")
+            values[p.name] = _FromContext("public_tests", label)
         elif p.name in params:
-            kwargs[p.name] = convert(params[p.name], p.type, f"{label}.{p.name}", groups, context)
+            values[p.name] = convert(params[p.name], p.type, f"{label}.{p.name}", groups, context)
         elif p.default is REQUIRED and p.factory is None:
             raise InvalidParameter(f"{label}.{p.name}", None, f"a value (--{label}.{p.name} is required)")
+    known = {k: None if _planned(v) else v for k, v in values.items()}
     inspect_values = context.get("inspect")  # a caller's own checks of the converted values (the server's limits)
     if inspect_values is not None:
-        inspect_values(label, kwargs)
-    if context.get("dry"):
-        # a dry run checks names, parameters and types without building components (no model
-        # loads); a strategy's own checks of its values (__post_init__) run too, on a throwaway
-        # copy made with the components' defaults, when it can be made without them
-        if isinstance(entry, type) and dataclasses.is_dataclass(entry):
-            given = {k: v for k, v in kwargs.items() if v is not None}
-            required = {p.name for p in declared if p.default is REQUIRED and p.factory is None}
-            if required <= given.keys():
-                entry(**given)
-        return None
-    return entry(**kwargs)
+        inspect_values(label, known)
+    # (``context["check"]`` False: the caller builds at once, and building runs the same checks)
+    if context.get("check", True) and isinstance(entry, type) and dataclasses.is_dataclass(entry):
+        given = {k: v for k, v in known.items() if v is not None}
+        required = {p.name for p in declared if p.default is REQUIRED and p.factory is None}
+        if required <= given.keys():
+            entry(**given)
+    return Plan(label, entry, values)
 
 
-def build_strategy(name: str, params: Mapping[str, str], groups: Mapping[str, dict[str, str]] | None = None,
-                   context: Mapping[str, Any] | None = None) -> Any:
-    """The strategy ``name`` configured by ``params``; ``groups[FIELD]`` configure the
-    component chosen for field FIELD (``--scorer.path ...``)."""
+def build(label: str, entry: Callable[..., Any], params: Mapping[str, str], groups: Mapping[str, dict[str, str]],
+          context: Mapping[str, Any]) -> Any:
+    """`plan` then `Plan.build`; with ``context["dry"]`` only the plan (None is returned)."""
+    planned = plan(label, entry, params, groups, context)
+    return None if context.get("dry") else planned.build(context)
+
+
+def plan_strategy(name: str, params: Mapping[str, str], groups: Mapping[str, dict[str, str]] | None = None,
+                  context: Mapping[str, Any] | None = None) -> Plan:
+    """The strategy ``name`` read from ``params`` and checked, before any model loads;
+    ``groups[FIELD]`` configure the component chosen for field FIELD (``--scorer.path ...``).
+    Make it with `Plan.build` once the model is there."""
     groups = dict(groups or {})
     used = _component_fields(STRATEGIES, name, params, groups)
     for group in groups:
         if groups[group] and group not in used:
             raise InvalidParameter(f"{group}.*", groups[group], f"parameters of a component chosen by --strategy.{group} "
                                    f"(or by a chosen component's {group!r} parameter)")
-    return build("strategy", lookup("strategy", STRATEGIES, name), params, groups, context or {})
+    return plan("strategy", lookup("strategy", STRATEGIES, name), params, groups, context or {})
+
+
+def build_strategy(name: str, params: Mapping[str, str], groups: Mapping[str, dict[str, str]] | None = None,
+                   context: Mapping[str, Any] | None = None) -> Any:
+    """`plan_strategy` and `Plan.build` at once (``context["dry"]``: the plan's checks only, None)."""
+    context = context or {}
+    dry = bool(context.get("dry"))
+    planned = plan_strategy(name, params, groups, {**context, "check": dry})
+    return None if dry else planned.build(context)
 
 
 def _component_fields(table: Mapping[str, Any], name: str, params: Mapping[str, str],

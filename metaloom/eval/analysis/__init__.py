@@ -9,6 +9,8 @@ records (numpy, no model).
   same compute, with a paired bootstrap interval on the difference.
 - `select`: compute-optimal selection per budget and difficulty bin (Snell et al. 2024), on a
   selection half, reported on a held-out half against best-of-N and majority vote.
+- `difficulty`: the difficulty probes selection bins by (answer agreement; the oracle pass rate).
+- `scaling`: the exponentiated power law of coverage against samples (Brown et al. 2024).
 - `scorers`: how well each pooled strategy's scorer ranks its own candidates (AUROC on the
   problems whose pool holds both correct and wrong answers).
 
@@ -23,9 +25,11 @@ from typing import Any
 
 from metaloom.errors import InvalidParameter
 from metaloom.eval.analysis.curves import curves, first_seen, frontier, latest, points, shared_problems
+from metaloom.eval.analysis.difficulty import VOTES, make_probe
 from metaloom.eval.analysis.equal import at_equal_compute
+from metaloom.eval.analysis.scaling import coverage_fit
 from metaloom.eval.analysis.scorers import ranking
-from metaloom.eval.analysis.select import VOTES, Pick, choice_for_budget, pick_for_budget, select, sweep_seed
+from metaloom.eval.analysis.select import Pick, choice_for_budget, pick_for_budget, select, sweep_seed
 from metaloom.eval.analysis.subsample import COSTS, pass_at_k, pick, pick_many, subset_cost
 from metaloom.eval.records import Record
 
@@ -73,7 +77,8 @@ def _positive(name: str, value: int) -> None:
 
 
 def analyze(records: Sequence[Record], *, seed: int = 0, draws: int = 200, bootstrap: int = 1000,
-            probe_k: int = 4, bins: int = 3, grid: int = 12, metric: str = "flops") -> dict[str, Any]:
+            probe_k: int = 4, bins: int = 3, grid: int = 12, metric: str = "flops",
+            difficulty: str = "agreement") -> dict[str, Any]:
     """Everything the report shows, as JSON-able data (NaN as None):
 
     ``problems`` and ``strategies`` (first-seen order); ``curves`` (per family, its points with
@@ -90,10 +95,13 @@ def analyze(records: Sequence[Record], *, seed: int = 0, draws: int = 200, boots
     ``scorers`` (each scoring pooled strategy's ranking quality, `scorers.ranking`).
 
     ``seed``: subsample draws, bootstrap and split; ``draws``: random subsets per (problem, N);
-    ``bootstrap``: resamples per interval; ``probe_k``, ``bins``, ``grid``, ``metric``: the
-    selection's difficulty probe size, bin count, number of budgets and budget metric.
+    ``bootstrap``: resamples per interval; ``probe_k``, ``bins``, ``grid``, ``metric``,
+    ``difficulty``: the selection's difficulty probe size, bin count, number of budgets, budget
+    metric and probe (`difficulty.DIFFICULTIES`). ``coverage_fit``: the exponentiated power law
+    of each sample pool's coverage (`scaling.coverage_fit`).
     Records with ``error`` count as incorrect; a problem missing for a spec (an interrupted
     sweep) leaves that spec's points over the problems it has (``problems`` says how many)."""
+    make_probe(difficulty, [], [])  # a bad name fails before any work
     for name, value in (("draws", draws), ("bootstrap", bootstrap), ("probe_k", probe_k), ("bins", bins), ("grid", grid)):
         _positive(name, value)
     problems = first_seen([r.problem for r in records])
@@ -115,10 +123,11 @@ def analyze(records: Sequence[Record], *, seed: int = 0, draws: int = 200, boots
                                    "needs at least 2 (a selection half and a held-out half)")
     else:  # the same points and problems as the frontier: a strategy that ran other problems is no candidate
         out["selection"] = select(on_shared, records, list(shared), seed=seed, probe_k=probe_k, bins=bins, grid=grid,
-                                  metric=metric)
+                                  metric=metric, difficulty=difficulty, bootstrap=bootstrap)
         out["selection"]["outside"] = outside
         if not out["selection"]["rows"]:
             out["selection_reason"] = f"no point has a known cost on {out['selection']['budget_metric']}"
+    out["coverage_fit"] = coverage_fit(records, seed=seed, bootstrap=bootstrap)
     out["votes"] = votes(records)
     out["scorers"] = ranking(records)
     return clean(out)

@@ -3,7 +3,8 @@ Optimally can be More Effective than Scaling Model Parameters"): the best test-t
 depends on the budget and on how hard the question is for the model, so choose per budget
 and per difficulty bin, on one half of the problems, and report on the other half.
 
-Protocol (every choice is made without the held-out half's ground truth):
+Protocol (every choice is made without the held-out half's ground truth; the oracle
+difficulty below reads it only to bin problems):
 
 1. **Split**: the problems every strategy spec has are shuffled with ``seed`` and split into
    a selection half (the larger when odd) and a held-out half.
@@ -17,6 +18,8 @@ Protocol (every choice is made without the held-out half's ground truth):
    (their own cost plus the record's shared prefill) is **charged to compute-optimal**, within
    its budget and in its held-out compute: a deployment runs the probe first (no credit is
    taken for reusing its samples). No pooled record with answers: one bin ("all"), no probe.
+   ``difficulty="pass_rate"`` bins by Snell et al.'s oracle difficulty instead, the model's
+   pass rate over the whole pool, uncharged (`metaloom.eval.analysis.difficulty`).
 3. **Bins**: edges at the 1/b, 2/b, ... quantiles (lower) of the selection half's
    difficulties, an edge at the maximum moved down to the next distinct value, duplicates
    dropped, so every bin holds selection problems (difficulties are discrete: k+1 levels);
@@ -56,14 +59,13 @@ from typing import Any
 import numpy as np
 
 from metaloom.errors import InvalidParameter
-from metaloom.eval.analysis.curves import Point, latest
-from metaloom.eval.analysis.subsample import COSTS, subset_cost
-from metaloom.eval.records import POOLED, Record
+from metaloom.eval.analysis.curves import Point, interval
+from metaloom.eval.analysis.difficulty import make_probe
+from metaloom.eval.analysis.subsample import COSTS
+from metaloom.eval.records import Record
 from metaloom.ledger import PEAKS
-from metaloom.wiring.spec import parse_spec
 
 BASELINES = ("majority_vote", "best_of_n")
-VOTES = ("majority_vote", "weighted_vote")
 
 
 def split(problems: Sequence[str], seed: int) -> tuple[list[str], list[str]]:
@@ -74,73 +76,6 @@ def split(problems: Sequence[str], seed: int) -> tuple[list[str], list[str]]:
     order = np.random.default_rng(seed).permutation(len(problems))
     chosen = set(order[: len(problems) - len(problems) // 2].tolist())
     return ([p for i, p in enumerate(problems) if i in chosen], [p for i, p in enumerate(problems) if i not in chosen])
-
-
-@dataclass(frozen=True)
-class Probe:
-    """The difficulty probe: its ``description``, the ``spec`` read and ``k`` samples used; per
-    problem its ``difficulty`` (0..1) and ``cost`` per `COSTS`."""
-
-    description: str
-    spec: str | None
-    k: int
-    difficulty: Mapping[str, float]
-    cost: Mapping[str, Mapping[str, float]]
-
-
-def _answer_groups(record: Record, first: int) -> list[Any]:
-    sel = record.selection
-    if sel is not None and sel.kind in VOTES and len(sel.groups) == len(record.candidates):
-        return list(sel.groups[:first])  # the vote's own answer classes (equivalent answers merged)
-    return [c.answer for c in record.candidates[:first]]
-
-
-def disagreement(groups: Sequence[Any], k: int) -> float:
-    """1 − (largest class among ``groups``)/k; None entries (no answer) agree with nobody."""
-    counts: dict[Any, int] = {}
-    for g in groups:
-        if g is not None:
-            counts[g] = counts.get(g, 0) + 1
-    return 1.0 - max(counts.values(), default=0) / k
-
-
-def _probe_spec(records: Sequence[Record], problems: Sequence[str]) -> str | None:
-    """A pooled spec every problem has, whose candidates carry answers: majority vote first,
-    then other votes, then the rest; the largest pool first."""
-    table = latest(records)
-    want = set(problems)
-    ranked = []
-    for i, spec in enumerate(dict.fromkeys(r.strategy for r in records)):
-        name = parse_spec(spec).name
-        recs = [table[(p, spec)] for p in problems if (p, spec) in table]
-        if name not in POOLED or len(recs) < len(want) or not any(c.answer is not None for r in recs for c in r.candidates):
-            continue
-        rank = 0 if name == "majority_vote" else 1 if name in VOTES else 2
-        ranked.append((rank, -max(len(r.candidates) for r in recs), i, spec))
-    return min(ranked)[3] if ranked else None
-
-
-def agreement_probe(records: Sequence[Record], problems: Sequence[str], k: int = 4) -> Probe:
-    """Difficulty from answer agreement among the first ``k`` samples of a pooled record (see
-    the module docstring); no ground truth is read. A problem whose record has no candidates
-    is hardest (1.0)."""
-    if k < 1:
-        raise InvalidParameter("probe_k", k, "an integer >= 1")
-    spec = _probe_spec(records, problems)
-    if spec is None:
-        zero = dict.fromkeys(COSTS, 0.0)
-        return Probe("none: no pooled record with answers; one bin", None, 0,
-                     dict.fromkeys(problems, 0.0), {p: zero for p in problems})
-    table = latest(records)
-    difficulty, cost = {}, {}
-    for p in problems:
-        r = table[(p, spec)]
-        first = min(k, len(r.candidates))
-        difficulty[p] = disagreement(_answer_groups(r, first), first) if first else 1.0
-        cost[p] = subset_cost(r, range(first))
-    return Probe(f"answer disagreement among the first {k} samples of {spec} "
-                 "(1 - largest answer class / k; no ground truth); their cost is charged to compute-optimal",
-                 spec, k, difficulty, cost)
 
 
 @dataclass(frozen=True)
@@ -226,17 +161,41 @@ def efficiency(target: float, compute: float, curve: Sequence[tuple[float, float
     return min(needed) / compute
 
 
+def _intervals(row: dict[str, Any], mine: np.ndarray | None, theirs: Mapping[str, np.ndarray | None], *, seed: int,
+               bootstrap: int) -> None:
+    """Bootstrap 95% intervals over the held-out problems: of compute-optimal's accuracy
+    (``accuracy_lo``/``_hi``), of each baseline's (``NAME_lo``/``_hi``), and of the paired
+    difference compute-optimal − baseline (``NAME_difference`` with ``_lo``/``_hi``); None
+    where either side has no choice within the budget."""
+    row.update(accuracy_lo=None, accuracy_hi=None)
+    if mine is not None:
+        row["accuracy_lo"], row["accuracy_hi"] = interval(mine, seed=seed, bootstrap=bootstrap)
+    for name, values in theirs.items():
+        row.update({f"{name}_lo": None, f"{name}_hi": None, f"{name}_difference": None,
+                    f"{name}_difference_lo": None, f"{name}_difference_hi": None})
+        if values is None:
+            continue
+        row[f"{name}_lo"], row[f"{name}_hi"] = interval(values, seed=seed, bootstrap=bootstrap)
+        if mine is not None:
+            diff = mine - values
+            row[f"{name}_difference"] = float(diff.mean())
+            row[f"{name}_difference_lo"], row[f"{name}_difference_hi"] = interval(diff, seed=seed, bootstrap=bootstrap)
+
+
 def select(pts: Sequence[Point], records: Sequence[Record], problems: Sequence[str], *, seed: int = 0,
-           probe_k: int = 4, bins: int = 3, grid: int = 12, metric: str = "flops") -> dict[str, Any]:
+           probe_k: int = 4, bins: int = 3, grid: int = 12, metric: str = "flops", difficulty: str = "agreement",
+           bootstrap: int = 1000) -> dict[str, Any]:
     """The compute-optimal analysis over ``problems`` (those every point has): see the module
     docstring. JSON-able except NaN (the caller cleans). Each row: ``budget`` (on
     ``budget_metric``) and ``budget_flops`` (the same, None where the metric is not FLOPs);
     ``choices`` per bin; held-out ``accuracy`` and ``compute`` (probe included, and
     ``probe_compute`` alone); ``best_single``, ``majority_vote``, ``best_of_n`` (held-out accuracy
     of each one's choice, with ``*_choice`` its label; None where nothing fits the budget); and
-    ``efficiency_vs_majority``, ``efficiency_vs_best_of_n`` (`efficiency`)."""
+    ``efficiency_vs_majority``, ``efficiency_vs_best_of_n`` (`efficiency`); bootstrap 95%
+    intervals over the held-out problems (`_intervals`). ``difficulty``: the probe that bins
+    the problems (`metaloom.eval.analysis.difficulty`: ``agreement`` or ``pass_rate``)."""
     sel_problems, held = split(problems, seed)
-    probe = agreement_probe(records, problems, probe_k)
+    probe = make_probe(difficulty, records, problems, probe_k)
     bin_list = difficulty_bins({p: probe.difficulty[p] for p in sel_problems}, bins if probe.spec else 1)
     where = {p: bin_of(bin_list, probe.difficulty[p]) for p in problems}
     metric = budget_metric(pts, sel_problems, metric)
@@ -271,28 +230,34 @@ def select(pts: Sequence[Point], records: Sequence[Record], problems: Sequence[s
                                "choices": {b: None if i is None else pts[i].label for b, i in choices.items()},
                                "policy": "per bin" if binned else "single"}
         paid = probe_cost if binned else 0.0
+        mine = None
         if all(i is not None for i in choices.values()) and held:
             picked = {b: pts[i] for b, i in choices.items() if i is not None}
-            accuracy = float(np.mean([picked[where[p]].correct_at(p) for p in held]))
+            mine = np.array([picked[where[p]].correct_at(p) for p in held])
+            accuracy = float(mine.mean())
             compute = float(np.mean([picked[where[p]].cost_at(metric, p) for p in held])) + paid
         else:
             accuracy, compute = math.nan, math.nan
         row.update(accuracy=accuracy, compute=compute, probe_compute=paid)
         row["best_single"] = None if single is None else held_acc[single]
         row["best_single_choice"] = None if single is None else pts[single].label
+        theirs: dict[str, np.ndarray | None] = {}
         for name, key in (("majority_vote", "efficiency_vs_majority"), ("best_of_n", "efficiency_vs_best_of_n")):
             chosen = _best([whole[i] for i in by_name[name]], budget)
+            theirs[name] = None if chosen is None or not held else pts[chosen].correct[pts[chosen].among(held)]
             row[name] = None if chosen is None else held_acc[chosen]
             row[f"{name}_choice"] = None if chosen is None else pts[chosen].label
             curve = [(held_cost[i], held_acc[i]) for i in by_name[name]]
             row[key] = None if math.isnan(accuracy) else efficiency(accuracy, compute, curve)
+        theirs["best_single"] = None if single is None or not held else pts[single].correct[pts[single].among(held)]
+        _intervals(row, mine, theirs, seed=seed, bootstrap=bootstrap)
         rows.append(row)
 
     return {"seed": seed, "budget_metric": metric, "selection_problems": sel_problems, "heldout_problems": held,
             "bins": [{"name": b.name, "max_difficulty": b.upper,
                       "problems": [p for p in problems if where[p] == b.name],
                       "selection_problems": sel_in[b.name], "heldout_problems": held_in[b.name]} for b in bin_list],
-            "probe": probe.description, "probe_spec": probe.spec, "probe_k": probe.k,
+            "probe": probe.description, "probe_spec": probe.spec, "probe_k": probe.k, "difficulty_kind": difficulty,
             "difficulty": dict(probe.difficulty), "rows": rows}
 
 

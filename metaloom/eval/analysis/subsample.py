@@ -3,10 +3,11 @@ chosen had it drawn only those samples, and what they cost.
 
 Why: a sampling strategy's N samples are i.i.d. draws, so any k of them (in a random order)
 are a draw of the same strategy at N=k; its accuracy at N=k is the expectation over those
-ordered subsets (`outcome`: exact for majority vote and best-of-N, `metaloom.eval.analysis.exact`). Reading smaller N off the largest N costs no model
-calls and lowers variance (every N sees the same pool). The rules here are the strategies'
-own, tie rules included (`metaloom.meta.voting.decide`, `metaloom.meta.helpers.select_top`,
-`metaloom.meta.mbr.MBR`, `metaloom.score.mbr.mbr_select`), so ``pick`` over the first k
+ordered subsets (`outcome`: exact for majority vote and best-of-N, `metaloom.eval.analysis.exact`).
+Reading smaller N off the largest N costs no model calls and lowers variance (every N sees
+the same pool). The rules here are the strategies' own, tie rules included
+(`metaloom.meta.voting.decide`, `metaloom.meta.helpers.select_top`, `metaloom.meta.mbr.MBR`,
+`metaloom.score.mbr.mbr_select`), so ``pick`` over the first k
 candidates in draw order is what the strategy chose when it drew exactly those k.
 
 - ``majority_vote``: the class with most votes wins, ties to the class seen first (in subset

@@ -16,25 +16,26 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jinja2
 
 from metaloom.eval.records import Record
-from metaloom.eval.report import cells, drilldown, load, views
+from metaloom.eval.report import cells, coverage, drilldown, load, views
 
 REPORT = "report.html"
 
 Analyze = Callable[[list[Record]], Mapping[str, Any]]
 
 
-def default_analyze(records: list[Record], seed: int = 0) -> Mapping[str, Any]:
+def default_analyze(records: list[Record], seed: int = 0, **options: Any) -> Mapping[str, Any]:
     """The analysis of `metaloom.eval.analysis` (imported here, when needed: a caller that
-    passes its own analysis does not need it), with the sweep's ``seed`` as `--select` uses."""
+    passes its own analysis does not need it), with the sweep's ``seed`` as `--select` uses;
+    ``options``: `analyze`'s keywords (``difficulty``, ``bins``)."""
     from metaloom.eval.analysis import analyze  # type: ignore[import-not-found,unused-ignore]
 
-    result: Mapping[str, Any] = analyze(records, seed=seed)
+    result: Mapping[str, Any] = analyze(records, seed=seed, **options)
     return result
 
 
@@ -56,16 +57,25 @@ def _ordered(first: Iterable[Any], seen: Iterable[str]) -> list[str]:
 
 
 def build_report(out_dir: str, *, analysis: Mapping[str, Any] | None = None, analyze: Analyze | None = None,
-                 problems: Iterable[Any] | None = None) -> str:
+                 problems: Iterable[Any] | None = None, merge: Sequence[str] = (),
+                 options: Mapping[str, Any] | None = None, exclude: Sequence[str] = ()) -> str:
     """The report of DIR as one HTML string. ``analysis``: the dict of
     `metaloom.eval.analysis.analyze` over DIR's records (computed with ``analyze``, default
-    that function, when not given); ``problems``: prompts and references (see the module)."""
+    that function with ``options``, when not given); ``problems``: prompts and references (see
+    the module); ``merge``: other sweep folders of the same task read with DIR's
+    (`load.merge_sweeps`: each model's strategies labelled with it); ``exclude``: leave out the
+    strategies whose spec (label) contains any of these texts."""
     sweep = load.load_sweep(out_dir)
+    if merge:
+        sweep = load.merge_sweeps([sweep, *(load.load_sweep(d) for d in merge)])
+    if exclude:
+        sweep = load.without(sweep, exclude)
     if analysis is None:
         from metaloom.eval.analysis.select import sweep_seed
 
         # the sweep's seed: the selection half is the one `metaloom eval --select` chose on
-        analysis = analyze(sweep.records) if analyze else default_analyze(sweep.records, sweep_seed(sweep.config))
+        analysis = analyze(sweep.records) if analyze else default_analyze(sweep.records, sweep_seed(sweep.config),
+                                                                           **(options or {}))
     recorded = [str(p) for p in sweep.config.get("problems") or () if isinstance(p, str | int)]
     problem_ids = _ordered(analysis.get("problems") or (), [*recorded, *(r.problem for r in sweep.records)])
     strategies = _ordered(analysis.get("strategies") or (), (r.strategy for r in sweep.records))
@@ -83,6 +93,7 @@ def build_report(out_dir: str, *, analysis: Mapping[str, Any] | None = None, ana
         header=views.header_view(sweep, problem_ids, strategies),
         summary=views.summary_rows(sweep.records, strategies, views.points_by_label(analysis)),
         figures=views.figures_view(analysis), frontier=views.frontier_view(analysis),
+        scaling=coverage.coverage_fit_view(analysis),
         equal=views.equal_compute_view(analysis),
         selection=views.selection_view(analysis), votes=views.votes_summary(analysis, by_problem, strategies),
         scorers=views.scorers_view(analysis),
@@ -94,10 +105,13 @@ def build_report(out_dir: str, *, analysis: Mapping[str, Any] | None = None, ana
 
 
 def write_report(out_dir: str, *, path: str | None = None, analysis: Mapping[str, Any] | None = None,
-                 analyze: Analyze | None = None, problems: Iterable[Any] | None = None) -> str:
-    """Write the report (default ``DIR/report.html``) and return its path. Written to a
-    temporary file first and renamed: a report open in a browser is never half a page."""
-    page = build_report(out_dir, analysis=analysis, analyze=analyze, problems=problems)
+                 analyze: Analyze | None = None, problems: Iterable[Any] | None = None, merge: Sequence[str] = (),
+                 options: Mapping[str, Any] | None = None, exclude: Sequence[str] = ()) -> str:
+    """Write the report (default ``DIR/report.html``) and return its path (``merge``,
+    ``options``, ``exclude``: `build_report`'s). Written to a temporary file first and renamed: a report
+    open in a browser is never half a page."""
+    page = build_report(out_dir, analysis=analysis, analyze=analyze, problems=problems, merge=merge, options=options,
+                        exclude=exclude)
     path = path or os.path.join(out_dir, REPORT)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)

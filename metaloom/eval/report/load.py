@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from metaloom.errors import InvalidParameter
@@ -148,3 +148,68 @@ def read_traces(out_dir: str, records: Iterable[Record]) -> dict[str, TraceTrees
         if r.trace and r.trace not in out:
             out[r.trace] = read_trace(out_dir, r.trace)
     return out
+
+
+# --------------------------------------------------------------------------------- merging
+
+
+def model_tag(config: Mapping[str, Any]) -> str:
+    """A sweep's model as a short tag: the file or folder name without ``.gguf``."""
+    model = str(mapping(config.get("setup")).get("model") or "?")
+    name = os.path.basename(model.rstrip("/")) or model
+    return name[:-5] if name.endswith(".gguf") else name
+
+
+def _tagged(spec: str, tag: str) -> str:
+    from metaloom.wiring.spec import Spec, parse_spec
+
+    s = parse_spec(spec)
+    return Spec(s.name, {**s.params, "model": tag}, s.groups).text()
+
+
+def merge_sweeps(sweeps: list[Sweep]) -> Sweep:
+    """Several sweeps of one task (the same problems) as one, to compare them in one report: a
+    small model's searches against a larger model's votes at equal FLOPs. Where the models
+    differ, every strategy is labelled with its sweep's model (``greedy@model=qwen2.5-coder-1.5b``:
+    a label, read by the analysis as the strategy with one more parameter, not a spec to run),
+    so each model's sampling strategies are curves of their own. Trace paths become absolute
+    (each sweep keeps its own ``traces/``). Another task, or the same (problem, strategy) in
+    two sweeps: `InvalidParameter` naming the directory."""
+    first = sweeps[0]
+    tags = [model_tag(s.config) for s in sweeps]
+    label = len(set(tags)) > 1
+    records: list[Record] = []
+    seen: set[tuple[str, str]] = set()
+    strategies: list[str] = []
+    for sweep, tag in zip(sweeps, tags, strict=True):
+        if sweep.config.get("task") != first.config.get("task"):
+            raise InvalidParameter("with", sweep.out_dir, f"a sweep of the same task as {first.out_dir} "
+                                   "(its config.json's task differs)")
+        for r in sweep.records:
+            strategy = _tagged(r.strategy, tag) if label else r.strategy
+            if (r.problem, strategy) in seen:
+                raise InvalidParameter("with", sweep.out_dir, f"sweeps without a strategy in common ({r.strategy!r} "
+                                       f"on {r.problem} is in two of them, same model)")
+            seen.add((r.problem, strategy))
+            trace = os.path.abspath(os.path.join(sweep.out_dir, r.trace)) if r.trace else None
+            records.append(replace(r, strategy=strategy, trace=trace))
+        strategies += [_tagged(s, tag) if label else str(s) for s in sweep.config.get("strategies") or ()]
+    setup = {**mapping(first.config.get("setup")), "model": " + ".join(dict.fromkeys(
+        str(mapping(s.config.get("setup")).get("model")) for s in sweeps))}
+    problems = list(dict.fromkeys(str(p) for s in sweeps for p in s.config.get("problems") or ()))
+    config = {**first.config, "setup": setup, "strategies": strategies, "problems": problems,
+              "merged": [{"dir": s.out_dir, "model": mapping(s.config.get("setup")).get("model")} for s in sweeps]}
+    return Sweep(first.out_dir, config, records, max(s.written for s in sweeps))
+
+
+def without(sweep: Sweep, exclude: Sequence[str]) -> Sweep:
+    """``sweep`` without the strategies whose spec contains any of ``exclude``'s texts (records
+    and the config's strategy list); nothing left: `InvalidParameter`."""
+    def kept(spec: str) -> bool:
+        return not any(text in spec for text in exclude)
+
+    records = [r for r in sweep.records if kept(r.strategy)]
+    if not records:
+        raise InvalidParameter("exclude", list(exclude), "texts that leave some strategy of the sweep")
+    config = {**sweep.config, "strategies": [s for s in sweep.config.get("strategies") or () if kept(str(s))]}
+    return replace(sweep, config=config, records=records)

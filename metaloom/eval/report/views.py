@@ -186,6 +186,14 @@ def equal_compute_view(analysis: Mapping[str, Any]) -> dict[str, Any]:
 BASELINES = ("majority_vote", "best_of_n", "best_single")  # a selection row's baselines (and their ``_choice``)
 
 
+def _points(diff: Any, lo: Any, hi: Any) -> str:
+    """A paired difference in points with its interval ("+5.0 [-2.5, +12.5]"), or empty."""
+    if not finite(diff):
+        return ""
+    interval = f" [{100 * lo:+.1f}, {100 * hi:+.1f}]" if finite(lo) and finite(hi) else ""
+    return f"{100 * diff:+.1f}{interval}"
+
+
 def selection_view(analysis: Mapping[str, Any]) -> dict[str, Any]:
     """The compute-optimal table: per FLOPs budget, each difficulty bin's choice and the
     held-out accuracy against the baselines; or why there is none."""
@@ -208,7 +216,11 @@ def selection_view(analysis: Mapping[str, Any]) -> dict[str, Any]:
         rows.append({"budget": budget, "policy": r.get("policy") or "",
                      "choices": [(r.get("choices") or {}).get(b, MISSING) for b in bins],
                      "accuracy": fmt_pct(r.get("accuracy")), "compute": compute,
+                     "interval": fmt_interval(r.get("accuracy_lo"), r.get("accuracy_hi")),
                      **{key: fmt_pct(r.get(key)) for key in BASELINES},
+                     **{f"{key}_interval": fmt_interval(r.get(f"{key}_lo"), r.get(f"{key}_hi")) for key in BASELINES},
+                     **{f"{key}_difference": _points(r.get(f"{key}_difference"), r.get(f"{key}_difference_lo"),
+                                                     r.get(f"{key}_difference_hi")) for key in BASELINES},
                      **{f"{key}_choice": r.get(f"{key}_choice") or "" for key in BASELINES},
                      "vs_majority": fmt_ratio(r.get("efficiency_vs_majority")),
                      "vs_best_of_n": fmt_ratio(r.get("efficiency_vs_best_of_n"))})

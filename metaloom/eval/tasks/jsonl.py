@@ -2,8 +2,9 @@
 
 Fields of a line:
 
-- ``prompt`` (required): a string, or chat messages ``[{"role": ..., "content": ...}, ...]``
-  (roles system, user, assistant; at least one user message);
+- ``prompt`` (required): a string (sent as it is, no chat template), or chat messages
+  ``[{"role": ..., "content": ...}, ...]`` (roles system, user, assistant; at least one user
+  message);
 - ``answer``: the expected answer, graded by an extractor's equivalence (``extractor``: a name
   from `metaloom.wiring.registry.EXTRACTORS` that needs no arguments; default ``math``): the
   extracted answer of the output is ``same`` as the extracted answer (or, where it extracts
@@ -41,7 +42,7 @@ from metaloom.eval.tasks.base import Grade, Problem
 from metaloom.generator.types import Completion, Message
 from metaloom.ledger import Ledger
 from metaloom.score.answers import ExactString, Extractor
-from metaloom.score.protocols import Prompt, Scorer
+from metaloom.score.protocols import Prompt, Raw, Scorer
 from metaloom.score.puzzles import PuzzleExpression
 
 FIELDS = ("prompt", "answer", "extractor", "scorer", "id", "metadata")
@@ -111,10 +112,11 @@ class Grader:
 
 
 def _prompt(path: str, line: int, value: Any) -> Prompt:
-    """A line's prompt: a non-empty string, or chat messages with at least one user message."""
+    """A line's prompt: a non-empty string (raw text, no chat template), or chat messages with at
+    least one user message."""
     allowed = f"a non-empty string or a list of {{'role', 'content'}} messages (roles {list(ROLES)}) with a user message"
     if isinstance(value, str) and value.strip():
-        return value
+        return Raw(value)  # sent as it is (no chat template): a strategy reads a plain str as chat
     if not isinstance(value, list) or not value:
         raise _bad(path, line, "prompt", value, allowed)
     messages: list[Message] = []

@@ -256,6 +256,31 @@ def _triton_step(m: LlamaModel, pool: KVPool) -> Step:
     return step
 
 
+def static_forward(m: LlamaModel, tokens: torch.Tensor, cache: object, valid: torch.Tensor | None,
+                   last_only: bool = False, tree: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(logits [B, T, V], hidden [B, T, d]) of a decode step (T = 1) or a speculative verify
+    (T <= MAX_WIDTH over rows that hold keys already) through `step_graphs`, or None when
+    this forward is neither (the caller takes the eager path)."""
+    b, t = tokens.shape
+    if b == 0 or row_bucket(b) is None or not isinstance(cache, PagedKVCache) or t > MAX_WIDTH:
+        return None
+    if cache.pool.layers != len(m.layers) or b != cache.batch or (t > 1 and not cache.host_lengths().all()):
+        return None  # a prefill of fresh rows takes the eager path (PyTorch's fused attention)
+    if tree is not None and (t == 1 or tuple(tree.shape) != (b, t, t) or tree.dtype != torch.bool
+                             or m.config.sliding_window is not None or m.options.drops):
+        return None  # the eager path checks the tree (a typed error) or takes it
+    runner = m.step_graphs(cache.pool)
+    if runner is None:
+        return None
+    keep = [t] * b if valid is None else valid.tolist()
+    logits, hidden = runner.run(tokens, cache, keep, None if tree is None else tree.to(tokens.device))
+    if last_only:
+        last = torch.as_tensor([max(k, 1) - 1 for k in keep], device=logits.device)
+        index = torch.arange(b, device=logits.device)
+        return logits[index, last][:, None], hidden[index, last][:, None]
+    return logits, hidden
+
+
 def why_not(model: object, pool: KVPool | None = None) -> str | None:
     """Why ``model`` cannot take static steps (over ``pool``, when given) (None: it can): dense
     tensor weights only, and a KV pool stored in the model's own dtype, which the step writes
@@ -264,6 +289,9 @@ def why_not(model: object, pool: KVPool | None = None) -> str | None:
 
     if not isinstance(model, LlamaModel):
         return f"static steps are for the native LlamaModel, not {type(model).__name__}"
+    if not model.config.plain:
+        return (f"static steps run the Llama layer; {model.config.model_type}'s differences (q/k norms, post-norms, "
+                "GeGLU, per-layer windows or RoPE, soft-capping, partial RoPE) take the eager step")
     weights = [model.embed, model.lm_head] + [t for w in model.layers for t in (w.qkv, w.o, w.gate_up, w.down)]
     if not all(isinstance(t, torch.Tensor) for t in weights):
         return "static steps need dense tensor weights (quantised or packed ones are CPU kernels)"

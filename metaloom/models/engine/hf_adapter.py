@@ -1,7 +1,9 @@
 """Any transformers causal LM behind metaloom's `LanguageModel` / `KVCache` protocols.
 
-The native model (`metaloom.models.engine.llama`) covers the Llama family; everything else (Gemma 3,
-GPT-2, Phi, …) runs through transformers' own modelling code here, with the same semantics:
+The native model (`metaloom.models.engine.llama`) covers the families of
+`metaloom.models.engine.config`; everything else (GPT-2, Falcon, StableLM, LFM2, Qwen3-MoE, a
+GGUF of any architecture transformers' GGUF loader reads, …) runs through transformers' own
+modelling code here, with the same semantics:
 rows of a batch may hold different lengths, ``valid`` right-pads a forward, ``fork`` copies rows
 and ``truncate`` rolls rows back — so decoders never know which backend they drive.
 
@@ -237,7 +239,7 @@ class HFModel:
         try:
             model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True, **extra)
         except Exception as exc:  # transformers raises OSError, ValueError, KeyError … on a bad folder
-            raise NotAModel(f"transformers cannot load {folder} as a causal LM: {exc}") from exc
+            raise NotAModel(f"transformers cannot load {folder} as a causal LM: {' '.join(str(exc).split())}") from exc
         return cls(model.to(device))
 
     # --- protocol ----------------------------------------------------------------------

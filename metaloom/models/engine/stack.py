@@ -43,7 +43,9 @@ class WeightDesc(ctypes.Structure):
 
 class LayerDesc(ctypes.Structure):
     _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("qkv", WeightDesc), ("o", WeightDesc),
-                ("gate_up", WeightDesc), ("down", WeightDesc)]
+                ("gate_up", WeightDesc), ("down", WeightDesc), ("cs", ctypes.c_void_p), ("sn", ctypes.c_void_p),
+                ("window", ctypes.c_int64), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                ("post_attn", ctypes.c_void_p), ("post_mlp", ctypes.c_void_p)]
 
 
 @dataclass(frozen=True, eq=False)
@@ -65,15 +67,19 @@ def _blocks(w: object) -> QuantWeight | None:
     return q
 
 
-def plan(layers: list[Any], kernels: QuantKernels, dtype: torch.dtype) -> Plan | None:
-    """Descriptors of ``layers`` (`metaloom.models.engine.llama.LayerWeights`) for ``kernels``, or None
-    where a weight is not one the kernels multiply (the model keeps its Python loop)."""
+def plan(layers: list[Any], kernels: QuantKernels, dtype: torch.dtype,
+         ropes: list[tuple[torch.Tensor, torch.Tensor]], windows: list[int | None]) -> Plan | None:
+    """Descriptors of ``layers`` (`metaloom.models.engine.weights.LayerWeights`) for ``kernels``, or
+    None where a weight is not one the kernels multiply (the model keeps its Python loop). Layer
+    i rotates by ``ropes[i]`` (cos, sin) and slides over ``windows[i]`` positions (None: none);
+    its optional norms (per-head q/k, post-attention, post-MLP) are NULL where it has none."""
     keep: list[torch.Tensor] = []
-    fns = {"panel": ctypes.cast(kernels.lib.quant_panel_matmul, ctypes.c_void_p).value,
-           "gguf": ctypes.cast(kernels.lib.quant_matmul, ctypes.c_void_p).value}
+    lib = kernels.lib  # each weight's kernel by its layout and activations (q8: quant_q8.h's)
+    fns = {("panel", "float"): lib.quant_panel_matmul, ("gguf", "float"): lib.quant_matmul,
+           ("panel", "q8"): lib.quant_panel_matmul_q8, ("gguf", "q8"): lib.quant_matmul_q8}
 
     def weight(w: object, bias: torch.Tensor | None = None) -> WeightDesc | None:
-        from metaloom.models.engine.llama import Concat
+        from metaloom.models.engine.weights import Concat
 
         blocks = [_blocks(p) for p in (w.parts if isinstance(w, Concat) else (w,))]
         if not 1 <= len(blocks) <= MAX_PARTS or any(q is None for q in blocks):
@@ -82,7 +88,8 @@ def plan(layers: list[Any], kernels: QuantKernels, dtype: torch.dtype) -> Plan |
         for i, q in enumerate(blocks):
             assert q is not None  # checked above
             keep.append(q.blocks)
-            parts[i] = PartDesc(fns[q.layout], q.blocks.data_ptr(), q.qtype, q.out_features, q.in_features,
+            fn = ctypes.cast(fns[q.layout, q.activations], ctypes.c_void_p).value
+            parts[i] = PartDesc(fn, q.blocks.data_ptr(), q.qtype, q.out_features, q.in_features,
                                 int(q.nbytes >= PARALLEL_MIN_BYTES))
         if bias is not None:
             bias = bias.to(dtype).contiguous()
@@ -90,14 +97,20 @@ def plan(layers: list[Any], kernels: QuantKernels, dtype: torch.dtype) -> Plan |
         return WeightDesc(parts, len(blocks), sum(q.out_features for q in blocks if q is not None),
                           None if bias is None else bias.data_ptr())
 
+    def ptr(t: torch.Tensor | None) -> int | None:
+        return None if t is None else t.data_ptr()
+
     descs = []
-    for layer in layers:
+    for layer, (cos, sin), window in zip(layers, ropes, windows, strict=True):
         parts = [weight(layer.qkv, layer.qkv_bias), weight(layer.o), weight(layer.gate_up), weight(layer.down)]
-        norms = (layer.attn_norm, layer.mlp_norm)
+        norms = [n for n in (layer.attn_norm, layer.mlp_norm, layer.q_norm, layer.k_norm, layer.post_attn_norm,
+                             layer.post_mlp_norm) if n is not None]
         if any(p is None for p in parts) or any(n.dtype != dtype or not n.is_contiguous() for n in norms):
             return None
-        keep += [layer.attn_norm, layer.mlp_norm]
-        descs.append(LayerDesc(layer.attn_norm.data_ptr(), layer.mlp_norm.data_ptr(), *parts))
+        keep += [*norms, cos, sin]
+        descs.append(LayerDesc(layer.attn_norm.data_ptr(), layer.mlp_norm.data_ptr(), *parts, cos.data_ptr(),
+                               sin.data_ptr(), window or 0, ptr(layer.q_norm), ptr(layer.k_norm),
+                               ptr(layer.post_attn_norm), ptr(layer.post_mlp_norm)))
     return Plan((LayerDesc * len(descs))(*descs), len(descs), tuple(keep))
 
 

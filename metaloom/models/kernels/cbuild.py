@@ -6,11 +6,11 @@ they run on, which a wheel cannot ship. Each file is built once per instruction-
 (`metaloom.models.kernels.isa`: avx512, avx2, neon, generic) with exactly that path's flags, never with
 ``-march=native``, so a path forced lower (``METALOOM_ISA``) runs the code a smaller CPU runs.
 The machine's C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) builds the library into
-``<cache>/kernels/<hash>/<name>.so`` (about a second), keyed by the source, the compiler, the
-flags and the CPU, so later processes just load it. Nothing here raises on a failed build: a
-path the compiler cannot build (an old compiler without ``-mavx512bw``, say) falls to the next
-path this CPU runs, and the reason says so; with no path built the caller gets the compiler's
-complaint as a reason and runs its PyTorch fallback.
+``<cache>/kernels/<hash>/<name>.so`` (seconds to a minute), keyed by the source and the local
+headers it includes, the compiler, the flags and the CPU, so later processes just load it.
+Nothing here raises on a failed build: a path the compiler cannot build (an old compiler without
+``-mavx512bw``, say) falls to the next path this CPU runs, and the reason says so; with no path
+built the caller gets the compiler's complaint as a reason and runs its PyTorch fallback.
 
 OpenMP: ``-fopenmp`` links ``libgomp.so.1``. PyTorch's CPU wheel ships and has already loaded a
 library of that soname, so the kernels' parallel regions run on the same OpenMP runtime (and
@@ -23,6 +23,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -161,10 +162,25 @@ def build_library(source: Path, bind: Callable[[ctypes.CDLL, Path, str], T], *, 
     return Built(None, "; ".join(failures))
 
 
+_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def source_text(source: Path, seen: frozenset[Path] = frozenset()) -> bytes:
+    """``source`` and, in order, every local header it includes (``#include "x.h"``, found next to
+    it, recursively): what a build depends on, so that editing a header rebuilds."""
+    text = source.read_bytes()
+    parts = [text]
+    for name in _INCLUDE.findall(text):
+        header = source.parent / name.decode()
+        if header.exists() and header not in seen:
+            parts.append(source_text(header, seen | {source}))
+    return b"\0".join(parts)
+
+
 def _build_one(source: Path, bind: Callable[[ctypes.CDLL, Path, str], T], cache_dir: Path | None, cc: str,
                flags: tuple[str, ...], name: str) -> Built[T]:
     isa_flags = isa.flags(name)
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), cc.encode(), " ".join(flags).encode(), name.encode(),
+    key = hashlib.sha256(b"\0".join([source_text(source), cc.encode(), " ".join(flags).encode(), name.encode(),
                                      " ".join(isa_flags).encode(), platform.machine().encode(),
                                      cpu_signature().encode()])).hexdigest()[:16]
     path = (cache_dir or Path(user_cache_dir("kernels"))) / key / (source.stem + ".so")

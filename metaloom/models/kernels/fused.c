@@ -29,7 +29,7 @@
 #include <arm_neon.h>
 #endif
 
-#define ABI_VERSION 8
+#define ABI_VERSION 9
 #define INLINE static inline __attribute__((always_inline))
 
 /* W lanes per vector: one AVX-512 register; 8 on every other path, one AVX2 register or two NEON
@@ -192,6 +192,40 @@ void silu_mul(const void *gu, void *y, int64_t rows, int64_t inter, int bf16) {
     else silu_mul_t(gu, y, rows, inter, 0);
 }
 
+/* GeGLU (Gemma): gelu(gate) * up with GELU's tanh approximation, 0.5 g (1 + tanh(sqrt(2/pi) (g +
+ * 0.044715 g^3))); tanh(z) = 1 - 2 / (e^(2z) + 1), whose e^(2z) saturates to 0 or inf and gives
+ * -1 or 1 there (vexp clamps its input, so no NaN from inf / inf). */
+INLINE void gelu_mul_t(const void *gu, void *y, int64_t rows, int64_t inter, const int bf) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < inter; i += W) {
+            vec g = ld(gu, r * 2 * inter + i, bf), u = ld(gu, r * 2 * inter + inter + i, bf);
+            vec z = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+            vec t = 1.0f - 2.0f / (vexp(2.0f * z) + 1.0f);
+            st(y, r * inter + i, 0.5f * g * (1.0f + t) * u, bf);
+        }
+}
+
+/* y = act(gate) * up: act 0 silu (SwiGLU), 1 tanh-approximated GELU (GeGLU). */
+void glu_mul(const void *gu, void *y, int64_t rows, int64_t inter, int act, int bf16) {
+    if (act == 1) {
+        if (bf16) gelu_mul_t(gu, y, rows, inter, 1);
+        else gelu_mul_t(gu, y, rows, inter, 0);
+    } else silu_mul(gu, y, rows, inter, bf16);
+}
+
+/* ---- per-head q/k RMSNorm (Qwen3, Gemma 3) ------------------------------------------------- */
+
+/* In place, before RoPE: each query head of qkv [rows, (h + 2 hk) dim] normalised and scaled by
+ * qw [dim], each key head by kw [dim]; the value heads are left alone. */
+void head_rms_norm(void *qkv, const void *qw, const void *kw, int64_t rows, int64_t h, int64_t hk, int64_t dim,
+                   float eps, int bf16) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < h + hk; g++) {
+            void *head = (char *)qkv + ((r * (h + 2 * hk) + g) * dim) * (bf16 ? 2 : 4);
+            residual_rms_norm(head, NULL, g < h ? qw : kw, head, 1, dim, eps, bf16);
+        }
+}
+
 /* ---- RoPE, cache write, attention -------------------------------------------------------- */
 
 /* Rotate-half RoPE of one head: out = x * cos + rotate_half(x) * sin. */
@@ -267,8 +301,8 @@ INLINE void prefetch_kv(const void *p, int64_t at, int64_t elem, int64_t lines) 
  * stay in registers. */
 INLINE void head_partial_n(const void *q, int64_t qi, const void *K, const void *V, const float *KS,
                            const float *VS, const int64_t *slots, int64_t stride, int64_t off, int64_t sst,
-                           int64_t sof, float *scores, int64_t lo, int64_t pos, float scale, vec *acc, float *m_out,
-                           float *l_out, const int nv, const int bf, const int q8) {
+                           int64_t sof, float *scores, int64_t lo, int64_t pos, float scale, float cap, vec *acc,
+                           float *m_out, float *l_out, const int nv, const int bf, const int q8) {
     vec qv[MAX_VECTORS];
     for (int i = 0; i < nv; i++) qv[i] = ld(q, qi + W * i, bf);
     float mx = -INFINITY;
@@ -280,6 +314,7 @@ INLINE void head_partial_n(const void *q, int64_t qi, const void *K, const void 
         vec d = qv[0] * ldkv(K, at, bf, q8);
         for (int i = 1; i < nv; i++) d += qv[i] * ldkv(K, at + W * i, bf, q8);
         float x = hsum(d) * (q8 ? KS[slots[t] * sst + sof] * scale : scale);
+        if (cap > 0.0f) x = cap * tanhf(x / cap); /* soft-capped scores (Gemma 2) */
         scores[t] = x;
         mx = x > mx ? x : mx;
     }
@@ -305,11 +340,12 @@ INLINE void head_partial_n(const void *q, int64_t qi, const void *K, const void 
  * the softmax's sum l (scores[t] / l is then position t's attention probability) */
 INLINE float head_attend_n(const void *q, const void *K, const void *V, const float *KS, const float *VS,
                           const int64_t *slots, int64_t stride, int64_t off, int64_t sst, int64_t sof, float *scores,
-                          void *out, int64_t oi, int64_t lo, int64_t pos, float scale, const int nv, const int bf,
-                          const int q8) {
+                          void *out, int64_t oi, int64_t lo, int64_t pos, float scale, float cap, const int nv,
+                          const int bf, const int q8) {
     vec acc[MAX_VECTORS];
     float m, l;
-    head_partial_n(q, 0, K, V, KS, VS, slots, stride, off, sst, sof, scores, lo, pos, scale, acc, &m, &l, nv, bf, q8);
+    head_partial_n(q, 0, K, V, KS, VS, slots, stride, off, sst, sof, scores, lo, pos, scale, cap, acc, &m, &l, nv, bf,
+                   q8);
     float inv = 1.0f / l;
     for (int i = 0; i < nv; i++) st(out, oi + W * i, acc[i] * inv, bf);
     return l;
@@ -322,13 +358,13 @@ INLINE float head_attend_n(const void *q, const void *K, const void *V, const fl
 INLINE void head_attend_sinks_n(const void *q, const void *qs, const void *K, const void *V, const float *KS,
                                 const float *VS, const int64_t *slots, int64_t stride, int64_t off, int64_t sst,
                                 int64_t sof, float *scores, void *out, int64_t oi, int64_t sinks, int64_t pos,
-                                float scale, const int nv, const int bf, const int q8) {
+                                float scale, float cap, const int nv, const int bf, const int q8) {
     vec a[MAX_VECTORS], b[MAX_VECTORS];
     float ma, la, mb, lb;
-    head_partial_n(qs, 0, K, V, KS, VS, slots, stride, off, sst, sof, scores, 0, sinks - 1, scale, a, &ma, &la, nv, bf,
-                   q8);
-    head_partial_n(q, 0, K, V, KS, VS, slots, stride, off, sst, sof, scores, sinks, pos, scale, b, &mb, &lb, nv, bf,
-                   q8);
+    head_partial_n(qs, 0, K, V, KS, VS, slots, stride, off, sst, sof, scores, 0, sinks - 1, scale, cap, a, &ma, &la, nv,
+                   bf, q8);
+    head_partial_n(q, 0, K, V, KS, VS, slots, stride, off, sst, sof, scores, sinks, pos, scale, cap, b, &mb, &lb, nv,
+                   bf, q8);
     float m = ma > mb ? ma : mb;
     float ca = vexp(splat(ma - m))[0], cb = vexp(splat(mb - m))[0];
     float inv = 1.0f / (la * ca + lb * cb);
@@ -336,14 +372,15 @@ INLINE void head_attend_sinks_n(const void *q, const void *qs, const void *K, co
 }
 
 #define HEAD_ATTEND(NV) \
-    return head_attend_n(q, K, V, KS, VS, slots, stride, off, sst, sof, scores, out, oi, lo, pos, scale, NV, bf, q8)
+    return head_attend_n(q, K, V, KS, VS, slots, stride, off, sst, sof, scores, out, oi, lo, pos, scale, cap, NV, bf, q8)
 #define HEAD_SINKS(NV) \
-    head_attend_sinks_n(q, qs, K, V, KS, VS, slots, stride, off, sst, sof, scores, out, oi, sinks, pos, scale, NV, bf, q8)
+    head_attend_sinks_n(q, qs, K, V, KS, VS, slots, stride, off, sst, sof, scores, out, oi, sinks, pos, scale, cap, NV, \
+                        bf, q8)
 
 INLINE void head_attend_sinks(const void *q, const void *qs, const void *K, const void *V, const float *KS,
                               const float *VS, const int64_t *slots, int64_t stride, int64_t off, int64_t sst,
                               int64_t sof, float *scores, void *out, int64_t oi, int64_t sinks, int64_t pos,
-                              float scale, int64_t nv, const int bf, const int q8) {
+                              float scale, float cap, int64_t nv, const int bf, const int q8) {
     switch (nv * W) {
     case 64: HEAD_SINKS(64 / W); break;
     case 128: HEAD_SINKS(128 / W); break;
@@ -354,8 +391,8 @@ INLINE void head_attend_sinks(const void *q, const void *qs, const void *K, cons
 
 INLINE float head_attend(const void *q, const void *K, const void *V, const float *KS, const float *VS,
                         const int64_t *slots, int64_t stride, int64_t off, int64_t sst, int64_t sof, float *scores,
-                        void *out, int64_t oi, int64_t lo, int64_t pos, float scale, int64_t nv, const int bf,
-                        const int q8) {
+                        void *out, int64_t oi, int64_t lo, int64_t pos, float scale, float cap, int64_t nv,
+                        const int bf, const int q8) {
     switch (nv * W) { /* head_dim 64, 128, 256 unrolled; other multiples of 32 generic */
     case 64: HEAD_ATTEND(64 / W);
     case 128: HEAD_ATTEND(128 / W);
@@ -379,7 +416,7 @@ typedef struct {
 INLINE void attend_task(const void *qkv, const void *cs, const void *sn, const int64_t *lengths,
                         const int64_t *table, int64_t width, void *kc, void *vc, float *ks, float *vs, void *out,
                         int64_t r, int64_t j, int64_t h, int64_t hk, int64_t dim, int64_t window, float scale,
-                        float *scores, float *q, const drop_args *dr, const int bf, const int q8) {
+                        float cap, float *scores, float *q, const drop_args *dr, const int bf, const int q8) {
     int64_t stride = (h + 2 * hk) * dim, group = h / hk;
     int64_t pos = lengths[r];
     int64_t lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
@@ -392,11 +429,11 @@ INLINE void attend_task(const void *qkv, const void *cs, const void *sn, const i
         if (sinks > 0 && at != pos * dim) {
             rope(qkv, row + g * dim, cs, sn, pos * dim, qs, 0, dim, bf);
             head_attend_sinks(q, qs, kc, vc, ks, vs, slots, hk * dim, j * dim, hk, j, scores, out, (r * h + g) * dim,
-                              sinks, pos, scale, dim / W, bf, q8);
+                              sinks, pos, scale, cap, dim / W, bf, q8);
             continue;
         }
         float l = head_attend(q, kc, vc, ks, vs, slots, hk * dim, j * dim, hk, j, scores, out, (r * h + g) * dim, lo,
-                              pos, scale, dim / W, bf, q8);
+                              pos, scale, cap, dim / W, bf, q8);
         if (dr->probs) { /* scores hold e^(score - max) for lo..pos */
             float inv = 1.0f / l, *p = dr->probs + (r * hk + j) * width;
             for (int64_t t = lo; t <= pos; t++) p[t] += scores[t] * inv;
@@ -407,9 +444,8 @@ INLINE void attend_task(const void *qkv, const void *cs, const void *sn, const i
 INLINE int rope_attend_t(const void *qkv, const void *cs, const void *sn, const int64_t *lengths,
                          const int64_t *table, int64_t width, void *kc, void *vc, float *ks, float *vs, void *out,
                          int64_t rows, int64_t h, int64_t hk, int64_t dim, int64_t window, int64_t threads,
-                         const drop_args *dr, const int bf, const int q8) {
+                         float scale, float cap, const drop_args *dr, const int bf, const int q8) {
     if (dim > W * MAX_VECTORS) return -2;
-    float scale = 1.0f / sqrtf((float)dim);
     int64_t longest = 0;
     for (int64_t r = 0; r < rows; r++) longest = lengths[r] > longest ? lengths[r] : longest;
     /* per thread: scores [longest + 1 + W] (the last block of W may run past pos), then the
@@ -428,7 +464,7 @@ INLINE int rope_attend_t(const void *qkv, const void *cs, const void *sn, const 
         for (int64_t task = 0; task < tasks; task++)
             if (scores)
                 attend_task(qkv, cs, sn, lengths, table, width, kc, vc, ks, vs, out, task / hk, task % hk, h, hk, dim,
-                            window, scale, scores, scores + longest + 1 + W, dr, bf, q8);
+                            window, scale, cap, scores, scores + longest + 1 + W, dr, bf, q8);
         free(scores);
     }
     return failed ? -1 : 0;
@@ -581,7 +617,8 @@ INLINE void span_partial(const void *q, const void *K, const void *V, const floa
 }
 
 #define HEAD_PARTIAL(NV) \
-    head_partial_n(q, qi, K, V, KS, VS, slots, stride, off, hk, j, scores, lo, pos, scale, acc, &s[0], &s[1], NV, bf, q8)
+    head_partial_n(q, qi, K, V, KS, VS, slots, stride, off, hk, j, scores, lo, pos, scale, 0.0f, acc, &s[0], &s[1], NV, \
+                   bf, q8)
 
 /* Row r, kv head j (its new key and value already written by write_new): rotate its query heads
  * into q [rows, h, dim], and leave each query head's partial softmax over the row's private
@@ -645,8 +682,7 @@ INLINE void merge_task(const float *priv, const float *pstate, const sharing_des
 INLINE int rope_attend_shared_t(const void *qkv, const void *cs, const void *sn, const int64_t *lengths,
                                 const int64_t *table, int64_t width, void *kc, void *vc, float *ks, float *vs,
                                 void *out, int64_t rows, int64_t h, int64_t hk, int64_t dim, int64_t threads,
-                                const sharing_desc *sh, const int64_t *shift, const int bf, const int q8) {
-    float scale = 1.0f / sqrtf((float)dim);
+                                float scale, const sharing_desc *sh, const int64_t *shift, const int bf, const int q8) {
     int64_t longest = 0, group = h / hk, sw = dim + 2;
     for (int64_t r = 0; r < rows; r++) longest = lengths[r] > longest ? lengths[r] : longest;
     /* q [rows, h, dim] in the activations' dtype (4 bytes an element is room for either), the
@@ -723,13 +759,16 @@ INLINE int rope_attend_shared_t(const void *qkv, const void *cs, const void *sn,
  * the positions rows share are attended once for all of them (shared-prefix attention, above).
  * shift, sinks, probs: dropped positions (drop_args above; each may be NULL; sinks and probs not
  * with sharing or a sliding window, shift not with a sliding window).
+ * scale: what q . k is multiplied by (<= 0: 1 / sqrt(dim)); cap > 0: scores soft-capped to
+ * cap * tanh(score / cap) before the softmax (Gemma 2; not with sharing).
  * Returns 0; -1 out of memory; -2 dim > 256; -3 sharing with a sliding window; -4 sinks or probs
- * with sharing, or dropped positions with a sliding window. */
+ * with sharing, or dropped positions with a sliding window; -5 sharing with soft-capping. */
 #define SHARED(BF, Q8) \
-    rope_attend_shared_t(qkv, cs, sn, lengths, table, width, kc, vc, ks, vs, out, rows, h, hk, dim, threads, sh, \
+    rope_attend_shared_t(qkv, cs, sn, lengths, table, width, kc, vc, ks, vs, out, rows, h, hk, dim, threads, scale, sh, \
                          shift, BF, Q8)
 #define PER_ROW(BF, Q8) \
-    rope_attend_t(qkv, cs, sn, lengths, table, width, kc, vc, ks, vs, out, rows, h, hk, dim, window, threads, &dr, BF, Q8)
+    rope_attend_t(qkv, cs, sn, lengths, table, width, kc, vc, ks, vs, out, rows, h, hk, dim, window, threads, scale, cap, \
+                  &dr, BF, Q8)
 
 /* Every row's rotated new key and its value, every kv head, into slot table[r, lengths[r]]:
  * all of them before any row attends, so a row may attend another row's new key in the same
@@ -750,15 +789,17 @@ INLINE void write_new(const void *qkv, const void *cs, const void *sn, const int
     }
 }
 
-int rope_attend(const void *qkv, const void *cs, const void *sn, const int64_t *lengths, const int64_t *table,
-                int64_t width, void *kc, void *vc, float *ks, float *vs, void *out, int64_t rows, int64_t h,
-                int64_t hk, int64_t dim, int64_t window, int64_t threads, int bf16, const sharing_desc *sh,
-                const int64_t *shift, const int64_t *sinks, float *probs) {
+int rope_attend_ex(const void *qkv, const void *cs, const void *sn, const int64_t *lengths, const int64_t *table,
+                   int64_t width, void *kc, void *vc, float *ks, float *vs, void *out, int64_t rows, int64_t h,
+                   int64_t hk, int64_t dim, int64_t window, int64_t threads, int bf16, const sharing_desc *sh,
+                   const int64_t *shift, const int64_t *sinks, float *probs, float scale, float cap) {
     if (dim > W * MAX_VECTORS) return -2;
     const int q8 = ks != NULL;
     const drop_args dr = {shift, sinks, probs};
+    if (scale <= 0.0f) scale = 1.0f / sqrtf((float)dim);
     if (window > 0 && (shift || sinks || probs)) return -4;
     if (sh && sh->spans && window > 0) return -3;
+    if (sh && sh->spans && cap > 0.0f) return -5;
     if (sh && sh->spans && (sinks || probs)) return -4;
     if (bf16) write_new(qkv, cs, sn, lengths, table, width, kc, vc, ks, vs, rows, h, hk, dim, shift, 1, q8);
     else write_new(qkv, cs, sn, lengths, table, width, kc, vc, ks, vs, rows, h, hk, dim, shift, 0, q8);
@@ -768,6 +809,15 @@ int rope_attend(const void *qkv, const void *cs, const void *sn, const int64_t *
     }
     if (q8) return bf16 ? PER_ROW(1, 1) : PER_ROW(0, 1);
     return bf16 ? PER_ROW(1, 0) : PER_ROW(0, 0);
+}
+
+/* rope_attend_ex with the Llama layer's attention: scale 1 / sqrt(dim), no soft-capping */
+int rope_attend(const void *qkv, const void *cs, const void *sn, const int64_t *lengths, const int64_t *table,
+                int64_t width, void *kc, void *vc, float *ks, float *vs, void *out, int64_t rows, int64_t h,
+                int64_t hk, int64_t dim, int64_t window, int64_t threads, int bf16, const sharing_desc *sh,
+                const int64_t *shift, const int64_t *sinks, float *probs) {
+    return rope_attend_ex(qkv, cs, sn, lengths, table, width, kc, vc, ks, vs, out, rows, h, hk, dim, window, threads,
+                          bf16, sh, shift, sinks, probs, 0.0f, 0.0f);
 }
 
 /* ---- every layer of a one-token step in one call ----------------------------------------------- *
@@ -804,6 +854,10 @@ typedef struct {
 typedef struct {
     const void *attn_norm, *mlp_norm; /* [d] */
     weight_desc qkv, o, gate_up, down;
+    const void *cs, *sn;              /* this layer's RoPE tables [positions, dim] */
+    int64_t window;                   /* its sliding window (0: none) */
+    const void *q_norm, *k_norm;      /* [dim] per-head norms before RoPE, or NULL */
+    const void *post_attn, *post_mlp; /* [d] norms of the attention's and the MLP's outputs, or NULL */
 } layer_desc;
 
 /* y [rows, out] += bias, rounded as PyTorch's add of two tensors of the activations' dtype */
@@ -842,35 +896,41 @@ static int matmul(const weight_desc *w, const void *x, void *y, int64_t rows, in
     return 0;
 }
 
-/* Every layer of a one-token step, for `rows` rows (one new token each, at position lengths[r]):
+/* Every layer of a one-token step, for `rows` rows (one new token each, at position lengths[r]),
+ * each layer with its own RoPE tables, window and optional norms (layer_desc):
  *   x [rows, d]: the residual stream (the embeddings in; the stream before the last sublayer's
  *   output is added, out), delta [rows, d]: that last output (the caller's final norm adds it);
  *   y [rows, d], qkv [rows, (h + 2 hk) dim], attn [rows, h dim], gu [rows, 2 inter], act [rows,
  *   inter]: scratch; keys[i], values[i]: layer i's KV pool [slots, hk, dim] (int8 codes when
  *   kscales and vscales are not NULL: kscales[i], vscales[i] [slots, hk]); the rest as
- *   `rope_attend` and `residual_rms_norm` (sh: shared-prefix attention, or NULL; shift, sinks,
- *   probs: dropped positions, each may be NULL; probs sums over layers). Returns 0, or the first failing kernel's code (a
- *   matmul's -1 or -2 plus -10, rope_attend's -1 or -2). */
+ *   `rope_attend_ex` and `residual_rms_norm` (sh: shared-prefix attention, or NULL, used by the
+ *   layers without a window only; shift, sinks, probs: dropped positions, each may be NULL; probs
+ *   sums over layers); act: the gate's activation (glu_mul); scale, cap: the attention's. Returns
+ *   0, or the first failing kernel's code (a matmul's -1 or -2 plus -10, rope_attend's -1 or -2). */
 int decode_layers(const layer_desc *layers, int64_t n_layers, void *x, void *delta, void *y, void *qkv, void *attn,
-                  void *gu, void *act, const void *cs, const void *sn, const int64_t *lengths, const int64_t *table,
-                  int64_t width, void *const *keys, void *const *values, int64_t rows, int64_t d, int64_t h,
-                  int64_t hk, int64_t dim, int64_t inter, int64_t window, int64_t attn_threads, int64_t threads,
-                  float eps, int bf16, const sharing_desc *sh, void *const *kscales, void *const *vscales,
-                  const int64_t *shift, const int64_t *sinks, float *probs) {
+                  void *gu, void *act, const int64_t *lengths, const int64_t *table, int64_t width,
+                  void *const *keys, void *const *values, int64_t rows, int64_t d, int64_t h, int64_t hk, int64_t dim,
+                  int64_t inter, int64_t attn_threads, int64_t threads, float eps, int bf16, const sharing_desc *sh,
+                  void *const *kscales, void *const *vscales, const int64_t *shift, const int64_t *sinks,
+                  float *probs, int glu, float scale, float cap) {
     for (int64_t i = 0; i < n_layers; i++) {
         const layer_desc *l = layers + i;
         int rc;
         residual_rms_norm(x, i ? delta : NULL, l->attn_norm, y, rows, d, eps, bf16);
         if ((rc = matmul(&l->qkv, y, qkv, rows, threads, bf16))) return rc - 10;
-        if ((rc = rope_attend(qkv, cs, sn, lengths, table, width, keys[i], values[i], kscales ? kscales[i] : NULL,
-                              vscales ? vscales[i] : NULL, attn, rows, h, hk, dim, window, attn_threads, bf16, sh, shift,
-                              sinks, probs)))
+        if (l->q_norm) head_rms_norm(qkv, l->q_norm, l->k_norm, rows, h, hk, dim, eps, bf16);
+        if ((rc = rope_attend_ex(qkv, l->cs, l->sn, lengths, table, width, keys[i], values[i],
+                                 kscales ? kscales[i] : NULL, vscales ? vscales[i] : NULL, attn, rows, h, hk, dim,
+                                 l->window, attn_threads, bf16, l->window > 0 ? NULL : sh, shift, sinks, probs, scale,
+                                 cap)))
             return rc;
         if ((rc = matmul(&l->o, attn, delta, rows, threads, bf16))) return rc - 10;
+        if (l->post_attn) residual_rms_norm(delta, NULL, l->post_attn, delta, rows, d, eps, bf16);
         residual_rms_norm(x, delta, l->mlp_norm, y, rows, d, eps, bf16);
         if ((rc = matmul(&l->gate_up, y, gu, rows, threads, bf16))) return rc - 10;
-        silu_mul(gu, act, rows, inter, bf16);
+        glu_mul(gu, act, rows, inter, glu, bf16);
         if ((rc = matmul(&l->down, act, delta, rows, threads, bf16))) return rc - 10;
+        if (l->post_mlp) residual_rms_norm(delta, NULL, l->post_mlp, delta, rows, d, eps, bf16);
     }
     return 0;
 }

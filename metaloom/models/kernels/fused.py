@@ -8,7 +8,12 @@ floats of work. `fused.c` does the same arithmetic in three calls per layer:
 - `residual_rms_norm`: ``x += delta`` (the residual add, in place) then RMSNorm;
 - `rope_attend`: RoPE on q and k, the k/v cache write, and softmax(q K^T / sqrt(D)) V for every
   query head (grouped-query, optional sliding window), one new token per row;
-- `silu_mul`: SwiGLU's ``silu(gate) * up``.
+- `silu_mul`: SwiGLU's ``silu(gate) * up`` (`glu_mul`: or GeGLU's tanh-approximated GELU).
+
+The families beyond Llama (`metaloom.models.engine.config`) add per-head q/k norms before RoPE
+(`head_rms_norm`), norms of the attention's and the MLP's outputs (`residual_rms_norm` in place),
+an attention scale of their own and soft-capped scores (`rope_attend`'s ``scale``, ``softcap``),
+and per-layer windows and RoPE tables (each layer's call, or its ``decode_layers`` descriptor).
 
 The matmuls stay PyTorch's. `metaloom.models.engine.llama.LlamaModel` takes this path for one-token
 steps when it was given the kernels (`load` does so on the CPU), and for a speculative verify
@@ -47,11 +52,12 @@ from metaloom.models.engine.sharing import Sharing
 from metaloom.models.kernels import cbuild
 
 SOURCE = Path(__file__).with_name("fused.c")
-ABI_VERSION = 8  # must match fused.c
+ABI_VERSION = 9  # must match fused.c
 # From this many (row, cached key) pairs per step, fused.c's attention splits over PyTorch's
 # threads (OpenMP); below it, one thread (a parallel region costs microseconds per layer).
 PARALLEL_MIN_KEYS = 2048
 MAX_HEAD_DIM = 256  # fused.c keeps a query and its output in 16 vectors of 16
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # fused.c's glu_mul
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -78,10 +84,23 @@ class FusedKernels:
         """gate_up [R, 2 I] = [gate | up]; y [R, I] = silu(gate) * up."""
         self.lib.silu_mul(gate_up.data_ptr(), y.data_ptr(), y.shape[0], y.shape[1], y.dtype == torch.bfloat16)
 
+    def glu_mul(self, gate_up: torch.Tensor, y: torch.Tensor, activation: str) -> None:
+        """`silu_mul` with the gate's ``activation``: silu or gelu_tanh (GeGLU)."""
+        self.lib.glu_mul(gate_up.data_ptr(), y.data_ptr(), y.shape[0], y.shape[1], ACTIVATIONS[activation],
+                         y.dtype == torch.bfloat16)
+
+    def head_rms_norm(self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, heads: int,
+                      kv_heads: int, eps: float) -> None:
+        """In place: each query head of qkv [R, (H + 2 H_kv) D] RMS-normalised and scaled by
+        q_norm [D], each key head by k_norm [D] (Qwen3, Gemma 3)."""
+        self.lib.head_rms_norm(qkv.data_ptr(), q_norm.data_ptr(), k_norm.data_ptr(), qkv.shape[0], heads, kv_heads,
+                               q_norm.shape[0], eps, qkv.dtype == torch.bfloat16)
+
     def rope_attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: torch.Tensor,
                     table: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, out: torch.Tensor, heads: int,
                     window: int | None, threads: int = 1, sharing: Sharing | None = None,
-                    scales: tuple[torch.Tensor, torch.Tensor] | None = None, drops: Drops | None = None) -> None:
+                    scales: tuple[torch.Tensor, torch.Tensor] | None = None, drops: Drops | None = None,
+                    scale: float | None = None, softcap: float | None = None) -> None:
         """qkv [R, (H + 2 H_kv) D]; cos, sin [positions, D]; lengths [R] int64 (each row's new
         position); table [R, width] int64: the KV slot of each position of each row (the new
         position's slot included); keys, values [slots, H_kv, D]: the layer's KV pool (the new
@@ -93,18 +112,22 @@ class FusedKernels:
         ``scales``: (key scales, value scales) [slots, H_kv] float32 of an int8 pool, whose keys
         and values are then int8 codes (None: they are in ``out``'s dtype). ``drops``: rows that
         dropped positions (``--kv-policy``; not with a sliding window, and its sinks and probs
-        not with ``sharing``)."""
+        not with ``sharing``). ``scale``: what q . k is multiplied by (None: 1 / sqrt(D));
+        ``softcap``: scores become softcap * tanh(score / softcap) (not with ``sharing``)."""
         rows, width = table.shape
         _, kv_heads, dim = keys.shape
         ks, vs = (None, None) if scales is None else (scales[0].data_ptr(), scales[1].data_ptr())
-        rc = self.lib.rope_attend(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), lengths.data_ptr(), table.data_ptr(),
-                                  width, keys.data_ptr(), values.data_ptr(), ks, vs, out.data_ptr(), rows, heads,
-                                  kv_heads, dim, window or 0, threads, out.dtype == torch.bfloat16,
-                                  None if sharing is None else ctypes.byref(sharing.desc), *(drops or NO_DROPS).pointers())
+        rc = self.lib.rope_attend_ex(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), lengths.data_ptr(),
+                                     table.data_ptr(), width, keys.data_ptr(), values.data_ptr(), ks, vs, out.data_ptr(),
+                                     rows, heads, kv_heads, dim, window or 0, threads, out.dtype == torch.bfloat16,
+                                     None if sharing is None else ctypes.byref(sharing.desc),
+                                     *(drops or NO_DROPS).pointers(), scale or 0.0, softcap or 0.0)
         if rc == -1:
             raise MemoryError("fused attention could not allocate its score buffer")
         if rc == -3:
             raise UnsupportedModel("shared-prefix attention does not apply with a sliding window")
+        if rc == -5:
+            raise UnsupportedModel("shared-prefix attention does not apply with soft-capped attention scores")
         if rc == -4:
             raise UnsupportedModel("dropped positions do not apply with a sliding window, nor sinks or "
                                    "attention probabilities with shared-prefix attention")
@@ -160,10 +183,16 @@ def _bind(lib: ctypes.CDLL, path: Path, isa: str = "") -> FusedKernels:
     lib.silu_mul.restype = None
     lib.rope_attend.argtypes = [_P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int, _P, _P, _P, _P]
     lib.rope_attend.restype = ctypes.c_int
+    lib.rope_attend_ex.argtypes = [*lib.rope_attend.argtypes, ctypes.c_float, ctypes.c_float]
+    lib.rope_attend_ex.restype = ctypes.c_int
+    lib.glu_mul.argtypes = [_P, _P, _I, _I, ctypes.c_int, ctypes.c_int]
+    lib.glu_mul.restype = None
+    lib.head_rms_norm.argtypes = [_P, _P, _P, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int]
+    lib.head_rms_norm.restype = None
     lib.metaloom_fused_openmp.restype = ctypes.c_int
-    lib.decode_layers.argtypes = [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I,
-                                  _I, _I, _I, ctypes.c_float, ctypes.c_int, _P, _P, _P,
-                                  _P, _P, _P]  # see metaloom.models.engine.stack
+    lib.decode_layers.argtypes = [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I,
+                                  _I, ctypes.c_float, ctypes.c_int, _P, _P, _P, _P, _P, _P,
+                                  ctypes.c_int, ctypes.c_float, ctypes.c_float]  # see metaloom.models.engine.stack
     lib.decode_layers.restype = ctypes.c_int
     return FusedKernels(lib, str(path), bool(lib.metaloom_fused_openmp()), isa)
 

@@ -6,7 +6,8 @@ set either crashes on a smaller CPU or, built for the smallest, leaves most of a
 unused; and a path no machine of ours takes is a path no test runs. So each kernel file is
 compiled once per path, for exactly that instruction set, and:
 
-- ``avx512``: x86-64 with AVX-512 F/BW/VL/DQ (Skylake-X and later Xeons, Zen 4, Zen 5);
+- ``avx512``: x86-64 with AVX-512 F/BW/VL/DQ (Skylake-X and later Xeons, Zen 4, Zen 5), with
+  VNNI's int8 dot products (``vpdpbusd``) where the CPU has them (Cascade Lake and later, Zen 4);
 - ``avx2``: x86-64 with AVX2, FMA and F16C (Haswell and later, every Zen);
 - ``neon``: aarch64 (Apple M-series, Graviton, Ampere, Snapdragon), with the dot-product
   extension where the CPU has it;
@@ -58,8 +59,10 @@ PATHS: dict[str, IsaPath] = {
     "neon": IsaPath("neon", "aarch64", frozenset({"asimd"}), ("-march=armv8-a",)),
     "generic": IsaPath("generic", "any", frozenset(), ()),
 }
-# aarch64 CPUs with the dot-product extension (ARMv8.2+, "asimddp") get it on the neon path
+# aarch64 CPUs with the dot-product extension (ARMv8.2+, "asimddp") get it on the neon path, and
+# AVX-512 CPUs with VNNI (int8 dot products for `--activations q8`) on the avx512 path
 _NEON_DOTPROD = ("-march=armv8.2-a+dotprod",)
+_AVX512_VNNI = ("-mavx512vnni",)
 
 
 def machine() -> str:
@@ -116,10 +119,13 @@ def runnable(arch: str | None = None, features: frozenset[str] | None = None) ->
 
 
 def flags(name: str, features: frozenset[str] | None = None) -> tuple[str, ...]:
-    """Compiler flags that build path ``name`` (neon: with dotprod where the CPU has it)."""
+    """Compiler flags that build path ``name`` (neon: with dotprod, avx512: with VNNI, where the
+    CPU has it)."""
     features = cpu_features() if features is None else features
     if name == "neon" and "asimddp" in features:
         return _NEON_DOTPROD
+    if name == "avx512" and "avx512_vnni" in features:
+        return (*PATHS[name].flags, *_AVX512_VNNI)
     return PATHS[name].flags
 
 
@@ -143,8 +149,8 @@ def resolve(value: str | None) -> IsaPath:
 
 def describe(features: frozenset[str]) -> str:
     """The vector features of a CPU that matter to the paths, in a short list."""
-    known = ("sse2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
-             "avx_ne_convert", "amx_bf16", "asimd", "asimddp", "bf16")
+    known = ("sse2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+             "avx512_bf16", "avx_vnni", "avx_ne_convert", "amx_bf16", "asimd", "asimddp", "bf16")
     have = [f for f in known if f in features]
     return ", ".join(have) if have else "none of the vector extensions the kernels use"
 

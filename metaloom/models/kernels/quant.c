@@ -60,7 +60,7 @@
 #include <arm_neon.h>
 #endif
 
-#define ABI_VERSION 2
+#define ABI_VERSION 3
 #define INLINE static inline __attribute__((always_inline))
 #define UNROLL _Pragma("GCC unroll 16")
 /* Tiles (NO outputs x RMAX rows of x) sized to the register file: an accumulator is a vector of W
@@ -1801,3 +1801,5 @@ int quant_panel_matmul(int t, const uint8_t *pw, int64_t out, int64_t in, const 
     free(xs);
     return 0;
 }
+
+#include "quant_q8.h" /* q8 activations: integer dot products over both layouts */

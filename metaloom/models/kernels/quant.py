@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,7 @@ from metaloom.errors import InvalidParameter, UnsupportedModel
 from metaloom.models.kernels import cbuild, panels
 
 SOURCE = Path(__file__).with_name("quant.c")
-ABI_VERSION = 2  # must match quant.c
+ABI_VERSION = 3  # must match quant.c
 # Up to this many rows per call, the kernel; above, dequantise + F.linear. Measured with
 # scripts/quant_kernel_speed.py (2 threads, Zen 4): F.linear first wins between 96 and 256 rows
 # on weights of 1 to 5 MB of blocks (SmolLM2-135M's gate_up, Qwen2.5-0.5B's ffn_down; within 10%
@@ -131,6 +131,28 @@ class QuantKernels:
     openmp: bool = False  # compiled with OpenMP: threads > 1 splits outputs
     panel_types: int = 0  # bit t set: type t has the panel layout's matmul in this build
     isa: str = ""  # the instruction-set path it was built for (metaloom.models.kernels.isa)
+    q8_types: int = 0  # bit t set: type t has the q8-activation matmuls (quant_q8.h)
+
+    def matmul_q8(self, qtype: int, blocks: torch.Tensor, in_features: int, x: torch.Tensor, y: torch.Tensor,
+                  rows: int, threads: int = 1, layout: str = "gguf") -> None:
+        """As `matmul` (``layout`` "panel": as `panel_matmul`), with x quantised to int8 per 32
+        inputs and integer products (quant_q8.h)."""
+        fn = self.lib.quant_panel_matmul_q8 if layout == "panel" else self.lib.quant_matmul_q8
+        rc = fn(qtype, blocks.data_ptr(), blocks.shape[0], in_features, x.data_ptr(), x.dtype == torch.bfloat16,
+                y.data_ptr(), y.dtype == torch.bfloat16, rows, threads)
+        if rc:
+            _check(rc, "quant_matmul_q8")
+
+    def q8_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [rows, in] (float32 or bfloat16, contiguous) as the q8 kernels quantise it: int8 quants
+        [rows, in], float32 scales [rows, in / 32], int32 sums [rows, 3 in / 32] (per 32, then per 16)."""
+        rows, n = x.shape
+        q = torch.empty(rows, n, dtype=torch.int8)
+        d = torch.empty(rows, n // 32)
+        s = torch.empty(rows, 3 * (n // 32), dtype=torch.int32)
+        _check(self.lib.quant_q8_inputs(x.data_ptr(), x.dtype == torch.bfloat16, rows, n, q.data_ptr(), d.data_ptr(),
+                                        s.data_ptr()), "quant_q8_inputs")
+        return q, d, s
 
     def matmul(self, qtype: int, blocks: torch.Tensor, in_features: int, x: torch.Tensor, y: torch.Tensor,
                rows: int, threads: int = 1) -> None:
@@ -197,7 +219,14 @@ def _bind(lib: ctypes.CDLL, path: Path, isa: str = "") -> QuantKernels:
     lib.quant_panel_matmul.argtypes = [_C, _P, _I, _I, _P, _C, _P, _C, _I, _I]
     lib.quant_panel_matmul.restype = ctypes.c_int
     lib.quant_panel_types.restype = ctypes.c_int
-    return QuantKernels(lib, str(path), bool(lib.metaloom_quant_openmp()), int(lib.quant_panel_types()), isa)
+    for fn in (lib.quant_matmul_q8, lib.quant_panel_matmul_q8):
+        fn.argtypes = [_C, _P, _I, _I, _P, _C, _P, _C, _I, _I]
+        fn.restype = ctypes.c_int
+    lib.quant_q8_types.restype = ctypes.c_int
+    lib.quant_q8_inputs.argtypes = [_P, _C, _I, _I, _P, _P, _P]
+    lib.quant_q8_inputs.restype = ctypes.c_int
+    return QuantKernels(lib, str(path), bool(lib.metaloom_quant_openmp()), int(lib.quant_panel_types()), isa,
+                        int(lib.quant_q8_types()))
 
 
 LIBRARY = cbuild.KernelLibrary(SOURCE, _bind)
@@ -371,6 +400,27 @@ def unpanel_numpy(qtype: int, panelled: torch.Tensor, in_features: int) -> torch
     return panels.unpanel_numpy(qtype, panelled, in_features, QTYPES[qtype].block)
 
 
+# ---- q8 activations (quant_q8.h) --------------------------------------------------------------------
+
+ACTIVATIONS = ("float", "q8")
+Q8_TYPES = frozenset(t for t in QTYPES if QTYPES[t].block > 1)  # every quantised type (not F16, BF16)
+
+
+def q8_inputs_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, in] (in a multiple of 32) -> (q int8 [rows, in], d float32 [rows, in / 32]) exactly
+    as quant_q8.h's ``q8_row`` quantises activations: per 32 inputs d = max|x| / 127, q =
+    round(x (1 / d)) half away from zero, in float32 (a block with a NaN or infinity: d NaN, q 0)."""
+    v = x.float().unflatten(-1, (-1, 32))
+    a = v.abs()
+    bad = ~(a <= torch.finfo(torch.float32).max).all(-1)
+    d = torch.where(bad, 0.0, a.amax(-1)) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    t = torch.where(bad.unsqueeze(-1), 0.0, v * inv.unsqueeze(-1))
+    whole = t.trunc()  # round half away from zero, exactly (t - whole is exact)
+    q = (whole + torch.sign(t) * ((t - whole).abs() >= 0.5)).clamp(-127, 127)
+    return q.to(torch.int8).flatten(-2), torch.where(bad, torch.nan, d)
+
+
 # ---- the weight -----------------------------------------------------------------------------------
 
 
@@ -381,12 +431,17 @@ class QuantWeight:
 
     ``layout="panel"``: the same bytes regrouped 16 outputs at a time (quant.c's panel layout,
     made by `panelled`), which the batch-1 kernels read fastest; the shape is unchanged, and
-    `gguf` gives the file's layout back."""
+    `gguf` gives the file's layout back.
+
+    ``activations="q8"``: a call quantises x to int8 per 32 inputs and multiplies with integer
+    dot products (quant_q8.h; `with_activations`), for every number of rows: faster for many rows,
+    at the cost of the inputs' rounding (docs/engine.md measures it). Quantised types only."""
 
     qtype: int
     blocks: torch.Tensor
     in_features: int
     layout: str = "gguf"
+    activations: str = "float"
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -397,6 +452,12 @@ class QuantWeight:
         if not isinstance(self.qtype, int):
             raise InvalidParameter("qtype", self.qtype, "a ggml type id (an int; qtype_id converts a name)")
         q = QTYPES[qtype_id(self.qtype)]  # an unknown id is an UnsupportedModel naming the known ones
+        if self.activations not in ACTIVATIONS:
+            raise InvalidParameter("activations", self.activations, f"one of {list(ACTIVATIONS)}")
+        if self.activations == "q8" and self.qtype not in Q8_TYPES:
+            raise InvalidParameter("activations", self.activations,
+                                   f"float for a {q.name} weight (q8 multiplies quantised weights' integer quants by "
+                                   "int8 activations; a float weight has none)")
         b = self.blocks
         if not isinstance(b, torch.Tensor) or b.dtype != torch.uint8:
             raise InvalidParameter("blocks", getattr(b, "dtype", type(b).__name__), "a torch.uint8 tensor of GGUF blocks")
@@ -430,7 +491,12 @@ class QuantWeight:
         return self.blocks.numel()
 
     def __repr__(self) -> str:
-        return f"QuantWeight({self.info.name}, shape={self.shape}{', panels' if self.layout == 'panel' else ''})"
+        q8 = ", q8 activations" if self.activations == "q8" else ""
+        return f"QuantWeight({self.info.name}, shape={self.shape}{', panels' if self.layout == 'panel' else ''}{q8})"
+
+    def with_activations(self, activations: str) -> QuantWeight:
+        """This weight multiplying float (``"float"``) or int8-quantised (``"q8"``) activations."""
+        return self if activations == self.activations else replace(self, activations=activations)
 
     def panelled(self) -> QuantWeight:
         """This weight in the panel layout where this machine's kernels have it (every quantised
@@ -444,7 +510,7 @@ class QuantWeight:
             return self
         panels = torch.empty_like(self.blocks)
         k.panel(self.qtype, self.blocks, self.in_features, panels, threads=_threads(self.nbytes))
-        return QuantWeight(self.qtype, panels, self.in_features, "panel")
+        return QuantWeight(self.qtype, panels, self.in_features, "panel", self.activations)
 
     def gguf(self) -> QuantWeight:
         """This weight in GGUF's own layout (itself when it already is)."""
@@ -456,7 +522,7 @@ class QuantWeight:
             k.panel(self.qtype, blocks, self.in_features, self.blocks, back=True, threads=_threads(self.nbytes))
         else:
             blocks = unpanel_numpy(self.qtype, self.blocks, self.in_features)
-        return QuantWeight(self.qtype, blocks, self.in_features)
+        return QuantWeight(self.qtype, blocks, self.in_features, activations=self.activations)
 
     def _kernels(self) -> QuantKernels | None:
         """The C kernels, when built and this weight's shape suits them (looked up per call, so a
@@ -476,6 +542,8 @@ class QuantWeight:
         rows = x.numel() // self.in_features
         if rows == 0:
             return x.new_empty((*shape[:-1], self.blocks.shape[0]))
+        if self.activations == "q8":
+            return self._call_q8(x, rows)
         if rows > CROSSOVER_ROWS and (self.layout == "gguf" or x.dtype != torch.float32 or rows > PANEL_CROSSOVER_ROWS):
             from metaloom.models.kernels.packed import bf16_gemm
 
@@ -496,6 +564,26 @@ class QuantWeight:
                 x.dtype == torch.bfloat16, y.data_ptr(), y.dtype == torch.bfloat16, rows, threads)
         if rc:
             _check(rc, "quant_panel_matmul" if self.layout == "panel" else "quant_matmul")
+        return y
+
+    def _call_q8(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """x W^T with x quantised to int8 per 32 inputs: the integer kernels for every row count
+        (a long prefill included: its rows' arithmetic is then a one-token step's), or without
+        them the same quantised inputs times the dequantised weight in float32."""
+        k = self._kernels()
+        shape = x.shape
+        if k is None or not (k.q8_types >> self.qtype) & 1:
+            q, d = q8_inputs_torch(x.reshape(rows, self.in_features))
+            xq = (q.float().unflatten(-1, (-1, 32)) * d.unsqueeze(-1)).flatten(-2)
+            return F.linear(xq, self.dequantize()).to(x.dtype).reshape(*shape[:-1], self.out_features)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        y = torch.empty((*shape[:-1], self.out_features), dtype=x.dtype)
+        fn = k.lib.quant_panel_matmul_q8 if self.layout == "panel" else k.lib.quant_matmul_q8
+        rc = fn(self.qtype, self.blocks.data_ptr(), self.out_features, self.in_features, x.data_ptr(),
+                x.dtype == torch.bfloat16, y.data_ptr(), y.dtype == torch.bfloat16, rows, _threads(self.nbytes))
+        if rc:
+            _check(rc, "quant_matmul_q8")
         return y
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -541,9 +629,12 @@ class QuantWeight:
             if (w.qtype, w.in_features) != (first.qtype, first.in_features):
                 raise InvalidParameter("weights", f"{w!r} after {first!r}",
                                        "weights of one type and one in_features")
+            if w.activations != first.activations:
+                raise InvalidParameter("weights", f"{w!r} after {first!r}", "weights of one activations mode")
         if len({w.layout for w in weights}) > 1:  # panels concatenate as panels (whole panels each)
             weights = [w.gguf() for w in weights]
-        return cls(first.qtype, torch.cat([w.blocks for w in weights]), first.in_features, weights[0].layout)
+        return cls(first.qtype, torch.cat([w.blocks for w in weights]), first.in_features, weights[0].layout,
+                   first.activations)
 
 
 def quantize(w: torch.Tensor, qtype: int | str) -> QuantWeight:

@@ -16,10 +16,12 @@ target verifies every draft token.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from metaloom.errors import InvalidParameter, UnsupportedModel
-from metaloom.models.engine.llama import LayerWeights, LlamaModel, Weight, plain_weight
+from metaloom.models.engine.llama import LlamaModel, Weight, plain_weight
 from metaloom.models.kernels.quant import QuantWeight, quantize
 from metaloom.models.protocols import KVCache, LanguageModel
 from metaloom.speculative.drafters.draft_model import DraftModelDrafter
@@ -44,14 +46,13 @@ class QuantizedLlama(LlamaModel):
             w = plain_weight(w)
             if not isinstance(w, torch.Tensor):
                 raise UnsupportedModel(f"the target's weights are already quantised ({type(w).__name__}); "
-                                       "self-draft needs dense weights (load with weights='dense')")
+                                       "self-draft needs dense weights (--weights dense; load(..., weights='dense'))")
             if w.shape[1] % 32:
                 raise UnsupportedModel(f"ggml blocks need input widths divisible by 32; got {w.shape[1]}")
             return quantize(w, BITS[bits])
 
-        layers = [LayerWeights(attn_norm=w.attn_norm, qkv=q(w.qkv), qkv_bias=w.qkv_bias, o=q(w.o),
-                               mlp_norm=w.mlp_norm, gate_up=q(w.gate_up), down=q(w.down))
-                  for w in target.layers]
+        # replace, not a new LayerWeights: a family's extra norms (q/k, post-norms) stay
+        layers = [replace(w, qkv=q(w.qkv), o=q(w.o), gate_up=q(w.gate_up), down=q(w.down)) for w in target.layers]
         super().__init__(target.config, target.embed, layers, target.norm, q(target.lm_head), target.fused)
         self.bits = bits
 

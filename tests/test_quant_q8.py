@@ -1,0 +1,140 @@
+"""q8 activations (quant_q8.h, `QuantWeight.with_activations("q8")`): the inputs' int8
+quantisation against its PyTorch statement bit for bit, and every quantised type's integer
+matmul, in both layouts, against the float64 product of the dequantised weight and the
+dequantised inputs.
+
+Error bound (`_q8_excess`): the integer sums are exact, so the only rounding is the float
+epilogue: per (sub-)block scale dx (one rounding), its fma into the accumulator (one), the offset
+term c dx S (two) and its fma (one), the accumulator's sums over the blocks (GGUF's layout: 8 lanes
+then 3 levels of pairwise sums and the offsets' scalar chain): |y - y_exact| <= (4 blocks + 8) u
+sum_i (|scale q_i| + |c off|) |x^_i| to first order, x^ the dequantised inputs, blocks the
+number of 16-element halves; twice that without fma (generic x86).
+
+Every test runs once per instruction-set path this CPU runs (the ``kernel_path`` fixture)."""
+
+import pytest
+import torch
+
+from metaloom.errors import InvalidParameter
+from metaloom.models.kernels import isa, quant
+from metaloom.models.kernels.quant import QuantWeight, kernels, q8_inputs_torch
+from tests.test_quant_kernels import U, random_blocks, reference
+from tests.test_quant_panels import offsets
+
+KERNELS = kernels().kernels
+needs = pytest.mark.skipif(KERNELS is None, reason=f"no quant kernels here: {kernels().reason}")
+KERNELS_OF = kernels  # the library under test, for the path_kernels fixture (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("path_kernels")
+Q8 = sorted(quant.Q8_TYPES)
+PANELS = sorted(quant.PANEL_TYPES)
+TYPES = pytest.mark.parametrize("qtype", Q8, ids=[quant.QTYPES[t].name for t in Q8])
+
+
+def _inputs(qtype: int) -> int:
+    return 512 if quant.QTYPES[qtype].block == 256 else 96
+
+
+def dequantised_inputs(x: torch.Tensor) -> torch.Tensor:
+    """x as the q8 kernels see it: q d, in float64."""
+    q, d = q8_inputs_torch(x)
+    return (q.double().unflatten(-1, (-1, 32)) * d.double().unsqueeze(-1)).flatten(-2)
+
+
+def _q8_excess(y: torch.Tensor, x: torch.Tensor, qtype: int, blocks, factor: int) -> float:
+    """max over outputs of |y - x^ W^T| / (bound u sum (|scale q| + |c off|) |x^|): <= 1 passes."""
+    w = torch.from_numpy(reference(qtype, blocks)).double()
+    c = torch.from_numpy(offsets(qtype, blocks))
+    xd = dequantised_inputs(x)
+    exact = xd @ w.T
+    scale = xd.abs() @ ((w - c).abs() + c.abs()).T
+    bound = (4 * (w.shape[1] // 16) + 8) * factor
+    return ((y.double() - exact).abs() / (bound * U * scale + 1e-300)).max().item()
+
+
+def _factor() -> int:
+    return 1 if isa.has_fma(isa.chosen().name) else 2
+
+
+@needs
+def test_the_inputs_are_quantised_as_the_pytorch_statement_says():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 256, generator=g) * torch.logspace(-6, 4, 7).unsqueeze(1)
+    x[0, :32] = 0.0  # an all-zero block: d 0, q 0
+    x[1, :32] = torch.arange(-16, 16) * 0.5  # ties at .5 multiples of d
+    x[2, 32:64] = torch.tensor([127.0, -63.5, 62.5, 0.5] * 8)  # d = 1: exact ties, both signs
+    x[3, 64:96] = float("inf")
+    x[3, 100] = float("nan")
+    for dtype in (torch.float32, torch.bfloat16):
+        xs = x.to(dtype)
+        q, d, s = KERNELS.q8_inputs(xs)
+        tq, td = q8_inputs_torch(xs)
+        assert torch.equal(q, tq)
+        assert torch.equal(d.isnan(), td.isnan()) and torch.equal(d[~d.isnan()], td[~td.isnan()])
+        assert d[3, 2].isnan() and d[3, 3].isnan() and not d[3, 1].isnan()  # only the blocks holding them
+        assert torch.equal(s[:, :8], q.view(7, 8, 32).int().sum(-1))  # per 32
+        assert torch.equal(s[:, 8:], q.view(7, 16, 16).int().sum(-1))  # per 16
+    assert q8_inputs_torch(x[2:3])[0][0, 32:36].tolist() == [127, -64, 63, 1]  # half away from zero
+    xf = xs.float().view(7, 8, 32)[4:]  # |x - q d| <= d / 2, but for the rounding of x (1 / d)
+    err = (tq.float().view(7, 8, 32)[4:] * td[4:].unsqueeze(-1) - xf).abs()
+    assert (err <= td[4:].unsqueeze(-1) / 2 + xf.abs() * 2**-22).all()
+
+
+def _call(w: QuantWeight, x: torch.Tensor, threads: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    y = torch.empty(x.shape[0], w.out_features, dtype=out_dtype or x.dtype)
+    KERNELS.matmul_q8(w.qtype, w.blocks, w.in_features, x.contiguous(), y, x.shape[0], threads, w.layout)
+    return y
+
+
+@needs
+@TYPES
+@pytest.mark.parametrize("layout", ["gguf", "panel"])
+def test_q8_matmul_is_the_product_of_the_dequantised_weight_and_inputs(qtype, layout):
+    if layout == "panel" and qtype not in quant.PANEL_TYPES:
+        pytest.skip(f"{quant.QTYPES[qtype].name} has no panel layout")
+    inputs = _inputs(qtype)
+    blocks = random_blocks(qtype, 48, inputs, seed=2)
+    w = QuantWeight(qtype, torch.from_numpy(blocks.copy()), inputs)
+    w = w.panelled() if layout == "panel" else w
+    assert w.layout == layout
+    x = torch.randn(40, inputs, generator=torch.Generator().manual_seed(3))
+    x[0, 5] = 3e3  # an outlier input, as real activations have
+    alone = torch.cat([_call(w, x[i:i + 1], 1) for i in range(40)])
+    for rows in (1, 2, 5, 9, 17, 40):
+        for threads in (1, 2):
+            y = _call(w, x[:rows], threads)
+            assert _q8_excess(y, x[:rows], qtype, blocks, _factor()) <= 1, (rows, threads)
+            assert torch.equal(y, alone[:rows])  # a row's result: alone, in any batch, on any thread count
+    xb = x[:5].bfloat16()  # bfloat16 in and out: the same sums of the same (exactly converted) inputs, rounded once
+    assert torch.equal(_call(w, xb, 2), _call(w, xb.float(), 2).bfloat16())
+
+
+@needs
+@pytest.mark.parametrize("qtype", PANELS, ids=[quant.QTYPES[t].name for t in PANELS])
+def test_a_q8_weight_calls_its_kernel_for_any_rows_in_either_layout(qtype, monkeypatch):
+    inputs = _inputs(qtype)
+    blocks = random_blocks(qtype, 32, inputs, seed=4)
+    w = QuantWeight(qtype, torch.from_numpy(blocks.copy()), inputs).with_activations("q8")
+    p = w.panelled()
+    assert p.activations == "q8" and p.layout == "panel" and p.gguf().activations == "q8"
+    x = torch.randn(quant.PANEL_CROSSOVER_ROWS + 3, inputs, generator=torch.Generator().manual_seed(5))
+    for weight in (w, p):  # past every crossover: still the integer kernel, each row as alone
+        y = weight(x.view(-1, 1, inputs))
+        assert y.shape == (x.shape[0], 1, 32)
+        n = x.shape[0]
+        assert torch.equal(y[-2:, 0], torch.cat([weight(x[i:i + 1]) for i in (n - 2, n - 1)]))
+        assert _q8_excess(y[:, 0], x, qtype, blocks, _factor()) <= 1
+    monkeypatch.setattr(quant, "kernels", lambda: quant.Availability(None, "forced off"))
+    y = w(x[:3])  # without kernels: the same quantised inputs times the dequantised weight, in float32
+    assert _q8_excess(y, x[:3], qtype, blocks, _factor() * 8) <= 1
+
+
+def test_activations_are_checked():
+    w = QuantWeight(2, torch.from_numpy(random_blocks(2, 4, 64)), 64)
+    with pytest.raises(InvalidParameter, match="activations"):
+        w.with_activations("q4")
+    bf16 = QuantWeight(30, torch.zeros(4, 32, dtype=torch.bfloat16).view(torch.uint8), 32)
+    with pytest.raises(InvalidParameter, match=r"activations.*BF16"):
+        bf16.with_activations("q8")
+    with pytest.raises(InvalidParameter, match="activations mode"):
+        QuantWeight.cat([w, w.with_activations("q8")])
+    assert w.with_activations("float") is w and "q8" in repr(w.with_activations("q8"))
