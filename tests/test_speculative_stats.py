@@ -350,8 +350,8 @@ class _MisreportingDrafter:
     def __init__(self) -> None:
         self.inner = DraftModelDrafter(MarkovModel(DRAFT_LOGITS))
 
-    def start(self, target, sampler, contexts, generators):
-        return _MisreportingState(self.inner.start(target, sampler, contexts, generators))
+    def start(self, target, sampler, contexts, keys):
+        return _MisreportingState(self.inner.start(target, sampler, contexts, keys))
 
 
 class _MisreportingState:
