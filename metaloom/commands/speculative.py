@@ -76,6 +76,11 @@ def check_speculative_args(args: argparse.Namespace) -> None:
                                                       "probabilities)")
     if args.speculative == "draft" and args.draft_model is None:
         raise InvalidParameter("draft_model", None, "a model path with --speculative draft")
+    if args.speculative == "quantized":  # the self-draft requantises dense weights
+        if getattr(args, "weights", "auto") == "native":
+            raise InvalidParameter("weights", "native", "dense or auto with --speculative quantized (it requantises "
+                                                        "the model's dense weights)")
+        args.weights = "dense"  # --weights auto asks for whatever decodes fastest: here, what the self-draft needs
     if args.num_draft is not None and not 1 <= args.num_draft <= MAX_DRAFT:
         raise InvalidParameter("num_draft", args.num_draft, f"an integer in [1, {MAX_DRAFT}]")
 

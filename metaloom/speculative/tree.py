@@ -72,14 +72,16 @@ class TreeShape:
     @classmethod
     def parse(cls, text: str) -> TreeShape:
         kind, _, rest = text.partition(":")
+        if kind not in ("static", "dynamic"):
+            raise InvalidParameter("tree", text, "static:W1,W2,... (widths per depth) or dynamic:NODES")
         try:
-            if kind == "static":
-                return cls(tuple(int(w) for w in rest.split(",")))
-            if kind == "dynamic":
-                return cls(nodes=int(rest))
-        except ValueError as exc:
-            raise InvalidParameter("tree", text, "static:W1,W2,... or dynamic:NODES with whole numbers") from exc
-        raise InvalidParameter("tree", text, "static:W1,W2,... (widths per depth) or dynamic:NODES")
+            numbers = [int(w) for w in rest.split(",")]
+        except ValueError:
+            numbers = []
+        if not numbers or min(numbers) < 1 or (kind == "dynamic" and len(numbers) != 1):
+            # 0 is a whole number too: say what is allowed, >= 1
+            raise InvalidParameter("tree", text, "static:W1,W2,... or dynamic:NODES with whole numbers >= 1")
+        return cls(tuple(numbers)) if kind == "static" else cls(nodes=numbers[0])
 
 
 @dataclass(frozen=True)
