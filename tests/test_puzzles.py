@@ -10,6 +10,7 @@ import pytest
 from metaloom.errors import InvalidParameter
 from metaloom.generator.types import Completion
 from metaloom.ledger import Ledger
+from metaloom.score import arithmetic
 from metaloom.score import puzzles as P
 from metaloom.score.answers import Extractor
 from metaloom.score.protocols import Scorer, StepScorer
@@ -180,8 +181,8 @@ def test_reachable_matches_brute_force_on_random_pools():
 def test_reachable_search_path_for_large_parts_matches_brute_force(monkeypatch):
     """Parts above `_DIRECT` numbers are searched instead of enumerated (6 numbers): force
     that path on small pools and compare."""
-    monkeypatch.setattr(P, "_DIRECT", 1)
-    P._reach.cache_clear()
+    monkeypatch.setattr(arithmetic, "_DIRECT", 1)
+    arithmetic._reach.cache_clear()
     try:
         rng = random.Random(9)
         for _ in range(6):
@@ -191,7 +192,7 @@ def test_reachable_search_path_for_large_parts_matches_brute_force(monkeypatch):
                 for t in [*rng.sample(sorted(made), 4), *range(-5, 40, 4)]:
                     assert P.reachable(pool, t, integer_only=integer_only) == (t in made), (pool, t)
     finally:
-        P._reach.cache_clear()
+        arithmetic._reach.cache_clear()
 
 
 def test_reachable_six_numbers_and_classics():

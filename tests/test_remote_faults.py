@@ -18,7 +18,8 @@ from metaloom.generator.types import Request, TokenIds
 from metaloom.ledger import Budget, Ledger, Usage
 from metaloom.meta import FirstFinish
 from metaloom.sampling.params import SamplingParams
-from metaloom.testing.fake_openai import FakeFeatures, FakeOpenAI, Fault
+from metaloom.testing.fake_faults import Fault
+from metaloom.testing.fake_openai import FakeFeatures, FakeOpenAI
 from metaloom.testing.served import serve_app
 
 FAST = RetryPolicy(max_retries=3, base_delay=0.01, max_delay=0.05)

@@ -366,6 +366,23 @@ print(json.dumps(out))
     assert list(tmp_path.iterdir()) == []
 
 
+def test_hook_mode_without_its_audit_hook_file_runs_nothing(tmp_path):
+    """The runner loads the audit hook from ``_audit.py`` beside it, by path (``python -I`` has no
+    script directory on sys.path); a runner that cannot load it sets nothing up and runs nothing."""
+    from metaloom.sandbox import _runner
+
+    runner = shutil.copy(_runner.__file__, tmp_path / "_runner.py")  # without _audit.py beside it
+    (tmp_path / "work").mkdir()
+    (tmp_path / "code.py").write_text("print('ran')\n")
+    config = {"mode": "hook", "workdir": str(tmp_path / "work"), "source_path": str(tmp_path / "code.py"),
+              "memory_bytes": 1 << 30, "cpu_seconds": 10, "file_bytes": 1 << 20}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    proc = subprocess.run([sys.executable, "-I", "-B", "-u", runner, str(tmp_path / "config.json")],
+                          capture_output=True, text=True, timeout=30)
+    assert (proc.returncode, proc.stdout) == (_runner.EXIT_SETUP, "")
+    assert "sandbox setup failed: audit hook:" in proc.stderr and "_audit.py" in proc.stderr
+
+
 def test_hook_mode_refuses_ctypes():
     for module in ("ctypes", "_ctypes", "ctypes.util"):
         r = run_python(f"import {module}\n", limits=limits("hook"))

@@ -33,7 +33,7 @@ class FixedDrafter:
     def __init__(self, tokens):
         self.tokens = list(tokens)
 
-    def start(self, target, sampler, contexts, generators):
+    def start(self, target, sampler, contexts, keys):
         return self
 
     def propose(self, contexts, limits, ledger):

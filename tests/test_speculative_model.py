@@ -36,7 +36,7 @@ class RandomDrafter:
 
     name = "random"
 
-    def start(self, target, sampler, contexts, generators):
+    def start(self, target, sampler, contexts, keys):
         self.g = torch.Generator().manual_seed(0)
         self.vocab = target.vocab_size
         return self
@@ -115,7 +115,7 @@ def test_cli_speculative_json_reports_the_counters(capsys):
     from metaloom.cli import main
 
     code = main(["generate", "Repeat exactly: one two three four five six seven eight.", "--temperature", "0",
-                 "--max-tokens", "16", "--speculative", "ngram", "--num-draft", "4", "--json"])
+                 "--max-tokens", "16", "--speculative", "ngram", "--num-draft", "4", "--cost-model", "off", "--json"])
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     spec = report["speculative"]
@@ -124,3 +124,33 @@ def test_cli_speculative_json_reports_the_counters(capsys):
     assert usage["drafted_tokens"] == usage["accepted_tokens"] + usage["rejected_tokens"]
     assert usage["drafted_tokens"] > 0  # the prompt repeats itself: prompt lookup finds drafts
     assert spec["acceptance_rate"] == pytest.approx(usage["accepted_tokens"] / usage["drafted_tokens"])
+
+
+def test_cli_auto_reports_the_cost_models_choices(capsys):
+    from metaloom.cli import main
+
+    code = main(["generate", "Repeat exactly: one two three four five six seven eight.", "--temperature", "0",
+                 "--max-tokens", "12", "--speculative", "auto", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    spec = report["speculative"]
+    assert spec["drafter"] == "auto"
+    model = spec["cost_model"]
+    assert model["verify_cost"]["widths"][0] == 1 and model["verify_cost"]["relative"][0] == 1.0
+    assert {"ngram", "recycling", "heads"} <= set(model["drafters"])  # the default model ships heads
+    verified = sum(int(k) * v for k, v in model["nodes_verified"].items())
+    assert verified == report["usage"]["drafted_tokens"]  # every verified node is a drafted token
+    assert sum(d["kept"] for d in model["drafters"].values()) == report["usage"]["accepted_tokens"]
+    assert sum(model["nodes_verified"].values()) == report["usage"]["verify_steps"]
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--speculative", "auto", "--cost-model", "off"], "cost_model"),
+    (["--speculative", "auto", "--tree", "static:2,1"], "tree"),
+])
+def test_cli_refuses_auto_without_its_cost_model_or_with_a_tree(flags, message, capsys):
+    from metaloom.cli import main
+
+    code = main(["generate", "hi", "--max-tokens", "2", *flags])
+    assert code != 0
+    assert message in capsys.readouterr().err

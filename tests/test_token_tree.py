@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from metaloom.errors import InvalidParameter
+from metaloom.sampling.counter import row_key
 from metaloom.speculative.tree import DraftTree, accept_greedy, accept_sampled, attention_mask
 from metaloom.testing.tiny import tiny_llama
 
@@ -64,19 +65,18 @@ def _chi2(counts: np.ndarray, probs: np.ndarray) -> float:
 def test_sampled_acceptance_emits_exactly_the_target_distribution():
     """20,000 steps over a two-level tree: the first emitted token follows p_root (chi-square,
     5 degrees of freedom: 25.7 is its 1e-4 quantile), and after an accepted node the next token
-    follows that node's p. A rule that tried the candidates without taking a rejected one's
-    mass out of the residual emits a too often (tested: it fails)."""
+    follows that node's p. A walk that drew the token after an accepted node at the uniform of
+    the node's own position (not the next one) ties the two draws and fails this (tested)."""
     v = 6
     probs = torch.tensor([[0.30, 0.25, 0.05, 0.15, 0.10, 0.15],  # after the root
                           [0.10, 0.10, 0.50, 0.10, 0.10, 0.10],  # after node 0 (a)
                           [0.05, 0.05, 0.05, 0.60, 0.05, 0.20],  # after node 1 (b)
                           *[[1 / v] * v] * 4])
-    g = torch.Generator().manual_seed(0)
     n = 20000
     first = np.zeros(v)
     after = {0: np.zeros(v), 1: np.zeros(v)}
-    for _ in range(n):
-        out = accept_sampled(TREE, probs, g)
+    for i in range(n):
+        out = accept_sampled(TREE, probs, row_key(0, i), 0)
         first[out.tokens[0]] += 1
         if out.path and len(out.tokens) > 1 and out.path[0] in after:
             after[out.path[0]][out.tokens[1]] += 1
@@ -87,13 +87,26 @@ def test_sampled_acceptance_emits_exactly_the_target_distribution():
         assert _chi2(counts, probs[node + 1].numpy()) < bound
 
 
+def test_sampled_acceptance_emits_plain_samplings_draws():
+    """Each emitted token is the inverse CDF of its position's p at the row's uniform for it."""
+    from metaloom.sampling.counter import inverse_cdf, uniforms
+
+    probs = torch.softmax(torch.randn(7, 6, generator=torch.Generator().manual_seed(3)), -1)
+    for i in range(200):
+        key = row_key(5, i)
+        out = accept_sampled(TREE, probs, key, 40)
+        at = [0, *(p + 1 for p in out.path)]  # block positions of the emitted tokens
+        u = torch.from_numpy(uniforms(np.full(len(at), key), np.arange(40, 40 + len(at))))
+        assert list(out.tokens) == inverse_cdf(probs[at].log(), u).tolist()
+
+
 def test_sampled_acceptance_accepts_a_candidate_with_all_the_mass():
     probs = torch.zeros(7, 6)
     probs[0, 1] = 1.0  # the target is sure of b after the root
     probs[2, 3] = 1.0  # and of d after b
     probs[4:, 0] = 1.0
     for seed in range(20):
-        assert accept_sampled(TREE, probs, torch.Generator().manual_seed(seed)).tokens == (1, 3, 0)
+        assert accept_sampled(TREE, probs, row_key(seed, 0), 7).tokens == (1, 3, 0)
 
 
 def _verify(model, cache, tokens, tree=None):

@@ -62,7 +62,7 @@ def test_a_tool_call_then_a_final_answer():
     r = ToolChain(tools=("calculator",), extractor=LastNumber()).run(Q, g, ledger=ledger)
     assert r.best == "1603" and r.stopped_reason is None and r.answer == "1603"
     assert [c.text for c in r.candidates] == [CALL, FINAL] and r.best_index == 1 and r.answers == (None, "1603")
-    assert [e.kind for e in r.trace] == ["step", "tool", "step", "final_answer"]
+    assert [e.kind for e in r.trace] == ["step", "tool", "step", "final_answer", "tree"]
     tool = r.trace[1].data
     assert (tool["tool"], tool["arguments"], tool["observation"], tool["ok"]) == ("calculator", {"expression": "37 * 43 + 12"},
                                                                                   "1603", True)
@@ -78,6 +78,34 @@ def test_a_tool_call_then_a_final_answer():
     assert r.usage.seconds == pytest.approx(tool["seconds"]) and tool["seconds"] > 0
     assert ledger.usage == r.usage
     assert r.trace[0].data["usage"]["output_tokens"] == count_tokens(CALL) + 1
+
+
+def test_the_answer_without_an_extractor_and_the_chain_as_a_tree(capsys, tmp_path):
+    """No extractor: the result's answer is the final answer as written (it was null beside
+    best); the trace's tree event is the chain, which `metaloom tree` draws (it refused the file)."""
+    import json
+
+    from metaloom.cli import main
+    from metaloom.search.trace import parse_trees
+
+    b = base()
+    g = LarkScripted({b: [CALL], b + f"{CALL}\nObservation: 1603\n": [FINAL]})
+    r = ToolChain(tools=("calculator",)).run(Q, g, ledger=Ledger())
+    assert (r.best, r.answer, r.answers) == ("1603", "1603", (None, "1603"))
+    result = json.dumps({"strategy": "tool_chain", **r.to_dict()})
+    assert json.loads(result)["answer"] == "1603"
+    (record,) = parse_trees(result, "result.json")
+    tree = record.tree
+    assert [(n["id"], n["parent"], n["state"]) for n in tree["nodes"]] == [(0, None, "root"), (1, 0, "expanded"),
+                                                                          (2, 1, "finished")]
+    assert tree["nodes"][1]["tool"] == "calculator" and tree["nodes"][1]["observation"] == "1603"
+    assert tree["nodes"][2]["answer"] == "1603" and tree["best"] == 2 and tree["stop"] == "finished"
+    assert [round_["usage"] for round_ in tree["rounds"]] == [e.data["usage"] for e in r.trace if e.kind == "step"]
+    path = tmp_path / "result.json"
+    path.write_text(result)
+    assert main(["tree", str(path), "--no-color"]) == 0
+    out = capsys.readouterr().out
+    assert "tool_chain" in out and "stop finished" in out
 
 
 def test_a_tool_that_raises_is_an_observation_and_the_run_goes_on(monkeypatch):
@@ -110,13 +138,14 @@ def test_the_step_limit_forces_an_answer():
     g = LarkScripted({b: [CALL], b + observed: [CALL], b + observed * 2 + FORCE: [" 1603"]})
     r = ToolChain(tools=("calculator",), max_steps=2).run(Q, g, ledger=Ledger())
     assert r.best == "1603" and r.best_index == 2 and len(r.candidates) == 3
-    assert [e.kind for e in r.trace] == ["step", "tool", "step", "tool", "step_limit", "answer", "final_answer"]
-    assert r.trace[-1].data == {"answer": "1603", "forced": True}
+    assert [e.kind for e in r.trace] == ["step", "tool", "step", "tool", "step_limit", "answer", "final_answer", "tree"]
+    assert r.trace[-2].data == {"answer": "1603", "forced": True}
     assert g.requests[-1].constraint == ConstraintSpec.lark(FORCED_GRAMMAR)
     # without forcing: no answer, nothing chosen, and it says why
     g = LarkScripted({b: [CALL], b + observed: [CALL]})
     r = ToolChain(tools=("calculator",), max_steps=2, force_answer=False).run(Q, g, ledger=Ledger())
-    assert (r.best, r.best_index, r.trace[-1].kind) == ("", None, "step_limit") and len(g.requests) == 2
+    assert (r.best, r.best_index, r.trace[-2].kind) == ("", None, "step_limit") and len(g.requests) == 2
+    assert r.trace[-1].data["stop"] == "step_limit" and r.trace[-1].data["best"] is None
 
 
 def test_a_budget_stop_keeps_what_was_done():
@@ -126,8 +155,10 @@ def test_a_budget_stop_keeps_what_was_done():
     r = ToolChain(tools=("calculator",)).run(Q, g, ledger=Ledger(budget=Budget(output_tokens=limit)))
     assert r.stopped_reason == "budget" and r.best_index is None
     assert [c.finish_reason for c in r.candidates] == ["stop", "budget"]
-    assert [e.kind for e in r.trace] == ["step", "tool", "step", "budget"]
-    assert r.trace[-1].data["field"] == "output_tokens" and r.usage.output_tokens == limit + 1
+    assert [e.kind for e in r.trace] == ["step", "tool", "step", "budget", "tree"]
+    assert r.trace[-2].data["field"] == "output_tokens" and r.usage.output_tokens == limit + 1
+    tree = r.trace[-1].data  # the chain so far: the budget cut the second step
+    assert tree["stop"] == "budget" and [n["state"] for n in tree["nodes"]] == ["root", "expanded", "open"]
 
 
 def test_tool_time_is_charged_and_a_seconds_budget_stops_after_the_call(monkeypatch):
@@ -136,7 +167,7 @@ def test_tool_time_is_charged_and_a_seconds_budget_stops_after_the_call(monkeypa
     call = "Thought: wait\nAction: slow\nAction Input: {}"
     g = LarkScripted({b: [call], b + f"{call}\nObservation: done\n": [FINAL]})
     r = ToolChain(tools=("slow",)).run(Q, g, ledger=Ledger(budget=Budget(seconds=0.1)))
-    assert r.stopped_reason == "budget" and [e.kind for e in r.trace] == ["step", "tool", "budget"]
+    assert r.stopped_reason == "budget" and [e.kind for e in r.trace] == ["step", "tool", "budget", "tree"]
     assert r.trace[1].data["observation"] == "done" and r.usage.seconds >= 0.2 and len(g.requests) == 1
 
 

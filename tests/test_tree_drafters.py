@@ -248,8 +248,8 @@ class _Recording:
     def name(self):
         return self.inner.name
 
-    def start(self, target, sampler, contexts, generators):
-        return _RecordingState(self, self.inner.start(target, sampler, contexts, generators))
+    def start(self, target, sampler, contexts, keys):
+        return _RecordingState(self, self.inner.start(target, sampler, contexts, keys))
 
 
 class _RecordingState:

@@ -37,7 +37,10 @@ from metaloom.ledger import Ledger
 from metaloom.models import LoadedModel, load
 from metaloom.sampling import SamplingParams
 from metaloom.speculative import Speculative
-from metaloom.speculative.registry import DRAFTERS, DrafterOptions, build_drafter, default_num_draft
+from metaloom.speculative.cost import measure_verify_cost
+from metaloom.speculative.drafter import Drafter
+from metaloom.speculative.planned import PlannedDrafter
+from metaloom.speculative.registry import AUTO, DRAFTERS, DrafterOptions, auto_candidates, build_drafter, default_num_draft
 
 CODE = '''import json
 from dataclasses import dataclass
@@ -90,7 +93,8 @@ PROMPT_SETS = {"grounded": PROMPTS, "free": FREE_PROMPTS}
 
 @dataclass
 class Method:
-    """One row of the table: ``run(prompt index)`` -> (tokens, ledger or None)."""
+    """One row of the table: ``run(prompt index)`` -> (tokens, ledger or None). ``planned``: the
+    cost model of a metaloom method that has one (its choices go into the report)."""
 
     name: str
     run: Callable[[int], tuple[list[int], Ledger | None]]
@@ -98,55 +102,95 @@ class Method:
     times: dict[int, list[float]] = field(default_factory=dict)
     tokens: dict[int, list[int]] = field(default_factory=dict)
     ledgers: dict[int, Ledger] = field(default_factory=dict)
+    planned: PlannedDrafter | None = None
+    choices: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
 def _metaloom(loaded: LoadedModel, name: str, speculative: Speculative | None, n: int,
               prompts: tuple[str, ...]) -> Method:
     gen = LocalGenerator(loaded, speculative=speculative)
+    planned = speculative.drafter if speculative is not None and isinstance(speculative.drafter, PlannedDrafter) else None
 
     def run(i: int) -> tuple[list[int], Ledger]:
         ledger = Ledger()
+        if planned is not None:  # every call learns from nothing, as a first request (or the CLI) does
+            planned.reset()
         out = gen.generate([Request.chat(prompts[i], SamplingParams(temperature=0, max_tokens=n))], ledger=ledger)
+        if planned is not None:
+            method.choices[i] = planned.report()
         return list(out[0][0].token_ids), ledger
 
-    return Method(name, run)
+    method = Method(name, run, planned=planned)
+    return method
 
 
 def _drafter_methods(args: argparse.Namespace, loaded: LoadedModel, n: int, skipped: dict[str, str]) -> list[Method]:
-    """One method per requested drafter; variants: quantized-int4 (4-bit self-draft),
-    jacobi-lookup (Jacobi topped up by prompt lookup), and for the tree drafters (recycling,
-    draft, quantized, quantized-int4) NAME/W1.W2... (a static tree of those widths), NAME/chain
-    (a chain of K as a tree) and NAME/dynamicN (DySpec's N-node tree); any entry may end in @K,
-    its own draft tokens (tree nodes) a step. Unavailable ones land in ``skipped``."""
-    variants = {"quantized-int4": ("quantized", {"bits": 4}), "jacobi-lookup": ("jacobi", {"jacobi_fill": "lookup"})}
-    out = []
+    """One method per requested drafter, with the cost model (``--cost-model on``, the default),
+    without (``off``, K tokens every step) or both; variants: quantized-int4 (4-bit self-draft),
+    jacobi-lookup (Jacobi topped up by prompt lookup), auto (the cost model picks the drafter),
+    and for the tree drafters NAME/W1.W2... (a static tree of those widths), NAME/chain (a chain
+    of K as a tree) and NAME/dynamicN (DySpec's N-node tree); any entry may end in @K, its own
+    draft tokens (tree nodes) a step. Unavailable ones land in ``skipped``. The cost model's
+    verify cost is measured once for them all."""
+    built: list[tuple[str, list[tuple[Drafter, int]]]] = []
     for entry in [d for d in args.drafters.split(",") if d]:
-        label, _, own_k = entry.partition("@")  # NAME@K: this drafter's own K (tree nodes for a tree)
-        if own_k and not (own_k.isdigit() and 1 <= int(own_k) <= 64):
-            skipped[entry] = "the K after @ must be a whole number in [1, 64]"
-            continue
-        base, extra = variants.get(label, (label, {}))
-        if "/" in label:  # a tree drafter with a shape: NAME/W1.W2..., NAME/chain, NAME/dynamicN
-            name, shape = label.split("/", 1)
-            base, extra = variants.get(name, (name, {}))
-            depth = int(own_k) if own_k else args.num_draft or DRAFTERS.get(base, DRAFTERS["recycling"]).num_draft
-            tree = (f"dynamic:{shape.removeprefix('dynamic')}" if shape.startswith("dynamic")
-                    else "static:" + ",".join(["1"] * depth if shape == "chain" else shape.split(".")))
-            extra = {**extra, "tree": tree}
-        if base not in DRAFTERS:
-            skipped[label] = f"unknown drafter (known: {sorted(DRAFTERS)})"
-            continue
-        if base == "draft" and not args.draft_model:
-            skipped[label] = "no --draft-model given (the default model has no smaller sibling with its tokenizer)"
-            continue
-        try:
-            drafter = build_drafter(base, loaded, DrafterOptions(draft_model=args.draft_model, **extra))
-        except Exception as exc:  # a drafter this model or build cannot have: report, keep benchmarking
-            skipped[label] = f"{type(exc).__name__}: {exc}"
-            continue
-        k = int(own_k) if own_k else args.num_draft or default_num_draft(base, extra.get("tree"))
-        out.append(_metaloom(loaded, f"metaloom {label} (K={k})", Speculative(drafter, k), n, PROMPT_SETS[args.prompts]))
+        got = _build_entry(args, loaded, entry, skipped)
+        if got is not None:
+            built.append(got)
+    modes = {"on": (True,), "off": (False,), "both": (False, True)}[args.cost_model]
+    cost = None
+    if built and (True in modes or any(label == AUTO for label, _ in built)):
+        cost = measure_verify_cost(loaded.model, most=1 + max(k for _, c in built for _, k in c))
+    out = []
+    prompts = PROMPT_SETS[args.prompts]
+    for label, candidates in built:
+        k = max(k for _, k in candidates)
+        for planned in (True,) if label == AUTO else modes:
+            if planned:
+                spec = Speculative(PlannedDrafter(candidates, cost=cost, name=candidates[0][0].name if label != AUTO
+                                                  else AUTO), k)
+                name = f"metaloom {label} (K<={k}, cost model)"
+            else:
+                spec = Speculative(candidates[0][0], k)
+                name = f"metaloom {label} (K={k})"
+            out.append(_metaloom(loaded, name, spec, n, prompts))
     return out
+
+
+def _build_entry(args: argparse.Namespace, loaded: LoadedModel, entry: str,
+                 skipped: dict[str, str]) -> tuple[str, list[tuple[Drafter, int]]] | None:
+    """(label, [(drafter, K)]) for one ``--drafters`` entry (auto: every candidate), or None
+    with the reason in ``skipped``."""
+    variants: dict[str, tuple[str, dict[str, Any]]] = {"quantized-int4": ("quantized", {"bits": 4}),
+                                                       "jacobi-lookup": ("jacobi", {"jacobi_fill": "lookup"})}
+    label, _, own_k = entry.partition("@")  # NAME@K: this drafter's own K (tree nodes for a tree)
+    if own_k and not (own_k.isdigit() and 1 <= int(own_k) <= 64):
+        skipped[entry] = "the K after @ must be a whole number in [1, 64]"
+        return None
+    if label == AUTO:
+        candidates = auto_candidates(loaded, DrafterOptions(draft_model=args.draft_model))
+        return label, [(d, min(k, int(own_k))) if own_k else (d, k) for d, k in candidates]
+    base, extra = variants.get(label, (label, dict[str, Any]()))
+    if "/" in label:  # a tree drafter with a shape: NAME/W1.W2..., NAME/chain, NAME/dynamicN
+        name, shape = label.split("/", 1)
+        base, extra = variants.get(name, (name, dict[str, Any]()))
+        depth = int(own_k) if own_k else args.num_draft or DRAFTERS.get(base, DRAFTERS["recycling"]).num_draft
+        tree = (f"dynamic:{shape.removeprefix('dynamic')}" if shape.startswith("dynamic")
+                else "static:" + ",".join(["1"] * depth if shape == "chain" else shape.split(".")))
+        extra = {**extra, "tree": tree}
+    if base not in DRAFTERS:
+        skipped[label] = f"unknown drafter (known: {sorted(DRAFTERS)} and {AUTO})"
+        return None
+    if base == "draft" and not args.draft_model:
+        skipped[label] = "no --draft-model given (the default model has no smaller sibling with its tokenizer)"
+        return None
+    try:
+        drafter = build_drafter(base, loaded, DrafterOptions(draft_model=args.draft_model, **extra))
+    except Exception as exc:  # a drafter this model or build cannot have: report, keep benchmarking
+        skipped[label] = f"{type(exc).__name__}: {exc}"
+        return None
+    k = int(own_k) if own_k else args.num_draft or default_num_draft(base, extra.get("tree"))
+    return label, [(drafter, k)]
 
 
 def _transformers_methods(args: argparse.Namespace, loaded: LoadedModel, n: int, skipped: dict[str, str]) -> list[Method]:
@@ -392,6 +436,8 @@ def _report(loaded: LoadedModel, methods: list[Method], skipped: dict[str, str],
             row["accepted_per_step"] = accepted / steps if steps else None
             # target forwards: the prefill (first token) plus one per verification step
             row["tokens_per_forward"] = tokens / (steps + len(usage)) if steps else (1.0 if m is plain else None)
+            if m.choices:
+                row["cost_model"] = _choices(m.choices)
         rows.append(row)
     base = rows[0]["tok_s"]
     for row in rows:
@@ -403,9 +449,30 @@ def _report(loaded: LoadedModel, methods: list[Method], skipped: dict[str, str],
         for r in rows:
             if r["method"].startswith(("transformers", "llama.cpp")):
                 ratios[f"{best['method']} / {r['method']}"] = best["tok_s"] / r["tok_s"]
+    costs = [m.planned.cost.to_dict() for m in methods if m.planned is not None and m.planned.cost is not None]
     return {"model": loaded.name, "dtype": dtype, "weights": loaded.weights, "methods": rows,
+            "verify_cost": costs[0] if costs else None,
             "best_drafter": best and best["method"],
             "ratios": ratios, "skipped": skipped}
+
+
+def _choices(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """What the cost model chose over a method's prompts (its last timed call of each): nodes
+    verified per row-step, and per drafter the steps it drafted, the nodes verified and kept."""
+    nodes: dict[str, int] = {}
+    drafters: dict[str, dict[str, int]] = {}
+    steps = 0
+    for report in reports.values():
+        steps += report["steps"]
+        for k, v in report["nodes_verified"].items():
+            nodes[k] = nodes.get(k, 0) + v
+        for name, d in report["drafters"].items():
+            total = drafters.setdefault(name, {"steps": 0, "verified": 0, "kept": 0})
+            for key in total:
+                total[key] += d[key]
+    first = next(iter(reports.values()))
+    return {"steps": steps, "nodes_verified": dict(sorted(nodes.items(), key=lambda kv: int(kv[0]))),
+            "drafters": drafters, "scale": first["scale"], "per_prompt": [reports[i] for i in sorted(reports)]}
 
 
 HELP = "every drafter against plain greedy, transformers' assisted generation and llama.cpp"
@@ -413,12 +480,19 @@ HELP = "every drafter against plain greedy, transformers' assisted generation an
 
 def add_args(p: argparse.ArgumentParser) -> None:
     model_args(p, dtypes="float32,bfloat16")
+    p.set_defaults(weights="auto")  # what a user gets: the weights `load` picks for this model and machine
+    for action in p._actions:
+        if action.dest == "weights":
+            action.help = "auto (default: what `load` picks on this machine, as a user gets) | native | dense"
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per prompt")
-    p.add_argument("--drafters", default="ngram,quantized,quantized-int4,jacobi,jacobi-lookup,heads,draft,"
+    p.add_argument("--drafters", default="auto,ngram,quantized,quantized-int4,jacobi,jacobi-lookup,heads,draft,"
                                          "recycling/chain,recycling",
                    help="drafters to compare, comma-separated")
     p.add_argument("--draft-model", default=None, help="draft model (same tokenizer) for the draft-model drafter")
     p.add_argument("--num-draft", type=int, default=None, help="draft tokens per step (default: each drafter's own)")
+    p.add_argument("--cost-model", choices=("on", "off", "both"), default="on",
+                   help="the speculation cost model on each drafter (on: it decides each step's draft length, 0 "
+                        "included), off (K tokens every step), or both side by side; auto always has it")
     p.add_argument("--peers", default="transformers,llama.cpp",
                    help="peers to run beside metaloom, comma-separated ('' for none): transformers, llama.cpp")
     p.add_argument("--prompts", choices=sorted(PROMPT_SETS), default="grounded",

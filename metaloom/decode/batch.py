@@ -271,7 +271,7 @@ class DecodeBatch:
         drafter = None
         if self.speculative is not None:
             contexts = [list(s.prompt) for s in specs]
-            drafter = self.speculative.drafter.start(self.model, sampler, contexts, rngs)
+            drafter = self.speculative.drafter.start(self.model, sampler, contexts, [s.key for s in specs])
             for row, ctx, made in zip(rows, contexts, before, strict=True):
                 row.context = ctx + row.state.tokens[made:]
         self._join(rows, cache, sampler, state, got.tokens, drafter, cursors)
@@ -354,7 +354,7 @@ class DecodeBatch:
                                                    hidden=needs_hidden)
         highs = self._measure()  # the drafts' KV is held until the rejected ones are rolled back below
         live_cursors = None if cursors is None else [None if d else c for c, d in zip(cursors, done, strict=True)]
-        out = verify(self.sampler, self.state, scores, draft, live_cursors, rngs)
+        out = verify(self.sampler, self.state, scores, draft, live_cursors, rngs, _keys(self.rows))
         acc = out.acceptance
         self.state = out.state
         chosen = out.logprobs.gather(-1, acc.tokens.to(out.logprobs.device)[..., None])[..., 0]  # [B, K+1]
@@ -390,7 +390,7 @@ class DecodeBatch:
                                                    hidden=needs_hidden)
         highs = self._measure()
         live_cursors = None if cursors is None else [None if d else c for c, d in zip(cursors, done, strict=True)]
-        out = verify_tree(self.sampler, self.state, scores, draft, live_cursors, rngs)
+        out = verify_tree(self.sampler, self.state, scores, draft, live_cursors, rngs, _keys(self.rows))
         self.state = out.state
         width = tokens.shape[1]
         at = torch.tensor([p + [0] * (width - len(p)) for p in out.positions], device=raw.device)  # [B, T]

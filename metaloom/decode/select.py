@@ -152,9 +152,13 @@ def live_cursors(cursors: Sequence[Constraint | None], vocab: int, device: torch
 
 
 def verify(sampler: Sampler, state: SamplingState, scores: torch.Tensor, draft: Draft,
-           cursors: Sequence[Constraint | None] | None, generators: Sequence[torch.Generator | None]) -> Verified:
+           cursors: Sequence[Constraint | None] | None, generators: Sequence[torch.Generator | None],
+           keys: np.ndarray | None = None) -> Verified:
     """Accept a prefix of each row's draft and draw one more token (exact: Leviathan et al.
-    2023; see `metaloom.speculative.core`). ``scores`` [B, K+1, V] over ``[pending, draft]``."""
+    2023; see `metaloom.speculative.core`). ``scores`` [B, K+1, V] over ``[pending, draft]``;
+    ``keys`` [B, 2] int64 on the host: each row's random key and the position of its next token,
+    for plain sampling's draw at every position (`metaloom.sampling.counter`; needed only when
+    some row samples); ``generators``: the pipeline's own coins (XTC)."""
     errors: dict[int, str] = {}
     vocab = scores.shape[-1]
     position_masks = None
@@ -183,5 +187,5 @@ def verify(sampler: Sampler, state: SamplingState, scores: torch.Tensor, draft: 
             lp[b] = 0.0
             lengths[b] = 0
         argmax = None
-    acceptance = accept(lp, draft.tokens, lengths, draft.probs, sampler.greedy, generators, argmax)
+    acceptance = accept(lp, draft.tokens, lengths, sampler.greedy, None if sampler.all_greedy else keys, argmax)
     return Verified(acceptance, lp, after_step(sampler, states, lp, acceptance), errors)

@@ -12,7 +12,8 @@ node ``i`` follows its parent instead, so:
 - a node whose own position allows no token is no candidate (with its subtree): moving into it
   would leave nothing to draw after it.
 
-Acceptance is `accept_greedy` / `accept_sampled` per row, exact for greedy and sampling.
+Acceptance is `accept_walk` per row: the target's own token at each position (argmax, or plain
+sampling's draw) picks the child to move into, so the emitted tokens are plain decoding's.
 """
 
 from __future__ import annotations
@@ -20,15 +21,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from metaloom.constrain import Constraint
 from metaloom.decode.select import live_cursors
 from metaloom.sampling.pipeline import Sampler
 from metaloom.sampling.state import SamplingState
-from metaloom.speculative.core import gather_states
+from metaloom.speculative.core import gather_states, plain_draws
 from metaloom.speculative.drafter import Draft
-from metaloom.speculative.tree import DraftTree, accept_greedy, accept_sampled
+from metaloom.speculative.tree import DraftTree, accept_walk, block_depths
 
 
 @dataclass(frozen=True)
@@ -87,40 +89,53 @@ def tree_logprobs(sampler: Sampler, scores: torch.Tensor, draft: Draft, state: S
 
 
 def verify_tree(sampler: Sampler, state: SamplingState, scores: torch.Tensor, draft: Draft,
-                cursors: Sequence[Constraint | None] | None,
-                generators: Sequence[torch.Generator | None]) -> TreeVerified:
-    """Accept a path of each row's tree and draw one more token. ``scores`` [B, T, V] over
-    ``[pending, nodes]`` (the tree-masked verify forward)."""
+                cursors: Sequence[Constraint | None] | None, generators: Sequence[torch.Generator | None],
+                keys: np.ndarray | None = None) -> TreeVerified:
+    """Accept a path of each row's tree and emit one more token. ``scores`` [B, T, V] over
+    ``[pending, nodes]`` (the tree-masked verify forward); ``keys`` [B, 2] int64 on the host:
+    each row's random key and the position of its next token, for plain sampling's draw at every
+    block position (`metaloom.sampling.counter`; None only when every row is greedy);
+    ``generators``: the pipeline's own coins (XTC).
+
+    The target's own token at every block position (argmax, or plain sampling's draw at the
+    position the node's depth gives) and which positions allow no token come to the host in one
+    copy; the walks (`accept_walk`) run there: one device wait a step, however many children."""
     errors: dict[int, str] = {}
     position_masks = None
     if cursors is not None:
         live = live_cursors(cursors, scores.shape[-1], scores.device, errors)
         position_masks = tree_masks(live, draft, scores.shape[-1], scores.device)
     lp, states = tree_logprobs(sampler, scores, draft, state, generators, position_masks)
+    b, t = lp.shape[:2]
+    trees = draft.trees()
     best = lp.max(dim=-1)
-    empty = ~(best.values > float("-inf"))  # [B, T]
-    tokens, positions = [], []
-    for b in range(lp.shape[0]):
-        if bool(empty[b, 0]) and b not in errors:
-            errors[b] = "no token can be drawn at this position (the constraint or the pipeline allows none)"
-        if b in errors:
+    own = best.indices
+    if not sampler.all_greedy:
+        if keys is None:
+            raise ValueError("sampled rows need their random keys (keys)")
+        depths = np.zeros((b, t), dtype=np.int64)
+        for r, tree in enumerate(trees):
+            depths[r, :len(tree) + 1] = block_depths(tree)
+        own = torch.where(sampler.greedy.to(lp.device)[:, None], own, plain_draws(lp, keys, depths))
+    host = torch.stack([own.double(), (~(best.values > float("-inf"))).double()]).tolist()  # the step's one wait
+    tokens: list[list[int]] = []
+    positions: list[list[int]] = []
+    for r in range(b):
+        if host[1][r][0] and r not in errors:
+            errors[r] = "no token can be drawn at this position (the constraint or the pipeline allows none)"
+        if r in errors:
             tokens.append([0])
             positions.append([0])
             continue
-        tree = _pruned(draft.tree(b), empty[b, 1:].tolist())
-        if bool(sampler.greedy[b]):
-            got = accept_greedy(tree.tree, best.indices[b].tolist() if not tree.index else
-                                [int(best.indices[b, 0]), *(int(best.indices[b, i + 1]) for i in tree.index)])
-        else:
-            rows_lp = lp[b, [0, *(i + 1 for i in tree.index)]] if tree.index else lp[b, :len(tree.tree) + 1]
-            got = accept_sampled(tree.tree, rows_lp.float().exp(), generators[b])
-        path = [tree.index[i] if tree.index else i for i in got.path]  # back to the draft's node numbers
+        kept = _pruned(trees[r], host[1][r][1:])
+        index = kept.index or list(range(len(kept.tree)))  # the kept nodes' numbers in the draft
+        got = accept_walk(kept.tree, [int(host[0][r][0]), *(int(host[0][r][i + 1]) for i in index)])
         tokens.append(list(got.tokens))
-        positions.append([0, *(node + 1 for node in path)])
+        positions.append([0, *(index[i] + 1 for i in got.path)])
     # the state after the step: each row's state at its last kept position, advanced by its final token
     last = torch.tensor([p[-1] for p in positions], device=lp.device)
-    final = torch.tensor([t[-1] for t in tokens], device=lp.device)
-    rows = torch.arange(lp.shape[0], device=lp.device)
+    final = torch.tensor([tk[-1] for tk in tokens], device=lp.device)
+    rows = torch.arange(b, device=lp.device)
     after = sampler.advance(gather_states(states, last), final, lp[rows, last])
     return TreeVerified(tokens, positions, lp, after, errors)
 

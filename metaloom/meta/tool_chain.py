@@ -20,6 +20,11 @@ Accounting: the steps are model calls on the run's ledger. Tools are charged as 
 (`Usage.seconds`, as scorers charge theirs), so a ``seconds`` budget bounds them too; the
 ledger has no field counting tool calls, so each call, with its own seconds, is a "tool"
 event in the trace.
+
+The result's ``answer`` is the final answer (extracted by ``extractor`` when one is given, else
+as the model wrote it), and the trace ends with a "tree" event: the chain of steps as a path
+(each step a node, its tool and observation beside it, each step's cost a round), so
+``metaloom tree`` draws a tool chain as it draws a search.
 """
 
 from __future__ import annotations
@@ -32,9 +37,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metaloom.constrain.spec import ConstraintSpec
+from metaloom.errors import BudgetExceeded
 from metaloom.generator.types import Completion, Generator, Request, render
 from metaloom.ledger import Ledger
-from metaloom.meta.helpers import Run, component, ensure, extract_all, guarded, positive, stop_if_budget, with_user_text
+from metaloom.meta.helpers import (
+    Run,
+    budget_event,
+    component,
+    ensure,
+    extract_all,
+    guarded,
+    positive,
+    stop_if_budget,
+    with_user_text,
+)
 from metaloom.meta.types import Result
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.answers import Extractor
@@ -193,6 +209,17 @@ class ToolChain:
         step_grammar = ConstraintSpec.lark(grammar(list(tools.values()))) if self.constrained else None
 
         def body(run: Run) -> None:
+            stop = "step_limit"
+            try:
+                steps(run)
+            except BudgetExceeded as exc:
+                budget_event(run, exc)  # before the tree, as a search records it
+                stop = "budget"
+                raise
+            finally:  # a budget stop too: the chain so far, drawn by `metaloom tree`
+                run.event("tree", **chain_tree(run, stop))
+
+        def steps(run: Run) -> None:
             transcript = ""
             for i in range(1, self.max_steps + 1):
                 c = self._call(run, generator, base + transcript, step_grammar, ("\nObservation:",), "step", index=i)
@@ -230,6 +257,36 @@ class ToolChain:
     def _finish(self, run: Run, answer: str, *, forced: bool) -> None:
         run.event("final_answer", answer=answer, forced=forced)
         run.best_index, run.best_text = len(run.candidates) - 1, answer
-        if self.extractor is not None:
-            run.answers.extend([None] * (len(run.candidates) - 1) + extract_all(self.extractor, [Completion(answer, (), (),
-                                                                                                           "stop")]))
+        # the result's answer: extracted where an extractor is given, else the final answer as written
+        final: list[str | None] = (extract_all(self.extractor, [Completion(answer, (), (), "stop")])
+                                   if self.extractor else [answer])
+        run.answers.extend([None] * (len(run.candidates) - 1) + final)
+
+
+def chain_tree(run: Run, stop: str) -> dict[str, Any]:
+    """The chain so far as a tree event (`metaloom.search.trace` reads it): the prompt at the
+    root, one node per model call (its text and tokens; the tool it called and what came back,
+    or the final answer), each call's cost a round. The final call is the best node; ``stop``:
+    why a chain without a final answer ended ("step_limit", "budget")."""
+    calls = [e.data for e in run.events if e.kind in ("step", "answer")]
+    tools = {e.data["step"]: e.data for e in run.events if e.kind == "tool"}
+    nodes: list[dict[str, Any]] = [{"id": 0, "parent": None, "depth": 0, "text": "", "tokens": 0, "state": "root",
+                                    "finish": None, "round": None, "step_score": None, "score": None}]
+    rounds = []
+    done = run.best_index is not None
+    for k, call in enumerate(calls, 1):
+        last = k == len(calls)
+        node: dict[str, Any] = {"id": k, "parent": k - 1, "depth": k, "text": call["text"], "tokens": call["tokens"],
+                                "state": ("finished" if done else "open") if last else "expanded",
+                                "finish": "eos" if last and done else (call["finish_reason"] if last else "step"),
+                                "round": k - 1, "step_score": None, "score": None}
+        used = tools.get(call.get("index"))
+        if used is not None:
+            node.update(tool=used["tool"], observation=used["observation"], tool_ok=used["ok"])
+        if last and done:
+            node["answer"] = run.best_text
+        nodes.append(node)
+        rounds.append({"round": k - 1, "expanded": [k - 1], "children": 1, "usage": call["usage"]})
+    return {"strategy": "tool_chain", "best": len(calls) if done and calls else None,
+            "stop": "finished" if done else stop,
+            "rounds": rounds, "nodes": nodes}

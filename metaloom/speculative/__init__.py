@@ -1,12 +1,20 @@
 """Speculative decoding, exact for greedy and for sampling: a drafter proposes tokens, the
 target verifies them in one forward, and `core.accept` keeps what the target would have
-produced (Leviathan et al. 2023; Chen et al. 2023).
+produced (Leviathan et al. 2023; Chen et al. 2023): plain decoding's very tokens, sampled rows
+included (each position's draw is plain sampling's, at the row's counter uniform; `core`).
 
     spec = Speculative(NgramDrafter(), num_draft=8)
     gen = LocalGenerator(loaded, speculative=spec)
 
 The step itself (draft, verify in one forward, accept, roll the cache back) is the speculative
 step of the one decode loop, `metaloom.decode.batch`; the acceptance maths is `core`.
+
+How much to draft is the cost model's call (`planned.PlannedDrafter`; the CLI's default,
+``--cost-model on``; `with_cost_model` in the library): it measures what a verify of k tokens
+costs on this model and machine (`cost`), learns each drafter's acceptance while decoding
+(`planner`), and drafts each step only what maximises the expected tokens per second, nothing
+when nothing pays; over several drafters (``--speculative auto``) it picks the drafter too.
+Without it a step always drafts ``num_draft`` tokens.
 
 Drafters (`registry.DRAFTERS`): ``ngram`` (prompt lookup), ``draft`` (a smaller model with
 the same tokenizer), ``quantized`` (the target requantised to Q8_0 or Q4_1 blocks), ``jacobi``
@@ -58,6 +66,14 @@ class Speculative:
             raise InvalidParameter("num_draft", self.num_draft, f"an integer in [1, {MAX_DRAFT}]")
 
 
+def with_cost_model(drafter: Drafter, num_draft: int) -> Speculative:
+    """``drafter`` drafting at most ``num_draft`` tokens a step, as many as pay
+    (`metaloom.speculative.planned.PlannedDrafter`; the verify cost is measured on first use)."""
+    from metaloom.speculative.planned import PlannedDrafter
+
+    return Speculative(PlannedDrafter([(drafter, num_draft)]), num_draft)
+
+
 __all__ = [
     "MAX_DRAFT",
     "Acceptance",
@@ -68,4 +84,5 @@ __all__ = [
     "Verified",
     "accept",
     "target_logprobs",
+    "with_cost_model",
 ]

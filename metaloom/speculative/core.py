@@ -2,19 +2,28 @@
 
 A drafter proposes ``d_1 .. d_k`` after a row's pending token ``t_0``; the target model scores
 ``[t_0, d_1 .. d_k]`` in one forward, which gives the target distribution ``p_i`` of the token
-after ``d_i`` (``p_0`` after ``t_0``). Then, for each row:
+after ``d_i`` (``p_0`` after ``t_0``). At every position the target's own token ``x_i`` is
+what plain decoding would emit there: ``argmax p_i`` for greedy rows, and for sampled rows the
+plain loop's draw, the inverse CDF of ``p_i`` at the row's uniform for that position (the
+counter scheme, `metaloom.sampling.counter`: a hash of the row's key and the token's position).
+A row accepts ``d_{i+1}`` while it equals ``x_i``; it then emits ``x`` at the first mismatch,
+or ``x_k`` as a bonus when every draft was accepted.
 
-- greedy rows accept ``d_{i+1}`` while it equals ``argmax p_i``; the first mismatch is replaced
-  by ``argmax p_i`` and, when every draft is accepted, ``argmax p_k`` is a bonus token. The
-  output is exactly the plain greedy loop's.
-- sampled rows accept ``d_{i+1}`` with probability ``min(1, p_i(d) / q_i(d))``; on the first
-  rejection the replacement is drawn from ``norm(max(0, p_i - q_i))``, and when all are
-  accepted a bonus token is drawn from ``p_k`` (Leviathan et al. 2023, "Fast inference from
-  transformers via speculative decoding", Algorithm 1; Chen et al. 2023, "Accelerating large
-  language model decoding with speculative sampling"). Every emitted token is then distributed
-  exactly as under plain sampling from ``p``. A deterministic drafter (prompt lookup, Jacobi)
-  has ``q`` = one-hot at its token, so acceptance is with probability ``p(d)`` and the residual
-  is ``p`` with ``d`` removed.
+The emitted tokens are plain decoding's, token for token, whatever was drafted: for greedy
+rows (as in Leviathan et al. 2023), and for sampled rows too, since ``x_i`` is the very draw
+plain sampling makes there and a draft only decides how many of them one forward confirms.
+This is speculative sampling with the target's draw coupled to the row's random numbers, which
+makes the output independent of the drafter (Daliri et al. 2024, "Coupling without
+communication and drafter-invariant speculative decoding"): a seeded row gives the same tokens
+in any batch, with any drafter, any draft length (the cost model's choice, which depends on
+measured times) and with speculation off. A deterministic draft (prompt lookup, Token
+Recycling, heads, Jacobi: ``q`` one-hot) is accepted with probability ``p_i(d)``, exactly as
+under the rule of Leviathan et al. ("Fast inference from transformers via speculative
+decoding", Algorithm 1; Chen et al. 2023); a draft model that samples draws its token at the
+same uniform from its own ``q`` (the inverse CDF of ``q``), and is accepted when the two inverse
+CDFs land on the same token: with probability ``sum_x min(p(x), q(x))`` when ``p`` and ``q``
+order their mass alike, less than Leviathan's rule where they do not (the price of the
+invariance; greedy rows and deterministic drafts pay nothing).
 
 ``p`` is what the one logits pipeline returns (`Sampler.process`): penalties, bias, constraint
 mask, temperature and truncation included, so speculation verifies against exactly the
@@ -28,9 +37,11 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from metaloom.constrain import Constraint, batch_mask
+from metaloom.sampling.counter import inverse_cdf, uniforms
 from metaloom.sampling.pipeline import Sampler
 from metaloom.sampling.state import SamplingState
 
@@ -49,18 +60,17 @@ class Acceptance:
 
 
 def accept(target_logprobs: torch.Tensor, draft_tokens: torch.Tensor, draft_lengths: torch.Tensor,
-           draft_probs: torch.Tensor | None, greedy: torch.Tensor,
-           generators: Sequence[torch.Generator | None], argmax: torch.Tensor | None = None) -> Acceptance:
-    """Accept or reject each row's draft.
+           greedy: torch.Tensor, keys: np.ndarray | None, argmax: torch.Tensor | None = None) -> Acceptance:
+    """Accept or reject each row's draft (see the module doc).
 
     target_logprobs [B, K+1, V]: log p_i (pipeline output; -inf where impossible).
     draft_tokens [B, K] long: row b's draft is ``draft_tokens[b, :draft_lengths[b]]``.
-    draft_probs [B, K, V] or None: q_i, the distribution each draft token was drawn from
-    (None: deterministic drafts, q = one-hot). greedy [B] bool: rows decoded by argmax.
-    generators[b]: row b's RNG (None: torch's default) for the uniform and the final draw.
+    greedy [B] bool: rows decoded by argmax.
+    keys [B, 2] int64 on the host: each row's random key and the position of its next token
+    (`metaloom.sampling.counter`; None when every row is greedy).
     argmax [B, K+1]: ``target_logprobs.argmax(-1)`` when the caller has it already.
     """
-    b, k1, v = target_logprobs.shape
+    b, k1, _ = target_logprobs.shape
     k = k1 - 1
     if draft_tokens.shape != (b, k):
         raise ValueError(f"draft tokens {tuple(draft_tokens.shape)} do not match target positions {(b, k1)}")
@@ -68,62 +78,29 @@ def accept(target_logprobs: torch.Tensor, draft_tokens: torch.Tensor, draft_leng
     rows = torch.arange(b, device=device)
     lengths = draft_lengths.to(device)
     in_draft = torch.arange(k, device=device)[None, :] < lengths[:, None]  # [B, K]
-    greedy = greedy.to(device)
     best = target_logprobs.argmax(dim=-1) if argmax is None else argmax  # [B, K+1]: the same argmax as Sampler.draw
-    ok = (best[:, :k] == draft_tokens) & in_draft
-    sampled = [r for r in range(b) if not bool(greedy[r])]
-    p = q_n = None
-    if sampled:
-        p = target_logprobs.float().exp()
-        p_d = p[:, :k].gather(2, draft_tokens[..., None])[..., 0]  # [B, K]
-        q_d = torch.ones_like(p_d) if draft_probs is None else draft_probs.float().gather(2, draft_tokens[..., None])[..., 0]
-        u = _uniforms(generators, sampled, (k,), device)
-        # accept with probability min(1, p/q): u < p/q, written without dividing by q
-        ok = torch.where(greedy[:, None], ok, (u * q_d < p_d) & in_draft)
+    if keys is None and b and not bool(greedy.all()):
+        raise ValueError("sampled rows need their random keys (keys)")
+    own = best if keys is None else torch.where(greedy.to(device)[:, None], best,
+                                                plain_draws(target_logprobs, keys))
+    ok = (own[:, :k] == draft_tokens) & in_draft
     accepted = ok.to(torch.long).cumprod(dim=1).sum(dim=1) if k else torch.zeros(b, dtype=torch.long, device=device)
-    final = best[rows, accepted]
-    if p is not None:
-        p_n = p[rows, accepted]  # [B, V]
-        rejected = accepted < lengths
-        at = accepted.clamp(max=max(k - 1, 0))
-        if k == 0:
-            q_n = torch.zeros_like(p_n)
-        elif draft_probs is None:
-            q_n = torch.nn.functional.one_hot(draft_tokens[rows, at], v).to(p_n.dtype)
-        else:
-            q_n = draft_probs[rows, at].float()
-        # after a rejection: norm(max(0, p - q)); all accepted: the bonus token from p
-        residual = torch.where(rejected[:, None], (p_n - q_n).clamp(min=0), p_n)
-        empty = residual.sum(dim=-1) <= 0  # p == q up to rounding: that rejection had probability ~0
-        residual = torch.where(empty[:, None], p_n, residual)
-        final = final.clone()
-        for g, members in _by_generator(generators, sampled):
-            index = torch.as_tensor(members, device=device)
-            final[index] = torch.multinomial(residual[index], 1, generator=g)[:, 0].to(final.dtype)
     tokens = torch.zeros(b, k1, dtype=torch.long, device=device)
     tokens[:, :k] = draft_tokens
-    tokens[rows, accepted] = final
+    tokens[rows, accepted] = own[rows, accepted]
     return Acceptance(accepted=accepted, tokens=tokens)
 
 
-def _by_generator(generators: Sequence[torch.Generator | None],
-                  rows: Sequence[int]) -> list[tuple[torch.Generator | None, list[int]]]:
-    """Rows grouped by their RNG (the n samples of a request share one), in first-use order."""
-    groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
-    for r in rows:
-        g = generators[r]
-        groups.setdefault(id(g), (g, []))[1].append(r)
-    return list(groups.values())
-
-
-def _uniforms(generators: Sequence[torch.Generator | None], rows: Sequence[int], shape: tuple[int, ...],
-              device: torch.device) -> torch.Tensor:
-    """[B, *shape] uniforms in [0, 1); row r's from generators[r] (other rows: 0)."""
-    out = torch.zeros(len(generators), *shape, device=device)
-    for g, members in _by_generator(generators, rows):
-        u = torch.rand(len(members), *shape, generator=g, device=g.device if g is not None else device)
-        out[torch.as_tensor(members, device=device)] = u.to(device)
-    return out
+def plain_draws(logprobs: torch.Tensor, keys: np.ndarray, offsets: np.ndarray | None = None) -> torch.Tensor:
+    """[B, T] plain sampling's draw at every position: the inverse CDF of ``logprobs[b, j]``
+    [B, T, V] at the uniform of row b's key and position ``keys[b, 1] + offsets[b, j]``
+    (default ``j``: a chain; a tree's block position j is at its depth). The uniforms are
+    computed on the host, the draws in one batched call: no device wait."""
+    b, t, v = logprobs.shape
+    keys = np.asarray(keys, dtype=np.int64).reshape(-1, 2)
+    at = np.arange(t, dtype=np.int64)[None, :] if offsets is None else np.asarray(offsets, dtype=np.int64)
+    u = uniforms(np.repeat(keys[:, :1], t, axis=1).reshape(-1), (keys[:, 1:] + at).reshape(-1))
+    return inverse_cdf(logprobs.reshape(b * t, v), torch.from_numpy(u).to(logprobs.device)).view(b, t)
 
 
 def target_logprobs(sampler: Sampler, logits: torch.Tensor, drafts: torch.Tensor, state: SamplingState,

@@ -15,7 +15,9 @@ charges its forwards to ``ledger`` through `metaloom.models.forward.charged_forw
 
 A drafter that samples (a draft model at temperature > 0) returns ``Draft.probs``, the
 distribution q it drew each token from; deterministic drafters return None (q = one-hot).
-Greedy rows ignore q. Exactness never depends on the drafter: a bad draft only costs speed.
+The verification needs neither: it compares each drafted token with the target's own token
+there (`metaloom.speculative.core`). Exactness never depends on the drafter: a bad draft only
+costs speed.
 
 A state with a true ``needs_hidden`` attribute (speculator heads, Medusa-style, Cai et al.
 2024) gets ``Verified.hidden``, the target's final hidden states at every verified position:
@@ -37,6 +39,7 @@ from metaloom.sampling.pipeline import Sampler
 from metaloom.speculative.tree import DraftTree, attention_mask
 
 MAX_DRAFT = 64  # the most tokens one step may draft (bounds the caches' spare room)
+LEVELS = 4  # confidence classes a drafter may give its drafts (`Draft.levels`)
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,9 @@ class Draft:
     lengths: torch.Tensor  # [B] long, 0 .. K
     probs: torch.Tensor | None = None  # [B, K, V] float: q for sampled rows; None = one-hot (deterministic)
     parents: torch.Tensor | None = None  # [B, K] long: a token tree's parents (None: chains)
+    # [B] ints in [0, LEVELS): how sure the drafter is of each row's draft, in classes (prompt
+    # lookup: the matched n-gram's length - 1); the cost model learns acceptance per class
+    levels: tuple[int, ...] | None = None
 
     @classmethod
     def from_trees(cls, trees: Sequence[DraftTree], device: torch.device | str = "cpu") -> Draft:
@@ -71,15 +77,22 @@ class Draft:
             return DraftTree.chain(tokens)
         return DraftTree(tokens, tuple(self.parents[row, :n].tolist()))
 
+    def trees(self) -> list[DraftTree]:
+        """Every row's tree (`tree`), read to the host in one copy."""
+        k = self.tokens.shape[1]
+        parents = self.parents if self.parents is not None else torch.arange(-1, k - 1).expand(self.tokens.shape[0], k)
+        host = torch.cat([self.lengths[:, None].to(self.tokens.device), self.tokens,
+                          parents.to(self.tokens.device)], dim=1).tolist()
+        return [DraftTree(tuple(row[1:1 + row[0]]), tuple(row[1 + k:1 + k + row[0]])) for row in host]
+
     def tree_attention(self, width: int) -> torch.Tensor:
         """[B, width, width] bool: each row's verify block ``[pending, nodes]`` as a tree mask
         (`metaloom.speculative.tree.attention_mask`); past a row's tree, positions see only the
         root and themselves (padding, written to the scratch slot and never read)."""
         out = torch.eye(width, dtype=torch.bool).repeat(self.tokens.shape[0], 1, 1)
         out[:, :, 0] = True
-        for b in range(self.tokens.shape[0]):
-            n = int(self.lengths[b])
-            out[b, :n + 1, :n + 1] = attention_mask(self.tree(b))
+        for b, tree in enumerate(self.trees()):
+            out[b, :len(tree) + 1, :len(tree) + 1] = attention_mask(tree)
         return out.to(self.tokens.device)
 
     @classmethod
@@ -137,8 +150,10 @@ class Drafter(Protocol):
         ...
 
     def start(self, target: LanguageModel, sampler: Sampler, contexts: Sequence[Sequence[int]],
-              generators: Sequence[torch.Generator | None]) -> DraftState:
+              keys: Sequence[int]) -> DraftState:
         """A state for a batch whose rows start from ``contexts`` (the prompts; the loop has
-        not drawn anything yet), are sampled by ``sampler`` and draw from ``generators[b]``
-        (a drafter that samples uses the row's RNG, so a seeded request is reproducible)."""
+        not drawn anything yet) and are sampled by ``sampler``; ``keys[b]``: row b's random key
+        (a drafter that samples draws at plain sampling's uniform for the row's key and the
+        drafted token's output position, `metaloom.sampling.counter`: the target's own draw
+        there is made at the same uniform, `metaloom.speculative.core`)."""
         ...

@@ -124,7 +124,32 @@ def default_num_draft(name: str, tree: str | None = None) -> int:
 def build_drafter(name: str, target: LoadedModel, options: DrafterOptions) -> Drafter:
     entry = DRAFTERS.get(name)
     if entry is None:
-        raise InvalidParameter("speculative", name, f"one of {sorted(DRAFTERS)}")
+        raise InvalidParameter("speculative", name, f"one of {sorted(DRAFTERS)} or {AUTO!r}")
     if options.tree is not None and name not in TREE_DRAFTERS:
         raise InvalidParameter("tree", options.tree, f"given with a tree drafter ({', '.join(TREE_DRAFTERS)})")
     return entry.build(target, options)
+
+
+AUTO = "auto"  # --speculative auto: the cost model picks the drafter too
+
+
+def auto_candidates(target: LoadedModel, options: DrafterOptions) -> list[tuple[Drafter, int]]:
+    """The drafters ``--speculative auto`` chooses among, each with its default K: prompt lookup
+    and Token Recycling (its tree) always; speculator heads when heads for the target exist
+    (shipped, or ``heads_path``); the draft model when ``draft_model`` is given; the quantised
+    self-draft on dense weights (it requantises dense weights). Jacobi is left out: on the
+    prompts measured it never beat prompt lookup, whose copies it uses when it does well."""
+    from metaloom.errors import MetaloomError
+    from metaloom.speculative.drafters.heads import heads_for
+
+    names = ["ngram", "recycling"]
+    try:
+        heads_for(target.model, options.heads_path)
+        names.append("heads")
+    except MetaloomError:
+        pass
+    if options.draft_model is not None:
+        names.append("draft")
+    if target.weights == "dense" and target.model.device.type == "cpu":
+        names.append("quantized")
+    return [(build_drafter(n, target, options), DRAFTERS[n].num_draft) for n in names]

@@ -7,25 +7,18 @@ verify forward feeds ``[pending, tokens...]`` at positions ``start + depth`` wit
 attention mask (each node sees the cache, the root and its own ancestors: `attention_mask`),
 which gives the target distribution after the root (``p_0``) and after every node (``p_{i+1}``).
 
-Acceptance walks from the root. At a node whose target distribution is ``p`` and whose
-children propose tokens ``c_1 .. c_k`` (distinct, each a deterministic proposal, q one-hot):
-
-- greedy: move to the child whose token is ``argmax p``, if there is one; else stop and emit
-  ``argmax p``. The emitted tokens are exactly plain greedy's.
-- sampling: try the children in order; accept ``c_j`` with probability ``r(c_j)``, where ``r``
-  starts as ``p`` and, after each rejection, has the rejected token's mass removed and is
-  renormalised. When every child is rejected, the token is drawn from the last ``r``. This is
-  multi-draft speculative sampling with deterministic drafts (SpecInfer, Miao et al. 2024,
-  Algorithm 2, "multi-step speculative sampling", with q one-hot; the same as Recursive
-  Speculative Decoding's sampling without replacement, Jeon et al. 2024, when each candidate's
-  q is one-hot): the emitted token is distributed exactly as ``p``, because the probability
-  of emitting token ``x`` is ``p(x)`` whether ``x`` is a candidate (accepted at its turn after
-  the earlier ones were rejected: ``prod (1 - r_i(c_i)) * r_j(x) = p(x)``, the renormalisations
-  cancelling) or not (drawn from the final residual). Moving into the accepted child then
-  repeats the argument with the child's own target distribution, so every emitted sequence is
-  distributed as plain sampling's. Deterministic drafts are why this is simple: every tree
-  drafter here (the draft model's top-k, DySpec's best-first expansion, Token Recycling,
-  n-gram continuations, speculator heads' top-k) proposes tokens without sampling them.
+Acceptance walks from the root. At a node whose children propose tokens ``c_1 .. c_k``
+(distinct, each a deterministic proposal), the target's own token ``x`` at that node is what
+plain decoding would emit there: ``argmax p`` for greedy rows, for sampled rows plain sampling's
+draw (the inverse CDF of ``p`` at the row's uniform for that position, `metaloom.sampling.counter`;
+see `metaloom.speculative.core`). The walk moves into the child whose token is ``x``, if there is
+one, and repeats; otherwise it stops and emits ``x``. The emitted tokens are plain decoding's,
+greedy or sampled, whatever the tree. A node's children are accepted with probability
+``sum_j p(c_j)``, the most any rule can give deterministic candidates, and what SpecInfer's
+multi-step speculative sampling gives them (Miao et al. 2024, Algorithm 2, with q one-hot; the
+same as Recursive Speculative Decoding's sampling without replacement, Jeon et al. 2024): every
+tree drafter here (the draft model's top-k, DySpec's best-first expansion, Token Recycling,
+n-gram continuations, speculator heads' top-k) proposes tokens without sampling them.
 """
 
 from __future__ import annotations
@@ -33,9 +26,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from metaloom.errors import InvalidParameter
+from metaloom.sampling.counter import inverse_cdf, uniforms
 
 
 @dataclass(frozen=True)
@@ -77,14 +72,16 @@ class TreeShape:
     @classmethod
     def parse(cls, text: str) -> TreeShape:
         kind, _, rest = text.partition(":")
+        if kind not in ("static", "dynamic"):
+            raise InvalidParameter("tree", text, "static:W1,W2,... (widths per depth) or dynamic:NODES")
         try:
-            if kind == "static":
-                return cls(tuple(int(w) for w in rest.split(",")))
-            if kind == "dynamic":
-                return cls(nodes=int(rest))
-        except ValueError as exc:
-            raise InvalidParameter("tree", text, "static:W1,W2,... or dynamic:NODES with whole numbers") from exc
-        raise InvalidParameter("tree", text, "static:W1,W2,... (widths per depth) or dynamic:NODES")
+            numbers = [int(w) for w in rest.split(",")]
+        except ValueError:
+            numbers = []
+        if not numbers or min(numbers) < 1 or (kind == "dynamic" and len(numbers) != 1):
+            # 0 is a whole number too: say what is allowed, >= 1
+            raise InvalidParameter("tree", text, "static:W1,W2,... or dynamic:NODES with whole numbers >= 1")
+        return cls(tuple(numbers)) if kind == "static" else cls(nodes=numbers[0])
 
 
 @dataclass(frozen=True)
@@ -155,11 +152,12 @@ class TreeAcceptance:
     tokens: tuple[int, ...]
 
 
-def accept_greedy(tree: DraftTree, argmax: Sequence[int]) -> TreeAcceptance:
-    """``argmax[i]``: the target's greedy token after block position i (0: the root)."""
+def accept_walk(tree: DraftTree, own: Sequence[int]) -> TreeAcceptance:
+    """``own[i]``: the target's own token after block position i (0: the root), argmax or plain
+    sampling's draw there: follow the children that propose it (see the module doc)."""
     node, path = -1, list[int]()
     while True:
-        want = int(argmax[node + 1])
+        want = int(own[node + 1])
         nxt = next((c for c in tree.children(node) if tree.tokens[c] == want), None)
         if nxt is None:
             return TreeAcceptance(tuple(path), tuple([tree.tokens[i] for i in path] + [want]))
@@ -167,28 +165,22 @@ def accept_greedy(tree: DraftTree, argmax: Sequence[int]) -> TreeAcceptance:
         node = nxt
 
 
-def accept_sampled(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None = None) -> TreeAcceptance:
-    """``probs`` [1 + n, V]: the target distribution after each block position (the sampling
-    pipeline's, penalties and truncation applied); see the module doc for the rule and why it
-    keeps ``p`` exact."""
-    node, path = -1, list[int]()
-    while True:
-        r = probs[node + 1].double().clamp(min=0)
-        moved = False
-        for c in tree.children(node):
-            token = tree.tokens[c]
-            total = float(r.sum())
-            if total <= 0:
-                break
-            u = float(torch.rand((), generator=generator, dtype=torch.float64))
-            if u * total < float(r[token]):  # accept with probability r(token) / sum(r)
-                path.append(c)
-                node, moved = c, True
-                break
-            r = r.clone()
-            r[token] = 0.0  # rejected: its mass is out of the residual
-        if not moved:
-            if float(r.sum()) <= 0:  # every token with mass was proposed and rejected: cannot happen exactly
-                r = probs[node + 1].double().clamp(min=0)
-            final = int(torch.multinomial(r / r.sum(), 1, generator=generator))
-            return TreeAcceptance(tuple(path), tuple([tree.tokens[i] for i in path] + [final]))
+def accept_greedy(tree: DraftTree, argmax: Sequence[int]) -> TreeAcceptance:
+    """``argmax[i]``: the target's greedy token after block position i (0: the root)."""
+    return accept_walk(tree, argmax)
+
+
+def block_depths(tree: DraftTree) -> list[int]:
+    """The depth of each block position (0: the root, then each node's), i.e. how far past the
+    row's next position the token drawn there goes."""
+    return [0, *tree.depths()]
+
+
+def accept_sampled(tree: DraftTree, probs: torch.Tensor, key: int, position: int) -> TreeAcceptance:
+    """One row's sampled acceptance: ``probs`` [1 + n, V], the target distribution after each
+    block position (the sampling pipeline's, penalties and truncation applied); ``key`` and
+    ``position`` (of the row's next token) give plain sampling's uniforms. The decode loop runs
+    the same batched (`metaloom.decode.tree_verify.verify_tree`)."""
+    at = np.asarray(block_depths(tree), dtype=np.int64) + position
+    u = torch.from_numpy(uniforms(np.full(len(at), key, dtype=np.int64), at))
+    return accept_walk(tree, inverse_cdf(probs.double().clamp(min=0).log(), u).tolist())

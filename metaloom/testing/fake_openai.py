@@ -12,9 +12,10 @@ A switched-off feature is refused with a 400 naming the field by a ``strict`` se
 OpenAI and metaloom serve do) and silently ignored by a lenient one (as vLLM does), so
 detection's checks of what is honoured can be tested against both.
 
-Faults (`Fault`) are taken in order by the requests they match: a status (with Retry-After), a
-delay, a dropped connection (mid-body), a malformed body, a stream cut after some events.
-``log`` records every request (path, body) as it arrived, faulted or not.
+Faults (`Fault`, played by `metaloom.testing.fake_faults`) are taken in order by the requests
+they match: a status (with Retry-After), a delay, a dropped connection (mid-body), a malformed
+body, a stream cut after some events. ``log`` records every request (path, body) as it arrived,
+faulted or not.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-GENERATION = ("/v1/completions", "/v1/chat/completions")
+from metaloom.testing.fake_faults import GENERATION, Fault, Faults, error_response
+
 VLLM_EXTRAS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "include_stop_str_in_output")
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "presence_penalty", "frequency_penalty", "logit_bias",
            "stream", "stream_options", "user", "n", "seed", "logprobs"}
@@ -82,25 +84,6 @@ class FakeFeatures:
         """An OpenAI-like server: strict, chat and completions with n, seed and log-probabilities only."""
         return cls(strict=True, extras=False, token_ids=False, prompt_logprobs=False, echo=False, token_prompts=False,
                    guided=False, continuous_usage=False, tokenize=False)
-
-
-@dataclass(frozen=True)
-class Fault:
-    """``kind``: "status" (answer ``status`` with ``message``, and ``retry_after`` as the
-    Retry-After header), "delay" (wait ``seconds``, then serve), "drop" (close the connection
-    mid-body), "malformed" (200 with a body that is not JSON), "cut" (a stream that breaks off
-    after ``events`` events). ``path``: only requests to it (default: the generation routes)."""
-
-    kind: str
-    status: int = 500
-    message: str = "injected fault"
-    retry_after: str | None = None
-    seconds: float = 0.0
-    events: int = 1
-    path: str | None = None
-
-    def matches(self, path: str) -> bool:
-        return path == self.path if self.path is not None else path in GENERATION
 
 
 @dataclass
@@ -208,20 +191,20 @@ class FakeOpenAI:
             async def detokenize(request: HttpRequest) -> Response:
                 return JSONResponse({"prompt": decode((await request.json())["tokens"])})
 
-        return _Faults(app, self)
+        return Faults(app, self)
 
     async def _generate(self, request: HttpRequest, *, chat: bool) -> Response:
         body = await request.json()
         refused = self._refuse(body, "/v1/chat/completions" if chat else "/v1/completions")
         if refused is not None:
-            return _error(400, f"unknown field {refused!r}: not supported", param=refused)
+            return error_response(400, f"unknown field {refused!r}: not supported", param=refused)
         if body.get("model") != self.model:
-            return _error(404, f"The model `{body.get('model')}` does not exist.")
+            return error_response(404, f"The model `{body.get('model')}` does not exist.")
         if not isinstance(body.get("max_tokens", 16), int) or body.get("max_tokens", 16) < 1:
-            return _error(400, "max_tokens must be at least 1, got " + json.dumps(body.get("max_tokens")), "max_tokens")
+            return error_response(400, "max_tokens must be at least 1, got " + json.dumps(body.get("max_tokens")), "max_tokens")
         prompts = self._prompts(body, chat)
         if isinstance(prompts, str):
-            return _error(400, prompts, "prompt")
+            return error_response(400, prompts, "prompt")
         if self.latency:  # requests waiting here at once: how many the client has in flight
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -362,98 +345,3 @@ class FakeOpenAI:
         wants = body.get("logprobs") is not None and body.get("logprobs") is not False and self.features.logprobs
         choice["logprobs"] = self._logprobs(body, [s.ids[step]], chat) if wants else None
         return choice
-
-
-def _error(status: int, message: str, param: str | None = None, headers: Mapping[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
-                                   "param": param, "code": None}}, status_code=status, headers=dict(headers or {}))
-
-
-@dataclass
-class _Faults:
-    """ASGI middleware: logs every request, then plays the first fault that matches it."""
-
-    app: Any
-    server: FakeOpenAI
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        chunks = []
-        while True:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
-        raw = b"".join(chunks)
-        path = scope["path"]
-        try:
-            body: Any = json.loads(raw) if raw else None
-        except ValueError:
-            body = raw
-        self.server.log.append((path, body))
-        self.server.active += 1
-        try:
-            await self._serve(path, raw, scope, receive, send)
-        finally:
-            self.server.active -= 1
-
-    async def _serve(self, path: str, raw: bytes, scope: Any, receive: Any, send: Any) -> None:
-        fault = next((f for f in self.server.faults if f.matches(path)), None)
-        if fault is not None:
-            self.server.faults.remove(fault)
-            if await self._play(fault, scope, send):
-                return
-
-        given = [False]
-
-        async def replay() -> Any:  # the body once, then what the connection says (a disconnect)
-            if given[0]:
-                return await receive()
-            given[0] = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-
-        await self.app(scope, replay, send if fault is None or fault.kind != "cut" else _cut(send, fault.events))
-
-    async def _play(self, fault: Fault, scope: Any, send: Any) -> bool:
-        """Play ``fault``; True if it answered the request itself."""
-        if fault.kind == "delay":
-            await asyncio.sleep(fault.seconds)
-            return False
-        if fault.kind == "status":
-            headers = {"Retry-After": fault.retry_after} if fault.retry_after is not None else None
-            await _error(fault.status, fault.message, headers=headers)(scope, _nothing, send)
-            return True
-        if fault.kind == "malformed":
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"application/json"), (b"content-length", b"12")]})
-            await send({"type": "http.response.body", "body": b'{"choices": '})
-            return True
-        if fault.kind == "drop":  # promises a longer body than it sends: the client sees the connection cut
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"application/json"), (b"content-length", b"4096")]})
-            await send({"type": "http.response.body", "body": b'{"id": "cut', "more_body": True})
-            raise _Dropped
-        return False  # "cut": served, through a send that breaks off
-
-
-class _Dropped(Exception):
-    """Raised inside the app to make the server abort the connection."""
-
-
-async def _nothing() -> Any:
-    return {"type": "http.disconnect"}
-
-
-def _cut(send: Any, events: int) -> Any:
-    """A ``send`` that lets ``events`` stream events through, then breaks the connection."""
-    seen = [0]
-
-    async def cutting(message: Any) -> None:
-        if message["type"] == "http.response.body" and message.get("body", b"").startswith(b"data:"):
-            if seen[0] >= events:
-                raise _Dropped
-            seen[0] += 1
-        await send(message)
-    return cutting

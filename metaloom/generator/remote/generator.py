@@ -4,7 +4,8 @@ llama.cpp's server, metaloom serve, OpenAI itself), so every strategy runs there
 Chat prompts go to /v1/chat/completions; text and token-id prompts, and anything continued
 from a token-id ``prefix`` (the prompt's ids, from the server's /tokenize or a local
 tokenizer, then the prefix), to /v1/completions. A request is checked against what the server
-was found to do (`detect`) and refused with `Unsupported` before anything is sent.
+was found to do (`detect`) and refused with `Unsupported` before anything is sent (`plan`:
+the checks, and the HTTP requests a request becomes).
 
 Accounting: the ledger is charged from each successful response's ``usage`` (prompt, cached,
 completion tokens), once — a failed attempt that is retried charges nothing. Forward passes
@@ -32,18 +33,16 @@ import os
 import time
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Iterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from metaloom.errors import BudgetExceeded, InvalidParameter, Unsupported
+from metaloom.errors import BudgetExceeded, InvalidParameter
 from metaloom.generator.remote.detect import ServerFeatures, capabilities, detect
+from metaloom.generator.remote.plan import Call, calls, check, require_chat_tokens
 from metaloom.generator.remote.tokens import Tokens, expect_choices, load_tokenizer
 from metaloom.generator.remote.transport import EventLoopThread, Json, RetryPolicy, Transport
 from metaloom.generator.remote.wire import (
     choices_of,
     completion,
-    constraint_body,
-    sampling_body,
     stream_chunk,
     usage_charge,
 )
@@ -56,27 +55,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 _DONE = object()
-
-
-@dataclass(frozen=True)
-class _Call:
-    """One HTTP request of a `Request`: samples ``first`` .. ``first + n - 1`` of it."""
-
-    path: str  # "completions" or "chat/completions"
-    body: Json
-    first: int
-    n: int
-    prompt: Prompt  # as sent (token ids where a prefix was added), to count a cancelled stream's prompt
-    top: int = 0  # alternatives per position asked for
-    copies: int = 1  # greedy n > 1: one sample stands for ``copies`` identical ones (vLLM refuses n > 1 greedy)
-
-    @property
-    def samples(self) -> int:
-        return self.n * self.copies
-
-    @property
-    def chat(self) -> bool:
-        return self.path == "chat/completions"
 
 
 class RemoteGenerator:
@@ -206,64 +184,15 @@ class RemoteGenerator:
         check_prompt(tuple(messages))
         return self._run(self.tokens.render(messages))
 
-    # --- checks and request bodies -------------------------------------------------------------------
+    # --- checks and request bodies (`plan`) ------------------------------------------------------------
     def _check(self, request: Request) -> None:
-        """Raise `Unsupported` for anything about ``request`` this server cannot serve."""
-        if not isinstance(request, Request):
-            raise InvalidParameter("request", request, "a metaloom.generator.Request")
-        self.capabilities.check(request, self.name)
-        f, p = self.features, request.params
-        chat = isinstance(request.prompt, tuple) and not request.prefix
-        if chat and not f.chat:
-            raise Unsupported("chat prompts", self.name, "the server has no /v1/chat/completions")
-        if not chat and not f.completions:
-            raise Unsupported("text and token-id prompts", self.name, "the server has no /v1/completions")
-        if request.constraint is not None and not (f.guided or f.structured_outputs) and not chat:
-            raise Unsupported(f"constraint {request.constraint.kind} on a text prompt", self.name,
-                              "the server constrains chat answers only (response_format)")
-        if request.prefix:
-            if {"presence_frequency", "no_repeat_ngram"} & p.adapters:
-                raise Unsupported("prefix with presence/frequency or n-gram penalties", self.name,
-                                  "the server would count the prefix as prompt, not as output")
-            if request.constraint is not None:
-                raise Unsupported("prefix with a constraint", self.name, "the server would constrain only what follows it")
-            if isinstance(request.prompt, tuple):
-                self._require_chat_tokens("prefix")
+        check(request, self.features, self.capabilities, self.name, self.tokenizer is not None)
 
     def _require_chat_tokens(self, what: str) -> None:
-        if not (self.features.tokenize_chat or self.tokenizer is not None):
-            raise Unsupported(f"{what} after a chat prompt", self.name, "needs the server's /tokenize for chats or a tokenizer")
+        require_chat_tokens(what, self.features, self.name, self.tokenizer is not None)
 
-    async def _calls(self, request: Request) -> list[_Call]:
-        """The HTTP requests that serve ``request``: one (``n`` samples), or ``n`` concurrent
-        ones where the server ignores ``n`` (sample i then gets seed + i, so they differ)."""
-        f, p = self.features, request.params
-        body: Json = {"model": self.model, **sampling_body(p, f.extras)}
-        if request.constraint is not None:
-            body.update(constraint_body(request.constraint, f.guided, f.structured_outputs))
-        prompt = request.prompt
-        if isinstance(prompt, tuple) and not request.prefix:
-            path = "chat/completions"
-            body["messages"] = [dict(m) for m in prompt]
-        else:
-            path = "completions"
-            if isinstance(prompt, str) and not request.prefix:
-                body["prompt"] = prompt
-            else:
-                prompt = TokenIds((*(await self.tokens.prompt_ids(prompt)), *request.prefix))
-                body["prompt"] = list(prompt.ids)
-        if f.chat_logprobs if path == "chat/completions" else f.logprobs:
-            body["logprobs"] = True if path == "chat/completions" else p.top_logprobs
-            if p.top_logprobs and path == "chat/completions":
-                body["top_logprobs"] = p.top_logprobs
-            if f.token_ids:
-                body["return_tokens_as_token_ids"] = True
-        if p.greedy and p.n > 1:  # n identical samples: ask once (what the server computes is what is charged)
-            return [_Call(path, _seeded(body, 1, p.seed), 0, 1, prompt, p.top_logprobs, copies=p.n)]
-        if f.n or p.n == 1:
-            return [_Call(path, _seeded(body, p.n, p.seed), 0, p.n, prompt, p.top_logprobs)]
-        return [_Call(path, _seeded(body, 1, None if p.seed is None else p.seed + i), i, 1, prompt, p.top_logprobs)
-                for i in range(p.n)]
+    async def _calls(self, request: Request) -> list[Call]:
+        return await calls(request, self.model, self.features, self.tokens)
 
     # --- generate ---------------------------------------------------------------------------------------
     async def _generate(self, requests: Sequence[Request], ledger: Ledger) -> list[list[Completion]]:
@@ -294,7 +223,7 @@ class RemoteGenerator:
             await self._drop(list(tasks))
         return [[c if c is not None else Completion("", (), (), ended) for c in row] for row in out]
 
-    def _collect(self, data: Json, where: tuple[int, _Call], out: list[list[Completion | None]], ledger: Ledger) -> bool:
+    def _collect(self, data: Json, where: tuple[int, Call], out: list[list[Completion | None]], ledger: Ledger) -> bool:
         """Put an answer's completions in place and charge its usage; True if that passed the budget."""
         i, call = where
         completions = [completion(c, chat=call.chat, encode=self.tokens.local_encode(False), top=call.top)
@@ -356,7 +285,7 @@ class RemoteGenerator:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._inflight.difference_update(tasks)
 
-    async def _pump(self, call: _Call, ledger: Ledger, queue: asyncio.Queue[Any]) -> None:
+    async def _pump(self, call: Call, ledger: Ledger, queue: asyncio.Queue[Any]) -> None:
         """One streamed request into ``queue``: its chunks, then `_DONE` (or the error)."""
         options: Json = {"include_usage": True}
         if self.features.continuous_usage:
@@ -410,7 +339,7 @@ class RemoteGenerator:
                 await self._charge_unreported(call, ledger, sum(received), prompt)
             queue.put_nowait(_DONE)
 
-    async def _charge_unreported(self, call: _Call, ledger: Ledger, received: int, prompt: int | None) -> None:
+    async def _charge_unreported(self, call: Call, ledger: Ledger, received: int, prompt: int | None) -> None:
         """Charge a stream that ended without its total usage: its prompt (as the server reported it
         in a chunk, else counted as the server counts it, where it can be), and the FLOPs estimate
         and marks for the ``received`` tokens (already charged as output tokens). Runs while the
@@ -438,15 +367,6 @@ class RemoteGenerator:
             _charge_time(ledger, time.perf_counter() - started)
 
 
-def _seeded(body: Json, n: int, seed: int | None) -> Json:
-    out = dict(body)
-    if n > 1:
-        out["n"] = n
-    if seed is not None:
-        out["seed"] = seed
-    return out
-
-
 def _eos_reason(request: Request, done: Any) -> Any:
     """A "stop" with no stop reason from the server (vLLM says null at end-of-sequence) gets the
     end-of-sequence token id, as `Completion.stop_reason` promises: with no stop string matched
@@ -457,7 +377,7 @@ def _eos_reason(request: Request, done: Any) -> Any:
     return done
 
 
-def _end(queue: asyncio.Queue[Any], call: _Call, finished: list[bool], reason: str) -> None:
+def _end(queue: asyncio.Queue[Any], call: Call, finished: list[bool], reason: str) -> None:
     for i, done in enumerate(finished):
         if not done:
             queue.put_nowait(StreamChunk("", (), (), reason, None, call.first + i))

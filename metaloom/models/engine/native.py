@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from metaloom.errors import NotAModel
-from metaloom.models.load import user_cache_dir, write_folder
+from metaloom.models.paths import user_cache_dir, write_folder
 from metaloom.models.protocols import LanguageModel
 
 BLOCKS_FILE = "model.safetensors"

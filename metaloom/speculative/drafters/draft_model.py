@@ -10,7 +10,10 @@ fed with the row's context.
 
 Greedy rows draft the argmax; sampled rows draw from q = the draft's logits through a plain
 pipeline with the row's temperature and truncation (top-k/top-p/min-p; no penalties or
-stateful adapters), and report q so acceptance stays exact.
+stateful adapters), by inverse CDF at the very uniform plain sampling uses for the position the
+drafted token would take (`metaloom.sampling.counter`): the target accepts it when its own draw
+there lands on the same token (`metaloom.speculative.core`), which is likeliest when both draw at
+one uniform. They report q (Draft.probs).
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from metaloom.errors import UnsupportedModel
 from metaloom.models.forward import Ledgers, charged_forward
 from metaloom.models.protocols import KVCache, LanguageModel
+from metaloom.sampling.counter import uniforms
 from metaloom.sampling.params import SamplingParams
 from metaloom.sampling.pipeline import Sampler, make_sampler
 from metaloom.speculative.drafter import MAX_DRAFT, Draft, DraftState, Verified
@@ -37,14 +42,15 @@ class DraftModelDrafter:
     name: str = "draft"
 
     def start(self, target: LanguageModel, sampler: Sampler, contexts: Sequence[Sequence[int]],
-              generators: Sequence[torch.Generator | None]) -> DraftModelState:
+              keys: Sequence[int]) -> DraftModelState:
         longest = max((len(c) for c in contexts), default=0)
         room = min(self.model.max_context, longest + _max_new(sampler) + 2 * MAX_DRAFT + 2)
         cache = self.model.new_cache(len(contexts), room)
         q_params = [SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p)
                     for p in sampler.params]
         q_sampler = make_sampler(q_params, target.vocab_size, self.model.device)
-        return DraftModelState(self.model, cache, [[] for _ in contexts], q_sampler, target.vocab_size, generators)
+        return DraftModelState(self.model, cache, [[] for _ in contexts], q_sampler, target.vocab_size, keys,
+                               [len(c) for c in contexts])
 
 
 def _max_new(sampler: Sampler) -> int:
@@ -53,14 +59,15 @@ def _max_new(sampler: Sampler) -> int:
 
 class DraftModelState:
     def __init__(self, model: LanguageModel, cache: KVCache, fed: list[list[int]], q_sampler: Sampler,
-                 target_vocab: int, generators: Sequence[torch.Generator | None]) -> None:
+                 target_vocab: int, keys: Sequence[int], starts: Sequence[int]) -> None:
         self.model = model
         self.cache = cache
         self.fed = fed  # fed[b]: the tokens in the draft cache of row b
         self.checked = [0] * len(fed)  # fed[b][:checked[b]] is known to equal row b's context
         self.q_sampler = q_sampler
         self.vocab = target_vocab
-        self.generators = list(generators)  # the rows' RNGs: a seeded request stays reproducible
+        self.keys = list(keys)  # the rows' random keys: a seeded request stays reproducible
+        self.starts = list(starts)  # each row's prompt length: its context position - start is the output's
 
     def _sync(self, contexts: Sequence[Sequence[int]]) -> list[list[int]]:
         """Roll each row's cache back to the longest prefix shared with its context; return
@@ -102,11 +109,9 @@ class DraftModelState:
             if probs is None:  # all greedy: the argmax is all a greedy row needs
                 token = self._fit(logits).argmax(dim=-1)
             else:
-                q = self.q_sampler.process(self._fit(logits)).exp()  # [B, V]
-                probs[:, j] = q
-                token = q.argmax(dim=-1)
-                for row in sampled:
-                    token[row] = torch.multinomial(q[row], 1, generator=self.generators[row])[0]
+                lq = self.q_sampler.process(self._fit(logits))  # [B, V]
+                probs[:, j] = lq.exp()
+                token = self.q_sampler.draw(lq, self._uniforms(contexts, j, device))
             drafted[:, j] = token
             if j == k - 1:
                 break
@@ -115,6 +120,14 @@ class DraftModelState:
                 self.fed[i].append(int(token[i]))
         lengths = torch.as_tensor(list(limits), dtype=torch.long, device=device)
         return Draft(tokens=drafted, lengths=lengths, probs=probs)
+
+    def _uniforms(self, contexts: Sequence[Sequence[int]], j: int, device: torch.device) -> torch.Tensor:
+        """[B] the uniforms of the j-th drafted tokens: plain sampling's at each row's key and the
+        output position that token would take (its context position less the prompt's length;
+        computed on the host, no device wait)."""
+        keys = np.asarray(self.keys, dtype=np.int64)
+        at = np.asarray([len(c) + j - start for c, start in zip(contexts, self.starts, strict=True)], dtype=np.int64)
+        return torch.from_numpy(uniforms(keys, at)).to(device)
 
     def _fit(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary (ids past the draft's own are impossible)."""
@@ -131,7 +144,8 @@ class DraftModelState:
     def select(self, rows: Sequence[int]) -> DraftModelState:
         index = list(rows)
         state = DraftModelState(self.model, self.cache.fork(index), [list(self.fed[r]) for r in index],
-                                self.q_sampler.select(index), self.vocab, [self.generators[r] for r in index])
+                                self.q_sampler.select(index), self.vocab, [self.keys[r] for r in index],
+                                [self.starts[r] for r in index])
         state.checked = [self.checked[r] for r in index]
         release = getattr(self.cache, "release", None)
         if release is not None:
@@ -144,6 +158,6 @@ class DraftModelState:
         if joined is None:
             raise UnsupportedModel(f"{type(self.cache).__name__} cannot take rows into a running batch (no join)")
         state = DraftModelState(self.model, joined(other.cache), self.fed + other.fed, self.q_sampler.join(other.q_sampler),
-                                self.vocab, self.generators + other.generators)
+                                self.vocab, self.keys + other.keys, self.starts + other.starts)
         state.checked = self.checked + other.checked
         return state

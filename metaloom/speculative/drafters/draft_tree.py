@@ -46,10 +46,10 @@ class DraftTreeDrafter:
     name: str = "draft"
 
     def start(self, target: LanguageModel, sampler: Sampler, contexts: Sequence[Sequence[int]],
-              generators: Sequence[torch.Generator | None]) -> DraftState:
+              keys: Sequence[int]) -> DraftState:
         if "tree" not in inspect.signature(self.model.forward).parameters:
             raise UnsupportedModel(f"{type(self.model).__name__} takes no token trees (a native draft model does)")
-        base = DraftModelDrafter(self.model, self.name).start(target, sampler, contexts, generators)
+        base = DraftModelDrafter(self.model, self.name).start(target, sampler, contexts, keys)
         return DraftTreeState(base, self.shape)
 
 

@@ -74,7 +74,7 @@ class HeadsDrafter:
             raise InvalidParameter("min_prob", self.min_prob, "a probability in [0, 1)")
 
     def start(self, target: LanguageModel, sampler: Sampler, contexts: Sequence[Sequence[int]],
-              generators: Sequence[torch.Generator | None]) -> HeadsState:
+              keys: Sequence[int]) -> HeadsState:
         for attr in ("embed", "lm_head", "forward_hidden"):
             if not hasattr(target, attr):
                 raise UnsupportedModel(f"speculator heads need the native model (embedding, LM head and hidden "

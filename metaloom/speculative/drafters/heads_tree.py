@@ -139,9 +139,9 @@ class HeadsTreeDrafter:
         self.shape.check_fits(MAX_DRAFT, "heads")
 
     def start(self, target: LanguageModel, sampler: Sampler, contexts: Sequence[Sequence[int]],
-              generators: Sequence[torch.Generator | None]) -> HeadsTreeState:
+              keys: Sequence[int]) -> HeadsTreeState:
         # min_prob 0: the tree's shape, not a confidence cut, decides what is drafted
-        base = HeadsDrafter(self.path, self.heads, self.name, min_prob=0.0).start(target, sampler, contexts, generators)
+        base = HeadsDrafter(self.path, self.heads, self.name, min_prob=0.0).start(target, sampler, contexts, keys)
         stages = base.heads.config.stages
         if self.shape.nodes is None and len(self.shape.widths) > stages:
             raise InvalidParameter("tree", list(self.shape.widths), f"at most {stages} levels for these heads (one "

@@ -25,8 +25,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from metaloom.errors import InvalidParameter
 from metaloom.models.forward import Ledgers
 from metaloom.models.protocols import LanguageModel
@@ -47,7 +45,7 @@ class JacobiDrafter:
             raise InvalidParameter("fill", self.fill, f"one of {list(FILLS)}")
 
     def start(self, target: LanguageModel, sampler: Sampler, contexts: Sequence[Sequence[int]],
-              generators: Sequence[torch.Generator | None]) -> JacobiState:
+              keys: Sequence[int]) -> JacobiState:
         return JacobiState(self.fill, [[] for _ in contexts], [NgramIndex(first=True) for _ in contexts])
 
 

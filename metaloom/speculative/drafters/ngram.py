@@ -9,16 +9,15 @@ context to where it first (or last) occurred, updated with the new tokens only.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
 
 from metaloom.errors import InvalidParameter
 from metaloom.models.forward import Ledgers
 from metaloom.models.protocols import LanguageModel
 from metaloom.sampling.pipeline import Sampler
-from metaloom.speculative.drafter import Draft, DraftState, Verified
+from metaloom.speculative.drafter import LEVELS, Draft, DraftState, Verified
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,7 @@ class NgramDrafter:
             raise InvalidParameter("occurrence", self.occurrence, "'first' or 'last'")
 
     def start(self, target: LanguageModel, sampler: Sampler, contexts: Sequence[Sequence[int]],
-              generators: Sequence[torch.Generator | None]) -> NgramState:
+              keys: Sequence[int]) -> NgramState:
         return NgramState(self, [NgramIndex(self.occurrence == "first") for _ in contexts])
 
 
@@ -72,11 +71,17 @@ class NgramIndex:
 
     def lookup(self, context: Sequence[int], sizes: range, limit: int) -> list[int]:
         """Up to ``limit`` tokens that followed the first (or latest) occurrence of the longest suffix."""
-        ends = self.ends(context, sizes)
-        if not ends:
-            return []
-        e = ends[0] if self.first else ends[-1]
-        return list(context[e:e + limit])
+        return self.match(context, sizes, limit)[0]
+
+    def match(self, context: Sequence[int], sizes: range, limit: int) -> tuple[list[int], int]:
+        """`lookup`, and the length of the suffix matched (0: none)."""
+        for n in reversed(sizes):
+            if len(context) >= n:
+                ends = self.where.get(tuple(context[len(context) - n:]))
+                if ends:
+                    e = ends[0] if self.first else ends[-1]
+                    return list(context[e:e + limit]), n
+        return [], 0
 
 
 class NgramState:
@@ -86,11 +91,15 @@ class NgramState:
         self.sizes = range(drafter.min_ngram, drafter.max_ngram + 1)
 
     def propose(self, contexts: Sequence[Sequence[int]], limits: Sequence[int], ledger: Ledgers) -> Draft:
-        drafts = []
+        """Each row's copy, and as its confidence class the matched suffix's length (a copy after
+        a three-token match is kept far more often than one after a single common token)."""
+        drafts, levels = [], []
         for index, context, limit in zip(self.rows, contexts, limits, strict=True):
             index.update(context, self.sizes)
-            drafts.append(index.lookup(context, self.sizes, limit) if limit > 0 else [])
-        return Draft.from_lists(drafts)
+            tokens, n = index.match(context, self.sizes, limit) if limit > 0 else ([], 0)
+            drafts.append(tokens)
+            levels.append(min(max(n - self.drafter.min_ngram, 0), LEVELS - 1))
+        return dataclasses.replace(Draft.from_lists(drafts), levels=tuple(levels))
 
     def observe(self, verified: Verified) -> None:
         pass

@@ -27,8 +27,6 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from metaloom.errors import InvalidParameter
 from metaloom.models.forward import Ledgers
 from metaloom.models.protocols import LanguageModel
@@ -137,7 +135,7 @@ class NgramTreeDrafter:
         self.shape.check_fits(MAX_DRAFT, "ngram")
 
     def start(self, target: LanguageModel, sampler: Sampler, contexts: Sequence[Sequence[int]],
-              generators: Sequence[torch.Generator | None]) -> NgramTreeState:
+              keys: Sequence[int]) -> NgramTreeState:
         return NgramTreeState(self, [NgramIndex() for _ in contexts])
 
     def tree(self, context: Sequence[int], ends: Sequence[int], budget: int) -> DraftTree:

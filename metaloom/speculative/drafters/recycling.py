@@ -52,7 +52,7 @@ class RecyclingDrafter:
         return "recycling"
 
     def start(self, target: LanguageModel, sampler: Sampler, contexts: Sequence[Sequence[int]],
-              generators: Sequence[torch.Generator | None]) -> DraftState:
+              keys: Sequence[int]) -> DraftState:
         with self.lock:
             if self.table is None or self.table.shape[0] != target.vocab_size:
                 self.table = torch.full((target.vocab_size, CANDIDATES), -1, dtype=torch.long)
@@ -81,9 +81,10 @@ class RecyclingDrafter:
     def learn(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
         """Row ``M[tokens[i]]`` = the ``k`` most likely tokens after it (``logits[i]`` [V])."""
         assert self.table is not None
-        top = logits.float().topk(CANDIDATES, dim=-1).indices.cpu()
+        k = min(CANDIDATES, logits.shape[-1])  # a vocabulary smaller than the matrix is wide keeps all of it
+        top = logits.float().topk(k, dim=-1).indices.cpu()
         with self.lock:
-            self.table[tokens.cpu()] = top  # a token read twice keeps its last candidates
+            self.table[tokens.cpu(), :k] = top  # a token read twice keeps its last candidates
 
 
 class RecyclingState:

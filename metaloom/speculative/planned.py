@@ -1,0 +1,328 @@
+"""The cost model in the decode loop: a drafter that asks the planner, each step, which of its
+drafters drafts, how many tokens it may draft, and how many of them are verified.
+
+`PlannedDrafter` wraps one drafter (``--speculative NAME``, the cost model on) or several
+(``--speculative auto``: the planner picks the drafter as well). It is a `Drafter`, so the
+decode loop runs it as any other: `PlannedState.propose` plans (`metaloom.speculative.planner`),
+lets the chosen drafter propose, times it and keeps the nodes that pay; `observe` learns from the
+verification what was accepted and what the step cost, and passes the verification on to every
+drafter (each keeps its own state: a drafter not chosen this step still sees what the target
+said, as Token Recycling and speculator heads need). An empty draft is a one-token step (the
+tree of the pending token alone is the plain step, `LlamaModel.forward`), so choosing 0 costs
+what plain decoding costs, plus the planner's arithmetic.
+
+What the planner learns is kept across the batches and requests of one `PlannedDrafter`, as
+Token Recycling keeps its matrix; `report` says what it chose (``--json``'s ``cost_model``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from metaloom.errors import InvalidParameter
+from metaloom.models.forward import Ledgers
+from metaloom.models.protocols import LanguageModel
+from metaloom.sampling.pipeline import Sampler
+from metaloom.speculative.cost import VerifyCost, measure_verify_cost
+from metaloom.speculative.drafter import MAX_DRAFT, Draft, Drafter, DraftState, Verified
+from metaloom.speculative.planner import (
+    CHEAP,
+    COLD,
+    HOT,
+    PROBE_EVERY,
+    Acceptance,
+    DraftCost,
+    Probe,
+    Timing,
+    plan_length,
+    prune,
+)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A step's plan: ``candidate`` drafts up to ``k`` tokens a row. ``extra``: verify one node
+    more per row than the estimates say (every `PROBE_EVERY` steps, to learn past them);
+    ``trial``: the candidate is tried because it was not chosen lately (`Probe`); ``rate``: the
+    expected tokens per second of the best plan, which a trial is judged against."""
+
+    candidate: int
+    k: int
+    extra: bool
+    trial: bool
+    rate: float
+
+
+class PlannedDrafter:
+    """The cost model over ``candidates`` (drafter, most tokens a step each). ``cost``: a verify
+    cost curve measured already (`measure_verify_cost`); None measures it on the first target."""
+
+    def __init__(self, candidates: Sequence[tuple[Drafter, int]], cost: VerifyCost | None = None,
+                 name: str | None = None) -> None:
+        if not candidates:
+            raise InvalidParameter("candidates", [], "at least one drafter")
+        for drafter, cap in candidates:
+            if not isinstance(cap, int) or not 1 <= cap <= MAX_DRAFT:
+                raise InvalidParameter("num_draft", cap, f"an integer in [1, {MAX_DRAFT}] for {drafter.name}")
+        self.drafters = [d for d, _ in candidates]
+        self.caps = [k for _, k in candidates]
+        self.cost = cost
+        self._name = name or (self.drafters[0].name if len(self.drafters) == 1 else "auto")
+        self.lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what was learned (acceptance, drafting and step times, choices); the measured
+        verify cost stays."""
+        self.acceptance = [Acceptance(k) for k in self.caps]
+        self.draft_costs = [DraftCost() for _ in self.caps]
+        self.probes = [Probe() for _ in self.caps]
+        self.scale, self.gap, self.step = 1.0, 0.0, 0
+        self.steps = [0] * len(self.caps)  # steps each drafter drafted (some node verified)
+        self.verified = [0] * len(self.caps)
+        self.kept = [0] * len(self.caps)
+        self.histogram: dict[int, int] = {}  # nodes verified per row-step -> how often
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def num_draft(self) -> int:
+        return max(self.caps)
+
+    def start(self, target: LanguageModel, sampler: Sampler, contexts: Sequence[Sequence[int]],
+              keys: Sequence[int]) -> PlannedState:
+        with self.lock:
+            if self.cost is None:
+                self.cost = measure_verify_cost(target, most=self.num_draft + 1)
+        states = [d.start(target, sampler, contexts, keys) for d in self.drafters]
+        return PlannedState(self, states, [COLD] * len(contexts))
+
+    # --- planning (under the lock: batches of one engine may run in threads) ----------------
+    def timing(self, fixed: float = 0.0) -> Timing:
+        assert self.cost is not None
+        return Timing(self.cost, self.scale, self.gap + fixed)
+
+    def plan(self, hot: Sequence[int], limits: Sequence[int]) -> Choice:
+        rows = sum(1 for n in limits if n > 0)
+        with self.lock:
+            self.step += 1
+            if rows == 0:
+                return Choice(0, 0, False, False, 0.0)
+            timing = self.timing()
+            plans = []
+            if len(self.caps) == 1 and self.cheap(0, timing, rows):  # draft all it may, prune after
+                return Choice(0, self.caps[0], self.step % PROBE_EVERY == 0, False, 0.0)
+            states = set(hot)
+            for c, acc in enumerate(self.acceptance):
+                kept = {h: acc.kept_rates(h) for h in states}
+                proposed = {h: acc.proposal_rates(h) for h in states}
+                k, rate = plan_length([kept[h] for h in hot], [proposed[h] for h in hot],
+                                      [min(n, self.caps[c]) for n in limits], rows, timing, self.draft_costs[c],
+                                      self.caps[c])
+                plans.append((rate, -c, k))
+            rate, neg, k = max(plans)
+            best = Choice(-neg, k, self.step % PROBE_EVERY == 0, False, rate)
+            due = [c for c in range(len(plans)) if (c != best.candidate or best.k == 0) and self.probes[c].due(self.step)]
+            if due:  # the longest unseen first
+                c = min(due, key=lambda i: self.probes[i].last)
+                return Choice(c, max(plans[c][2], min(2, self.caps[c])), True, True, rate)
+            return best
+
+    def cheap(self, c: int, timing: Timing, rows: int) -> bool:
+        d = self.draft_costs[c]
+        return d.seconds(self.caps[c]) - d.seconds(0) <= CHEAP * timing.scale * timing.cost.seconds_for(rows)
+
+    def keep(self, choice: Choice, hot: Sequence[int], lengths: Sequence[int], rows: int, drafting: float,
+             levels: Sequence[int] | None = None) -> list[int]:
+        """How many of each row's proposed nodes to verify (`prune`, with the drafting time spent),
+        priced by each row's state and its draft's confidence class."""
+        with self.lock:
+            acc = self.acceptance[choice.candidate]
+            classes = [(h, None if levels is None else levels[b]) for b, h in enumerate(hot)]
+            kept = {c: acc.kept_rates(*c) for c in set(classes)}
+            return prune([kept[c] for c in classes], lengths, max(rows, 1), self.timing(drafting), int(choice.extra))
+
+    # --- learning ---------------------------------------------------------------------------
+    def learn(self, choice: Choice, outcome: Outcome) -> None:
+        with self.lock:
+            c = choice.candidate
+            self.draft_costs[c].record(choice.k, outcome.drafting)
+            assert self.cost is not None
+            if outcome.step > 0:
+                ratio = outcome.step / self.cost.seconds_for(outcome.width)
+                ratio = min(max(ratio, self.scale / 3), self.scale * 3) if self.step > 1 else ratio
+                self.scale += 0.2 * (ratio - self.scale)
+            acc = self.acceptance[c]
+            for b, (hot, allowed, proposed, verified) in enumerate(zip(outcome.hot, outcome.allowed, outcome.proposed,
+                                                                       outcome.verified, strict=True)):
+                acc.record_proposal(hot, allowed, proposed)
+                acc.record(hot, verified, outcome.kept[b], None if outcome.levels is None else outcome.levels[b])
+                self.histogram[verified] = self.histogram.get(verified, 0) + 1
+                self.verified[c] += verified
+                self.kept[c] += len(outcome.kept[b])
+            drafted = any(outcome.verified)
+            self.steps[c] += int(drafted)
+            if choice.trial:  # a trial wins when the step beat the plan it displaced
+                total = outcome.step + outcome.drafting + self.gap
+                tokens = len(outcome.hot) + sum(len(k) for k in outcome.kept)
+                self.probes[c].tried(self.step, total > 0 and tokens / total >= choice.rate)
+            elif drafted:
+                self.probes[c].tried(self.step, True)
+
+    def learn_gap(self, seconds: float) -> None:
+        with self.lock:
+            self.gap += 0.2 * (seconds - self.gap) if self.step > 2 else seconds - self.gap
+
+    def report(self) -> dict[str, Any]:
+        """What the planner measured and chose (``--json``: ``cost_model``)."""
+        with self.lock:
+            out: dict[str, Any] = {"drafter": self.name, "verify_cost": None if self.cost is None else self.cost.to_dict(),
+                                   "scale": round(self.scale, 3), "gap_ms": round(self.gap * 1e3, 3), "steps": self.step,
+                                   "nodes_verified": {str(k): v for k, v in sorted(self.histogram.items())},
+                                   "drafters": {}}
+            for c, d in enumerate(self.drafters):
+                acc = self.acceptance[c]
+                out["drafters"][d.name] = {
+                    "most": self.caps[c], "steps": self.steps[c], "verified": self.verified[c], "kept": self.kept[c],
+                    "draft_ms": {"fixed": round(self.draft_costs[c].fixed * 1e3, 3),
+                                 "per_token": round(self.draft_costs[c].per_token * 1e3, 3)},
+                    "acceptance_hot": [round(float(a), 3) for a in acc.kept_rates(HOT)[:8]],
+                    "acceptance_cold": [round(float(a), 3) for a in acc.kept_rates(COLD)[:8]]}
+            return out
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One step as the planner learns from it, per row: its state when planned, the tokens the
+    drafter was allowed and proposed, the nodes verified and the ones kept (node indices); and
+    the seconds of drafting and of the step after it (forward, acceptance, emission), with the
+    step's forward width."""
+
+    hot: list[int]
+    allowed: list[int]
+    proposed: list[int]
+    verified: list[int]
+    kept: list[list[int]]
+    drafting: float
+    step: float
+    width: int
+    levels: tuple[int, ...] | None = None  # each row draft's confidence class (`Draft.levels`)
+
+
+class PlannedState:
+    """A batch's drafting state under the cost model: each drafter's own state, each row's
+    `HOT`/`COLD` state, and the plan of the step in flight."""
+
+    def __init__(self, planner: PlannedDrafter, states: list[DraftState], hot: list[int]) -> None:
+        self.planner = planner
+        self.states = states
+        self.hot = hot
+        # the step in flight: its plan, per row the tokens allowed, proposed and kept, the drafting
+        # seconds, when the draft was handed over, and the draft's confidence classes
+        self.pending: tuple[Choice, list[int], list[int], list[int], float, float, tuple[int, ...] | None] | None = None
+        self.done_at: float | None = None  # when the last step's observation ended
+
+    @property
+    def needs_hidden(self) -> bool:
+        return any(bool(getattr(s, "needs_hidden", False)) for s in self.states)
+
+    @property
+    def cache(self) -> Any:
+        """A draft model's own cache (the decode loop charges its KV memory)."""
+        return next((c for s in self.states if (c := getattr(s, "cache", None)) is not None), None)
+
+    def propose(self, contexts: Sequence[Sequence[int]], limits: Sequence[int], ledger: Ledgers) -> Draft:
+        start = time.perf_counter()
+        if self.done_at is not None:
+            self.planner.learn_gap(start - self.done_at)
+        choice = self.planner.plan(self.hot, limits)
+        allowed = [min(n, choice.k) for n in limits]
+        draft = self.states[choice.candidate].propose(contexts, allowed, ledger)
+        drafting = time.perf_counter() - start
+        proposed = [min(int(n), a) for n, a in zip(draft.lengths.tolist(), allowed, strict=True)]
+        rows = sum(1 for n in limits if n > 0)
+        keep = (self.planner.keep(choice, self.hot, proposed, rows, drafting, draft.levels) if any(proposed)
+                else [0] * len(proposed))
+        self.pending = (choice, allowed, proposed, keep, drafting, time.perf_counter(), draft.levels)
+        lengths = torch.as_tensor(keep, dtype=torch.long, device=draft.lengths.device)
+        return Draft(draft.tokens, lengths, draft.probs, draft.parents)
+
+    def observe(self, verified: Verified) -> None:
+        now = time.perf_counter()
+        proposer = -1
+        if self.pending is not None:
+            choice, allowed, proposed, keep, drafting, after, levels = self.pending
+            proposer = choice.candidate
+            kept = kept_paths(verified)
+            kept = [k if n else [] for k, n in zip(kept, keep, strict=True)]
+            rows = sum(1 for n in allowed if n > 0) or len(keep)
+            self.planner.learn(choice, Outcome(list(self.hot), allowed, proposed, keep, kept, drafting, now - after,
+                                               rows + sum(keep), levels))
+            for b in range(len(keep)):
+                if keep[b]:
+                    self.hot[b] = HOT if kept[b] else COLD
+            self.pending = None
+        tree = verified.draft.parents is not None
+        chain = as_chain(verified) if tree and len(self.states) > 1 else verified
+        for i, state in enumerate(self.states):  # a chain drafter sees a tree step as the chain it kept
+            state.observe(verified if i == proposer or not tree else chain)
+        self.done_at = time.perf_counter()
+
+    def select(self, rows: Sequence[int]) -> PlannedState:
+        out = PlannedState(self.planner, [s.select(rows) for s in self.states], [self.hot[r] for r in rows])
+        out.done_at = self.done_at
+        return out
+
+    def join(self, other: DraftState) -> PlannedState:
+        assert isinstance(other, PlannedState)
+        out = PlannedState(self.planner, [a.join(b) for a, b in zip(self.states, other.states, strict=True)],
+                           self.hot + other.hot)
+        out.done_at = self.done_at
+        return out
+
+
+def kept_paths(verified: Verified) -> list[list[int]]:
+    """Each row's kept node indices: the first ``accepted`` of a chain; for a tree the path its
+    emitted tokens walk (siblings are distinct). Read to the host once."""
+    draft = verified.draft
+    accepted = [int(a) for a in verified.accepted.tolist()]
+    if draft.parents is None:
+        return [list(range(a)) for a in accepted]
+    tokens = verified.tokens.tolist()
+    out = []
+    for tree, n, row in zip(draft.trees(), accepted, tokens, strict=True):
+        path, node = [], -1
+        for token in row[:n]:
+            node = next(c for c in tree.children(node) if tree.tokens[c] == token)
+            path.append(node)
+        out.append(path)
+    return out
+
+
+def as_chain(verified: Verified) -> Verified:
+    """A tree step as the chain it accepted: the path's tokens as the draft, and the logits and
+    hidden states of the pending token and the path's nodes in block order, so that a chain
+    drafter reading ``logits[:, :accepted + 1]`` or ``hidden[:, accepted]`` (Jacobi, heads) sees
+    what it would after a chain step."""
+    draft = verified.draft
+    b = verified.logits.shape[0]
+    accepted = verified.accepted.tolist()
+    width = max(accepted, default=0) + 1
+    index = torch.zeros(b, width, dtype=torch.long)
+    for r, path in enumerate(kept_paths(verified)):
+        index[r, 1:len(path) + 1] = torch.as_tensor([n + 1 for n in path], dtype=torch.long)
+    index = index.to(verified.logits.device)
+    rows = torch.arange(b, device=index.device)[:, None]
+    hidden = None if verified.hidden is None else verified.hidden[rows, index.to(verified.hidden.device)]
+    chain = Draft(verified.tokens[:, :width - 1].to(draft.tokens.device), verified.accepted.to(draft.lengths.device))
+    return Verified(draft=chain, logits=verified.logits[rows, index], accepted=verified.accepted,
+                    tokens=verified.tokens[:, :width], hidden=hidden, pending=verified.pending)
+

@@ -1,0 +1,215 @@
+"""The cost model that decides how much to speculate: per step, the draft length (for token
+trees the node budget), which drafter drafts, and 0 (no speculation) when nothing pays.
+
+A step that verifies ``m`` drafted nodes over ``B`` live rows yields the rows' pending tokens
+plus every accepted node, and costs a forward of ``B + m`` tokens (`VerifyCost`, measured once,
+rescaled online by the step times observed: ``scale``), the drafter's own time (``d0 + d1 k``,
+learned online per drafter) and the loop's fixed time between steps (``gap``, observed). The
+planner maximises expected tokens per second of the step::
+
+    rate(m) = (B + sum of a_i over the m kept nodes) / (scale * c(B + m) + drafting + gap)
+
+where ``a_i`` is the probability that the i-th node a drafter proposes is accepted (for a chain,
+that at least i drafts are; for a tree, that node i lies on the accepted path), learned online
+per drafter (`Acceptance`). This is SpecDec++'s stopping rule (Huang et al. 2024, "SpecDec++:
+Boosting speculative decoding via adaptive candidate lengths": stop drafting where the expected
+gain of one more token falls below its cost) and DySpec's budget (Xiong et al. 2024, "DySpec:
+Faster speculative decoding with dynamic token tree structure": keep the nodes most likely
+accepted) with the cost curve measured instead of assumed, as the verify's cost on a CPU grows
+steeply with its width.
+
+Acceptance is conditioned on the row's state, ``hot`` (its last verified draft kept at least one
+token) or cold: a row copying its input (prompt lookup in an edit) keeps long drafts, a row that
+just left the copy keeps none, and the two regimes alternate within one answer. The estimates are
+counts decayed by `DECAY` per observation, shrunk towards a geometric continuation of the
+earlier nodes' rates (a node never verified is priced from the ones before it); nodes are priced
+no higher than the nodes before them (a prefix of a draft is what can be kept). To keep learning
+what it stopped doing, every `PROBE_EVERY` steps the planner verifies one node more than it
+would, and a drafter (or draft length) it has dropped is tried again after an interval that
+doubles each time the trial does not win (`Probe`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from metaloom.speculative.cost import VerifyCost
+from metaloom.speculative.drafter import LEVELS
+
+PRIOR = 0.5  # prior acceptance of a first drafted node, before any observation
+PRIOR_WEIGHT = 2.0  # pseudo-observations behind the prior
+DECAY = 0.98  # per observed row-step: about the last 50 count
+PROBE_EVERY = 16  # steps between one-node-longer trials
+PROBE_MOST = 1024  # the longest interval between trials of a dropped drafter
+CHEAP = 0.02  # drafting up to the cap costing less than this share of a step: draft it all, prune after
+HOT, COLD = 1, 0
+
+
+def rates(tried: np.ndarray, kept: np.ndarray, prior: float = PRIOR, base: np.ndarray | None = None) -> np.ndarray:
+    """Each node's acceptance estimate [N] from decayed counts: node i's ``kept / tried``
+    shrunk by `PRIOR_WEIGHT` pseudo-observations towards ``base[i]`` (a coarser estimate) or,
+    without one, towards node i-1's estimate times the ratio of the last two (``prior`` for the
+    first); never above node i-1's."""
+    out = np.empty(len(tried))
+    prev, ratio = 1.0, prior
+    for i in range(len(tried)):
+        toward = prev * ratio if base is None else float(base[i])
+        est = min((kept[i] + PRIOR_WEIGHT * toward) / (tried[i] + PRIOR_WEIGHT), prev)
+        ratio = est / prev if prev > 0 else 0.0
+        out[i] = prev = est
+    return out
+
+
+class Acceptance:
+    """One drafter's decayed counts, per row state (`HOT`, `COLD`) and node index: verified and
+    kept nodes (`rates`), and offered and proposed ones (how often the drafter proposes a node
+    i when allowed to: prompt lookup has nothing to copy at times, heads stop when unsure).
+    Kept nodes are also counted per confidence class of the draft (`Draft.levels`), whose
+    estimates shrink towards their state's over all classes."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        slots = 2 * (LEVELS + 1)  # per state: all classes, then each class
+        self.tried = np.zeros((slots, most))
+        self.kept = np.zeros((slots, most))
+        self.offered = np.zeros((2, most))
+        self.proposed = np.zeros((2, most))
+        self._rates: dict[tuple[str, int], np.ndarray] = {}  # estimates since the last record
+
+    @staticmethod
+    def slot(hot: int, level: int | None = None) -> int:
+        return hot * (LEVELS + 1) + (0 if level is None else 1 + level)
+
+    def record(self, hot: int, verified: int, kept: Sequence[int], level: int | None = None) -> None:
+        """A row verified nodes ``0 .. verified - 1`` (a draft of class ``level``) and kept the
+        nodes ``kept``."""
+        if verified <= 0:
+            return
+        n = min(verified, self.most)
+        self._rates.clear()
+        for slot in {self.slot(hot), self.slot(hot, level)}:
+            self.tried[slot] *= DECAY
+            self.kept[slot] *= DECAY
+            self.tried[slot, :n] += 1
+            for i in kept:
+                if i < n:
+                    self.kept[slot, i] += 1
+
+    def record_proposal(self, hot: int, allowed: int, proposed: int) -> None:
+        n = min(allowed, self.most)
+        if n <= 0:
+            return
+        self._rates.clear()
+        self.offered[hot] *= DECAY
+        self.proposed[hot] *= DECAY
+        self.offered[hot, :n] += 1
+        self.proposed[hot, :min(proposed, n)] += 1
+
+    def kept_rates(self, hot: int, level: int | None = None) -> np.ndarray:
+        slot = self.slot(hot, level)
+        if ("kept", slot) not in self._rates:
+            base = None if level is None else self.kept_rates(hot)
+            self._rates["kept", slot] = rates(self.tried[slot], self.kept[slot], base=base)
+        return self._rates["kept", slot]
+
+    def proposal_rates(self, hot: int) -> np.ndarray:
+        if ("proposed", hot) not in self._rates:
+            self._rates["proposed", hot] = rates(self.offered[hot], self.proposed[hot], prior=1.0)
+        return self._rates["proposed", hot]
+
+
+@dataclass
+class DraftCost:
+    """A drafter's time per `propose`, learned online (moving averages): ``fixed`` seconds with
+    nothing to draft, plus ``per_token`` per token of its limit (a draft model's forwards; about
+    0 for prompt lookup). Unknown parts count 0: a drafter is tried before it is judged."""
+
+    fixed: float = 0.0
+    per_token: float = 0.0
+    fixed_samples: int = 0
+    token_samples: int = 0
+
+    def seconds(self, k: int) -> float:
+        return self.fixed + self.per_token * k
+
+    def record(self, k: int, seconds: float, rate: float = 0.2) -> None:
+        if k <= 0:
+            self.fixed = seconds if self.fixed_samples == 0 else self.fixed + rate * (seconds - self.fixed)
+            self.fixed_samples += 1
+            return
+        per = max(seconds - self.fixed, 0.0) / k
+        self.per_token = per if self.token_samples == 0 else self.per_token + rate * (per - self.per_token)
+        self.token_samples += 1
+
+
+@dataclass(frozen=True)
+class Timing:
+    """What a step costs besides the verified nodes: the measured curve, its online ``scale``,
+    and the fixed seconds of the step (drafting done or planned, the loop's gap)."""
+
+    cost: VerifyCost
+    scale: float
+    fixed: float
+
+    def seconds(self, tokens: float) -> float:
+        return self.scale * self.cost.seconds_for(tokens) + self.fixed
+
+    def seconds_array(self, tokens: np.ndarray) -> np.ndarray:
+        return self.scale * self.cost.seconds_array(tokens) + self.fixed
+
+
+def prune(kept: Sequence[np.ndarray], lengths: Sequence[int], rows: int, timing: Timing,
+          extra: int = 0) -> list[int]:
+    """How many of its drafted nodes each row verifies: ``kept[b]`` [>= lengths[b]] row b's node
+    acceptance estimates (non-increasing), ``lengths[b]`` its drafted nodes, ``rows`` the live
+    rows (each feeds its pending token). Nodes are taken best first across rows, as many as
+    maximise the step's expected tokens per second; ``extra`` more per row (a probe)."""
+    items = sorted((-float(kept[b][i]), i, b) for b in range(len(lengths)) for i in range(lengths[b]))
+    gains = np.concatenate([[0.0], np.cumsum([-neg for neg, _, _ in items])])
+    rate = (rows + gains) / timing.seconds_array(rows + np.arange(len(items) + 1, dtype=np.float64))
+    best_m = int(np.argmax(rate))  # the first of equal rates: the fewest nodes
+    out = [0] * len(lengths)
+    for _, _, b in items[:best_m]:
+        out[b] += 1
+    return [min(n + extra, lengths[b]) if lengths[b] else 0 for b, n in enumerate(out)]
+
+
+def plan_length(kept: Sequence[np.ndarray], proposed: Sequence[np.ndarray], limits: Sequence[int], rows: int,
+                timing: Timing, draft: DraftCost, cap: int) -> tuple[int, float]:
+    """Before drafting: the draft length k in [0, cap] (every row's limit, cut by ``limits[b]``)
+    with the best expected rate, and that rate. Row b's node i counts with probability
+    ``proposed[b][i]`` (it is drafted) times ``kept[b][i]`` (it is accepted); drafting costs
+    ``draft.seconds(k)``. A drafter whose drafting is nearly free (`CHEAP`) drafts ``cap`` and
+    lets `prune` choose among what it proposed."""
+    ks = np.arange(cap + 1)
+    gain = np.zeros(cap + 1)
+    width = np.zeros(cap + 1)
+    for b, limit in enumerate(limits):  # row b contributes its first min(k, limit) nodes
+        n = np.minimum(ks, limit)
+        gain += np.concatenate([[0.0], np.cumsum(proposed[b][:cap] * kept[b][:cap])])[n]
+        width += np.concatenate([[0.0], np.cumsum(proposed[b][:cap])])[n]
+    rate = (rows + gain) / (timing.seconds_array(rows + width) + draft.fixed + draft.per_token * ks)
+    best_k = int(np.argmax(rate))
+    best_rate = float(rate[best_k])
+    if cap and draft.seconds(cap) - draft.seconds(0) <= CHEAP * timing.scale * timing.cost.seconds_for(rows):
+        best_k = cap
+    return best_k, best_rate
+
+
+@dataclass
+class Probe:
+    """When to try a drafter the planner has not chosen lately: after ``interval`` steps, doubled
+    (up to `PROBE_MOST`) each time a trial does not make it the planner's choice."""
+
+    interval: int = PROBE_EVERY
+    last: int = 0  # the step it last drafted
+
+    def due(self, step: int) -> bool:
+        return step - self.last >= self.interval
+
+    def tried(self, step: int, won: bool) -> None:
+        self.last = step
+        self.interval = PROBE_EVERY if won else min(self.interval * 2, PROBE_MOST)

@@ -1,0 +1,254 @@
+"""The speculation cost model (`metaloom.speculative.planner`, `cost`, `planned`): its arithmetic
+on hand-made numbers, the verify cost it measures, and in the decode loop that it drafts what
+pays, drafts nothing when nothing pays, picks the drafter that pays (auto), keeps greedy exact,
+and reports what it chose."""
+
+import numpy as np
+import pytest
+import torch
+
+from metaloom.errors import InvalidParameter
+from metaloom.generator import LocalGenerator, Request
+from metaloom.ledger import Ledger
+from metaloom.models.load import LoadedModel
+from metaloom.sampling import SamplingParams
+from metaloom.speculative import Draft, Speculative, with_cost_model
+from metaloom.speculative.cost import VerifyCost, measure_verify_cost, monotone
+from metaloom.speculative.drafter import Verified
+from metaloom.speculative.drafters.ngram import NgramDrafter
+from metaloom.speculative.planned import PlannedDrafter, as_chain, kept_paths
+from metaloom.speculative.planner import (
+    PROBE_EVERY,
+    Acceptance,
+    DraftCost,
+    Probe,
+    Timing,
+    plan_length,
+    prune,
+    rates,
+)
+from metaloom.speculative.tree import DraftTree
+from metaloom.testing.tiny import tiny_llama
+from metaloom.testing.toy_models import CharTokenizer, MarkovModel
+
+FLAT = VerifyCost((1, 65), (1.0, 1.0))  # an accelerator far from saturation: any width costs a step
+STEEP = VerifyCost((1, 2, 65), (1.0, 2.0, 65.0))  # every verified token costs a whole step
+
+
+def _timing(cost, fixed=0.0):
+    return Timing(cost, 1.0, fixed)
+
+
+# --- arithmetic ------------------------------------------------------------------------------
+
+
+def test_rates_shrink_towards_a_geometric_continuation_and_never_rise():
+    tried, kept = np.array([10.0, 10.0, 0.0]), np.array([9.0, 5.0, 0.0])
+    a1 = (9 + 2 * 0.5) / 12
+    a2 = (5 + 2 * a1 * a1) / 12
+    a3 = a2 * (a2 / a1)  # never verified: priced from the two before it
+    assert rates(tried, kept) == pytest.approx([a1, a2, a3])
+    # a later node observed more often accepted than an earlier one is priced no higher
+    assert rates(np.array([10.0, 10.0]), np.array([2.0, 9.0]))[1] == pytest.approx(rates(np.array([10.0]),
+                                                                                         np.array([2.0]))[0])
+
+
+def test_prune_keeps_the_length_with_the_best_rate():
+    cost = VerifyCost((1, 2, 3, 4, 5), (1.0, 1.1, 1.2, 2.0, 2.2))
+    a = np.array([0.9, 0.8, 0.7, 0.6])
+    # rates: 1/1, 1.9/1.1, 2.7/1.2 (best), 3.4/2.0, 4.0/2.2
+    assert prune([a], [4], 1, _timing(cost)) == [2]
+    assert prune([a], [1], 1, _timing(cost)) == [1]  # cut by what was proposed
+    assert prune([a], [4], 1, _timing(FLAT)) == [4]  # free verification keeps everything
+    assert prune([a], [4], 1, _timing(STEEP)) == [0]  # 1.9 tokens for 2 steps: nothing pays
+    assert prune([a], [4], 1, _timing(STEEP), extra=1) == [1]  # a probe verifies one more
+    assert prune([a], [0], 1, _timing(STEEP), extra=1) == [0]
+
+
+def test_prune_takes_the_best_nodes_across_rows():
+    cost = VerifyCost((1, 2, 3, 4, 5), (1.0, 1.0, 1.0, 1.05, 3.0))  # 2 live rows: width 2 + m
+    hot, cold = np.array([0.9, 0.9, 0.9]), np.array([0.1, 0.05, 0.01])
+    # m=0: 2/1.0; m=1: (2 + .9)/1.0; m=2: (2 + 1.8)/1.05 best; m=3: (2 + 2.7)/3.0
+    assert prune([cold, hot], [3, 3], 2, _timing(cost)) == [0, 2]
+
+
+def test_plan_length_weighs_the_drafters_own_time():
+    a = [np.array([0.8, 0.64, 0.5])]
+    sure = [np.ones(3)]
+    costly = DraftCost(fixed=0.0, per_token=0.6, fixed_samples=1, token_samples=1)
+    free = DraftCost(fixed=0.0, per_token=0.0)
+    # drafting costs 0.6 of a step a token: 1.8 tokens for 1.6 steps at best -> 1 token pays (1.8/1.6 > 1)
+    assert plan_length(a, sure, [3], 1, _timing(FLAT), costly, 3) == (1, pytest.approx(1.8 / 1.6))
+    slow = DraftCost(fixed=0.0, per_token=1.0, fixed_samples=1, token_samples=1)
+    assert plan_length(a, sure, [3], 1, _timing(FLAT), slow, 3)[0] == 0
+    # a drafter that costs nothing drafts all it may and lets prune choose
+    assert plan_length(a, sure, [3], 1, _timing(STEEP), free, 3)[0] == 3
+    assert plan_length(a, sure, [2], 1, _timing(FLAT), costly, 3)[0] == 1
+
+
+def test_acceptance_counts_decay_and_are_kept_per_state():
+    acc = Acceptance(4)
+    for _ in range(50):
+        acc.record(1, 4, [0, 1, 2, 3])
+        acc.record(0, 2, [])
+    assert acc.kept_rates(1)[3] > 0.9 and acc.kept_rates(0)[0] < 0.1
+    acc.record_proposal(0, 4, 1)
+    assert acc.proposal_rates(0)[0] == pytest.approx(1.0) and acc.proposal_rates(0)[1] < 1.0
+
+
+def test_acceptance_is_also_learned_per_confidence_class():
+    acc = Acceptance(3)
+    for _ in range(40):
+        acc.record(0, 3, [0, 1, 2], level=2)  # long matches: kept
+        acc.record(0, 3, [], level=0)  # one-token matches: rejected
+    assert acc.kept_rates(0, 2)[0] > 0.9 and acc.kept_rates(0, 0)[0] < 0.1
+    assert 0.4 < acc.kept_rates(0)[0] < 0.6  # the state over every class
+    assert acc.kept_rates(0, 1)[0] == pytest.approx(acc.kept_rates(0)[0])  # a class never seen: the state's
+    fifth = VerifyCost((1, 65), (1.0, 1.0 + 0.2 * 64))  # each verified token costs a fifth of a step
+    assert prune([acc.kept_rates(0, 2), acc.kept_rates(0, 0)], [3, 3], 2, _timing(fifth)) == [3, 0]
+
+
+def test_prompt_lookup_gives_the_matched_length_as_its_class():
+    state = NgramDrafter(max_ngram=3).start(None, None, [[1, 2, 3, 4, 1, 2, 3]] * 2, [0, 0])
+    draft = state.propose([[1, 2, 3, 4, 1, 2, 3], [5, 6, 7, 9, 8, 7]], [2, 2], None)
+    assert draft.tokens.tolist() == [[4, 1], [9, 8]] and draft.levels == (2, 0)
+
+
+def test_draft_cost_learns_fixed_and_per_token_parts():
+    d = DraftCost()
+    d.record(0, 0.001)
+    d.record(4, 0.009)
+    assert d.seconds(0) == pytest.approx(0.001) and d.per_token == pytest.approx(0.002)
+
+
+def test_probe_interval_doubles_until_a_trial_wins():
+    p = Probe()
+    assert not p.due(PROBE_EVERY - 1) and p.due(PROBE_EVERY)
+    p.tried(PROBE_EVERY, won=False)
+    assert p.interval == 2 * PROBE_EVERY and not p.due(2 * PROBE_EVERY)
+    p.tried(100, won=True)
+    assert p.interval == PROBE_EVERY
+
+
+def test_verify_cost_interpolates_and_refuses_bad_curves():
+    c = VerifyCost((1, 2, 4), (1.0, 1.5, 3.5))
+    assert c.seconds_for(3) == pytest.approx(2.5) and c.seconds_for(6) == pytest.approx(5.5)
+    assert c.relative(1.5) == pytest.approx(1.25)
+    assert monotone([1.0, 0.9, 2.0]) == [1.0, 1.0, 2.0]
+    with pytest.raises(InvalidParameter, match="widths"):
+        VerifyCost((2, 4), (1.0, 2.0))
+    with pytest.raises(InvalidParameter, match="seconds"):
+        VerifyCost((1, 2), (1.0,))
+
+
+def test_measure_verify_cost_times_every_width_up_to_the_most():
+    model = tiny_llama().model
+    cost = measure_verify_cost(model, most=7, repeats=1)
+    assert cost.widths == (1, 2, 3, 4, 5, 6, 7)
+    assert all(b >= a > 0 for a, b in zip(cost.seconds, cost.seconds[1:], strict=False))
+    with pytest.raises(InvalidParameter, match="most"):
+        measure_verify_cost(model, most=0)
+
+
+# --- in the decode loop ----------------------------------------------------------------------
+
+V = 5
+TABLE = torch.log(torch.tensor([[0.05, 0.8, 0.05, 0.05, 0.05], [0.05, 0.05, 0.8, 0.05, 0.05],
+                                [0.05, 0.05, 0.05, 0.8, 0.05], [0.8, 0.05, 0.05, 0.05, 0.05],
+                                [0.2, 0.2, 0.2, 0.2, 0.2]]))  # greedy: 0 -> 1 -> 2 -> 3 -> 0 ...
+
+
+class Oracle:
+    """Proposes the greedy continuation (right) or an impossible-to-accept token (wrong)."""
+
+    def __init__(self, right: bool, name: str):
+        self.right, self.name = right, name
+
+    def start(self, target, sampler, contexts, keys):
+        return self
+
+    def propose(self, contexts, limits, ledger):
+        drafts = []
+        for ctx, limit in zip(contexts, limits, strict=True):
+            t, out = ctx[-1], []
+            for _ in range(limit):
+                t = (t + 1) % 4 if self.right else 4
+                out.append(t)
+            drafts.append(out)
+        return Draft.from_lists(drafts)
+
+    def observe(self, verified):
+        pass
+
+    def select(self, rows):
+        return self
+
+    def join(self, other):
+        return self
+
+
+def _run(speculative, max_tokens=200):
+    loaded = LoadedModel(model=MarkovModel(TABLE), tokenizer=CharTokenizer(V, None), name="toy", folder="",
+                         dtype=torch.float32)
+    ledger = Ledger()
+    out = LocalGenerator(loaded, speculative=speculative).generate(
+        [Request("a", SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))], ledger=ledger)
+    return out[0][0].token_ids, ledger.usage
+
+
+def test_free_verification_and_right_drafts_draft_long():
+    planned = PlannedDrafter([(Oracle(True, "right"), 8)], cost=FLAT)
+    tokens, usage = _run(Speculative(planned, 8))
+    plain, _ = _run(None)
+    assert tokens == plain
+    assert usage.verify_steps < 40 and usage.accepted_tokens > 150  # ~9 tokens a step once learned
+    report = planned.report()
+    assert report["drafters"]["right"]["steps"] == usage.verify_steps - report["nodes_verified"].get("0", 0)
+    assert max(int(k) for k in report["nodes_verified"]) == 8
+
+
+def test_nothing_pays_drafts_only_probes():
+    """Every verified token costs a step and the drafts are always wrong: after the first trial
+    the planner verifies nothing but its backed-off trials."""
+    planned = PlannedDrafter([(Oracle(False, "wrong"), 8)], cost=STEEP)
+    tokens, usage = _run(Speculative(planned, 8))
+    plain, _ = _run(None)
+    assert tokens == plain
+    assert usage.accepted_tokens == 0
+    assert usage.drafted_tokens <= 200 // PROBE_EVERY + 4, usage.drafted_tokens
+    off, usage_off = _run(Speculative(Oracle(False, "wrong"), 8))  # without the cost model: 8 a step
+    assert off == plain and usage_off.drafted_tokens > 1000
+
+
+def test_auto_picks_the_drafter_that_pays():
+    planned = PlannedDrafter([(Oracle(False, "wrong"), 4), (Oracle(True, "right"), 4)], cost=FLAT)
+    tokens, _ = _run(Speculative(planned, 4))
+    assert tokens == _run(None)[0]
+    report = planned.report()["drafters"]
+    assert report["right"]["steps"] > 5 * max(report["wrong"]["steps"], 1)
+    assert report["right"]["kept"] == report["right"]["verified"]
+    assert planned.name == "auto"
+
+
+def test_kept_nodes_and_as_chain_follow_the_accepted_path_of_a_tree():
+    #   root -> 0 (7) -> 2 (9)
+    #        -> 1 (8) -> 3 (6)
+    draft = Draft.from_trees([DraftTree((7, 8, 9, 6), (-1, -1, 0, 1))])
+    tokens = torch.tensor([[8, 6, 5, 0, 0]])
+    logits = torch.arange(5.0)[None, :, None].expand(1, 5, 3)  # block position i holds i
+    hidden = torch.arange(5.0)[None, :, None].expand(1, 5, 2)
+    verified = Verified(draft=draft, logits=logits, accepted=torch.tensor([2]), tokens=tokens, hidden=hidden)
+    assert kept_paths(verified) == [[1, 3]]
+    chain = as_chain(verified)
+    assert chain.draft.parents is None and chain.draft.tokens.tolist() == [[8, 6]]
+    assert chain.logits[0, :, 0].tolist() == [0.0, 2.0, 4.0]  # pending, node 1, node 3
+    assert chain.hidden[0, 2, 0] == 4.0
+
+
+def test_with_cost_model_measures_the_verify_cost_on_first_use():
+    spec = with_cost_model(Oracle(True, "right"), 4)
+    assert isinstance(spec.drafter, PlannedDrafter) and spec.drafter.cost is None
+    tokens, usage = _run(spec, max_tokens=40)
+    assert tokens == _run(None, max_tokens=40)[0]
+    assert spec.drafter.cost is not None and spec.drafter.cost.widths == (1, 2, 3, 4, 5)
+    assert usage.accepted_tokens > 0
