@@ -18,6 +18,7 @@ from metaloom.generator.types import Request, TokenIds
 from metaloom.ledger import Budget, Ledger, Usage
 from metaloom.meta import FirstFinish
 from metaloom.sampling.params import SamplingParams
+from metaloom.score.protocols import Raw
 from metaloom.testing.fake_faults import Fault
 from metaloom.testing.fake_openai import FakeFeatures, FakeOpenAI
 from metaloom.testing.served import serve_app
@@ -313,7 +314,7 @@ def test_first_finish_streams_and_cancels_the_losers(fake, base):
     fake.stream_delay = 0.01
     ledger = Ledger()
     result = FirstFinish(n=3, mode="stream", max_tokens=64, params=SamplingParams(temperature=0.7)).run(
-        "q", base, ledger=ledger)
+        Raw("q"), base, ledger=ledger)  # the fake's replies are keyed by the text it is sent (a str is a chat)
     assert result.best == "short" and result.best_index == 1
     assert [c.finish_reason for c in result.candidates] == ["cancelled", "stop", "cancelled"]
     deadline = time.monotonic() + 5

@@ -13,8 +13,8 @@ from metaloom.errors import InvalidParameter
 from metaloom.generator import LocalGenerator, Request
 from metaloom.ledger import Ledger
 from metaloom.sampling import SamplingParams
-from metaloom.server.errors import api_error
 from metaloom.server.admission import DrainRate, Overloaded, admissible, retry_after
+from metaloom.server.errors import api_error
 from metaloom.server.scheduler import Scheduler
 from metaloom.testing.tiny import tiny_llama
 

@@ -32,6 +32,8 @@ from metaloom.server.scheduled import Cancelled, ScheduledGenerator
 from metaloom.server.scheduler import Event, Failed, Finished, Scheduler, Ticket
 from metaloom.server.strategy import StrategyCall
 
+DISCONNECT_CHECK = 0.5  # seconds between checks that a waiting client is still there
+
 
 class StrategyGate:
     """Strategies in flight: ``workers`` run, up to ``waiting`` more queue for a worker; past
@@ -67,6 +69,7 @@ class Call(Responder):
         self.constraint_field: str | None = None  # the field whose constraint the request carries
         self.tickets: list[Ticket] = []
         self.n = 1
+        self._check_at = time.monotonic() + DISCONNECT_CHECK  # when `_next` next asks whether the client left
 
     # --- plain requests ----------------------------------------------------------------------
     def fit(self, requests: list[GenerationRequest], body: ChatFields | CompletionFields) -> list[GenerationRequest]:
@@ -177,13 +180,17 @@ class Call(Responder):
                 "choices": choices, "usage": usage_block(ledger.usage)}
 
     async def _next(self, inbox: asyncio.Queue[tuple[int, Event]]) -> tuple[int, Event]:
-        """The next event; a client that went away cancels the request (checked twice a second)."""
+        """The next event; a client that went away cancels the request (checked twice a second,
+        whether or not events arrive: a fast model's tokens never leave the queue empty that long)."""
         while True:
-            try:
-                return await asyncio.wait_for(inbox.get(), timeout=0.5)
-            except TimeoutError:
+            if time.monotonic() >= self._check_at:
+                self._check_at = time.monotonic() + DISCONNECT_CHECK
                 if await self.http.is_disconnected():
-                    raise Cancelled("client disconnected") from None
+                    raise Cancelled("client disconnected")
+            try:
+                return await asyncio.wait_for(inbox.get(), timeout=max(0.0, self._check_at - time.monotonic()))
+            except TimeoutError:
+                continue
 
     async def _stream_plain(self, inbox: asyncio.Queue[tuple[int, Event]], tickets: list[Ticket], ledger: Ledger, n: int,
                             include_usage: bool) -> AsyncIterator[dict[str, Any]]:
@@ -263,7 +270,7 @@ class Call(Responder):
             return self._sse(self._stream_strategy(call, future, progress, gen, ledger, include_usage))
         try:
             while True:
-                done, _ = await asyncio.wait({future}, timeout=0.5)
+                done, _ = await asyncio.wait({future}, timeout=DISCONNECT_CHECK)
                 if done:
                     break
                 if await self.http.is_disconnected():
