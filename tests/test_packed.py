@@ -12,7 +12,8 @@ from metaloom.errors import InvalidParameter
 from metaloom.models.engine.config import LlamaConfig
 from metaloom.models.engine.llama import LlamaModel, dense_weight, plain_weight
 from metaloom.models.kernels import isa
-from metaloom.models.kernels.packed import Bf16Linear, PackedLinear, bf16_gemm, own_bf16, pack, packing_available
+from metaloom.models.kernels.onednn import bf16_gemm
+from metaloom.models.kernels.packed import Bf16Linear, PackedLinear, own_bf16, pack, packing_available
 from metaloom.testing.tiny import random_weights
 
 CPU = torch.device("cpu")

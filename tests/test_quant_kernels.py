@@ -26,7 +26,7 @@ import torch
 
 from metaloom.errors import InvalidParameter, UnsupportedModel
 from metaloom.models.kernels import isa, quant
-from metaloom.models.kernels.packed import bf16_gemm
+from metaloom.models.kernels.onednn import bf16_gemm
 from metaloom.models.kernels.quant import CROSSOVER_ROWS, QTYPES, QuantWeight, build, dequantize_torch, from_gguf, kernels
 
 AVAILABLE = kernels()
