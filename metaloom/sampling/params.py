@@ -122,7 +122,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self._check_request()
-        for f, k in knobs(SamplingParams):
+        for f, k in _KNOBS:
             k.check(f.name, getattr(self, f.name), self)
 
     def _check_request(self) -> None:
@@ -153,7 +153,7 @@ class SamplingParams:
         switching parameter is away from its default, and ``logit_bias`` when set. Greedy rows
         skip temperature and everything after it, so only penalties and bias count for them."""
         on = {"logit_bias"} if self.logit_bias else set()
-        for f, k in knobs(SamplingParams):
+        for f, k in _KNOBS:
             if k.adapter and k.switch and (k.greedy_too or not self.greedy) and getattr(self, f.name) != f.default:
                 on.add(k.adapter)
         return frozenset(on)
@@ -204,18 +204,18 @@ _OPENAI_SCALARS = tuple(f.name for f in fields(SamplingParams)
                         if f.name not in ("logit_bias", "max_tokens", "stop", "dry_sequence_breakers"))
 
 
-# what the other layers read from the declarations above
+# the declarations, read once; what the other layers read from them below
+_KNOBS = tuple(knobs(SamplingParams))
 # the CLI's sampler flags: (field, type, help), in field order (`metaloom.commands.common`)
 SAMPLER_FLAGS: tuple[tuple[str, type, str], ...] = tuple((f.name, type(f.default), k.help)
-                                                         for f, k in knobs(SamplingParams) if k.help is not None)
+                                                         for f, k in _KNOBS if k.help is not None)
 # the per-row tensor columns each pipeline step reads (`metaloom.sampling.pipeline`); int fields are long
 ADAPTER_COLUMNS: dict[str, tuple[str, ...]] = {}
-for _f, _k in knobs(SamplingParams):
+for _f, _k in _KNOBS:
     if _k.adapter is not None and _k.column:
         ADAPTER_COLUMNS[_k.adapter] = (*ADAPTER_COLUMNS.get(_k.adapter, ()), _f.name)
 INTEGER_FIELDS = frozenset(f.name for f in fields(SamplingParams) if type(f.default) is int)
 # a valid non-default value of each field a remote server must be asked about
 # (`metaloom.generator.remote.detect`); OpenAI's own fields are not probed
-PROBES: dict[str, Any] = {f.name: f.metadata.get("probe", k.probe if (k := f.metadata.get("knob")) else None)
-                          for f in fields(SamplingParams)}
-PROBES = {name: value for name, value in PROBES.items() if value is not None}
+PROBES: dict[str, Any] = {f.name: k.probe for f, k in _KNOBS if k.probe is not None}
+PROBES.update({f.name: f.metadata["probe"] for f in fields(SamplingParams) if "probe" in f.metadata})
