@@ -51,4 +51,28 @@ def test_a_finished_run_writes_the_whole_report(tmp_path, monkeypatch) -> None:
     from metaloom.models.kernels import isa
 
     assert report["cpu"] == isa.cpu_name() and report["isa"] == isa.chosen().name and report["threads"] >= 1
-    assert report["weights"] == "dense" and report["runs"][0]["weights"] == "dense"
+    # by default the weights a user gets: what `--weights auto` picks on this machine, named as it ran
+    assert report["weights"] == "auto" and report["runs"][0]["weights"] in ("native", "dense")
+
+
+def test_cost_model_methods_side_by_side_and_their_choices(tmp_path, smollm) -> None:
+    """``--cost-model both`` measures each drafter with and without the cost model; ``auto`` has
+    it always; a method's report carries what the cost model chose on each prompt."""
+    from metaloom.speculative.planned import PlannedDrafter
+
+    loaded = smollm  # the bench's prompts are text: a real tokenizer
+    args = _args(tmp_path, drafters="auto,ngram@4", cost_model="both")
+    skipped: dict[str, str] = {}
+    methods = speculative._drafter_methods(args, loaded, 6, skipped)
+    assert [m.name for m in methods] == ["metaloom auto (K<=16, cost model)", "metaloom ngram (K=4)",
+                                         "metaloom ngram (K<=4, cost model)"]
+    assert methods[1].planned is None and isinstance(methods[2].planned, PlannedDrafter)
+    assert methods[0].planned.cost is methods[2].planned.cost  # measured once for them all
+    for m in methods:
+        m.tokens[0], m.ledgers[0] = m.run(0)
+        m.times[0] = [1.0]
+    row = speculative._report(loaded, methods, skipped, "float32")
+    assert row["verify_cost"]["widths"][0] == 1
+    auto = row["methods"][0]["cost_model"]
+    assert set(auto["drafters"]) >= {"ngram", "recycling"} and auto["steps"] > 0
+    assert "cost_model" not in row["methods"][1]

@@ -18,7 +18,7 @@ import torch
 from metaloom.errors import InvalidParameter
 from metaloom.models import load
 from metaloom.models.engine.llama import Concat, LlamaModel
-from metaloom.models.engine.native import Choice, blocks_path, choose, read_blocks, recorded_choice
+from metaloom.models.engine.native import Choice, blocks_dir, blocks_path, choose, read_blocks, recorded_choice
 from metaloom.models.kernels.quant import QuantWeight
 
 METALOOM = os.path.join(os.path.dirname(sys.executable), "metaloom")
@@ -68,7 +68,7 @@ def test_native_load_keeps_the_files_blocks(native, smollm):
 
 def test_blocks_file_is_written_once_and_reused(native):
     path = blocks_path("unused: already converted", native.folder)  # exists: the GGUF is not read again
-    assert path == os.path.join(native.folder, "native", "model.safetensors")
+    assert path == os.path.join(native.folder, blocks_dir(), "model.safetensors")  # named by the kept types
     before = os.path.getmtime(path)
     again = load("default", dtype="float32", weights="native")
     assert os.path.getmtime(path) == before
@@ -233,10 +233,11 @@ def test_cli_generate_with_native_weights():
 
 
 def test_blocks_are_written_whole_or_not_at_all(tmp_path):
-    from metaloom.models.load import default_model_path, write_folder
+    from metaloom.models.load import default_model_path
+    from metaloom.models.paths import write_folder
 
     path = blocks_path(default_model_path(), str(tmp_path))
-    assert os.listdir(tmp_path) == ["native"]  # no temporary folder left behind
+    assert os.listdir(tmp_path) == [blocks_dir()]  # no temporary folder left behind
     _, kept = read_blocks(path)
     assert kept["model.layers.0.mlp.down_proj.weight"].qtype == Q4_1  # type: ignore[attr-defined]
 
@@ -247,7 +248,7 @@ def test_blocks_are_written_whole_or_not_at_all(tmp_path):
 
     with pytest.raises(OSError, match="disk full"):
         write_folder(str(tmp_path / "other"), ".x-", fails)
-    assert os.listdir(tmp_path) == ["native"]
+    assert os.listdir(tmp_path) == [blocks_dir()]
 
 
 def test_speculator_heads_draft_from_quantised_embedding_and_head(native):
