@@ -135,3 +135,24 @@ def test_a_build_is_keyed_by_the_headers_its_source_includes(tmp_path):
     assert b"#define B 1" in before  # followed through a.h
     (tmp_path / "b.h").write_text("#define B 2\n")
     assert source_text(tmp_path / "k.c") != before  # an edited header is a new build
+
+
+@pytest.mark.skipif(compiler() is None, reason="needs a C compiler")
+def test_a_source_in_parts_is_compiled_at_once_and_linked(tmp_path):
+    """quant.c builds as several units in parallel (cbuild's ``parts``): each unit defines its
+    share of the functions, the library has them all; a part that fails is the build's reason."""
+    import ctypes
+
+    from metaloom.models.kernels.cbuild import compile_library
+
+    src = tmp_path / "k.c"
+    src.write_text("#if METALOOM_PART == 0\nint f(void) { return 1; }\n#elif METALOOM_PART == 1\n"
+                   "int g(void) { return 2; }\n#else\nint h(void) { return 3; }\n#endif\n")
+    out = tmp_path / "k.so"
+    assert compile_library(compiler(), src, out, parts=3) is None
+    lib = ctypes.CDLL(str(out))
+    assert (lib.f(), lib.g(), lib.h()) == (1, 2, 3)
+    src.write_text(src.read_text().replace("return 2;", "return 2"))  # part 1 no longer compiles
+    error = compile_library(compiler(), src, tmp_path / "broken.so", parts=3)
+    assert error is not None and "error" in error and not (tmp_path / "broken.so").exists()
+    assert not list(tmp_path.glob("*.o")) and not list(tmp_path.glob("tmp*"))  # nothing left behind

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 from metaloom.models.kernels import isa
-from metaloom.models.load import user_cache_dir
+from metaloom.models.paths import user_cache_dir
 
 FLAGS = ("-O3", "-fno-math-errno", "-shared", "-fPIC")
 
@@ -54,8 +54,8 @@ class KernelLibrary(Generic[T]):
     loaded once per process and path; ``current()`` is the path that runs now
     (`metaloom.models.kernels.isa.chosen`: ``METALOOM_ISA``, else the best this CPU has)."""
 
-    def __init__(self, source: Path, bind: Callable[[ctypes.CDLL, Path, str], T]) -> None:
-        self.source, self.bind = source, bind
+    def __init__(self, source: Path, bind: Callable[[ctypes.CDLL, Path, str], T], parts: int = 1) -> None:
+        self.source, self.bind, self.parts = source, bind, parts
         self._loaded: dict[str, Availability[T]] = {}
 
     def build(self, cache_dir: Path | None = None, compiler: str | None = None,
@@ -63,7 +63,7 @@ class KernelLibrary(Generic[T]):
         """Compile (or reuse) and load the kernels for ``path`` (None: the one that runs now).
         Never raises, but for an `UnsupportedISA` when ``METALOOM_ISA`` names a path this CPU
         lacks: a failure is a reason."""
-        built = build_library(self.source, self.bind, cache_dir=cache_dir, cc=compiler, path=path)
+        built = build_library(self.source, self.bind, cache_dir=cache_dir, cc=compiler, path=path, parts=self.parts)
         return Availability(built.value, built.reason)
 
     def for_path(self, path: str) -> Availability[T]:
@@ -111,23 +111,27 @@ def attempts(isa_flags: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
     return ((*isa_flags, "-mtune=native", "-fopenmp"), (*isa_flags, "-fopenmp"), isa_flags)
 
 
+TIMEOUT = 1800  # seconds a build may take: a busy machine compiles the largest path for minutes
+
+
 def compile_library(cc: str, source: Path, out: Path, flags: tuple[str, ...] = FLAGS,
-                    isa_flags: tuple[str, ...] = ()) -> str | None:
+                    isa_flags: tuple[str, ...] = (), parts: int = 1) -> str | None:
     """Compile ``source`` into ``out`` with the path's ``isa_flags`` (atomically: a temporary
     file renamed into place, so a concurrent or interrupted build never leaves a half-written
-    library to load); returns the compiler's complaint, or None."""
+    library to load); returns the compiler's complaint, or None. ``parts`` > 1: the source is
+    compiled that many times at once, with ``-DMETALOOM_PART=k``, and the objects linked (the
+    source splits its exported functions between the parts; quant.c says why)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     error = ""
     try:
         for arch in attempts(isa_flags):
-            run = subprocess.run([cc, *arch, *flags, str(source), "-o", tmp, "-lm"],
-                                 capture_output=True, text=True, timeout=300)
+            run = _compile(cc, source, tmp, [*arch, *flags], parts)
             if run.returncode == 0:
                 os.replace(tmp, out)
                 return None
-            error = " | ".join((run.stderr or run.stdout).strip().splitlines()[-3:])
+            error = _complaint(run.stderr or run.stdout)
         return error or f"{cc} exited with {run.returncode}"
     except (OSError, subprocess.SubprocessError) as exc:
         return str(exc)
@@ -136,8 +140,44 @@ def compile_library(cc: str, source: Path, out: Path, flags: tuple[str, ...] = F
             os.unlink(tmp)
 
 
+def _complaint(output: str) -> str:
+    """The compiler's own error lines (gcc ends with the source line and a caret, which name
+    nothing), else its last three lines."""
+    lines = output.strip().splitlines()
+    errors = [line.strip() for line in lines if "error" in line.lower()]
+    return " | ".join(errors[:3] or lines[-3:])
+
+
+def _compile(cc: str, source: Path, out: str, flags: list[str], parts: int) -> subprocess.CompletedProcess[str]:
+    """One attempt: the whole source into ``out``, or its parts in parallel and then linked (the
+    first failing part's result when one fails)."""
+    if parts == 1:
+        return subprocess.run([cc, *flags, str(source), "-o", out, "-lm"], capture_output=True, text=True,
+                              timeout=TIMEOUT)
+    objects = [f"{out}.{k}.o" for k in range(parts)]
+    compile_flags = [f for f in flags if f != "-shared"]
+    procs = [subprocess.Popen([cc, *compile_flags, f"-DMETALOOM_PART={k}", "-c", str(source), "-o", obj],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for k, obj in enumerate(objects)]
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=TIMEOUT)
+            if proc.returncode != 0:
+                return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+        return subprocess.run([cc, *flags, *objects, "-o", out, "-lm"], capture_output=True, text=True, timeout=TIMEOUT)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for obj in objects:
+            if os.path.exists(obj):
+                os.unlink(obj)
+
+
 def build_library(source: Path, bind: Callable[[ctypes.CDLL, Path, str], T], *, cache_dir: Path | None = None,
-                  cc: str | None = None, flags: tuple[str, ...] = FLAGS, path: str | None = None) -> Built[T]:
+                  cc: str | None = None, flags: tuple[str, ...] = FLAGS, path: str | None = None,
+                  parts: int = 1) -> Built[T]:
     """Compile (or reuse) ``source`` for instruction-set ``path`` (None: `metaloom.models.kernels.isa.chosen`)
     and hand the loaded library, its file and the path it was built for to ``bind`` (which checks
     its ABI version and declares argument types; an OSError or AttributeError from it is a reason).
@@ -154,7 +194,7 @@ def build_library(source: Path, bind: Callable[[ctypes.CDLL, Path, str], T], *, 
     order = [wanted, *[p for p in isa.runnable() if isa.NAMES.index(p) > isa.NAMES.index(wanted)]]
     failures: list[str] = []
     for name in order:
-        built = _build_one(source, bind, cache_dir, cc, flags, name)
+        built = _build_one(source, bind, cache_dir, cc, flags, name, parts)
         if built.value is not None:
             note = f" ({'; '.join(failures)})" if failures else ""
             return Built(built.value, built.reason + note, name)
@@ -178,14 +218,15 @@ def source_text(source: Path, seen: frozenset[Path] = frozenset()) -> bytes:
 
 
 def _build_one(source: Path, bind: Callable[[ctypes.CDLL, Path, str], T], cache_dir: Path | None, cc: str,
-               flags: tuple[str, ...], name: str) -> Built[T]:
+               flags: tuple[str, ...], name: str, parts: int = 1) -> Built[T]:
     isa_flags = isa.flags(name)
     key = hashlib.sha256(b"\0".join([source_text(source), cc.encode(), " ".join(flags).encode(), name.encode(),
+                                     str(parts).encode(),
                                      " ".join(isa_flags).encode(), platform.machine().encode(),
                                      cpu_signature().encode()])).hexdigest()[:16]
     path = (cache_dir or Path(user_cache_dir("kernels"))) / key / (source.stem + ".so")
     if not path.exists():
-        error = compile_library(cc, source, path, flags, isa_flags)
+        error = compile_library(cc, source, path, flags, isa_flags, parts)
         if error is not None:
             return Built(None, f"compiling {source.name} for {name} with {cc} failed: {error}")
     try:

@@ -61,6 +61,18 @@
 #endif
 
 #define ABI_VERSION 3
+/* Built as one translation unit, or (metaloom/models/kernels/cbuild.py) as QUANT_PARTS units
+ * compiled in parallel and linked, METALOOM_PART = 0 .. QUANT_PARTS - 1 each defining a share of
+ * the exported functions: the compiler discards the static functions a unit does not reach before
+ * optimising them, so each part costs its own kernels' compile time (the generic path's whole
+ * file took 90 s of a core). 0: GGUF-layout matmul, dequantise, quantise; 1: panels; 2: q8 over
+ * panels; 3: q8 over GGUF's layout. */
+#define QUANT_PARTS 4
+#ifdef METALOOM_PART
+#define ML_PART(n) (METALOOM_PART == (n))
+#else
+#define ML_PART(n) 1
+#endif
 #define INLINE static inline __attribute__((always_inline))
 #define UNROLL _Pragma("GCC unroll 16")
 /* Tiles (NO outputs x RMAX rows of x) sized to the register file: an accumulator is a vector of W
@@ -767,9 +779,12 @@ static void pack(const void *x, int xbf, int64_t rows, int64_t in, float *xp) {
     }
 }
 
+#if ML_PART(0)
 int metaloom_quant_abi(void) { return ABI_VERSION; }
+#endif
 
 /* 1 when compiled with OpenMP (threads > 1 then splits outputs over threads), else 0 */
+#if ML_PART(0)
 int metaloom_quant_openmp(void) {
 #ifdef _OPENMP
     return 1;
@@ -777,6 +792,7 @@ int metaloom_quant_openmp(void) {
     return 0;
 #endif
 }
+#endif
 
 /* y [rows, out] = x [rows, in] W^T for W [out, in] of type t stored as blocks [out, row bytes].
  * x and y float32, or bfloat16 (xbf, ybf; bfloat16 y is rounded to nearest even once, from the
@@ -796,6 +812,7 @@ static void thread_share(int64_t n, int64_t tile, int64_t *lo, int64_t *hi) {
     *hi = *lo + share < n ? *lo + share : n;
 }
 
+#if ML_PART(0)
 int quant_matmul(int t, const uint8_t *w, int64_t out, int64_t in, const void *x, int xbf, void *y, int ybf,
                  int64_t rows, int64_t threads) {
     if (!tiles_of(t) || in % block_elems(t)) return -1;
@@ -823,6 +840,7 @@ int quant_matmul(int t, const uint8_t *w, int64_t out, int64_t in, const void *x
     free(tmp);
     return 0;
 }
+#endif
 
 /* ---- dequantize ------------------------------------------------------------------------------ */
 
@@ -868,6 +886,7 @@ static void dequantize_any(int t, const uint8_t *w, int64_t in, const int64_t *i
 /* y [n, in] = rows ids[0..n) of W (all rows 0..n-1 when ids is NULL), float32 or bfloat16 (ybf,
  * rounded to nearest even). The values are gguf.quants.dequantize's, bit for bit, in float32.
  * Returns 0; -1 unknown type or `in` not a multiple of its block; -3 an id outside 0..out-1. */
+#if ML_PART(0)
 int quant_dequantize(int t, const uint8_t *w, int64_t out, int64_t in, const int64_t *ids, int64_t n, void *y,
                      int ybf, int64_t threads) {
     if (block_bytes(t) == 0 || in % block_elems(t)) return -1;
@@ -886,6 +905,7 @@ int quant_dequantize(int t, const uint8_t *w, int64_t out, int64_t in, const int
     }
     return 0;
 }
+#endif
 
 /* ---- quantize (ggml's reference rounding, as gguf.quants.quantize) ---------------------------- *
  * Bit-exactness needs each float operation rounded where the reference rounds it: GCC would
@@ -951,6 +971,7 @@ NO_FMA static void quantize_q4_1(const float *x, uint8_t *out) {
 /* blocks [rows, in / 32 * block bytes] = x [rows, in] (float32, or bfloat16 when xbf) quantised
  * to Q8_0, Q4_0 or Q4_1 exactly as gguf.quants.quantize does (finite inputs). Rows are split
  * over `threads`. Returns 0; -1 another type or `in` not a multiple of 32. */
+#if ML_PART(0)
 int quant_quantize(int t, const void *x, int xbf, int64_t rows, int64_t in, uint8_t *out, int64_t threads) {
     (void)threads; /* without OpenMP */
     if ((t != Q8_0 && t != Q4_0 && t != Q4_1) || in % 32) return -1;
@@ -970,6 +991,7 @@ int quant_quantize(int t, const void *x, int xbf, int64_t rows, int64_t in, uint
         }
     return 0;
 }
+#endif
 
 /* ---- panels: 16 outputs side by side, for batch-1 decode -------------------------------------- *
  *
@@ -1160,13 +1182,16 @@ static void panel_part(int t, uint8_t *w, int64_t nb, uint8_t *p, int back, int6
 }
 
 /* 1 << t for each type with a panel matmul in this build (every path has them) */
+#if ML_PART(1)
 int quant_panel_types(void) {
     return 1 << Q4_0 | 1 << Q4_1 | 1 << Q5_0 | 1 << Q5_1 | 1 << Q2_K | 1 << Q3_K | 1 << Q4_K | 1 << Q5_K | 1 << Q6_K |
            1 << IQ4_NL | 1 << IQ4_XS;
 }
+#endif
 
 /* blocks [out, in / 32 * BB] -> panels (back = 0) or panels -> blocks (back = 1), the same
  * size. Returns 0; -1 not a panel type, `in` not a multiple of 32 or `out` of 16. */
+#if ML_PART(1)
 int quant_panel(int t, uint8_t *blocks, int64_t out, int64_t in, uint8_t *panels, int back, int64_t threads) {
     (void)threads;
     if (!panel_type(t) || in % block_elems(t) || out % 16 || out <= 0) return -1;
@@ -1179,6 +1204,7 @@ int quant_panel(int t, uint8_t *blocks, int64_t out, int64_t in, uint8_t *panels
     }
     return 0;
 }
+#endif
 
 /* lane k of a quant word is converted as q 2^pshift(k). AVX-512 converts unsigned: only Q5_0's
  * and Q6_K's lane 7 (5, 6 bits) is first shifted down 4 so that q 2^28 stays below 2^32; the
@@ -1778,6 +1804,7 @@ static void panel_chunk(int t, const uint8_t *pw, int64_t nb, const float *xs, c
 /* y [rows, out] = x [rows, in] W^T for W in the panel layout of type t (float32 or bfloat16 x
  * and y, as quant_matmul). Returns 0; -1 a type without panels in this build, `in` not a
  * multiple of 32 or `out` of 16; -2 out of memory. */
+#if ML_PART(1)
 int quant_panel_matmul(int t, const uint8_t *pw, int64_t out, int64_t in, const void *x, int xbf, void *y, int ybf,
                        int64_t rows, int64_t threads) {
     if (!(quant_panel_types() >> t & 1) || in % block_elems(t) || out % 16 || out <= 0) return -1;
@@ -1801,5 +1828,6 @@ int quant_panel_matmul(int t, const uint8_t *pw, int64_t out, int64_t in, const 
     free(xs);
     return 0;
 }
+#endif
 
 #include "quant_q8.h" /* q8 activations: integer dot products over both layouts */

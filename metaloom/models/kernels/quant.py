@@ -29,7 +29,7 @@ x W^T [..., out] in x's dtype:
 - more rows (for float32 x on panels, more than `PANEL_CROSSOVER_ROWS`): the weight dequantised
   to x's dtype (by the C kernel) and `F.linear`, where a
   dense GEMM's arithmetic rate pays for dequantising (bfloat16 x: the weight rounds to bfloat16;
-  on a CPU where oneDNN has no bfloat16 GEMM, `metaloom.models.kernels.packed.bf16_gemm`, the product is
+  on a CPU where oneDNN has no bfloat16 GEMM, `metaloom.models.kernels.onednn.bf16_gemm`, the product is
   taken in float32 and rounded once, PyTorch's emulated bfloat16 GEMM being 4x slower there);
 - without a C compiler: the same values from PyTorch bit operations, then `F.linear` (slow, but
   the same results).
@@ -41,6 +41,7 @@ into ``~/.cache/metaloom/kernels/<hash>/quant.so``; `kernels()` says why not whe
 from __future__ import annotations
 
 import ctypes
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -229,7 +230,9 @@ def _bind(lib: ctypes.CDLL, path: Path, isa: str = "") -> QuantKernels:
                         int(lib.quant_q8_types()))
 
 
-LIBRARY = cbuild.KernelLibrary(SOURCE, _bind)
+# quant.c's QUANT_PARTS: compiled as that many units at once (cbuild.compile_library)
+PARTS = int(re.search(r"#define QUANT_PARTS (\d+)", SOURCE.read_text()).group(1))  # type: ignore[union-attr]
+LIBRARY = cbuild.KernelLibrary(SOURCE, _bind, parts=PARTS)
 build = LIBRARY.build  # (cache_dir, compiler, path): compile (or reuse) and load; a failure is a reason
 for_path = LIBRARY.for_path  # one instruction-set path's kernels, loaded once per process
 kernels = LIBRARY.current  # the kernels of the path that runs now (metaloom.models.kernels.isa.chosen)
@@ -545,7 +548,7 @@ class QuantWeight:
         if self.activations == "q8":
             return self._call_q8(x, rows)
         if rows > CROSSOVER_ROWS and (self.layout == "gguf" or x.dtype != torch.float32 or rows > PANEL_CROSSOVER_ROWS):
-            from metaloom.models.kernels.packed import bf16_gemm
+            from metaloom.models.kernels.onednn import bf16_gemm
 
             if x.dtype == torch.bfloat16 and not bf16_gemm():  # PyTorch's bfloat16 GEMM is 4x slower than float32 here
                 return F.linear(x.float(), self.dequantize()).to(x.dtype)

@@ -317,7 +317,11 @@ INLINE vec q8_epilogue8(const int t, vec acc, i8x isum, vec scale, vec off, floa
  * VNNI: vpmaddubsw's int16 pair sums are added up over as many groups as cannot overflow
  * (`q8_run`: 4 groups of 4-bit quants, 16 products of at most 15 127 each = 30480; 2 of 5-bit;
  * 1 of 6-bit) before one vpmaddwd widens them; IQ4's signed values widen each product pair. */
+#if defined(__AVX2__) || defined(__ARM_FEATURE_DOTPROD)
 #define Q8_RB 4
+#else /* the portable products: one row at a time (unrolled over 4 it cost 20 s more to compile) */
+#define Q8_RB 1
+#endif
 #if defined(__AVX2__)
 INLINE int q8_run(const int t) { return t == Q6_K ? 1 : five_bit(t) ? 2 : 4; }
 #endif
@@ -412,6 +416,7 @@ static q8p_fn q8p_of(int t) { switch (t) { PANEL_TYPES(Q8P_CASE) default: return
 /* y [rows, out] = x W^T for W in the panel layout, x quantised to int8 per 32 inputs (the
  * module's note). Returns 0; -1 a type without panels, `in` not a multiple of its block or `out`
  * of 16; -2 out of memory. */
+#if ML_PART(2)
 int quant_panel_matmul_q8(int t, const uint8_t *pw, int64_t out, int64_t in, const void *x, int xbf, void *y,
                           int ybf, int64_t rows, int64_t threads) {
     q8p_fn fn = q8p_of(t);
@@ -434,6 +439,7 @@ int quant_panel_matmul_q8(int t, const uint8_t *pw, int64_t out, int64_t in, con
     free(xr.mem);
     return 0;
 }
+#endif
 
 /* ---- GGUF's layout ---------------------------------------------------------------------------- */
 
@@ -559,6 +565,7 @@ static q8g_fn q8g_of(int t) { switch (t) { Q8_TYPES(Q8G_CASE) default: return NU
 
 /* y [rows, out] = x W^T for W in GGUF's layout, x quantised to int8 per 32 inputs. Returns 0; -1
  * F16, BF16 or an unknown type, or `in` not a multiple of its block; -2 out of memory. */
+#if ML_PART(3)
 int quant_matmul_q8(int t, const uint8_t *w, int64_t out, int64_t in, const void *x, int xbf, void *y, int ybf,
                     int64_t rows, int64_t threads) {
     q8g_fn fn = q8g_of(t);
@@ -579,18 +586,23 @@ int quant_matmul_q8(int t, const uint8_t *w, int64_t out, int64_t in, const void
     free(xr.mem);
     return 0;
 }
+#endif
 
 /* 1 << t for each type with a q8 kernel (both layouts; the panel one where `quant_panel_types` says) */
+#if ML_PART(3)
 int quant_q8_types(void) {
 #define Q8_BIT(TY) | 1 << TY
     return 0 Q8_TYPES(Q8_BIT);
 }
+#endif
 
 /* the inputs' quantisation alone (x [rows, in] -> q, d, s as `q8_row`, natural order), so that
  * tests hold it to a reference. Returns 0, -1 `in` not a multiple of 32. */
+#if ML_PART(3)
 int quant_q8_inputs(const void *x, int xbf, int64_t rows, int64_t in, int8_t *q, float *d, int32_t *s) {
     if (in % 32) return -1;
     for (int64_t i = 0; i < rows; i++)
         q8_row((const char *)x + i * in * (xbf ? 2 : 4), xbf, in, 0, q + i * in, d + i * (in / 32), s + i * 3 * (in / 32));
     return 0;
 }
+#endif
