@@ -12,6 +12,8 @@ number of 16-element halves; twice that without fma (generic x86).
 
 Every test runs once per instruction-set path this CPU runs (the ``kernel_path`` fixture)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -138,3 +140,109 @@ def test_activations_are_checked():
     with pytest.raises(InvalidParameter, match="activations mode"):
         QuantWeight.cat([w, w.with_activations("q8")])
     assert w.with_activations("float") is w and "q8" in repr(w.with_activations("q8"))
+
+
+# ---- the model under q8 (metaloom.models.engine.native.with_activations, load(activations=...)) ----
+
+
+def _toy_q8_model():
+    """A 2-layer toy Llama on Q4_1 blocks (Q8_0 for v, so that q/k/v is a Concat of two types)
+    with q8 activations and the fused kernels of the path under test."""
+    from metaloom.models.engine.config import LlamaConfig
+    from metaloom.models.engine.llama import LlamaModel
+    from metaloom.models.engine.native import with_activations
+    from metaloom.models.kernels import fused
+    from metaloom.testing.tiny import random_weights
+
+    k = fused.kernels().kernels
+    if k is None or KERNELS is None:
+        pytest.skip("no kernels here")
+    cfg = LlamaConfig.from_hf({"model_type": "llama", "vocab_size": 101, "hidden_size": 128, "intermediate_size": 256,
+                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": True})
+    sd = random_weights(cfg, seed=0)
+    blocks = {n: quant.quantize(w, "Q8_0" if "v_proj" in n else "Q4_1") for n, w in sd.items() if n.endswith("proj.weight")}
+    model = LlamaModel.from_state_dict(cfg, sd, dtype=torch.float32, blocks=blocks).with_fused(k)
+    return with_activations(model, "q8"), model
+
+
+def test_a_q8_models_tree_verify_gives_each_node_a_one_token_steps_bits():
+    """Speculation stays exact under q8: a verify runs each drafted token through the one-token
+    kernels as a row of its own, and each row's int8 inputs depend on that row alone."""
+    from metaloom.speculative.tree import DraftTree, attention_mask
+
+    model, float_model = _toy_q8_model()
+    assert all(p.activations == "q8" for p in model.layers[0].qkv.parts) and model.layers[1].down.activations == "q8"
+    assert float_model.layers[0].down.activations == "float"
+    assert model._plan(7) is not None  # the one-call stack, with quant_q8.h's kernels in its descriptors
+    tree = DraftTree(tokens=(10, 11, 12, 13, 14, 15), parents=(-1, -1, 0, 1, 2, 1))
+    cache = model.new_cache(1, 96)
+    model.forward(torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]]), cache)
+    _, hidden = model.forward_hidden(torch.tensor([[7, *tree.tokens]]), cache.fork([0]), tree=attention_mask(tree)[None])
+    for leaf in (4, 3, 5):
+        chain = cache.fork([0])
+        for token, node in zip([7, *(tree.tokens[i] for i in tree.path(leaf))], [-1, *tree.path(leaf)], strict=True):
+            assert torch.equal(model.forward_hidden(torch.tensor([[token]]), chain)[1][0, 0], hidden[0, node + 1])
+        chain.release()
+    # q8 changes the arithmetic, not the model: logits near the float activations' ones
+    fc = float_model.new_cache(1, 96)
+    a = model.forward(torch.tensor([[3, 1, 4, 1, 5]]), model.new_cache(1, 96))
+    b = float_model.forward(torch.tensor([[3, 1, 4, 1, 5]]), fc)
+    assert (a - b).abs().max() < 0.05 * b.abs().max()
+
+
+def test_q8_needs_native_quantised_weights():
+    from metaloom.models.engine.native import with_activations
+
+    model, _ = _toy_q8_model()
+    dense = type(model)(model.config, model.embed, [replace(model.layers[0], o=model.layers[0].o.dequantize()),
+                                                    *model.layers[1:]], model.norm, model.lm_head)
+    with pytest.raises(InvalidParameter, match=r"activations.*layer 0's o is dense torch.float32"):
+        with_activations(dense, "q8")
+    with pytest.raises(InvalidParameter, match="activations"):
+        with_activations(model, "int4")
+    assert with_activations(model, "float") is model
+
+
+def test_load_refuses_q8_where_it_cannot_run_naming_the_flag(monkeypatch):
+    import importlib
+
+    from metaloom.models.load import load
+
+    load_module = importlib.import_module("metaloom.models.load")
+
+    for kwargs, why in (({"weights": "dense"}, "weights=dense"), ({"backend": "transformers"}, "transformers backend"),
+                        ({"activations": "int4"}, "one of")):
+        with pytest.raises(InvalidParameter, match=rf"activations.*{why}"):
+            load("default", **{"activations": "q8", **kwargs})
+    monkeypatch.setattr(load_module, "pick_device", lambda device: torch.device("cuda"))  # a GPU, on any machine
+    with pytest.raises(InvalidParameter, match=r"activations.*CPU kernels, not cuda"):
+        load("default", activations="q8")
+
+
+def test_the_default_model_under_q8_greedy_is_the_same_with_and_without_speculation():
+    """On the default model's own blocks with q8 activations: prompt lookup and a Token Recycling
+    tree emit plain greedy's tokens and log-probabilities exactly."""
+    from metaloom.generator import LocalGenerator, Request
+    from metaloom.generator.types import TokenIds
+    from metaloom.ledger import Ledger
+    from metaloom.models.load import load
+    from metaloom.sampling import SamplingParams
+    from metaloom.speculative import Speculative
+    from metaloom.speculative.drafters.ngram import NgramDrafter
+    from metaloom.speculative.drafters.recycling import RecyclingDrafter
+    from metaloom.speculative.tree import TreeShape
+
+    loaded = load("default", activations="q8")
+    assert (loaded.weights, loaded.activations) == ("native", "q8")
+    if loaded.model._plan(16) is None:
+        pytest.skip("no fused kernels here")
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompt = TokenIds(tuple(loaded.tokenizer.encode("red green blue red green blue red green blue red green blue red")))
+    plain = LocalGenerator(loaded).generate([Request(prompt, params)], ledger=Ledger())[0][0]
+    for drafter in (NgramDrafter(), RecyclingDrafter(TreeShape.parse("static:4,2,1"))):
+        ledger = Ledger()
+        got = LocalGenerator(loaded, speculative=Speculative(drafter, 8)).generate([Request(prompt, params)],
+                                                                                     ledger=ledger)[0][0]
+        assert got.token_ids == plain.token_ids and got.logprobs == plain.logprobs, type(drafter).__name__
+        assert ledger.usage.accepted_tokens > 5  # drafts were verified and kept: multi-row forwards ran

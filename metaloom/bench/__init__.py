@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 # name -> the module holding its HELP, add_args(parser) and main(args): one parser per benchmark
 BENCHMARKS: dict[str, str] = {name: f"metaloom.bench.{name}" for name in
-                              ("decode", "constrained", "speculative", "fork", "admit", "serve", "soak", "remote",
+                              ("decode", "constrained", "speculative", "fork", "admit", "serve", "soak", "remote", "activations",
                                "search", "gpu", "kv")}
 
 

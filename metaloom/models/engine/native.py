@@ -16,6 +16,10 @@ Q4_1 file holds 0.625 bytes per weight; dequantised to float32 it is 4 bytes, to
   types the kernels read. Norms and biases are always dense. The embedding stays quantised and is
   looked up row by row.
 - **Activations** are ``--dtype`` (float32 or bfloat16); the kernels accumulate in float32.
+  ``--activations q8`` (`with_activations`) quantises them to int8 per 32 inputs at every
+  quantised matmul of the layers and multiplies with integer dot products (quant_q8.h): faster
+  for many rows, at a measured quality cost (docs/engine.md); the output head keeps float
+  activations (its logits pick the tokens).
 - **The default** (``weights=None`` / ``auto``): whichever of native and dense decodes faster at
   batch 1 on this machine, measured once per (GGUF file, dtype, CPU, thread count, kernel path)
   when first needed and recorded in ``choices/`` under the metaloom cache (`choose`).
@@ -30,11 +34,12 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import torch
 
-from metaloom.errors import NotAModel
+from metaloom.errors import InvalidParameter, NotAModel, UnsupportedModel
 from metaloom.models.paths import user_cache_dir, write_folder
 from metaloom.models.protocols import LanguageModel
 
@@ -99,6 +104,42 @@ def read_blocks(path: str) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
     for name, (qtype, in_features) in meta.items():
         kept[name] = QuantWeight(int(qtype), tensors.pop(name), int(in_features))
     return tensors, kept
+
+
+# --- activations --------------------------------------------------------------------------
+
+
+def with_activations(model: LanguageModel, activations: str) -> LanguageModel:
+    """``model`` (a native `LlamaModel` on native weights) with every linear weight of its layers
+    multiplying ``activations`` ("float": as it is; "q8": int8 per 32 inputs, integer products).
+    The output head keeps float activations: it picks the tokens, and its Q8_0 or Q6_K products
+    gain little from int8 where the CPU has no VNNI. A layer weight that is not quantised blocks
+    (dense float, F16, BF16) is an `InvalidParameter` naming it: q8 multiplies quants."""
+    from metaloom.models.engine.llama import LlamaModel
+    from metaloom.models.engine.weights import Concat
+    from metaloom.models.kernels.quant import ACTIVATIONS, Q8_TYPES, QTYPES, QuantWeight
+
+    if activations not in ACTIVATIONS:
+        raise InvalidParameter("activations", activations, f"one of {list(ACTIVATIONS)}")
+    if activations == "float":
+        return model
+    if type(model) is not LlamaModel:
+        raise UnsupportedModel(f"activations={activations!r} needs the native LlamaModel, not {type(model).__name__}")
+
+    def convert(w: Any, name: str) -> Any:
+        done = []
+        for p in w.parts if isinstance(w, Concat) else (w,):
+            if not isinstance(p, QuantWeight) or p.qtype not in Q8_TYPES:
+                what = QTYPES[p.qtype].name if isinstance(p, QuantWeight) else f"dense {getattr(p, 'dtype', type(p).__name__)}"
+                raise InvalidParameter("activations", activations,
+                                       f"float here: q8 multiplies native quantised weights (--weights native), and "
+                                       f"{name} is {what}")
+            done.append(p.with_activations(activations))
+        return Concat(tuple(done)) if isinstance(w, Concat) else done[0]
+
+    layers = [replace(layer, **{f: convert(getattr(layer, f), f"layer {i}'s {f}") for f in ("qkv", "o", "gate_up", "down")})
+              for i, layer in enumerate(model.layers)]
+    return LlamaModel(model.config, model.embed, layers, model.norm, model.lm_head, model.fused, model.options)
 
 
 # --- the default: measured once per machine ----------------------------------------------

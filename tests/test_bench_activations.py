@@ -1,0 +1,47 @@
+"""`metaloom bench activations`: q8 against float activations on the default model's native
+weights, each figure from its own side."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from metaloom.bench import activations
+from metaloom.errors import InvalidParameter
+
+
+def test_shared_prefix_counts_up_to_the_first_difference():
+    assert activations.shared_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+    assert activations.shared_prefix([1, 2], [1, 2, 3]) == 2
+    assert activations.shared_prefix([5], [6]) == 0
+
+
+@pytest.fixture(scope="module")
+def measured():
+    from metaloom.models import load
+
+    loaded = load("default", dtype="float32", weights="native")
+    return activations.measure(loaded, rows=[1, 4], context=16, steps=2, samples=2, sample_tokens=4,
+                               text_tokens=64, greedy_tokens=8, repeats=1)
+
+
+def test_each_side_has_its_own_figures(measured):
+    float_side, q8 = measured["sides"]["float"], measured["sides"]["q8"]
+    for side in (float_side, q8):
+        assert set(side["step_seconds"]) == {"1", "4"} and side["width_ratio"]["1"] == 1.0
+        assert side["width_ratio"]["4"] == side["step_seconds"]["4"] / side["step_seconds"]["1"]
+        assert side["samples_tok_s"] == 2 * 4 / side["samples_seconds"]
+        assert math.isfinite(side["perplexity"]) and side["perplexity"] > 1
+    # the same weights, different arithmetic: close perplexities, not the same number
+    assert float_side["perplexity"] != q8["perplexity"]
+    assert abs(q8["perplexity"] / float_side["perplexity"] - 1) < 0.1
+    g = measured["greedy"]
+    assert len(g["prompts"]) == len(activations.PROMPTS) and all(0 <= p["shared_prefix"] <= 8 for p in g["prompts"])
+    assert g["identical"] == sum(p["shared_prefix"] == 8 for p in g["prompts"]) / len(g["prompts"])
+
+
+def test_dense_weights_are_refused_naming_the_flag(smollm):
+    with pytest.raises(InvalidParameter, match="weights"):
+        activations.measure(smollm, rows=[1], context=4, steps=1, samples=1, sample_tokens=1, text_tokens=8,
+                            greedy_tokens=1, repeats=1)
