@@ -114,7 +114,7 @@ async def _post(client: Any, kind: str, body: dict[str, Any], tally: Tally, *, s
 def _raw(port: int, data: bytes) -> int | None:
     """Send raw bytes, return the response's status code (None: no answer)."""
     try:
-        with socket.create_connection((HOST, port), timeout=30) as s:
+        with socket.create_connection((HOST, port), timeout=45) as s:  # longer than serve's --body-timeout (30 s)
             s.sendall(data)
             head = s.recv(64)
         return int(head.split()[1]) if head.startswith(b"HTTP/1.1 ") else None

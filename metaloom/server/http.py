@@ -108,18 +108,24 @@ class Observed:
         await self.app(scope, receive, sending)
 
 
+LINGER = 2.0  # seconds a refused connection is read and dropped before it is closed
+
+
 def guarded_protocol(header_timeout: float = 10.0) -> type[H11Protocol]:
     """uvicorn's h11 protocol, with a 408 for a request head not received within
     ``header_timeout`` seconds and a 431 for one larger than h11 buffers."""
 
     class Guarded(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
+        _lingering = False
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._arm()
 
         def data_received(self, data: bytes) -> None:
+            if self._lingering:
+                return  # answered and closing: the rest of what the client sends is read and dropped
             if self.conn.their_state is h11.IDLE and self._head_timer is None:
                 self._arm()  # a keep-alive connection's next request: its head has a deadline too
             super().data_received(data)
@@ -158,7 +164,16 @@ def guarded_protocol(header_timeout: float = 10.0) -> type[H11Protocol]:
             head = (b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
                     b"connection: close\r\n\r\n") % (status, reason, len(body))
             self.transport.write(head + body)
-            self.transport.close()
+            if not self.transport.can_write_eof():
+                self.transport.close()
+                return
+            # a lingering close (as nginx does): closing with the client's bytes still unread makes
+            # the kernel reset the connection, and a reset can discard the answer before the client
+            # reads it; so stop writing, drop what still arrives, and close after LINGER seconds
+            self._lingering = True
+            self.transport.write_eof()
+            self.transport.resume_reading()  # uvicorn may have paused it: the client's bytes must drain
+            self.loop.call_later(LINGER, self.transport.close)
 
     return Guarded
 
