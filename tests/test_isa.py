@@ -156,3 +156,26 @@ def test_a_source_in_parts_is_compiled_at_once_and_linked(tmp_path):
     error = compile_library(compiler(), src, tmp_path / "broken.so", parts=3)
     assert error is not None and "error" in error and not (tmp_path / "broken.so").exists()
     assert not list(tmp_path.glob("*.o")) and not list(tmp_path.glob("tmp*"))  # nothing left behind
+
+
+def test_the_package_ships_every_source_and_header_the_kernels_compile():
+    """A wheel holds only the package data pyproject names: quant_q8.h was missing from it, so an
+    installed (not editable) metaloom could not compile quant.c and ran without its kernels."""
+    import fnmatch
+    import re
+    import tomllib
+    from pathlib import Path
+
+    import metaloom.models.kernels as kernels_pkg
+
+    root = Path(__file__).resolve().parents[1]
+    shipped = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "metaloom.models.kernels"]
+    folder = Path(kernels_pkg.__file__).parent
+    needed = set()
+    for source in folder.glob("*.c"):
+        needed.add(source.name)
+        needed |= set(re.findall(r'^\s*#\s*include\s+"([^"]+)"', source.read_text(), re.MULTILINE))
+    assert "quant_q8.h" in needed and "vec_store.h" in needed
+    missing = sorted(n for n in needed if not any(fnmatch.fnmatch(n, pattern) for pattern in shipped))
+    assert not missing, f"compiled from the package but not shipped in it: {missing}"

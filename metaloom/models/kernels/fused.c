@@ -44,7 +44,7 @@
 typedef float vec __attribute__((vector_size(4 * W)));
 typedef int32_t veci __attribute__((vector_size(4 * W)));
 typedef uint32_t vecu __attribute__((vector_size(4 * W)));
-typedef uint16_t vecb __attribute__((vector_size(2 * W)));
+typedef uint16_t vecu16 __attribute__((vector_size(2 * W)));
 typedef int8_t vec8 __attribute__((vector_size(W)));
 
 INLINE vec splat(float x) { return (vec){0} + x; }
@@ -74,7 +74,7 @@ INLINE vec ld(const void *p, int64_t i, const int bf) {
         memcpy(&v, (const float *)p + i, sizeof v);
         return v;
     }
-    vecb h;
+    vecu16 h;
     memcpy(&h, (const uint16_t *)p + i, sizeof h);
     return (vec)(__builtin_convertvector(h, vecu) << 16);
 }
@@ -106,19 +106,7 @@ INLINE vec ld8(const void *p, int64_t i) {
  * caller applies the slot's scale) */
 INLINE vec ldkv(const void *p, int64_t i, const int bf, const int q8) { return q8 ? ld8(p, i) : ld(p, i, bf); }
 
-/* store W floats at p[i..]; bfloat16 rounds to nearest-even, NaN stays a (quiet) NaN */
-INLINE void st(void *p, int64_t i, vec v, const int bf) {
-    if (!bf) {
-        memcpy((float *)p + i, &v, sizeof v);
-        return;
-    }
-    vecu bits = (vecu)v;
-    vecu up = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-    veci nan = v != v;
-    up = (vecu)(((veci)up & ~nan) | (nan & 0x7FC0));
-    vecb h = __builtin_convertvector(up, vecb);
-    memcpy((uint16_t *)p + i, &h, sizeof h);
-}
+#include "vec_store.h" /* st: store W floats, float32 or bfloat16 */
 
 /* e^x to ~2 ulp (Cephes' expf: x = n ln2 + r, a degree-6 polynomial for e^r, 2^n from the
  * exponent bits). Inputs are clamped to the float range; NaN stays NaN. */

@@ -306,26 +306,14 @@ INLINE vec bcast_f16(const uint8_t *p) {
 #endif
 }
 
-/* float -> bfloat16, round to nearest even, NaN stays a (quiet) NaN (as fused.c's `st`) */
+/* float -> bfloat16, round to nearest even, NaN stays a (quiet) NaN (as vec_store.h's `st`) */
 INLINE uint16_t f32_to_bf16(float f) {
     uint32_t u = f32_bits(f);
     if (f != f) return 0x7FC0;
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* store W floats at p[i..]: float32, or bfloat16 rounded to nearest even */
-INLINE void st(void *p, int64_t i, vec v, const int bf) {
-    if (!bf) {
-        memcpy((float *)p + i, &v, sizeof v);
-        return;
-    }
-    vecu bits = (vecu)v;
-    vecu up = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-    veci nan = v != v;
-    up = (vecu)(((veci)up & ~nan) | (nan & 0x7FC0));
-    vecu16 h = __builtin_convertvector(up, vecu16);
-    memcpy((uint16_t *)p + i, &h, sizeof h);
-}
+#include "vec_store.h" /* st: store W floats, float32 or bfloat16 */
 
 /* ---- block formats ------------------------------------------------------------------------ */
 
