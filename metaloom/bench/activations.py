@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -107,15 +108,18 @@ def measure(loaded: Any, rows: list[int], context: int, steps: int, samples: int
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPTS[-1]}]), add_special_tokens=False)
     params = SamplingParams(temperature=0.8, n=samples, max_tokens=sample_tokens, ignore_eos=True, seed=0)
     gens = {name: LocalGenerator(replace(loaded, model=m, activations=name)) for name, m in models.items()}
-    secs = paired_median_seconds([lambda g=g: g.generate([Request(TokenIds(tuple(prompt)), params)], ledger=Ledger())
-                                  for g in gens.values()], repeats)
+
+    def run(g: LocalGenerator) -> Callable[[], object]:
+        return lambda: g.generate([Request(TokenIds(tuple(prompt)), params)], ledger=Ledger())
+
+    secs = paired_median_seconds([run(g) for g in gens.values()], repeats)
     for name, s in zip(models, secs, strict=True):
         out["sides"][name]["samples_seconds"] = s
         out["sides"][name]["samples_tok_s"] = samples * sample_tokens / s
     ids = tok.encode(held_out_text(), add_special_tokens=False)[:text_tokens + 1]
     for name, m in models.items():
         out["sides"][name]["perplexity"] = perplexity(m, ids, 256)
-    agree = []
+    agree: list[dict[str, Any]] = []
     for text in PROMPTS:
         p = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
         a, b = greedy(models["float"], p, greedy_tokens), greedy(models["q8"], p, greedy_tokens)
