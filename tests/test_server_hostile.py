@@ -263,7 +263,12 @@ def test_the_soak_benchmark_reads_outcomes_as_the_issue_counts_them():
     summary = {"outcomes": {k: dict(v) for k, v in t.outcomes.items()}, "plain_p50_s": 0.1, "plain_p99_s": 0.2}
     table = format_table({"model": "m", "dtype": "float32", "cpu": "cpu", "cores": 2, "soak_seconds": 1,
                           "clients": 1, "kv_pool_limit_bytes": 1 << 20, "baseline": summary, "soak": summary,
+                          "beams": {**summary, "plain_p99_s": 0.3}, "plain_p99_ratio_beams": 1.5,
                           "plain_p99_ratio": 1.0, "preemptions": 0, "deaths": 0, "lost": 0, "server_errors": 0,
                           "rss_start_bytes": 1, "rss_peak_bytes": 2, "rss_bound_bytes": 3,
                           "targets": {"no_lost": True, "alive": False}})
     assert "no_lost met" in table and "alive MISSED" in table
+    assert "beside two beam searches 0.100/0.300 s (p99 ratio 1.50x" in table
+    from metaloom.bench.soak import _ratio
+
+    assert _ratio({"plain_p99_s": 0.5}, summary) == 2.5 and _ratio({"plain_p99_s": None}, summary) is None
