@@ -22,6 +22,7 @@ from metaloom.meta import MajorityVote
 from metaloom.sampling.params import SamplingParams
 from metaloom.score.answers import LastNumber
 from metaloom.score.judge import LLMJudge
+from metaloom.score.protocols import Raw
 
 pytestmark = pytest.mark.model
 
@@ -44,7 +45,7 @@ def test_self_consistency_beats_a_single_sample_on_easy_arithmetic(smollm_genera
                         params=SamplingParams(temperature=0.7, max_tokens=MAX_TOKENS, seed=0, stop=("\n",)))
     parent = Ledger()
     start = time.perf_counter()
-    prompts = [f"{SHOTS}{p['question']}\nAnswer:" for p in problems]
+    prompts = [Raw(f"{SHOTS}{p['question']}\nAnswer:") for p in problems]  # a few-shot completion, not a chat
     results = [vote.run(prompt, gen, ledger=parent) for prompt in prompts]
     seconds = time.perf_counter() - start
 
