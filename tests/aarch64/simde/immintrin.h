@@ -41,4 +41,8 @@ static inline __m512 ml_cvtph_ps(__m256i a) { /* exact, as F16C's */
 #define _mm512_cvtepu16_epi32 ml_cvtepu16_epi32
 #define _mm512_srai_epi32 ml_srai_epi32
 #define _mm512_cvtph_ps ml_cvtph_ps
+/* SIMDe 0.7.4 aliases _mm512_madd_epi16 with the mask variant's four arguments: its two-argument
+ * function is the instruction (quant_q8.h's AVX-512 products widen through it) */
+#undef _mm512_madd_epi16
+#define _mm512_madd_epi16 simde_mm512_madd_epi16
 #endif
