@@ -12,9 +12,9 @@ from metaloom.errors import InvalidParameter
 
 
 def test_shared_prefix_counts_up_to_the_first_difference():
-    assert activations.shared_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2
-    assert activations.shared_prefix([1, 2], [1, 2, 3]) == 2
-    assert activations.shared_prefix([5], [6]) == 0
+    assert activations.common_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+    assert activations.common_prefix([1, 2], [1, 2, 3]) == 2
+    assert activations.common_prefix([5], [6]) == 0
 
 
 @pytest.fixture(scope="module")

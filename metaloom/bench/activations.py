@@ -32,6 +32,7 @@ from metaloom.bench import model_args
 from metaloom.bench.kv import held_out_text, perplexity
 from metaloom.bench.timing import paired_median_seconds
 from metaloom.errors import InvalidParameter
+from metaloom.prefix.radix import common_prefix
 
 HELP = "--activations q8 against float activations on native weights: step cost by rows, samples, perplexity, greedy agreement"
 PROMPTS = ("Explain in two sentences why the sky is blue.", "Write a Python function that reverses a string.",
@@ -70,15 +71,6 @@ def greedy(model: Any, ids: list[int], tokens: int) -> list[int]:
         return out
     finally:
         cache.release()
-
-
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def measure(loaded: Any, rows: list[int], context: int, steps: int, samples: int, sample_tokens: int,
@@ -123,7 +115,7 @@ def measure(loaded: Any, rows: list[int], context: int, steps: int, samples: int
     for text in PROMPTS:
         p = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
         a, b = greedy(models["float"], p, greedy_tokens), greedy(models["q8"], p, greedy_tokens)
-        agree.append({"prompt": text, "shared_prefix": shared_prefix(a, b), "identical": a == b})
+        agree.append({"prompt": text, "shared_prefix": common_prefix(a, b), "identical": a == b})
     out["greedy"] = {"tokens": greedy_tokens, "prompts": agree,
                      "identical": sum(g["identical"] for g in agree) / len(agree),
                      "mean_shared_prefix": statistics.mean(g["shared_prefix"] for g in agree)}
