@@ -37,6 +37,7 @@ from typing import Any
 from metaloom.bench import model_args
 from metaloom.bench.serve import HOST, ServerSpec, percentile, serving
 from metaloom.errors import InvalidParameter
+from metaloom.models.kernels.isa import cpu_name
 
 HELP = "metaloom serve under a mixed adversarial load: answered / refused / lost / 5xx, latency, preemptions, peak RSS"
 ACTIVATIONS = 512 << 20  # bytes of activations and allocator slack allowed above weights + KV pool
@@ -221,7 +222,7 @@ def main(args: argparse.Namespace) -> int:
         health = httpx.get(base + "/health", timeout=30).json()
         alive = served.alive()
     bound = start_rss + kv_limit + ACTIVATIONS
-    result = {"model": args.model, "dtype": args.serve_dtype, "cpu": _cpu(), "cores": os.cpu_count(),
+    result = {"model": args.model, "dtype": args.serve_dtype, "cpu": cpu_name(), "cores": os.cpu_count(),
               "soak_seconds": args.soak_seconds, "baseline_seconds": args.baseline_seconds,
               "beams_seconds": args.beams_seconds, "clients": args.clients, "kv_pool_limit_bytes": kv_limit,
               "baseline": _summary(baseline), "beams": _summary(beams), "soak": _summary(soak),
@@ -246,17 +247,6 @@ def main(args: argparse.Namespace) -> int:
 def _ratio(phase: dict[str, Any], baseline: dict[str, Any]) -> float | None:
     a, b = phase["plain_p99_s"], baseline["plain_p99_s"]
     return a / b if a and b else None
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def format_table(r: dict[str, Any]) -> str:
