@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 from metaloom.eval.ray_executor import make_ray_executor
 from metaloom.eval.records import Record
-from metaloom.eval.runner import Job, Outcome, Setup, plan_sweep, run_sweep
+from metaloom.eval.runner import plan_sweep, run_sweep
+from metaloom.eval.worker import Job, Outcome, Setup
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ import pytest
 from metaloom.cli import main
 from metaloom.commands.evaluate import select
 from metaloom.errors import InvalidParameter
-from metaloom.eval.runner import Setup, plan_sweep, run_sweep
+from metaloom.eval.runner import plan_sweep, run_sweep
+from metaloom.eval.worker import Setup
 from metaloom.testing.scripted import Say, ScriptedGenerator
 
 # easy questions: every sample right (greedy suffices); hard ones: greedy (the first
@@ -153,7 +154,7 @@ def test_chat_template_args_reach_the_sweeps_model_and_its_run_line(monkeypatch)
     import shlex
 
     from metaloom.commands.evaluate import register, run_line, setup_of
-    from metaloom.eval import runner
+    from metaloom.eval import worker
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
@@ -174,7 +175,7 @@ def test_chat_template_args_reach_the_sweeps_model_and_its_run_line(monkeypatch)
 
     monkeypatch.setattr(importlib.import_module("metaloom.models.load"), "load", fake_load)
     with pytest.raises(RuntimeError, match="stop here"):
-        runner.Worker(setup)
+        worker.Worker(setup)
     assert seen["chat_template_args"] == {"enable_thinking": False, "name": "Bob"}
     line = shlex.split(run_line("greedy", setup))
     assert line[line.index("--chat-template-arg") + 1] == "enable_thinking=false"

@@ -18,7 +18,8 @@ ray = pytest.importorskip("ray")
 from metaloom.errors import InvalidParameter, ModelNotFound  # noqa: E402
 from metaloom.eval.ray_executor import WorkerFailed, WorkerLost, make_ray_executor, next_job, probe  # noqa: E402
 from metaloom.eval.records import RECORDS  # noqa: E402
-from metaloom.eval.runner import Job, Outcome, Setup, plan_sweep, run_sweep  # noqa: E402
+from metaloom.eval.runner import plan_sweep, run_sweep  # noqa: E402
+from metaloom.eval.worker import Job, Outcome, Setup  # noqa: E402
 from metaloom.testing.eval_fixtures import problems_file  # noqa: E402
 
 FACTORY = "metaloom.testing.eval_fixtures:arithmetic"

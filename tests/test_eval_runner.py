@@ -13,10 +13,11 @@ import pytest
 
 from metaloom.cli import main
 from metaloom.errors import InvalidParameter
-from metaloom.eval import runner
+from metaloom.eval import worker
 from metaloom.eval.pool import attribute, model_row_flops
 from metaloom.eval.records import RECORDS, read_records
-from metaloom.eval.runner import Job, Outcome, Setup, local_executor, plan_sweep, run_sweep
+from metaloom.eval.runner import local_executor, plan_sweep, run_sweep
+from metaloom.eval.worker import Job, Outcome, Setup
 from metaloom.ledger import Usage
 from metaloom.meta.types import Event, Result
 from metaloom.testing.scripted import Say, ScriptedGenerator
@@ -124,7 +125,7 @@ def test_resume_after_an_interruption_runs_only_what_is_missing(task_file, tmp_p
             if k == 3:
                 raise KeyboardInterrupt
             ran.append(job)
-            emit(runner.execute(setup, job))
+            emit(worker.execute(setup, job))
 
     with pytest.raises(KeyboardInterrupt):
         run_sweep(sweep, executor=interrupted)
@@ -204,7 +205,7 @@ def test_duplicate_outcomes_are_written_once(task_file, tmp_path):
 
     def twice(setup, jobs, emit):  # a retried job whose first attempt had in fact finished
         for job in jobs:
-            outcome = runner.execute(setup, job)
+            outcome = worker.execute(setup, job)
             emit(outcome)
             emit(outcome)
 
@@ -218,7 +219,7 @@ def test_trace_files_are_written_before_the_records_that_name_them(task_file, tm
 
     def with_tree(setup, jobs, emit):
         for job in jobs:
-            outcome = runner.execute(setup, job)
+            outcome = worker.execute(setup, job)
             emit(Outcome(outcome.record, ({"kind": "tree", "nodes": [], "problem": outcome.record.problem},)))
 
     run_sweep(sweep, executor=with_tree)
@@ -342,7 +343,7 @@ def test_sampling_strategies_share_one_pool_per_problem_and_each_is_charged_for_
     # in a sweep: majority vote and best-of-N at the same N draw the same samples once
     out = str(tmp_path / "sweep")
     records = run_sweep(plan_sweep(setup_for(task_file), ["majority_vote@n=4", "best_of_n@n=4,scorer=logprob"], out))
-    engine = runner.worker(setup_for(task_file)).generator
+    engine = worker.worker(setup_for(task_file)).generator
     assert len(engine.requests) == 3  # one draw per problem
     by = {(r.problem, r.strategy): r for r in records}
     for pid in {r.problem for r in records}:
@@ -356,9 +357,9 @@ def test_a_later_invocation_replays_the_pools_the_sweep_kept(task_file, tmp_path
     out = str(tmp_path / "sweep")
     first = run_sweep(plan_sweep(setup_for(task_file), ["majority_vote@n=4"], out))
     assert len(os.listdir(os.path.join(out, "pools"))) == 3  # one file a problem
-    runner._WORKERS.clear()  # as a new process: no pool in memory
+    worker._WORKERS.clear()  # as a new process: no pool in memory
     records = run_sweep(plan_sweep(setup_for(task_file), ["majority_vote@n=4", "best_of_n@n=4,scorer=logprob"], out))
-    assert runner.worker(setup_for(task_file)).generator.requests == []  # nothing drawn again
+    assert worker.worker(setup_for(task_file)).generator.requests == []  # nothing drawn again
     by = {(r.problem, r.strategy): r for r in records}
     for mv in first:
         bon = by[(mv.problem, "best_of_n@n=4,scorer=logprob")]
@@ -369,9 +370,9 @@ def test_a_later_invocation_replays_the_pools_the_sweep_kept(task_file, tmp_path
     assert [c.score for c in by[(first[0].problem, "best_of_n@n=4,scorer=logprob")].candidates] == pytest.approx(
         [-1.0, -0.5, -1.5, -3.6])
     # --force starts afresh: the pools go with the records
-    runner._WORKERS.clear()
+    worker._WORKERS.clear()
     run_sweep(plan_sweep(setup_for(task_file), ["best_of_n@n=4,scorer=logprob"], out), force=True)
-    assert len(runner.worker(setup_for(task_file)).generator.requests) == 3
+    assert len(worker.worker(setup_for(task_file)).generator.requests) == 3
 
 
 def test_kept_pools_round_trip_every_field():
@@ -394,7 +395,7 @@ def test_only_pooled_strategies_replay_a_draw(task_file, tmp_path):
              "majority_vote@n=2", "best_of_n@n=2,scorer=logprob"]
     records = run_sweep(plan_sweep(setup_for(task_file), specs, out))
     assert len(records) == 3 * len(specs)
-    engine = runner.worker(setup_for(task_file)).generator
+    engine = worker.worker(setup_for(task_file)).generator
     index = list(QUESTIONS)  # the sweep's seed is 0, so problem i's runs are seeded i
     opening = Counter(r.prompt for r in engine.requests if r.params.seed == index.index(r.prompt))
     assert opening == dict.fromkeys(QUESTIONS, 3)

@@ -238,7 +238,8 @@ def tiny_engine() -> LocalGenerator:
 def test_eval_draws_accuracy_against_peak_kv_memory(tmp_path):
     from metaloom.eval.analysis import analyze
     from metaloom.eval.report.figures import draw_accuracy, family_styles
-    from metaloom.eval.runner import Setup, plan_sweep, run_sweep
+    from metaloom.eval.runner import plan_sweep, run_sweep
+    from metaloom.eval.worker import Setup
 
     path = tmp_path / "q.jsonl"
     path.write_text("".join(json.dumps({"prompt": p, "answer": "x"}) + "\n" for p in ("abcdef", "ghij")))

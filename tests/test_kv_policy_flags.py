@@ -116,7 +116,7 @@ def test_load_applies_the_policy_to_the_native_model(smollm):
 
 def test_eval_setup_carries_the_policy_and_its_identity_names_it_only_when_set():
     from metaloom.commands.evaluate import setup_of
-    from metaloom.eval.runner import Setup
+    from metaloom.eval.worker import Setup
 
     plain = setup_of(_eval_args())
     assert (plain.kv_policy, plain.kv_budget) == ("full", None)
@@ -133,7 +133,7 @@ def test_eval_setup_carries_the_policy_and_its_identity_names_it_only_when_set()
 def test_eval_worker_loads_with_the_policy(tmp_path, monkeypatch):
     import importlib
 
-    from metaloom.eval.runner import Setup, Worker
+    from metaloom.eval.worker import Setup, Worker
 
     load_module = importlib.import_module("metaloom.models.load")  # the module: the package's `load` is the function
 

@@ -9,8 +9,9 @@ import json
 import pytest
 
 from metaloom.errors import InvalidParameter
-from metaloom.eval.runner import Setup, Worker, plan_sweep, run_sweep
+from metaloom.eval.runner import plan_sweep, run_sweep
 from metaloom.eval.tasks.humaneval import HumanEval, chat_prompt
+from metaloom.eval.worker import Setup, Worker
 from metaloom.generator.types import Completion
 from metaloom.ledger import Ledger
 from metaloom.score.execution import ExecutionScorer, run_tests

@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def setup_of(args: argparse.Namespace) -> Any:
-    from metaloom.eval.runner import Setup
+    from metaloom.eval.worker import Setup
 
     if args.limit is not None and args.limit < 1:
         raise InvalidParameter("limit", args.limit, ">= 1 problems")

@@ -2,7 +2,7 @@
 
 `make_ray_executor` returns an `Executor` for `run_sweep`: the sweep's jobs go to a pool of
 Ray actors, one per worker, each a process that builds its task and engine once
-(`runner.worker`, when the actor starts) and then runs job after job (`runner.execute`).
+(`worker.worker`, when the actor starts) and then runs job after job (`worker.execute`).
 Results come back as they finish (``ray.wait``) and each is handed to ``emit`` in the driver,
 so the driver alone writes ``records.jsonl``.
 
@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from metaloom.errors import InvalidParameter, MetaloomError
-from metaloom.eval.runner import Job, Outcome, Setup, execute, worker
+from metaloom.eval.worker import Job, Outcome, Setup, execute, worker
 
 DEFAULT_CONNECT_TIMEOUT = 10.0
 _HTTP2_GREETING = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # preface + SETTINGS
