@@ -16,7 +16,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from metaloom.errors import InvalidParameter, ModelNotFound  # noqa: E402
-from metaloom.eval.ray_executor import WorkerFailed, WorkerLost, make_ray_executor, next_job, probe  # noqa: E402
+from metaloom.eval.ray_executor import make_ray_executor, probe  # noqa: E402
+from metaloom.eval.ray_fanout import WorkerFailed, WorkerLost, next_job  # noqa: E402
 from metaloom.eval.records import RECORDS  # noqa: E402
 from metaloom.eval.runner import plan_sweep, run_sweep  # noqa: E402
 from metaloom.eval.worker import Job, Outcome, Setup  # noqa: E402

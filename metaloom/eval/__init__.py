@@ -5,5 +5,6 @@ Rooms: ``tasks/`` (problems, prompts, graders), ``spec.py`` (``NAME@param=v`` st
 ``records.py`` (the JSONL record), ``runner.py`` (runs and resumes a sweep), ``worker.py`` (a
 job run in the process that executes it), ``pool.py`` (what each sample of a sampling strategy
 cost), ``analysis/`` (curves, intervals, frontier, selection), ``report/`` (the HTML file),
-``ray_executor.py`` (workers).
+``ray_executor.py`` (Ray: the address, the cluster) and ``ray_fanout.py`` (the driver's loop
+over Ray workers).
 """
