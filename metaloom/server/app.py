@@ -31,14 +31,14 @@ from metaloom.errors import InvalidParameter, MetaloomError
 from metaloom.generator.local import LocalGenerator
 from metaloom.generator.plan import check_ids
 from metaloom.ledger import Ledger
-from metaloom.server import protocol
+from metaloom.server import bodies, protocol
+from metaloom.server.bodies import ChatBody, ChatFields, CompletionBody, CompletionFields
 from metaloom.server.calls import Call, StrategyGate
 from metaloom.server.errors import ApiError, api_error
 from metaloom.server.http import Observed, ReadBody
 from metaloom.server.limits import OPEN_ROUTES, Limits
 from metaloom.server.memory import memory_parts, size_pools, storage_parts
 from metaloom.server.metrics import Metrics
-from metaloom.server.protocol import ChatBody, ChatFields, CompletionBody, CompletionFields
 from metaloom.server.scheduler import Scheduler
 from metaloom.server.strategy import resolve_model
 
@@ -226,7 +226,7 @@ def _model_routes(app: FastAPI, s: Served) -> None:
         return card(model_id)
 
     @app.post("/tokenize", dependencies=key)
-    def tokenize(body: protocol.TokenizeBody) -> dict[str, Any]:
+    def tokenize(body: bodies.TokenizeBody) -> dict[str, Any]:
         """Token ids as the server would read the prompt (vLLM's route and shapes)."""
         if body.model is not None:
             resolve_model(body.model, s.ids, None)  # 404 for a model not served
@@ -243,7 +243,7 @@ def _model_routes(app: FastAPI, s: Served) -> None:
         return out
 
     @app.post("/detokenize", dependencies=key)
-    def detokenize(body: protocol.DetokenizeBody) -> dict[str, Any]:
+    def detokenize(body: bodies.DetokenizeBody) -> dict[str, Any]:
         if body.model is not None:
             resolve_model(body.model, s.ids, None)
         check_ids("tokens", body.tokens, s.generator.model.vocab_size)

@@ -23,10 +23,10 @@ from metaloom.meta.types import Result
 from metaloom.score.protocols import Raw
 from metaloom.server import tool_reply
 from metaloom.server.admission import Overloaded
+from metaloom.server.bodies import ChatFields, CompletionFields
 from metaloom.server.errors import ApiError
 from metaloom.server.limits import Limits
 from metaloom.server.metrics import Metrics
-from metaloom.server.protocol import ChatFields, CompletionFields
 from metaloom.server.responses import Responder, finish_of, finite, jsonable, usage_block
 from metaloom.server.scheduled import Cancelled, ScheduledGenerator
 from metaloom.server.scheduler import Event, Failed, Finished, Scheduler, Ticket

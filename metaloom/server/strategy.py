@@ -13,9 +13,10 @@ from metaloom.generator.types import Generator
 from metaloom.ledger import Budget
 from metaloom.meta.types import Strategy
 from metaloom.sampling.params import SamplingParams
+from metaloom.server.bodies import StrategyOptions
 from metaloom.server.errors import ApiError
 from metaloom.server.limits import Limits
-from metaloom.server.protocol import StrategyOptions, strategy_params
+from metaloom.server.protocol import strategy_params
 
 _DEFAULT = SamplingParams()
 
