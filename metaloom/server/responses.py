@@ -1,6 +1,6 @@
 """The OpenAI response pieces of one HTTP call: ids, chunks, deltas, log-probabilities in the
-chat and completions shapes, server-sent events, usage (`Responder`, which `metaloom.server.calls.Call`
-builds on)."""
+chat and completions shapes, server-sent events, usage (`Responder`, which `metaloom.server.choices.Choices`
+and then `metaloom.server.calls.Call` build on)."""
 
 from __future__ import annotations
 
