@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from metaloom.decode import overhead as overhead_mod
-from metaloom.decode.batch import prefill_groups
+from metaloom.decode.joining import prefill_groups
 from metaloom.errors import InvalidParameter
 from metaloom.generator import LocalGenerator, Request
 from metaloom.ledger import Ledger

@@ -1,7 +1,7 @@
 """`metaloom bench admit`: admitting many prompts of mixed lengths at once — what a serving
 scheduler does when a burst of requests arrives. The 32 mixed chat prompts of `bench serve`
 (a few tokens to ~400, each made distinct) go into one `generate` call with greedy decoding of
-``--serve-tokens`` tokens, prefilled in groups of similar length (`decode.batch.prefill_groups`,
+``--serve-tokens`` tokens, prefilled in groups of similar length (`decode.joining.prefill_groups`,
 with the forward overhead measured on this machine: `decode.overhead`) against one forward
 padded to the longest prompt. The two sides alternate within each repeat;
 medians over repeats. Reported: seconds, forward passes, and whether both produced the same

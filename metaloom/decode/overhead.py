@@ -1,6 +1,6 @@
 """What one more prefill forward costs, in prompt tokens, on this model and this machine.
 
-`metaloom.decode.batch.prefill_groups` splits prompts of mixed lengths into forwards; it weighs
+`metaloom.decode.joining.prefill_groups` splits prompts of mixed lengths into forwards; it weighs
 the padding a shared forward wastes against the fixed cost of another forward (reading every
 weight once, launching every layer). That fixed cost depends on the model and on the machine: a
 memory-bound CPU with few cores pays ~50 tokens' worth per forward for a 135M model, a GPU
@@ -21,7 +21,7 @@ import time
 import torch
 
 from metaloom.decode.prefill import new_cache, release_cache
-from metaloom.models.engine.cache import KVPool
+from metaloom.models.engine.pool import KVPool
 from metaloom.models.protocols import LanguageModel
 
 PROBE_TOKENS = 64  # long enough that the per-token cost dominates the difference of the two forwards

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from metaloom.constrain import Vocabulary
-from metaloom.decode.batch import DecodeBatch, NewRow, Prefill, Row, row_state
+from metaloom.decode.batch import DecodeBatch
+from metaloom.decode.joining import NewRow, Prefill, Row, row_state
 from metaloom.decode.beam import beam_steps, finish
 from metaloom.decode.contrastive import LockstepPair, check_same_vocab, contrastive_scores, guidance_scores
 from metaloom.decode.overhead import measure_overhead

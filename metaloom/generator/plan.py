@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from metaloom.constrain import Constraint
-from metaloom.decode.batch import NewRow
+from metaloom.decode.joining import NewRow
 from metaloom.decode.healing import Prepared, prepare
 from metaloom.decode.specs import BeamParams, ContrastiveParams, GuidanceParams
 from metaloom.errors import ContextWindowExceeded, InvalidParameter

@@ -21,9 +21,9 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from metaloom.decode.batch import NewRow
+from metaloom.decode.joining import NewRow
 from metaloom.errors import InvalidParameter, MetaloomError
-from metaloom.models.engine.cache import KVPool
+from metaloom.models.engine.pool import KVPool
 from metaloom.prefix.pool import PrefixCache
 
 

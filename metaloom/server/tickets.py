@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
-from metaloom.decode.batch import NewRow, Row
+from metaloom.decode.joining import NewRow, Row
 from metaloom.errors import MetaloomError
 from metaloom.generator.types import Completion, StreamChunk
 from metaloom.ledger import Ledger

@@ -1,0 +1,122 @@
+"""The speculative step of the decode batch (`metaloom.decode.batch`): each row's drafter
+proposes tokens after its pending token, one forward verifies ``[pending, draft]`` (a chain, or a
+token tree under a tree attention mask), a prefix of each draft plus one token is accepted
+(`select.verify`, `tree_verify.verify_tree`: exact for greedy and sampling), the tokens are
+emitted and the cache rolled back past the rejected drafts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from metaloom.constrain import Constraint
+from metaloom.decode.emitting import emit_verified, row_tops
+from metaloom.decode.joining import Row, row_keys
+from metaloom.decode.select import raw_logprobs, verify
+from metaloom.decode.tree_verify import verify_tree
+from metaloom.errors import InvalidParameter, UnsupportedModel
+from metaloom.ledger import Ledger
+from metaloom.models.engine.cache import PagedKVCache
+from metaloom.models.forward import charged_forward_both
+from metaloom.speculative.drafter import Draft
+from metaloom.speculative.drafter import Verified as Observed
+
+if TYPE_CHECKING:
+    from metaloom.decode.batch import DecodeBatch
+
+
+def speculative_step(batch: DecodeBatch, done: list[bool], ledgers: list[Ledger], rngs: list[torch.Generator | None],
+                     cursors: list[Constraint | None] | None) -> list[Row]:
+    """Draft, verify in one forward, accept, roll back (`metaloom.speculative`)."""
+    assert batch.cache is not None and batch.sampler is not None and batch.state is not None
+    assert batch.pending is not None and batch.drafter is not None and batch.speculative is not None
+    device = batch.pending.device
+    room = batch.cache.capacity - int(batch.cache.lengths.max()) - 1  # never draft past the cache
+    limits = [0 if d else max(0, min(batch.speculative.num_draft, room, row.state.max_tokens - len(row.state.tokens) - 1))
+              for row, d in zip(batch.rows, done, strict=True)]
+    draft = _checked(batch.drafter.propose([row.context for row in batch.rows], limits, ledgers), limits, device)
+    tokens = torch.cat([batch.pending[:, None], draft.tokens], dim=1)  # [B, K+1]
+    start = batch.cache.lengths.clone()
+    finished = torch.tensor(done, dtype=torch.bool, device=start.device)
+    valid = torch.where(finished.to(device), torch.zeros_like(draft.lengths), 1 + draft.lengths)
+    if draft.parents is not None:
+        return tree_step(batch, draft, tokens, start, valid, done, ledgers, rngs, cursors)
+    needs_hidden = bool(getattr(batch.drafter, "needs_hidden", False))
+    raw, scores, hidden = charged_forward_both(batch.model, tokens, batch.cache, ledgers, valid=valid,
+                                               hidden=needs_hidden)
+    highs = batch.measure()  # the drafts' KV is held until the rejected ones are rolled back below
+    live_cursors = None if cursors is None else [None if d else c for c, d in zip(cursors, done, strict=True)]
+    out = verify(batch.sampler, batch.state, scores, draft, live_cursors, rngs, row_keys(batch.rows))
+    acc = out.acceptance
+    batch.state = out.state
+    chosen = out.logprobs.gather(-1, acc.tokens.to(out.logprobs.device)[..., None])[..., 0]  # [B, K+1]
+    # where the pipeline is plain log-softmax of the model's own logits, the two agree
+    same = raw is scores and batch.sampler.plain and cursors is None and not out.errors
+    emitted_lp = (chosen if same else raw_logprobs(raw, acc.tokens.to(raw.device))).tolist()
+    chosen_lp = chosen.tolist()
+    emitted = [acc.emitted(b) for b in range(len(batch.rows))]
+    positions = [list(range(len(e))) for e in emitted]
+    stepped = emit_verified(batch.rows, batch.cursors, done, out.errors, emitted, positions, emitted_lp, chosen_lp,
+                            row_tops(batch.rows, done, raw), draft, acc.accepted.tolist(), highs)
+    # keep pending + accepted drafts; rows finished before this step keep nothing
+    batch.cache.truncate(torch.where(finished, start, start + 1 + acc.accepted.to(start.device)))
+    rows_index = torch.arange(len(batch.rows), device=device)
+    batch.pending = acc.tokens[rows_index, acc.accepted.to(device)]
+    batch.drafter.observe(Observed(draft=draft, logits=raw, accepted=acc.accepted, tokens=acc.tokens, hidden=hidden,
+                                  pending=tokens[:, 0]))
+    return stepped
+
+
+def tree_step(batch: DecodeBatch, draft: Draft, tokens: torch.Tensor, start: torch.Tensor, valid: torch.Tensor,
+              done: list[bool], ledgers: list[Ledger], rngs: list[torch.Generator | None],
+              cursors: list[Constraint | None] | None) -> list[Row]:
+    """`speculative_step` for token-tree drafts: one tree-masked verify forward, a path
+    accepted per row (`metaloom.decode.tree_verify`), the path's KV kept where it was written
+    and the rejected branches' slots let go (`PagedKVCache.keep_entries`)."""
+    assert batch.cache is not None and batch.sampler is not None and batch.state is not None
+    assert batch.drafter is not None and draft.parents is not None
+    if not isinstance(batch.cache, PagedKVCache):
+        raise UnsupportedModel(f"token trees need the native engine's paged KV cache, not {type(batch.cache).__name__}")
+    masks = draft.tree_attention(tokens.shape[1])
+    needs_hidden = bool(getattr(batch.drafter, "needs_hidden", False))
+    raw, scores, hidden = charged_forward_both(batch.model, tokens, batch.cache, ledgers, valid=valid, tree=masks,
+                                               hidden=needs_hidden)
+    highs = batch.measure()
+    live_cursors = None if cursors is None else [None if d else c for c, d in zip(cursors, done, strict=True)]
+    out = verify_tree(batch.sampler, batch.state, scores, draft, live_cursors, rngs, row_keys(batch.rows))
+    batch.state = out.state
+    width = tokens.shape[1]
+    at = torch.tensor([p + [0] * (width - len(p)) for p in out.positions], device=raw.device)  # [B, T]
+    emitted = torch.tensor([t + [0] * (width - len(t)) for t in out.tokens], device=raw.device)
+    rows_index = torch.arange(len(batch.rows), device=raw.device)[:, None]
+    chosen_lp = out.logprobs.to(raw.device)[rows_index, at].gather(-1, emitted[..., None])[..., 0].tolist()
+    emitted_lp = raw_logprobs(raw[rows_index, at], emitted).tolist()
+    stepped = emit_verified(batch.rows, batch.cursors, done, out.errors, out.tokens, out.positions, emitted_lp, chosen_lp,
+                            row_tops(batch.rows, done, raw), draft, out.accepted, highs)
+    for b in range(len(batch.rows)):  # keep the pending token and the accepted path; rows done before keep nothing
+        s = int(start[b])
+        keep = range(s) if done[b] else [*range(s), *(s + p for p in out.positions[b])]
+        batch.cache.keep_entries(b, np.asarray(list(keep), dtype=np.int64))
+    batch.pending = torch.tensor([t[-1] for t in out.tokens], device=batch.pending.device if batch.pending is not None
+                                else raw.device)
+    accepted = torch.tensor(out.accepted)
+    flat = torch.tensor([t + [0] * (width - len(t)) for t in out.tokens])
+    batch.drafter.observe(Observed(draft=draft, logits=raw, accepted=accepted, tokens=flat, hidden=hidden,
+                                  pending=tokens[:, 0]))
+    return stepped
+
+
+def _checked(draft: Draft, limits: Sequence[int], device: torch.device) -> Draft:
+    """Hold a drafter to its limits (a longer draft would overflow the cache or max_tokens)."""
+    cap = torch.as_tensor(list(limits), dtype=torch.long, device=device)
+    lengths = torch.minimum(draft.lengths.to(device), cap)
+    k = int(lengths.max()) if lengths.numel() else 0
+    probs = None if draft.probs is None else draft.probs[:, :k].to(device)
+    parents = None if draft.parents is None else draft.parents[:, :k].to(device)  # a prefix of a tree is a tree
+    if parents is not None and probs is not None:
+        raise InvalidParameter("draft", "a sampled tree", "deterministic token trees (probs None)")
+    return Draft(tokens=draft.tokens[:, :k].to(device), lengths=lengths, probs=probs, parents=parents)
