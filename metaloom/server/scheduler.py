@@ -11,11 +11,7 @@ at once and free their KV; a cancelled ticket (a client that went away) has its 
 the next step boundary.
 
 Beam search reorders its rows every step, so it cannot share a batch; it runs as a lane of its
-own beside the batches (`LocalGenerator.beam_steps`) with a fair share: while rows decode, one
-beam search takes one forward per loop iteration, in turn, beside one step of each batch (so a
-plain request's steps are at most about twice as far apart as without beams); with nothing else
-running every beam search steps. Beam searches and plain requests all move together, and a plain
-request is admitted while they run (no head-of-line blocking).
+own beside the batches, with a fair share (`metaloom.server.lanes`).
 
 Memory: before a batch steps, the pool must hold its new tokens. When it cannot, the prefix
 cache gives back what no row holds, then the youngest requests are preempted (their rows leave
@@ -47,26 +43,25 @@ from concurrent.futures import Future
 from typing import Any
 
 from metaloom.decode.batch import DecodeBatch
-from metaloom.decode.specs import BeamParams, GuidanceParams
 from metaloom.errors import BudgetExceeded, InvalidParameter
 from metaloom.generator.local import LocalGenerator, chunks, completion
-from metaloom.generator.plan import plan
-from metaloom.generator.types import Request
+from metaloom.generator.types import Completion, Request
 from metaloom.ledger import Ledger
 from metaloom.server.admission import (
     DrainRate,
     Overloaded,
     admissible,
-    beam_need,
     free_slots,
     kv_need,
     retry_after,
     shortfall,
-    too_large,
 )
+from metaloom.server.ending import end_all
+from metaloom.server.intake import streams, ticket_for
+from metaloom.server.lanes import BeamLanes
 from metaloom.server.limits import Limits
 from metaloom.server.memory import shrink_pool, trim
-from metaloom.server.tickets import Event, Failed, Finished, ShuttingDown, Sink, Stats, Ticket, chunk_of, ended
+from metaloom.server.tickets import Event, Failed, Finished, ShuttingDown, Sink, Stats, Ticket, ended
 
 __all__ = ["Event", "Failed", "Finished", "Overloaded", "Scheduler", "ShuttingDown", "Ticket"]
 
@@ -94,7 +89,7 @@ class Scheduler:
         self._waiting: deque[Ticket] = deque()
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._running: list[Ticket] = []  # tickets with rows in a batch
-        self._lanes: list[Ticket] = []  # beam searches running beside the batches
+        self.lanes = BeamLanes(generator, self._finish, self._fail)  # beam searches beside the batches
         self._batches: dict[type, DecodeBatch] = {}
         self._wake = threading.Condition()
         self._stop = False
@@ -115,22 +110,8 @@ class Scheduler:
     # --- the callers' side (any thread) --------------------------------------------------------
     def submit(self, request: Request, ledger: Ledger, sink: Sink) -> Ticket:
         """Validate and queue ``request``; its chunks, then `Finished` (or `Failed`), go to ``sink``."""
-        self.limits.check_rows(request.params.n, 1)  # before any row is made
-        p = plan(self.generator, request)  # a bad request raises here, in the caller's thread
-        prompt_limit = self.limits.prompt_tokens(self.generator.model.max_context)
-        if len(p.ids) > prompt_limit:
-            raise InvalidParameter("prompt", f"{len(p.ids)} tokens", f"at most {prompt_limit} tokens "
-                                   "(server limit max_prompt_tokens)")
-        if isinstance(request.decoder, BeamParams):
-            spec, beams = request.decoder, request.decoder.beams
-            self.limits.check_beams(beams)
-            ticket = Ticket([], BeamParams, ledger, sink, kv=beam_need(len(p.ids), beams, request.params.max_tokens),
-                            beams=beams)
-            ticket.start = lambda: self._beam_steps(p, spec, ledger)
-        else:
-            rows = p.rows(ledger, self.generator.model.device, None)
-            ticket = Ticket(rows, p.kind, ledger, sink, kv=kv_need(rows, self._draft, _streams(p.kind)))
-        self._check_fits(ticket, request)
+        ticket = ticket_for(self.generator, self.limits, request, ledger, sink, draft=self._draft,
+                            search=self.lanes.search)
         with self._wake:
             self._check_room(ticket)
             self._waiting.append(ticket)
@@ -149,7 +130,7 @@ class Scheduler:
     def stats(self) -> Stats:
         with self._wake:
             blocked = len(self._waiting) - self._admissible()
-            return Stats(blocked + len(self._calls), len(self._running) + len(self._lanes), self._busy_rows, self.steps,
+            return Stats(blocked + len(self._calls), len(self._running) + len(self.lanes.tickets), self._busy_rows, self.steps,
                          len(self._waiting) + len(self._calls), self._prefilling, self.preemptions)
 
     @property
@@ -190,15 +171,6 @@ class Scheduler:
         if self._stop or self._expired:
             raise ShuttingDown("server shutting down: not accepting new work")
 
-    def _check_fits(self, ticket: Ticket, request: Request) -> None:
-        """Refuse a request whose KV could never fit the pool, even alone (caller's thread)."""
-        pool = self.generator.pool
-        if pool is None or pool.max_slots is None:
-            return
-        error = too_large(ticket.kv, pool.max_slots - 1, pool.bytes_per_slot, ticket.width, request.params.max_tokens)
-        if error is not None:
-            raise error
-
     def _check_room(self, ticket: Ticket) -> None:
         """Refuse ``ticket`` only when it could not be admitted either (it would wait) and
         ``max_waiting`` requests already wait (queued calls count as waiting)."""
@@ -218,7 +190,7 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._stop and not self._waiting and not self._calls and not self._running and not self._lanes:
+                while not self._stop and not self._waiting and not self._calls and not self._running and not self.lanes.tickets:
                     if self._deadline is not None:
                         self.drained.set()
                     if self._worked:
@@ -257,26 +229,15 @@ class Scheduler:
                 if batch.rows:
                     self._make_room(kind, batch)
                     self._step(kind, batch)
-            for ticket in self._lanes_now():
-                self._advance(ticket)
+            for ticket in self.lanes.turn(any(b.rows for b in self._batches.values())):
+                self.lanes.advance(ticket)
             self._deliver()
             with self._wake:
                 self._busy_rows = self._rows_now()
         self._shutdown()
 
-    def _lanes_now(self) -> list[Ticket]:
-        """The beam searches that step this iteration: a fair share beside the decode batches,
-        one of them in turn while rows decode (so plain requests' steps are at most twice as far
-        apart as without beams), every one when nothing else runs."""
-        if not self._lanes:
-            return []
-        if not any(b.rows for b in self._batches.values()):
-            return list(self._lanes)
-        self._lanes.append(self._lanes.pop(0))  # round robin
-        return [self._lanes[-1]]
-
     def _rows_now(self) -> int:
-        return sum(len(b.rows) for b in self._batches.values()) + sum(t.beams for t in self._lanes)
+        return sum(len(b.rows) for b in self._batches.values()) + self.lanes.rows
 
     def _idle(self) -> None:
         """The loop has nothing to do: give back what a burst made the pool and allocator grow to."""
@@ -293,9 +254,7 @@ class Scheduler:
             return
         ticket.admitted = next(self._order)
         if ticket.beams:
-            assert ticket.start is not None
-            ticket.steps = ticket.start()
-            self._lanes.append(ticket)
+            self.lanes.start(ticket)
             return
         batch = self._batches.get(ticket.kind)
         if batch is None:
@@ -321,8 +280,7 @@ class Scheduler:
                 self._waiting.remove(t)
         for ticket in gone:
             self._admit(ticket)  # ends it (a preempted one's rows included)
-        for ticket in [t for t in self._lanes if t.cancelled]:
-            self._advance(ticket)  # a cancelled beam search ends now, whoever's turn it is
+        self.lanes.cancel_requested()
         for ticket in self._running:
             batch = self._batches.get(ticket.kind)
             if ticket.done or batch is None:
@@ -344,7 +302,7 @@ class Scheduler:
 
         def short() -> int:
             live = sum(1 for r in batch.rows if not r.state.done)
-            return shortfall(pool, _streams(kind) * live * max(1, self._draft))
+            return shortfall(pool, streams(kind) * live * max(1, self._draft))
 
         if short() > 0 and cache is not None:
             cache.evict(short())
@@ -362,7 +320,7 @@ class Scheduler:
         live = [i for i, r in enumerate(ticket.rows) if not r.state.done]
         ticket.rows_to_admit = batch.detach([ticket.rows[i] for i in live])
         ticket.resuming = live
-        ticket.kv = kv_need(ticket.rows_to_admit, self._draft, _streams(ticket.kind))
+        ticket.kv = kv_need(ticket.rows_to_admit, self._draft, streams(ticket.kind))
         ticket.preemptions += 1
         self._running.remove(ticket)
         with self._wake:
@@ -386,40 +344,6 @@ class Scheduler:
         if self.on_step is not None:
             self.on_step(len(batch.rows))
 
-    def _beam_steps(self, p: Any, spec: BeamParams, ledger: Ledger) -> Any:
-        steps = self.generator.beam_steps([p], spec, ledger)
-        found = yield from steps
-        return found[0]
-
-    def _advance(self, ticket: Ticket) -> None:
-        """One forward of a running beam search (its lane); its hypotheses once it ends."""
-        assert ticket.steps is not None
-        if ticket.cancelled:
-            ticket.steps.close()
-            self._lanes.remove(ticket)
-            ticket.done = True
-            ticket.sink(Finished(()))
-            return
-        try:
-            next(ticket.steps)
-            return
-        except StopIteration as end:
-            found = end.value
-        except Exception as exc:
-            self._lanes.remove(ticket)
-            self._fail(ticket, exc)
-            return
-        self._lanes.remove(ticket)
-        ticket.first_token_at = time.perf_counter()
-        for i, c in enumerate(found):
-            ticket.sink(chunk_of(c, i))
-        ticket.done = True
-        with self._wake:
-            self.drain.record(self.clock(), ticket.beams)
-        with contextlib.suppress(BudgetExceeded):
-            ticket.ledger.charge(seconds=time.perf_counter() - ticket.submitted)
-        ticket.sink(Finished(tuple(found)))
-
     def _deliver(self) -> None:
         still: list[Ticket] = []
         for ticket in self._running:
@@ -435,13 +359,15 @@ class Scheduler:
                 still.append(ticket)
         self._running = still
 
-    def _finish(self, ticket: Ticket) -> None:
+    def _finish(self, ticket: Ticket, found: Sequence[Completion] | None = None) -> None:
+        """End ``ticket`` with its rows' completions, or a beam search's hypotheses (``found``)."""
         ticket.done = True
         with self._wake:
-            self.drain.record(self.clock(), len(ticket.rows))
+            self.drain.record(self.clock(), len(ticket.rows) if found is None else ticket.beams)
         with contextlib.suppress(BudgetExceeded):
             ticket.ledger.charge(seconds=time.perf_counter() - ticket.submitted)
-        ticket.sink(Finished(tuple(completion(r.state) for r in ticket.rows)))
+        completions = tuple(completion(r.state) for r in ticket.rows) if found is None else tuple(found)
+        ticket.sink(Finished(completions))
 
     def _fail(self, ticket: Ticket, exc: BaseException) -> None:
         ticket.done = True
@@ -460,37 +386,14 @@ class Scheduler:
         self._batches.clear()
 
     def _end_all(self, error: BaseException) -> tuple[int, int, int]:
-        """Fail everything queued, running and searching with ``error``; returns how many of each
-        (running, beam searches, queued) were ended."""
+        """Fail everything queued, running and searching with ``error`` (`metaloom.server.ending`);
+        returns how many of each (running, beam searches, queued) were ended."""
         with self._wake:
             waiting, calls = list(self._waiting), list(self._calls)
             self._waiting.clear()
             self._calls.clear()
-        for _, future in calls:
-            if future.set_running_or_notify_cancel():
-                future.set_exception(error)
-        running = [t for t in self._running if not t.done]
-        for ticket in running:
-            live = [r for r in ticket.rows if not r.state.done]
-            batch = self._batches.get(ticket.kind)
-            if live and batch is not None:
-                with contextlib.suppress(Exception):
-                    batch.cancel(live)
-        for ticket in self._lanes:
-            if ticket.steps is not None:
-                with contextlib.suppress(Exception):
-                    ticket.steps.close()
-        counts = (len(running), len(self._lanes), len(waiting))
-        for ticket in [*waiting, *running, *self._lanes]:
-            if not ticket.done:
-                self._fail(ticket, error)
-        self._running, self._lanes = [], []
+        counts = end_all(error, waiting, calls, self._running, self._batches, self.lanes, self._fail)
+        self._running = []
         with self._wake:
             self._busy_rows = self._rows_now()
         return counts
-
-
-def _streams(kind: type) -> int:
-    """KV streams a row of this decoder writes to the engine's pool (guidance's unconditional
-    stream shares it; contrastive decoding's amateur keeps a pool of its own)."""
-    return 2 if kind is GuidanceParams else 1
