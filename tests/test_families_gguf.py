@@ -3,6 +3,7 @@ greedy tokens of the native engine (dense float32, and native quantised weights 
 kernels) against transformers' own GGUF loader on the dequantised weights in float32, identical
 or parting only at a near tie (the reference's top two log-probabilities within 1e-3)."""
 
+import math
 import os
 
 import pytest
@@ -16,7 +17,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, t
 STEPS = 12
 NEAR_TIE = 1e-3
 
-pytestmark = pytest.mark.skipif(not os.path.exists(GEMMA), reason=f"{GEMMA} is not on this machine")
+# only the real-file test needs the file: the GGUFs below are built here
+needs_gemma = pytest.mark.skipif(not os.path.exists(GEMMA), reason=f"{GEMMA} is not on this machine")
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +48,7 @@ def _native_forward(model):
     return forward
 
 
+@needs_gemma
 @pytest.mark.parametrize("weights", ["dense", "native"])
 def test_gemma3_greedy_tokens_match_transformers(reference, weights):
     from metaloom.models import load
@@ -141,3 +144,98 @@ def test_a_gguf_of_each_family_reads_to_its_model(tmp_path, arch):
     with torch.no_grad():
         ref = hf(ids).logits
     assert (ours.forward(ids, ours.new_cache(1, 32)) - ref).abs().max().item() <= 1e-4
+
+
+# --- a Llama 3.x GGUF: llama.cpp stores the llama3 RoPE scaling as a `rope_freqs` tensor of
+# per-frequency divisors, and permutes Q and K rows for the interleaved rotary layout -------------
+
+LLAMA3 = {"factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def _llama_cpp_rope_freqs(head_dim, theta, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings):
+    """The divisors as llama.cpp's convert_hf_to_gguf writes them (its loop, written out here)."""
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < original_max_position_embeddings / high_freq_factor:
+            out.append(1.0)
+        elif wavelen > original_max_position_embeddings / low_freq_factor:
+            out.append(factor)
+        else:
+            smooth = ((original_max_position_embeddings / wavelen - low_freq_factor)
+                      / (high_freq_factor - low_freq_factor))
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def _permute(w, heads):
+    """llama.cpp's permute of Q/K rows: [(heads, 2, D/2), ...] -> [(heads, D/2, 2), ...]."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama3_gguf(tmp_path, freqs):
+    import gguf
+    import numpy as np
+
+    from tests.test_families_native import BASE, _build
+
+    hf, _, _ = _build("llama", BASE | {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0} | LLAMA3},
+                      tmp_path / "hf")
+    c, path = hf.config, tmp_path / "llama3.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (("block_count", c.num_hidden_layers), ("context_length", c.max_position_embeddings),
+                       ("embedding_length", c.hidden_size), ("feed_forward_length", c.intermediate_size),
+                       ("attention.head_count", c.num_attention_heads),
+                       ("attention.head_count_kv", c.num_key_value_heads),
+                       ("attention.key_length", c.head_dim), ("attention.value_length", c.head_dim),
+                       ("rope.dimension_count", c.head_dim)):
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+    w.add_float32("llama.rope.freq_base", 10000.0)
+    w.add_tensor("rope_freqs.weight", np.asarray(freqs, dtype=np.float32))
+    for name, p in hf.state_dict().items():
+        x = p.detach().float().numpy()
+        if name.startswith("model.layers."):
+            i, rest = name.removeprefix("model.layers.").split(".", 1)
+            module, kind = rest.rsplit(".", 1)
+            if module in ("self_attn.q_proj", "self_attn.k_proj"):
+                x = _permute(x, c.num_attention_heads if module == "self_attn.q_proj" else c.num_key_value_heads)
+            w.add_tensor(f"blk.{i}.{_TO_GGUF[module]}.{kind}", np.ascontiguousarray(x))
+        else:
+            w.add_tensor({"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                          "lm_head.weight": "output.weight"}[name], np.ascontiguousarray(x))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return hf, path
+
+
+def test_a_llama3_gguf_with_rope_freqs_runs_as_its_model_past_the_original_context(tmp_path):
+    from metaloom.models.engine.config import LlamaConfig
+    from metaloom.models.engine.gguf_file import read_gguf
+    from metaloom.models.engine.llama import LlamaModel
+
+    head_dim = 32
+    freqs = _llama_cpp_rope_freqs(head_dim, 10000.0, **LLAMA3)
+    assert 1.0 < sorted(freqs)[len(freqs) // 2] < LLAMA3["factor"] or any(1 < f < 4 for f in freqs)  # blended ones
+    hf, path = _llama3_gguf(tmp_path, freqs)
+    cfg, sd = read_gguf(str(path))
+    scaling = cfg.get("rope_scaling") or cfg["rope_parameters"]
+    assert scaling["rope_type"] == "llama3" and scaling["factor"] == LLAMA3["factor"]
+    ours = LlamaModel.from_state_dict(LlamaConfig.from_hf(cfg), sd)
+    ids = torch.randint(0, 97, (1, 110), generator=torch.Generator().manual_seed(3))  # past 64, the original context
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert (ours.forward(ids, ours.new_cache(1, 128)) - ref).abs().max().item() <= 1e-4
+
+
+def test_rope_freqs_that_are_not_llama3s_scheme_are_refused_by_name(tmp_path):
+    from metaloom.errors import UnsupportedModel
+    from metaloom.models.engine.gguf_file import read_gguf
+
+    freqs = _llama_cpp_rope_freqs(32, 10000.0, **LLAMA3)
+    freqs[len(freqs) // 2] *= 1.5  # no llama3 parameters give this
+    _, path = _llama3_gguf(tmp_path, freqs)
+    with pytest.raises(UnsupportedModel, match=r"llama3\.gguf: rope_freqs factors that are not Llama 3's"):
+        read_gguf(str(path))

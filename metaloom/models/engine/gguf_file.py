@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from metaloom.errors import NotAModel, UnsupportedModel
+from metaloom.models.engine.rope import llama3_scaling_from_factors
 
 # GGUF architecture -> transformers model type, for the architectures the native engine runs
 ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral", "qwen3": "qwen3", "gemma2": "gemma2",
@@ -142,9 +143,16 @@ def _config(reader: Any, arch: str, path: str) -> dict[str, Any]:
         if num("rope.scaling.attn_factor") is not None:
             scaling["attention_factor"] = float(num("rope.scaling.attn_factor"))
         cfg["rope_scaling"] = scaling
-    elif "rope_freqs.weight" in names:
-        raise UnsupportedModel(f"{path}: GGUF with llama3 rope frequency factors (native: GGUFs without them; the "
-                               "transformers folder of the model loads natively)")
+    elif "rope_freqs.weight" in names:  # Llama 3.x: its scaling stored as per-frequency divisors
+        freqs = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        rotated = int(rotary) if rotary else head_dim
+        try:
+            scaling = llama3_scaling_from_factors(np.asarray(freqs.data, dtype=np.float32).tolist(), rotated,
+                                                  cfg["rope_theta"], int(num("rope.scaling.original_context_length", 8192)))
+        except UnsupportedModel as exc:
+            raise UnsupportedModel(f"{path}: {exc}") from exc
+        if scaling["rope_type"] != "default":
+            cfg["rope_scaling"] = scaling
     from transformers import AutoConfig
 
     try:

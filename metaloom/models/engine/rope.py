@@ -105,3 +105,40 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+def llama3_scaling_from_factors(factors: list[float], head_dim: int, theta: float,
+                                original: int = 8192) -> dict[str, Any]:
+    """The ``rope_scaling`` of a Llama 3.x GGUF, recovered from its ``rope_freqs`` tensor.
+
+    llama.cpp's converter stores Llama 3's scaling as per-frequency divisors (1 for high
+    frequencies, ``factor`` for low ones, a blend in between) instead of the config's four
+    numbers. Only the ratios of (original context, low_freq_factor, high_freq_factor) enter
+    the frequencies, so with the original context fixed the two factors follow from a line fit
+    of the blend (smooth = original / wavelength - low, over high - low) through the dimensions
+    in between; the result is checked to give back every divisor, and anything that does not
+    (a file whose factors are not Llama 3's scheme) is refused rather than run with wrong
+    positions."""
+    f = torch.tensor(factors, dtype=torch.float64)
+    base = inverse_frequencies(head_dim, theta, None)
+    if f.shape != base.shape:
+        raise UnsupportedModel(f"rope_freqs of length {f.numel()} for {base.numel()} frequencies (head_dim {head_dim})")
+    if not bool(((f - 1).abs() > 1e-6).any()):
+        return {"rope_type": "default"}
+    factor = float(f.max())
+    medium = ((f - 1).abs() > 1e-6) & ((f - factor).abs() > 1e-6 * factor)
+    low, high = 1.0, 4.0  # Llama 3.1/3.2's own, used when fewer than two blended dimensions fix them
+    if int(medium.sum()) >= 2:
+        # 1 / f = (1 - s) / factor + s  =>  s = (1 / f - 1 / factor) / (1 - 1 / factor), linear in 1 / wavelength
+        smooth = (1 / f[medium] - 1 / factor) / (1 - 1 / factor)
+        x = base[medium] / (2 * math.pi)
+        slope, intercept = torch.linalg.lstsq(torch.stack([x, torch.ones_like(x)], 1), smooth[:, None]).solution[:, 0]
+        low = float(f"{float(-intercept * original / slope):.7g}")  # the fit's last bits are noise
+        high = float(f"{low + original / float(slope):.7g}")
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+               "original_max_position_embeddings": original}
+    back = base / inverse_frequencies(head_dim, theta, scaling)
+    if not torch.allclose(back, f, rtol=1e-5, atol=0.0):
+        raise UnsupportedModel(f"rope_freqs factors that are not Llama 3's scaling (largest mismatch "
+                               f"{float((back - f).abs().max()):.3g}): native GGUFs take Llama 3's scheme only")
+    return scaling
