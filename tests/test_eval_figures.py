@@ -8,17 +8,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from metaloom.eval.report.figures import (
+from metaloom.eval.report.figure_layout import (
     coincident,
-    draw_accuracy,
-    draw_coverage,
     family_styles,
     fitted_ylim,
     offsets,
-    selection_figure,
     short_names,
     spread,
 )
+from metaloom.eval.report.figures import draw_accuracy, draw_coverage, selection_figure
 
 GSM_FAMILIES = ["majority_vote", "best_of_n@scorer=logprob", "mbr", "weighted_vote@scorer=logprob,transform=exp",
                 "best_of_n@scorer=judge", "greedy", "adaptive_vote@max_samples=16,batch=8",

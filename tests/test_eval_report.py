@@ -587,7 +587,7 @@ def test_screenshot_errors_are_typed(tmp_path, monkeypatch) -> None:
 
 
 def test_long_specs_wrap_at_commas_in_figure_legends() -> None:
-    from metaloom.eval.report.figures import wrap_label
+    from metaloom.eval.report.figure_layout import wrap_label
 
     spec = "step_beam_search@n=8,beam_width=4,step_scorer=countdown,final_scorer=countdown,step_tokens=48"
     assert wrap_label(spec).splitlines() == ["step_beam_search@n=8,beam_width=4,", "step_scorer=countdown,",

@@ -237,7 +237,8 @@ def tiny_engine() -> LocalGenerator:
 
 def test_eval_draws_accuracy_against_peak_kv_memory(tmp_path):
     from metaloom.eval.analysis import analyze
-    from metaloom.eval.report.figures import draw_accuracy, family_styles
+    from metaloom.eval.report.figure_layout import family_styles
+    from metaloom.eval.report.figures import draw_accuracy
     from metaloom.eval.runner import plan_sweep, run_sweep
     from metaloom.eval.worker import Setup
 

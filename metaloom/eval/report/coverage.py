@@ -13,7 +13,8 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
-from metaloom.eval.report.figures import PALETTE, data_uri
+from metaloom.eval.report.figure_layout import PALETTE
+from metaloom.eval.report.figures import data_uri
 from metaloom.present.numbers import finite
 
 

@@ -7,16 +7,15 @@ of open figures when a long-lived process (a notebook, the server) builds a repo
 
 Inputs are the analysis dict's parts (``curves``, ``frontier``, ``selection``) or small
 tables `views` prepares; every function returns None when it has nothing to draw, so the
-page can say so instead of showing an empty frame.
+page can say so instead of showing an empty frame. Where things go (family styles, y limits,
+curves that coincide, labels that must not overlap) is worked out in `figure_layout`.
 """
 
 from __future__ import annotations
 
 import base64
 import io
-import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -24,35 +23,26 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 from matplotlib.transforms import offset_copy
 
+from metaloom.eval.report.figure_layout import (
+    DEFAULT_STYLE,
+    OVERLAP_TOLERANCE,
+    Style,
+    coincident,
+    cost_axes,
+    fitted_ylim,
+    interval,
+    offsets,
+    placeable,
+    placed_xy,
+    points_ylim,
+    short_names,
+    spread,
+    wrap_label,
+)
 from metaloom.present.numbers import finite, fmt_bytes
 
-# (point field, axis label with its unit) for the costs a curve is drawn against
-# (`metaloom.eval.analysis.subsample.COSTS`)
-COST_AXES = (
-    ("output_tokens", "mean output tokens per problem (tokens)"),
-    ("flops", "mean compute per problem (FLOPs)"),
-    ("seconds", "mean wall time per problem (s)"),
-    ("kv_bytes_peak", "mean peak KV memory per problem (bytes)"),
-)
-# costs drawn only where some point has them: a sweep written before peaks were measured, or
-# run against a server that reports none, keeps its three panels instead of an empty fourth
-MEASURED_ONLY = frozenset({"kv_bytes_peak"})
-
-
-def cost_axes(points: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
-    """The `COST_AXES` to draw for ``points``: all but a `MEASURED_ONLY` cost no point has."""
-    return [(key, label) for key, label in COST_AXES
-            if key not in MEASURED_ONLY or any(finite(p.get(key)) for p in points)]
 ACCURACY_LABEL = "accuracy (fraction correct)"
 DPI = 120  # 1 inch of figure = 120 px: sharp at the page's 1200 px width without a heavy file
-PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-           "#bcbd22", "#17becf")
-# cycle lengths 10, 7 and 3 are coprime: (colour, marker, line) repeats only after 210 families,
-# and any two of the first 70 differ in colour and marker at once
-MARKERS = ("o", "s", "^", "D", "v", "P", "X")
-LINESTYLES = ("-", "--", "-.")
-OVERLAP_OFFSET = 2.5  # points between the drawn copies of curves that coincide
-OVERLAP_TOLERANCE = 0.012  # curves closer than this share of the y axis, at every x, coincide
 FRONTIER_COLOR = "#111111"
 # the vote summary's outcome classes, in stacking order, with their colours
 VOTE_OUTCOMES = (
@@ -71,102 +61,6 @@ def data_uri(fig: Figure) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-@dataclass(frozen=True)
-class Style:
-    """How one family is drawn: its colour, marker and line style."""
-
-    color: str
-    marker: str
-    linestyle: str
-
-
-def family_styles(families: Sequence[str]) -> dict[str, Style]:
-    """One style per family, fixed by its place in ``families`` (every family of the report,
-    so the same family looks the same in every figure): colour, marker and line style cycle
-    with coprime lengths, so no two of the first 70 families share a colour or a marker with
-    the same other (greedy and DVTS were both blue squares)."""
-    return {f: Style(PALETTE[k % len(PALETTE)], MARKERS[k % len(MARKERS)], LINESTYLES[k % len(LINESTYLES)])
-            for k, f in enumerate(dict.fromkeys(families))}
-
-
-def fitted_ylim(lows: Sequence[float], highs: Sequence[float], *, margin: float = 0.06,
-                least_span: float = 0.1) -> tuple[float, float]:
-    """Y limits around the values and their intervals (``lows``, ``highs``): their range plus
-    ``margin`` of it each side, at least ``least_span`` wide, within -0.02..1.02 (fractions).
-    A fixed 0..1 squashed curves that never pass 0.32 into the bottom third."""
-    known = [float(v) for v in (*lows, *highs) if finite(v)]
-    if not known:
-        return -0.03, 1.03
-    lo, hi = min(known), max(known)
-    if hi - lo < least_span:
-        middle = (lo + hi) / 2
-        lo, hi = middle - least_span / 2, middle + least_span / 2
-        if lo < 0:
-            lo, hi = 0.0, least_span
-        if hi > 1:
-            lo, hi = 1 - least_span, 1.0
-    pad = margin * (hi - lo)
-    return max(-0.02, lo - pad), min(1.02, hi + pad)
-
-
-def coincident(series: Mapping[str, Sequence[tuple[float, float]]], ytol: float,
-               xtol: float = 0.01) -> list[list[str]]:
-    """Groups (two or more, in ``series`` order) of series that would be drawn on top of each
-    other: the same number of points, each at the same x (relative ``xtol``) and within
-    ``ytol`` in y. ``series``: name -> (x, y) points in x order."""
-    def same(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> bool:
-        return len(a) == len(b) and all(abs(xa - xb) <= xtol * max(abs(xa), abs(xb)) and abs(ya - yb) <= ytol
-                                        for (xa, ya), (xb, yb) in zip(a, b, strict=True))
-
-    groups: list[list[str]] = []
-    for name, pts in series.items():
-        if not pts:
-            continue
-        home = next((g for g in groups if same(series[g[0]], pts)), None)
-        if home is None:
-            groups.append([name])
-        else:
-            home.append(name)
-    return [g for g in groups if len(g) > 1]
-
-
-def offsets(groups: Sequence[Sequence[str]], step: float = OVERLAP_OFFSET) -> dict[str, float]:
-    """The vertical offset (points) of each member of each coinciding group: spread evenly
-    around the curve, so each copy shows beside the others."""
-    return {name: (j - (len(g) - 1) / 2) * step for g in groups for j, name in enumerate(g)}
-
-
-def spread(positions: Sequence[float], sizes: Sequence[float], pad: float = 2.0) -> list[float]:
-    """Label bottoms (points) moved up as little as needed so that labels of ``sizes`` (their
-    heights) stacked from the lowest do not overlap: each starts ``pad`` above the one below."""
-    out = list(positions)
-    top = -math.inf
-    for i in sorted(range(len(positions)), key=lambda i: positions[i]):
-        out[i] = max(positions[i], top + pad)
-        top = out[i] + sizes[i]
-    return out
-
-
-def _positive(v: Any) -> bool:
-    """A cost a log axis can place: a finite number above zero (0 or null cost, e.g. a scripted
-    generator that counts no FLOPs, has no place on it)."""
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-
-
-def _interval(point: Mapping[str, Any], key: str) -> tuple[float, float]:
-    """The point's 95% interval for ``key`` (accuracy or coverage); the value itself where the
-    analysis gave none."""
-    value = float(point[key])
-    lo: Any = point.get(f"{key}_lo")
-    hi: Any = point.get(f"{key}_hi")
-    return (float(lo) if finite(lo) else value, float(hi) if finite(hi) else value)
-
-
-def _placed(points: Sequence[Mapping[str, Any]], x_key: str, y_key: str) -> list[tuple[float, float]]:
-    """The (x, y) of the points a log axis can place, in x order."""
-    return sorted((float(p[x_key]), float(p[y_key])) for p in points if _positive(p.get(x_key)) and finite(p.get(y_key)))
-
-
 def _draw_family(ax: Any, points: Sequence[Mapping[str, Any]], x_key: str, y_key: str, style: Style, label: str,
                  dashed: bool = False, hollow: bool = False, offset: float = 0.0, line: str | None = None,
                  band: bool = True) -> int:
@@ -176,13 +70,13 @@ def _draw_family(ax: Any, points: Sequence[Mapping[str, Any]], x_key: str, y_key
     measured on other problems); ``offset``: points up or down (a copy of a coinciding curve);
     ``line``: a line style other than the family's; ``band``: False where a coinciding curve
     already drew it. Returns how many points had no place (no positive x, no y)."""
-    placed = sorted(((float(p[x_key]), p) for p in points if _positive(p.get(x_key)) and finite(p.get(y_key))),
+    placed = sorted(((float(p[x_key]), p) for p in points if placeable(p.get(x_key)) and finite(p.get(y_key))),
                     key=lambda xp: xp[0])
     if not placed:
         return len(points)
     xs = [x for x, _ in placed]
     ys = [float(p[y_key]) for _, p in placed]
-    bands = [_interval(p, y_key) for _, p in placed]
+    bands = [interval(p, y_key) for _, p in placed]
     line = line or style.linestyle
     shift = offset_copy(ax.transData, fig=ax.figure, y=offset, units="points") if offset else ax.transData
     ax.update_datalim(list(zip(xs, ys, strict=True)))  # a line in an offset transform does not widen the axes itself
@@ -197,13 +91,6 @@ def _draw_family(ax: Any, points: Sequence[Mapping[str, Any]], x_key: str, y_key
         ax.errorbar(xs, ys, yerr=[[ys[0] - bands[0][0]], [bands[0][1] - ys[0]]], fmt=style.marker, color=style.color,
                     markersize=6.5, capsize=3, markerfacecolor=face, label=label, transform=shift, zorder=3)
     return len(points) - len(placed)
-
-
-def short_names(families: Sequence[str]) -> dict[str, str]:
-    """Each family by its strategy's name alone (``mbr``) where no other family has that
-    name, else in full (``best_of_n@scorer=logprob`` beside ``best_of_n@scorer=judge``)."""
-    heads = [f.split("@", 1)[0] for f in families]
-    return {f: h if heads.count(h) == 1 else f for f, h in zip(families, heads, strict=True)}
 
 
 def _label_overlaps(ax: Any, groups: Sequence[Sequence[str]], series: Mapping[str, Sequence[tuple[float, float]]],
@@ -231,7 +118,7 @@ def _label_overlaps(ax: Any, groups: Sequence[Sequence[str]], series: Mapping[st
 def _draw_frontier(ax: Any, labels: Sequence[str], by_label: Mapping[str, Mapping[str, Any]], x_key: str) -> bool:
     """The Pareto frontier on ``ax``: ringed points joined by a dashed black step line."""
     placed = [(float(by_label[lab][x_key]), float(by_label[lab]["accuracy"])) for lab in labels
-              if lab in by_label and _positive(by_label[lab].get(x_key)) and finite(by_label[lab].get("accuracy"))]
+              if lab in by_label and placeable(by_label[lab].get(x_key)) and finite(by_label[lab].get("accuracy"))]
     if not placed:
         return False
     placed.sort()
@@ -265,12 +152,6 @@ def _log_ticks(ax: Any, key: str) -> None:
     ax.xaxis.set_minor_formatter(NullFormatter())
 
 
-def _ylim(points: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> tuple[float, float]:
-    """`fitted_ylim` over the points' values of ``keys`` and their intervals."""
-    bands = [_interval(p, k) for p in points for k in keys if finite(p.get(k))]
-    return fitted_ylim([lo for lo, _ in bands], [hi for _, hi in bands])
-
-
 def _style_axes(ax: Any, xlabel: str, ylabel: str | None, key: str = "",
                 ylim: tuple[float, float] = (-0.03, 1.03)) -> None:
     ax.set_xscale("log")
@@ -302,20 +183,6 @@ def _legend_below(fig: Figure, axes: Sequence[Any]) -> None:
                    frameon=False, bbox_to_anchor=(0.5, 0.02))
 
 
-def wrap_label(label: str, width: int = 40) -> str:
-    """``label`` on lines of at most about ``width`` characters, broken after commas."""
-    lines: list[str] = []
-    for part in label.replace(",", ",\0").split("\0"):
-        if lines and len(lines[-1]) + len(part) <= width:
-            lines[-1] += part
-        else:
-            lines.append(part.lstrip() if lines else part)  # a new line does not start with the comma's space
-    return "\n".join(lines)
-
-
-DEFAULT_STYLE = Style(PALETTE[0], MARKERS[0], LINESTYLES[0])
-
-
 def accuracy_figure(curves: Sequence[Mapping[str, Any]], frontier: Mapping[str, Sequence[str]],
                     styles: Mapping[str, Style], outside: Sequence[Mapping[str, Any]] = ()) -> tuple[str, int] | None:
     """`draw_accuracy` as a data URI, with its count of points left out."""
@@ -338,13 +205,13 @@ def draw_accuracy(curves: Sequence[Mapping[str, Any]], frontier: Mapping[str, Se
     if not points and not apart:
         return None
     by_label = {p["label"]: p for p in points if "label" in p}
-    ylim = _ylim([*points, *apart], ("accuracy",))
+    ylim = points_ylim([*points, *apart], ("accuracy",))
     costs = cost_axes([*points, *apart])
     fig = Figure(figsize=(4.3 * len(costs), 4.3))
     axes = fig.subplots(1, len(costs), sharey=True)
     missing = 0
     for k, (ax, (key, xlabel)) in enumerate(zip(axes, costs, strict=True)):
-        series = {c["family"]: _placed(c.get("points") or (), key, "accuracy") for c in curves}
+        series = {c["family"]: placed_xy(c.get("points") or (), key, "accuracy") for c in curves}
         groups = coincident(series, OVERLAP_TOLERANCE * (ylim[1] - ylim[0]))
         shift = offsets(groups)
         drawn = False
@@ -395,16 +262,16 @@ def draw_coverage(curves: Sequence[Mapping[str, Any]], styles: Mapping[str, Styl
     ax = fig.subplots()
     kept = []
     for curve in curves:
-        pts = [p for p in curve.get("points") or () if _positive(p.get("k")) and finite(p.get("coverage"))]
+        pts = [p for p in curve.get("points") or () if placeable(p.get("k")) and finite(p.get("coverage"))]
         if pts:
             kept.append((curve["family"], pts))
     if not kept:
         return None
-    ylim = _ylim([p for _, pts in kept for p in pts], ("coverage", "accuracy"))
+    ylim = points_ylim([p for _, pts in kept for p in pts], ("coverage", "accuracy"))
     series: dict[str, list[tuple[float, float]]] = {}
     for fam, pts in kept:
-        series[f"{fam} coverage"] = _placed(pts, "k", "coverage")
-        series[f"{fam} accuracy"] = _placed(pts, "k", "accuracy")
+        series[f"{fam} coverage"] = placed_xy(pts, "k", "coverage")
+        series[f"{fam} accuracy"] = placed_xy(pts, "k", "accuracy")
     groups = coincident(series, OVERLAP_TOLERANCE * (ylim[1] - ylim[0]))
     shift = offsets(groups)
     followers = {n for g in groups for n in g[1:]}
@@ -438,7 +305,7 @@ def selection_figure(rows: Sequence[Mapping[str, Any]]) -> str | None:
     """Held-out accuracy of the compute-optimal choice per FLOPs budget against majority vote,
     best-of-N and the best single strategy at the same budget; None without rows that have a
     positive budget."""
-    rows = sorted((r for r in rows if _positive(r.get("budget_flops"))), key=lambda r: float(r["budget_flops"]))
+    rows = sorted((r for r in rows if placeable(r.get("budget_flops"))), key=lambda r: float(r["budget_flops"]))
     if not rows:
         return None
     fig = Figure(figsize=(7.5, 3.4))

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from metaloom.eval.records import Record
-from metaloom.eval.report import figures
+from metaloom.eval.report import figure_layout, figures
 from metaloom.eval.report.cells import (
     MISSING,
     clip,
@@ -126,7 +126,7 @@ def frontier_view(analysis: Mapping[str, Any]) -> dict[str, Any]:
     points = compared_points(analysis)
     out = []
     frontier = analysis.get("frontier") or {}
-    for key, axis in figures.cost_axes(list(points.values())):
+    for key, axis in figure_layout.cost_axes(list(points.values())):
         rows = []
         for label in frontier.get(key) or ():
             p = points.get(label, {})
@@ -145,7 +145,7 @@ def figures_view(analysis: Mapping[str, Any]) -> dict[str, Any]:
     The accuracy figure draws the points compared on one problem set, and hollow the ones
     measured on others (`metaloom.eval.analysis`'s ``compared``)."""
     curves = [c for c in analysis.get("curves") or () if c.get("points")]
-    styles = figures.family_styles([c["family"] for c in curves])
+    styles = figure_layout.family_styles([c["family"] for c in curves])
     compared = mapping(analysis.get("compared"))
     outside = set(mapping(compared.get("outside")))
     shown = [c for c in compared.get("curves") or () if c.get("points")] if compared else curves
