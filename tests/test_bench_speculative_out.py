@@ -9,6 +9,9 @@ import json
 import pytest
 
 from metaloom.bench import speculative
+from metaloom.bench.speculative.methods import Method, drafter_methods
+from metaloom.bench.speculative.prompts import PROMPT_SETS
+from metaloom.bench.speculative.report import run_report
 
 
 def _args(tmp_path, **kw) -> argparse.Namespace:
@@ -24,12 +27,12 @@ def test_a_run_stopped_partway_leaves_the_rows_it_measured(tmp_path, monkeypatch
 
     def flaky(i: int):
         calls["n"] += 1
-        if calls["n"] > len(speculative.PROMPT_SETS["free"]):  # the warm-up passes, the timed run dies
+        if calls["n"] > len(PROMPT_SETS["free"]):  # the warm-up passes, the timed run dies
             raise RuntimeError("killed")
         return [1, 2], None
 
-    monkeypatch.setattr(speculative, "_drafter_methods",
-                        lambda *a: [speculative.Method("dies", run=flaky, peer=True)])
+    monkeypatch.setattr(speculative, "drafter_methods",
+                        lambda *a: [Method("dies", run=flaky, peer=True)])
     with pytest.raises(RuntimeError, match="killed"):
         speculative.run(_args(tmp_path))
     with open(tmp_path / "spec.json") as f:
@@ -40,8 +43,8 @@ def test_a_run_stopped_partway_leaves_the_rows_it_measured(tmp_path, monkeypatch
 
 
 def test_a_finished_run_writes_the_whole_report(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(speculative, "_drafter_methods",
-                        lambda *a: [speculative.Method("peer", run=lambda i: ([1, 2], None), peer=True)])
+    monkeypatch.setattr(speculative, "drafter_methods",
+                        lambda *a: [Method("peer", run=lambda i: ([1, 2], None), peer=True)])
     report = speculative.run(_args(tmp_path))
     with open(tmp_path / "spec.json") as f:
         assert json.load(f) == json.loads(json.dumps(report))
@@ -63,7 +66,7 @@ def test_cost_model_methods_side_by_side_and_their_choices(tmp_path, smollm) -> 
     loaded = smollm  # the bench's prompts are text: a real tokenizer
     args = _args(tmp_path, drafters="auto,ngram@4", cost_model="both")
     skipped: dict[str, str] = {}
-    methods = speculative._drafter_methods(args, loaded, 6, skipped)
+    methods = drafter_methods(args, loaded, 6, skipped)
     assert [m.name for m in methods] == ["metaloom auto (K<=16, cost model)", "metaloom ngram (K=4)",
                                          "metaloom ngram (K<=4, cost model)"]
     assert methods[1].planned is None and isinstance(methods[2].planned, PlannedDrafter)
@@ -71,7 +74,7 @@ def test_cost_model_methods_side_by_side_and_their_choices(tmp_path, smollm) -> 
     for m in methods:
         m.tokens[0], m.ledgers[0] = m.run(0)
         m.times[0] = [1.0]
-    row = speculative._report(loaded, methods, skipped, "float32")
+    row = run_report(loaded, methods, skipped, "float32")
     assert row["verify_cost"]["widths"][0] == 1
     auto = row["methods"][0]["cost_model"]
     assert set(auto["drafters"]) >= {"ngram", "recycling"} and auto["steps"] > 0
