@@ -19,11 +19,8 @@ from typing import ClassVar
 import pytest
 
 from metaloom.bench.serve import (
-    PROMPTS,
     LevelRow,
     RequestTiming,
-    ServerSpec,
-    StartFailed,
     format_table,
     median_row,
     parse_clients,
@@ -32,12 +29,11 @@ from metaloom.bench.serve import (
     requests_per_client,
     run_benchmark,
     run_level,
-    serving,
     split_requests,
     summarise,
-    vllm_argv,
-    vllm_env,
 )
+from metaloom.bench.serve_prompts import PROMPTS
+from metaloom.bench.servers import ServerSpec, StartFailed, serving, vllm_argv, vllm_env
 from metaloom.errors import InvalidParameter
 
 # ---------------------------------------------------------------- the fake server

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from metaloom.bench import model_args, single_weights
-from metaloom.bench.serve import PROMPTS, tagged
+from metaloom.bench.serve_prompts import PROMPTS, tagged
 from metaloom.generator import LocalGenerator, Request
 from metaloom.ledger import Ledger
 from metaloom.models import load

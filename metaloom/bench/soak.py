@@ -35,7 +35,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from metaloom.bench import model_args
-from metaloom.bench.serve import HOST, ServerSpec, percentile, serving
+from metaloom.bench.serve import percentile
+from metaloom.bench.servers import HOST, ServerSpec, serving
 from metaloom.errors import InvalidParameter
 from metaloom.models.kernels.isa import cpu_name
 

@@ -159,7 +159,7 @@ def _served_systems(stack: contextlib.ExitStack, args: argparse.Namespace, folde
     """The systems on the vLLM server this benchmark starts (``--vllm VENV``), held open by
     ``stack``: metaloom's strategies on a `RemoteGenerator`, and optillm (``--optillm VENV``).
     Those that cannot run are in ``dropped`` with why; start-up figures go to ``notes``."""
-    from metaloom.bench.serve import StartFailed, serving, vllm_spec
+    from metaloom.bench.servers import StartFailed, serving, vllm_spec
     from metaloom.errors import MetaloomError
     from metaloom.generator.remote import RemoteGenerator
 

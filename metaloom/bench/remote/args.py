@@ -44,7 +44,7 @@ def options(args: argparse.Namespace) -> Options:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from metaloom.bench.serve import server_args
+    from metaloom.bench.servers import server_args
 
     model_args(p, repeats=None)
     server_args(p)

@@ -147,7 +147,7 @@ class Optillm:
         if not line:
             self.close()
             why = f"gave no answer within {timeout_s:.0f} s" if not ready else f"exited with status {self.proc.poll()}"
-            from metaloom.bench.serve import tail
+            from metaloom.bench.servers import tail
 
             raise OptillmFailed(f"optillm's process {why}; its log: {tail(self.log_path, 1500)}")
         return dict(json.loads(line))
