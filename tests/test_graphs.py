@@ -328,7 +328,7 @@ def test_a_cuda_device_this_machine_lacks_is_a_typed_error(monkeypatch):
 
 def test_a_pool_the_device_cannot_hold_is_cache_full(monkeypatch):
     from metaloom.errors import CacheFull
-    from metaloom.models.engine.cache import KVPool
+    from metaloom.models.engine.pool import KVPool
 
     pool = KVPool(2, 2, 8, torch.float32, slots=4)
     zeros = torch.zeros

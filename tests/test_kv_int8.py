@@ -14,11 +14,12 @@ import torch.nn.functional as F
 
 from metaloom.errors import InvalidParameter
 from metaloom.models.engine import graphs
-from metaloom.models.engine.cache import KVPool, PagedKVCache, storage_dtype
+from metaloom.models.engine.cache import PagedKVCache
 from metaloom.models.engine.config import LlamaConfig
 from metaloom.models.engine.kv_int8 import dequantize, quantize
 from metaloom.models.engine.llama import LlamaModel
 from metaloom.models.engine.options import EngineOptions
+from metaloom.models.engine.pool import KVPool, storage_dtype
 from metaloom.models.kernels.fused import kernels
 from metaloom.testing.tiny import random_weights
 

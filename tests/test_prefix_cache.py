@@ -9,7 +9,8 @@ import torch
 from metaloom.errors import InvalidParameter, UnsupportedModel
 from metaloom.generator import LocalGenerator, Request
 from metaloom.ledger import Ledger
-from metaloom.models.engine.cache import KVPool, PagedKVCache
+from metaloom.models.engine.cache import PagedKVCache
+from metaloom.models.engine.pool import KVPool
 from metaloom.models.load import LoadedModel
 from metaloom.prefix import PrefixCache
 from metaloom.sampling import SamplingParams

@@ -21,7 +21,7 @@ import time
 import torch
 
 from metaloom.decode.prefill import new_cache, release_cache
-from metaloom.models.engine.cache import KVPool
+from metaloom.models.engine.pool import KVPool
 from metaloom.models.protocols import LanguageModel
 
 PROBE_TOKENS = 64  # long enough that the per-token cost dominates the difference of the two forwards

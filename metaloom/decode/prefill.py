@@ -17,7 +17,8 @@ import torch
 from metaloom.decode.contrastive import LockstepPair, PairCache
 from metaloom.errors import UnsupportedModel
 from metaloom.ledger import Ledger
-from metaloom.models.engine.cache import KVPool, PagedKVCache
+from metaloom.models.engine.cache import PagedKVCache
+from metaloom.models.engine.pool import KVPool
 from metaloom.models.forward import Ledgers, charged_forward
 from metaloom.models.protocols import KVCache, LanguageModel
 from metaloom.prefix.pool import PrefixCache

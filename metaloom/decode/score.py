@@ -17,7 +17,7 @@ from metaloom.decode.memory import charge_peak, held_bytes
 from metaloom.decode.prefill import new_cache, prefill, prefill_cached, release_cache
 from metaloom.errors import ContextWindowExceeded, InvalidParameter
 from metaloom.ledger import Ledger
-from metaloom.models.engine.cache import KVPool
+from metaloom.models.engine.pool import KVPool
 from metaloom.models.forward import charged_forward
 from metaloom.models.protocols import KVCache, LanguageModel, Tokenizer
 from metaloom.prefix.pool import PrefixCache

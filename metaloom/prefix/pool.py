@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from metaloom.errors import InvalidParameter
-from metaloom.models.engine.cache import KVPool, PagedKVCache
+from metaloom.models.engine.cache import PagedKVCache
+from metaloom.models.engine.pool import KVPool
 from metaloom.prefix.radix import Match, RadixTree
 
 

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from metaloom.errors import UnsupportedModel
-from metaloom.models.engine.cache import KVPool, PagedKVCache
+from metaloom.models.engine.cache import PagedKVCache
+from metaloom.models.engine.pool import KVPool
 from metaloom.models.engine.sharing import Sharing, find_sharing
 from metaloom.models.engine.stack import Plan, pointers
 from metaloom.models.engine.weights import linear

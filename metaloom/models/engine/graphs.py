@@ -46,7 +46,8 @@ import torch
 import torch.nn.functional as F
 
 from metaloom.errors import InvalidParameter
-from metaloom.models.engine.cache import SCRATCH, KVPool, PagedKVCache
+from metaloom.models.engine.cache import PagedKVCache
+from metaloom.models.engine.pool import SCRATCH, KVPool
 from metaloom.models.engine.rope import apply_rope
 
 if TYPE_CHECKING:

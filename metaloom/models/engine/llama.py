@@ -23,11 +23,12 @@ import torch.nn.functional as F
 
 from metaloom.errors import ContextWindowExceeded, InvalidParameter, NotAModel, UnsupportedModel
 from metaloom.models.engine import attention, dropping, fused_step, graphs
-from metaloom.models.engine.cache import KVPool, PagedKVCache, storage_dtype
+from metaloom.models.engine.cache import PagedKVCache
 from metaloom.models.engine.config import LlamaConfig
 from metaloom.models.engine.fused_step import AUTO_SHARED_READS, FUSED_VERIFY_WIDTH
 from metaloom.models.engine.graphs import StepGraphs
 from metaloom.models.engine.options import EngineOptions
+from metaloom.models.engine.pool import KVPool, storage_dtype
 from metaloom.models.engine.rope import apply_rope, rope_tables
 from metaloom.models.engine.sharing import Sharing
 from metaloom.models.engine.stack import Plan
