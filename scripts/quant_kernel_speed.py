@@ -31,7 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from metaloom.bench.timing import copy_bandwidth_gbs
-from metaloom.models.kernels.quant import BY_NAME, QTYPES, QuantWeight, kernels
+from metaloom.models.kernels.quant import QuantWeight
+from metaloom.models.kernels.quant_library import kernels
+from metaloom.models.kernels.quant_types import BY_NAME, QTYPES
 
 SHAPES = {  # (model, weight): [out, in]
     ("SmolLM2-135M", "qkv"): (960, 576),

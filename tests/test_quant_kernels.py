@@ -25,9 +25,12 @@ import pytest
 import torch
 
 from metaloom.errors import InvalidParameter, UnsupportedModel
-from metaloom.models.kernels import isa, quant
+from metaloom.models.kernels import isa, quant, quant_library
 from metaloom.models.kernels.onednn import bf16_gemm
-from metaloom.models.kernels.quant import CROSSOVER_ROWS, QTYPES, QuantWeight, build, dequantize_torch, from_gguf, kernels
+from metaloom.models.kernels.quant import CROSSOVER_ROWS, QuantWeight, from_gguf
+from metaloom.models.kernels.quant_library import build, kernels
+from metaloom.models.kernels.quant_torch import dequantize_torch
+from metaloom.models.kernels.quant_types import QTYPES
 
 AVAILABLE = kernels()
 KERNELS = AVAILABLE.kernels
@@ -199,7 +202,7 @@ def test_without_the_kernels_a_weight_computes_the_same_results(qtype, monkeypat
     w, ref = weight(qtype, 37, inputs, seed=7)
     x = torch.randn(3, 2, inputs, generator=torch.Generator().manual_seed(8))
     with_kernels = w(x)
-    monkeypatch.setattr(quant, "kernels", lambda: quant.Availability(None, "forced off"))
+    monkeypatch.setattr(quant, "kernels", lambda: quant_library.Availability(None, "forced off"))
     assert w._kernels() is None
     y = w(x)
     assert y.shape == (3, 2, 37)

@@ -22,8 +22,10 @@ import pytest
 import torch
 
 from metaloom.errors import InvalidParameter
-from metaloom.models.kernels import isa, quant
-from metaloom.models.kernels.quant import QuantWeight, kernels, unpanel_numpy
+from metaloom.models.kernels import isa, quant, quant_library
+from metaloom.models.kernels.quant import QuantWeight, unpanel_numpy
+from metaloom.models.kernels.quant_library import kernels
+from metaloom.models.kernels.quant_types import QTYPES
 from tests.test_quant_kernels import U, random_blocks, reference, weight
 
 KERNELS = kernels().kernels
@@ -40,9 +42,9 @@ def test_every_path_has_the_panel_matmul_for_every_panel_type(kernel_path):
 def _fma_factor() -> int:
     return 1 if isa.has_fma(isa.chosen().name) else 2
 ALL = sorted(quant.PANEL_TYPES)
-PANEL_TYPES = pytest.mark.parametrize("qtype", ALL, ids=[quant.QTYPES[t].name for t in ALL])
+PANEL_TYPES = pytest.mark.parametrize("qtype", ALL, ids=[QTYPES[t].name for t in ALL])
 K_TYPES = (10, 11, 12, 13, 14, 23)  # super-blocks of 256
-BYTES = {t: quant.QTYPES[t].bytes for t in ALL}
+BYTES = {t: QTYPES[t].bytes for t in ALL}
 HEAD = {2: 32, 3: 64, 6: 96, 7: 128, 20: 32}
 QS = {2: 2, 20: 2, 3: 4, 6: 6, 7: 8}  # first quant byte of the 32-element types
 QUANT_BYTES = {2: (2, 18), 20: (2, 18), 3: (4, 20), 6: (2, 22), 7: (4, 24), 10: (16, 80), 11: (0, 96), 12: (16, 144),
@@ -89,7 +91,7 @@ def offsets(qtype: int, blocks: np.ndarray) -> np.ndarray:
     weight is scale q + c off): the dequantised block with every quant (and high bit) 0, which
     is c off for every type with one (Q4_0 -8 d, Q4_1/Q5_1 m, the K types' -dmin m, Q6_K's
     -32 d sc, Q3_K's -4 d (sc - 32)); Q8_0 and the IQ4 types have none."""
-    q = quant.QTYPES[qtype]
+    q = QTYPES[qtype]
     if qtype in (8, 20, 23):
         return np.zeros((blocks.shape[0], blocks.shape[1] // q.bytes * q.block))
     zero = blocks.copy().reshape(blocks.shape[0], -1, q.bytes)
@@ -144,7 +146,7 @@ def test_every_bit_of_a_k_block_lands_where_the_layout_says():
         for bit in range(0, 16 * bb * 8, 97):  # a spread of bits over all 16 outputs' blocks
             blocks = np.zeros((16, bb), dtype=np.uint8)
             blocks.reshape(-1)[bit // 8] = 1 << (bit % 8)
-            p = QuantWeight(qtype, torch.from_numpy(blocks), quant.QTYPES[qtype].block).panelled()
+            p = QuantWeight(qtype, torch.from_numpy(blocks), QTYPES[qtype].block).panelled()
             got = np.flatnonzero(np.unpackbits(p.blocks.numpy().reshape(-1), bitorder="little"))
             assert got.tolist() == [int(np.flatnonzero(quant._panel_sources(qtype, False) == bit)[0])], (qtype, bit)
 
@@ -197,7 +199,7 @@ def test_a_panel_weight_dequantises_looks_up_rows_and_falls_back_like_its_blocks
     assert torch.equal(p(x.bfloat16()), w(x.bfloat16()))
     long = torch.randn(quant.PANEL_CROSSOVER_ROWS + 1, inputs, generator=torch.Generator().manual_seed(7))
     assert torch.equal(p(long), w(long))
-    monkeypatch.setattr(quant, "kernels", lambda: quant.Availability(None, "forced off"))
+    monkeypatch.setattr(quant, "kernels", lambda: quant_library.Availability(None, "forced off"))
     assert torch.equal(p.dequantize(), torch.from_numpy(ref))  # unpanelled by PyTorch
     assert torch.equal(p(x[:3]), w(x[:3]))
 

@@ -18,8 +18,11 @@ import pytest
 import torch
 
 from metaloom.errors import InvalidParameter
-from metaloom.models.kernels import isa, quant
-from metaloom.models.kernels.quant import QuantWeight, kernels, q8_inputs_torch
+from metaloom.models.kernels import isa, quant, quant_library
+from metaloom.models.kernels.quant import QuantWeight
+from metaloom.models.kernels.quant_library import kernels
+from metaloom.models.kernels.quant_torch import q8_inputs_torch
+from metaloom.models.kernels.quant_types import QTYPES
 from tests.test_quant_kernels import U, random_blocks, reference
 from tests.test_quant_panels import offsets
 
@@ -29,11 +32,11 @@ KERNELS_OF = kernels  # the library under test, for the path_kernels fixture (te
 pytestmark = pytest.mark.usefixtures("path_kernels")
 Q8 = sorted(quant.Q8_TYPES)
 PANELS = sorted(quant.PANEL_TYPES)
-TYPES = pytest.mark.parametrize("qtype", Q8, ids=[quant.QTYPES[t].name for t in Q8])
+TYPES = pytest.mark.parametrize("qtype", Q8, ids=[QTYPES[t].name for t in Q8])
 
 
 def _inputs(qtype: int) -> int:
-    return 512 if quant.QTYPES[qtype].block == 256 else 96
+    return 512 if QTYPES[qtype].block == 256 else 96
 
 
 def dequantised_inputs(x: torch.Tensor) -> torch.Tensor:
@@ -92,7 +95,7 @@ def _call(w: QuantWeight, x: torch.Tensor, threads: int, out_dtype: torch.dtype 
 @pytest.mark.parametrize("layout", ["gguf", "panel"])
 def test_q8_matmul_is_the_product_of_the_dequantised_weight_and_inputs(qtype, layout):
     if layout == "panel" and qtype not in quant.PANEL_TYPES:
-        pytest.skip(f"{quant.QTYPES[qtype].name} has no panel layout")
+        pytest.skip(f"{QTYPES[qtype].name} has no panel layout")
     inputs = _inputs(qtype)
     blocks = random_blocks(qtype, 48, inputs, seed=2)
     w = QuantWeight(qtype, torch.from_numpy(blocks.copy()), inputs)
@@ -111,7 +114,7 @@ def test_q8_matmul_is_the_product_of_the_dequantised_weight_and_inputs(qtype, la
 
 
 @needs
-@pytest.mark.parametrize("qtype", PANELS, ids=[quant.QTYPES[t].name for t in PANELS])
+@pytest.mark.parametrize("qtype", PANELS, ids=[QTYPES[t].name for t in PANELS])
 def test_a_q8_weight_calls_its_kernel_for_any_rows_in_either_layout(qtype, monkeypatch):
     inputs = _inputs(qtype)
     blocks = random_blocks(qtype, 32, inputs, seed=4)
@@ -125,7 +128,7 @@ def test_a_q8_weight_calls_its_kernel_for_any_rows_in_either_layout(qtype, monke
         n = x.shape[0]
         assert torch.equal(y[-2:, 0], torch.cat([weight(x[i:i + 1]) for i in (n - 2, n - 1)]))
         assert _q8_excess(y[:, 0], x, qtype, blocks, _factor()) <= 1
-    monkeypatch.setattr(quant, "kernels", lambda: quant.Availability(None, "forced off"))
+    monkeypatch.setattr(quant, "kernels", lambda: quant_library.Availability(None, "forced off"))
     y = w(x[:3])  # without kernels: the same quantised inputs times the dequantised weight, in float32
     assert _q8_excess(y, x[:3], qtype, blocks, _factor() * 8) <= 1
 

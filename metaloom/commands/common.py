@@ -222,7 +222,7 @@ def kernel_usage(loaded: object) -> dict[str, str]:
                "activations": str(getattr(loaded, "activations", "float"))}
     if str(getattr(model, "device", "cpu")) != "cpu":
         return backend
-    from metaloom.models.kernels.quant import kernels
+    from metaloom.models.kernels.quant_library import kernels
 
     available = kernels()
     return backend | {"isa": available.kernels.isa if available.kernels is not None else f"none: {available.reason}"}

@@ -25,8 +25,9 @@ import numpy as np
 import pytest
 import torch
 
-from metaloom.models.kernels import isa, quant
+from metaloom.models.kernels import isa, quant, quant_library
 from metaloom.models.kernels.cbuild import compiler
+from metaloom.models.kernels.quant_types import BY_NAME, QTYPES
 from tests.aarch64.test_under_qemu import _excess
 from tests.test_quant_kernels import random_blocks, weight
 from tests.test_quant_panels import _panel_excess
@@ -40,18 +41,18 @@ WHY = ("needs an x86-64 CPU with AVX2" if isa.machine() != "x86_64" or "avx2" no
        else f"no SIMDe headers at {SIMDE} (Debian: apt-get install libsimde-dev)" if not SIMDE.exists()
        else None)
 pytestmark = pytest.mark.skipif(WHY is not None, reason=WHY or "")
-TYPES = sorted(quant.QTYPES)
+TYPES = sorted(QTYPES)
 PANEL_TYPES = sorted(quant.PANEL_TYPES)
 
 
 @pytest.fixture(scope="module")
-def emulated(tmp_path_factory) -> quant.QuantKernels:
+def emulated(tmp_path_factory) -> quant_library.QuantKernels:
     out = tmp_path_factory.mktemp("avx512-emulated") / "quant.so"
     build = subprocess.run([str(CC), "-O1", "-fno-math-errno", "-shared", "-fPIC", *isa.flags("avx2"), "-fopenmp",
-                            "-DMETALOOM_EMULATE_AVX512", f"-I{SHIM}", str(quant.SOURCE), "-o", str(out), "-lm"],
+                            "-DMETALOOM_EMULATE_AVX512", f"-I{SHIM}", str(quant_library.SOURCE), "-o", str(out), "-lm"],
                            capture_output=True, text=True, timeout=1800, env={**os.environ, "LC_ALL": "C"})
     assert build.returncode == 0, build.stderr[-3000:]
-    k = quant._bind(ctypes.CDLL(str(out)), out, "avx512")
+    k = quant_library._bind(ctypes.CDLL(str(out)), out, "avx512")
     assert k.panel_types == sum(1 << t for t in quant.PANEL_TYPES)
     return k
 
@@ -62,10 +63,10 @@ def _bound(inputs: int) -> float:
 
 
 def _inputs(qtype: int) -> int:
-    return 768 if quant.QTYPES[qtype].block == 256 else 96
+    return 768 if QTYPES[qtype].block == 256 else 96
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=[quant.QTYPES[t].name for t in TYPES])
+@pytest.mark.parametrize("qtype", TYPES, ids=[QTYPES[t].name for t in TYPES])
 def test_matmul_and_dequantize_in_ggufs_layout(emulated, qtype):
     inputs = _inputs(qtype)
     w, ref = weight(qtype, 37, inputs, seed=31)
@@ -89,15 +90,15 @@ def test_matmul_and_dequantize_in_ggufs_layout(emulated, qtype):
 @pytest.mark.parametrize("name", quant.QUANTIZERS)
 def test_quantisers(emulated, name):
     x = torch.randn(8, 96) * torch.logspace(-9, 6, 8).unsqueeze(1)
-    t = quant.BY_NAME[name]
-    out = torch.empty(8, quant.QTYPES[t].row_bytes(96), dtype=torch.uint8)
+    t = BY_NAME[name]
+    out = torch.empty(8, QTYPES[t].row_bytes(96), dtype=torch.uint8)
     emulated.quantize(t, x, out, 1)
     assert np.array_equal(out.numpy(), gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType[name]))
 
 
-@pytest.mark.parametrize("qtype", PANEL_TYPES, ids=[quant.QTYPES[t].name for t in PANEL_TYPES])
+@pytest.mark.parametrize("qtype", PANEL_TYPES, ids=[QTYPES[t].name for t in PANEL_TYPES])
 def test_panel_regrouping_and_panel_matmul(emulated, qtype):
-    inputs = 256 if quant.QTYPES[qtype].block == 256 else 96
+    inputs = 256 if QTYPES[qtype].block == 256 else 96
     blocks = random_blocks(qtype, 48, inputs, seed=33)
     w = quant.QuantWeight(qtype, torch.from_numpy(blocks.copy()), inputs)
     panels = torch.empty_like(w.blocks)
@@ -122,8 +123,8 @@ def _python_panels(qtype: int, blocks: np.ndarray, inputs: int) -> np.ndarray:
     inverting its bit sources: the same bytes every path's regrouping must give."""
     from metaloom.models.kernels import panels
 
-    bb, out = quant.QTYPES[qtype].bytes, blocks.shape[0]
-    nb = inputs // quant.QTYPES[qtype].block
+    bb, out = QTYPES[qtype].bytes, blocks.shape[0]
+    nb = inputs // QTYPES[qtype].block
     g = blocks.reshape(out // 16, 16, nb, bb).transpose(0, 2, 1, 3).reshape(out // 16 * nb, 16 * bb)
     bits = np.unpackbits(g, axis=1, bitorder="little")
     result = np.empty_like(bits)

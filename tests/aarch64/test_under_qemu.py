@@ -23,6 +23,7 @@ import torch
 
 from metaloom.models.engine.rope import rope_tables
 from metaloom.models.kernels import quant
+from metaloom.models.kernels.quant_types import QTYPES
 from tests.test_fused import _reference_attend
 from tests.test_quant_kernels import U, random_blocks, weight
 from tests.test_quant_panels import _panel_excess, panel_reference
@@ -34,7 +35,7 @@ MISSING = [f"{tool} (Debian package {pkg})" for tool, pkg in ((CC, "gcc-aarch64-
 pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"missing {', '.join(MISSING)}")
 # the paths an aarch64 CPU runs, with the flags metaloom.models.kernels.isa gives them there
 PATHS = {"neon": ("-march=armv8.2-a+dotprod",), "generic": ()}
-TYPES = sorted(quant.QTYPES)
+TYPES = sorted(QTYPES)
 PANEL_TYPES = sorted(quant.PANEL_TYPES)
 
 
@@ -116,11 +117,11 @@ def _excess(y: torch.Tensor, x: torch.Tensor, ref: np.ndarray, c: float) -> floa
 
 
 def _inputs(qtype: int) -> int:
-    return 768 if quant.QTYPES[qtype].block == 256 else 96
+    return 768 if QTYPES[qtype].block == 256 else 96
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # scales past float16, on purpose
-@pytest.mark.parametrize("qtype", TYPES, ids=[quant.QTYPES[t].name for t in TYPES])
+@pytest.mark.parametrize("qtype", TYPES, ids=[QTYPES[t].name for t in TYPES])
 def test_matmul_dequantize_and_quantize(driver, qtype):
     inputs = _inputs(qtype)
     w, ref = weight(qtype, 37, inputs, seed=21)
@@ -137,24 +138,24 @@ def test_matmul_dequantize_and_quantize(driver, qtype):
     rc, (dense,) = driver.call("quant_dequantize", qtype, w.blocks, 37, inputs, None, 37, Out((37, inputs), torch.float32),
                                0, 2)
     assert rc == 0 and torch.equal(dense.view(torch.int32), torch.from_numpy(ref).view(torch.int32))
-    name = quant.QTYPES[qtype].name
+    name = QTYPES[qtype].name
     if name in quant.QUANTIZERS:
         import gguf
 
         x = torch.randn(8, 96) * torch.logspace(-9, 6, 8).unsqueeze(1)
-        rc, (blocks,) = driver.call("quant_quantize", qtype, x, 0, 8, 96, Out((8, quant.QTYPES[qtype].row_bytes(96)),
+        rc, (blocks,) = driver.call("quant_quantize", qtype, x, 0, 8, 96, Out((8, QTYPES[qtype].row_bytes(96)),
                                                                               torch.uint8), 1)
         assert np.array_equal(blocks.numpy(), gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType[name]))
 
 
-@pytest.mark.parametrize("qtype", PANEL_TYPES, ids=[quant.QTYPES[t].name for t in PANEL_TYPES])
+@pytest.mark.parametrize("qtype", PANEL_TYPES, ids=[QTYPES[t].name for t in PANEL_TYPES])
 def test_panel_regrouping_and_panel_matmul(driver, qtype):
-    inputs = 256 if quant.QTYPES[qtype].block == 256 else 96
+    inputs = 256 if QTYPES[qtype].block == 256 else 96
     blocks = random_blocks(qtype, 48, inputs, seed=22)
     w = quant.QuantWeight(qtype, torch.from_numpy(blocks.copy()), inputs)
     rc, (panels,) = driver.call("quant_panel", qtype, w.blocks, 48, inputs, Out(tuple(w.blocks.shape), torch.uint8), 0, 2)
     assert rc == 0
-    expected = panel_reference(qtype, blocks) if quant.QTYPES[qtype].block == 32 else w.panelled().blocks.numpy()
+    expected = panel_reference(qtype, blocks) if QTYPES[qtype].block == 32 else w.panelled().blocks.numpy()
     assert np.array_equal(panels.numpy(), expected)  # the same bytes as the layout says (and as on x86)
     x = torch.randn(40, inputs, generator=torch.Generator().manual_seed(24))
     x[0, 5] = 3e3  # an outlier input, as real activations have

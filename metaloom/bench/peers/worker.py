@@ -265,7 +265,7 @@ class VllmSystem:
 def _kernel_path() -> str | None:
     """The instruction-set path metaloom's C kernels run in this process (None: an older metaloom)."""
     try:
-        from metaloom.models.kernels.quant import kernels
+        from metaloom.models.kernels.quant_library import kernels
     except ImportError:
         return None
     k = kernels().kernels

@@ -9,7 +9,7 @@ Q4_1 file holds 0.625 bytes per weight; dequantised to float32 it is 4 bytes, to
   kept weight a uint8 tensor [out, row bytes] exactly as the file stores it (rows un-permuted
   for llama's Q/K, like the dense weights), the rest float32, and each kept weight's ggml type
   and input size in the file's metadata. Later loads memory-map it.
-- **What is kept.** Every 2-D weight whose type the kernels run (`metaloom.models.kernels.quant.QTYPES`:
+- **What is kept.** Every 2-D weight whose type the kernels run (`metaloom.models.kernels.quant_types.QTYPES`:
   Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, F16, BF16). A weight
   of another type (IQ2/IQ3/IQ1, TQ, MXFP4) is dequantised by `gguf` to float32 and runs dense: exact,
   only larger; a type `gguf` cannot dequantise either is an `UnsupportedModel` naming it and the
@@ -48,7 +48,7 @@ _META_KEY = "metaloom.ggml_types"  # {name: [ggml type id, in_features]}
 
 
 def kept_types() -> frozenset[int]:
-    from metaloom.models.kernels.quant import QTYPES
+    from metaloom.models.kernels.quant_types import QTYPES
 
     return frozenset(QTYPES)
 
@@ -82,7 +82,7 @@ def blocks_path(gguf_path: str, folder: str) -> str:
 
 
 def _in_features(blocks: torch.Tensor, qtype: int) -> int:
-    from metaloom.models.kernels.quant import QTYPES
+    from metaloom.models.kernels.quant_types import QTYPES
 
     t = QTYPES[qtype]
     return blocks.shape[1] // t.bytes * t.block
@@ -117,7 +117,8 @@ def with_activations(model: LanguageModel, activations: str) -> LanguageModel:
     (dense float, F16, BF16) is an `InvalidParameter` naming it: q8 multiplies quants."""
     from metaloom.models.engine.llama import LlamaModel
     from metaloom.models.engine.weights import Concat
-    from metaloom.models.kernels.quant import ACTIVATIONS, Q8_TYPES, QTYPES, QuantWeight
+    from metaloom.models.kernels.quant import ACTIVATIONS, Q8_TYPES, QuantWeight
+    from metaloom.models.kernels.quant_types import QTYPES
 
     if activations not in ACTIVATIONS:
         raise InvalidParameter("activations", activations, f"one of {list(ACTIVATIONS)}")

@@ -26,7 +26,9 @@ from typing import Any
 
 import torch
 
-from metaloom.models.kernels.quant import PARALLEL_MIN_BYTES, QTYPES, QuantKernels, QuantWeight
+from metaloom.models.kernels.quant import PARALLEL_MIN_BYTES, QuantWeight
+from metaloom.models.kernels.quant_library import QuantKernels
+from metaloom.models.kernels.quant_types import QTYPES
 
 MAX_PARTS = 3  # fused.c's: q, k and v of three types
 

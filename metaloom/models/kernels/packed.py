@@ -41,7 +41,8 @@ from dataclasses import dataclass
 import torch
 
 from metaloom.models.kernels.onednn import bf16_gemm
-from metaloom.models.kernels.quant import QuantWeight, kernels
+from metaloom.models.kernels.quant import QuantWeight
+from metaloom.models.kernels.quant_library import kernels
 
 
 @dataclass(frozen=True, eq=False)

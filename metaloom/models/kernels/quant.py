@@ -36,26 +36,28 @@ x W^T [..., out] in x's dtype:
 
 The C file is compiled on first use like `metaloom.models.kernels.fused` (`metaloom.models.kernels.cbuild`),
 into ``~/.cache/metaloom/kernels/<hash>/quant.so``; `kernels()` says why not where it cannot be.
+Beside this module: the ggml types (`metaloom.models.kernels.quant_types`), the compiled library
+(`metaloom.models.kernels.quant_library`) and the PyTorch fallback
+(`metaloom.models.kernels.quant_torch`). `QuantWeight` looks `kernels` up in this module on every
+call, so a test that patches ``quant.kernels`` takes the C kernels away from it.
 """
 
 from __future__ import annotations
 
-import ctypes
-import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from metaloom.errors import InvalidParameter, UnsupportedModel
-from metaloom.models.kernels import cbuild, panels
+from metaloom.errors import InvalidParameter
+from metaloom.models.kernels import panels
+from metaloom.models.kernels.quant_library import QuantKernels, check_rc, kernels
+from metaloom.models.kernels.quant_torch import dequantize_torch, q8_inputs_torch
+from metaloom.models.kernels.quant_types import QTYPES, QType, qtype_id
 
-SOURCE = Path(__file__).with_name("quant.c")
-ABI_VERSION = 3  # must match quant.c
 # Up to this many rows per call, the kernel; above, dequantise + F.linear. Measured with
 # scripts/quant_kernel_speed.py (2 threads, Zen 4): F.linear first wins between 96 and 256 rows
 # on weights of 1 to 5 MB of blocks (SmolLM2-135M's gate_up, Qwen2.5-0.5B's ffn_down; within 10%
@@ -71,322 +73,12 @@ PANEL_CROSSOVER_ROWS = 512
 # Below this many bytes of blocks, one thread: an OpenMP parallel region costs a microsecond or
 # two, and two threads first won at ~22 KB of Q4_1 (4.4 us on one)
 PARALLEL_MIN_BYTES = 32 * 1024
-_P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-
-
-@dataclass(frozen=True)
-class QType:
-    """A ggml tensor type: ``block`` elements stored in ``bytes`` bytes (GGUF's sizes);
-    ``kernel_block``: what the input dimension must be a multiple of for the C kernels (raw
-    F16/BF16 values are walked 32 at a time)."""
-
-    name: str
-    block: int
-    bytes: int
-    kernel_block: int
-
-    def row_bytes(self, in_features: int) -> int:
-        return in_features // self.block * self.bytes
-
-
-QTYPES: dict[int, QType] = {
-    1: QType("F16", 1, 2, 32),
-    2: QType("Q4_0", 32, 18, 32),
-    3: QType("Q4_1", 32, 20, 32),
-    6: QType("Q5_0", 32, 22, 32),
-    7: QType("Q5_1", 32, 24, 32),
-    8: QType("Q8_0", 32, 34, 32),
-    10: QType("Q2_K", 256, 84, 256),
-    11: QType("Q3_K", 256, 110, 256),
-    12: QType("Q4_K", 256, 144, 256),
-    13: QType("Q5_K", 256, 176, 256),
-    14: QType("Q6_K", 256, 210, 256),
-    20: QType("IQ4_NL", 32, 18, 32),
-    23: QType("IQ4_XS", 256, 136, 256),
-    30: QType("BF16", 1, 2, 32),
-}
-BY_NAME: dict[str, int] = {q.name: k for k, q in QTYPES.items()}
 QUANTIZERS = ("Q4_0", "Q4_1", "Q8_0")  # quant.c's; Q5_0, F16 and BF16 by gguf / PyTorch
 _FLOATS = (torch.float32, torch.bfloat16)
 
 
-def qtype_id(qtype: int | str) -> int:
-    """A type id from an id or a name ("Q4_0"); an unknown one is an `UnsupportedModel`."""
-    key = BY_NAME.get(qtype) if isinstance(qtype, str) else qtype
-    if not isinstance(key, int) or key not in QTYPES:
-        names = ", ".join(f"{q.name}={k}" for k, q in QTYPES.items())
-        raise UnsupportedModel(f"GGML tensor type {qtype!r} is not one the quantised matmul reads ({names})")
-    return key
-
-
-# ---- the C library ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class QuantKernels:
-    """The loaded library. Arguments are checked by `QuantWeight`, not here: every tensor must be
-    a contiguous CPU tensor of the documented shape and dtype."""
-
-    lib: ctypes.CDLL
-    path: str
-    openmp: bool = False  # compiled with OpenMP: threads > 1 splits outputs
-    panel_types: int = 0  # bit t set: type t has the panel layout's matmul in this build
-    isa: str = ""  # the instruction-set path it was built for (metaloom.models.kernels.isa)
-    q8_types: int = 0  # bit t set: type t has the q8-activation matmuls (quant_q8.h)
-
-    def matmul_q8(self, qtype: int, blocks: torch.Tensor, in_features: int, x: torch.Tensor, y: torch.Tensor,
-                  rows: int, threads: int = 1, layout: str = "gguf") -> None:
-        """As `matmul` (``layout`` "panel": as `panel_matmul`), with x quantised to int8 per 32
-        inputs and integer products (quant_q8.h)."""
-        fn = self.lib.quant_panel_matmul_q8 if layout == "panel" else self.lib.quant_matmul_q8
-        rc = fn(qtype, blocks.data_ptr(), blocks.shape[0], in_features, x.data_ptr(), x.dtype == torch.bfloat16,
-                y.data_ptr(), y.dtype == torch.bfloat16, rows, threads)
-        if rc:
-            _check(rc, "quant_matmul_q8")
-
-    def q8_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [rows, in] (float32 or bfloat16, contiguous) as the q8 kernels quantise it: int8 quants
-        [rows, in], float32 scales [rows, in / 32], int32 sums [rows, 3 in / 32] (per 32, then per 16)."""
-        rows, n = x.shape
-        q = torch.empty(rows, n, dtype=torch.int8)
-        d = torch.empty(rows, n // 32)
-        s = torch.empty(rows, 3 * (n // 32), dtype=torch.int32)
-        _check(self.lib.quant_q8_inputs(x.data_ptr(), x.dtype == torch.bfloat16, rows, n, q.data_ptr(), d.data_ptr(),
-                                        s.data_ptr()), "quant_q8_inputs")
-        return q, d, s
-
-    def matmul(self, qtype: int, blocks: torch.Tensor, in_features: int, x: torch.Tensor, y: torch.Tensor,
-               rows: int, threads: int = 1) -> None:
-        """y [rows, out] = x [rows, in] W^T (any leading shapes of those sizes); x and y float32 or
-        bfloat16 (each its own)."""
-        rc = self.lib.quant_matmul(qtype, blocks.data_ptr(), blocks.shape[0], in_features, x.data_ptr(),
-                                   x.dtype == torch.bfloat16, y.data_ptr(), y.dtype == torch.bfloat16, rows, threads)
-        if rc:
-            _check(rc, "quant_matmul")
-
-    def panel_matmul(self, qtype: int, panels: torch.Tensor, in_features: int, x: torch.Tensor, y: torch.Tensor,
-                     rows: int, threads: int = 1) -> None:
-        """As `matmul`, for a weight in the panel layout (`QuantWeight.panelled`)."""
-        rc = self.lib.quant_panel_matmul(qtype, panels.data_ptr(), panels.shape[0], in_features, x.data_ptr(),
-                                         x.dtype == torch.bfloat16, y.data_ptr(), y.dtype == torch.bfloat16, rows,
-                                         threads)
-        if rc:
-            _check(rc, "quant_panel_matmul")
-
-    def panel(self, qtype: int, blocks: torch.Tensor, in_features: int, panels: torch.Tensor, back: bool = False,
-              threads: int = 1) -> None:
-        """panels = blocks regrouped 16 outputs at a time (back: blocks = panels), same shape."""
-        _check(self.lib.quant_panel(qtype, blocks.data_ptr(), blocks.shape[0], in_features, panels.data_ptr(),
-                                    int(back), threads), "quant_panel")
-
-    def dequantize(self, qtype: int, blocks: torch.Tensor, in_features: int, ids: torch.Tensor | None,
-                   y: torch.Tensor, threads: int = 1) -> None:
-        """y [n, in] = rows ``ids`` [n] int64 of W (all rows when None), float32 or bfloat16."""
-        rc = self.lib.quant_dequantize(qtype, blocks.data_ptr(), blocks.shape[0], in_features,
-                                       None if ids is None else ids.data_ptr(), y.shape[0], y.data_ptr(),
-                                       y.dtype == torch.bfloat16, threads)
-        _check(rc, "quant_dequantize")
-
-    def quantize(self, qtype: int, x: torch.Tensor, out: torch.Tensor, threads: int = 1) -> None:
-        """out [rows, row_bytes] uint8 = x [rows, in] (float32 or bfloat16) as Q4_0, Q4_1 or Q8_0."""
-        rc = self.lib.quant_quantize(qtype, x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], x.shape[1],
-                                     out.data_ptr(), threads)
-        _check(rc, "quant_quantize")
-
-
-def _check(rc: int, what: str) -> None:
-    if rc == -2:
-        raise MemoryError(f"{what} could not allocate its scratch buffer")
-    if rc != 0:  # QuantWeight validates first: this is a bug, not bad input
-        raise RuntimeError(f"{what} refused its arguments (code {rc})")
-
-
-Availability = cbuild.Availability  # of QuantKernels: the kernels of one path, or why not
-
-
-def _bind(lib: ctypes.CDLL, path: Path, isa: str = "") -> QuantKernels:
-    lib.metaloom_quant_abi.restype = ctypes.c_int
-    if lib.metaloom_quant_abi() != ABI_VERSION:
-        raise OSError(f"{path} has ABI {lib.metaloom_quant_abi()}, expected {ABI_VERSION}")
-    lib.quant_matmul.argtypes = [_C, _P, _I, _I, _P, _C, _P, _C, _I, _I]
-    lib.quant_matmul.restype = ctypes.c_int
-    lib.quant_dequantize.argtypes = [_C, _P, _I, _I, _P, _I, _P, _C, _I]
-    lib.quant_dequantize.restype = ctypes.c_int
-    lib.quant_quantize.argtypes = [_C, _P, _C, _I, _I, _P, _I]
-    lib.quant_quantize.restype = ctypes.c_int
-    lib.metaloom_quant_openmp.restype = ctypes.c_int
-    lib.quant_panel.argtypes = [_C, _P, _I, _I, _P, _C, _I]
-    lib.quant_panel.restype = ctypes.c_int
-    lib.quant_panel_matmul.argtypes = [_C, _P, _I, _I, _P, _C, _P, _C, _I, _I]
-    lib.quant_panel_matmul.restype = ctypes.c_int
-    lib.quant_panel_types.restype = ctypes.c_int
-    for fn in (lib.quant_matmul_q8, lib.quant_panel_matmul_q8):
-        fn.argtypes = [_C, _P, _I, _I, _P, _C, _P, _C, _I, _I]
-        fn.restype = ctypes.c_int
-    lib.quant_q8_types.restype = ctypes.c_int
-    lib.quant_q8_inputs.argtypes = [_P, _C, _I, _I, _P, _P, _P]
-    lib.quant_q8_inputs.restype = ctypes.c_int
-    return QuantKernels(lib, str(path), bool(lib.metaloom_quant_openmp()), int(lib.quant_panel_types()), isa,
-                        int(lib.quant_q8_types()))
-
-
-# quant.c's QUANT_PARTS: compiled as that many units at once (cbuild.compile_library)
-PARTS = int(re.search(r"#define QUANT_PARTS (\d+)", SOURCE.read_text()).group(1))  # type: ignore[union-attr]
-LIBRARY = cbuild.KernelLibrary(SOURCE, _bind, parts=PARTS)
-build = LIBRARY.build  # (cache_dir, compiler, path): compile (or reuse) and load; a failure is a reason
-for_path = LIBRARY.for_path  # one instruction-set path's kernels, loaded once per process
-kernels = LIBRARY.current  # the kernels of the path that runs now (metaloom.models.kernels.isa.chosen)
-
-
 def _threads(nbytes: int) -> int:
     return torch.get_num_threads() if nbytes >= PARALLEL_MIN_BYTES else 1
-
-
-# ---- the PyTorch fallback: the same values by bit operations -------------------------------------
-
-
-def _halves(b: torch.Tensor, at: int) -> torch.Tensor:
-    """The f16 at byte ``at`` of each block b [..., nb, bytes], as float32 [..., nb, 1]."""
-    return b[..., at:at + 2].contiguous().view(torch.float16).float()
-
-
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """16 bytes of nibbles [..., 16] -> [..., 32]: low nibbles are elements 0..15, high 16..31."""
-    return torch.cat([qs & 15, qs >> 4], dim=-1)
-
-
-def _k_scales(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K's 12 bytes of packed 6-bit scales and mins [..., 12] -> two [..., 8] (ggml's
-    get_scale_min_k4)."""
-    d, m, md = sc[..., 0:4], sc[..., 4:8], sc[..., 8:12]
-    scale = torch.cat([d & 63, (md & 15) | ((d >> 6) << 4)], dim=-1)
-    mins = torch.cat([m & 63, (md >> 4) | ((m >> 6) << 4)], dim=-1)
-    return scale, mins
-
-
-# Each: blocks b [rows, nb, bytes] uint8 -> float32 [rows, nb, block elements], with the same
-# operations and float32 roundings as gguf's numpy dequantisers.
-
-
-def _q4_0(b: torch.Tensor) -> torch.Tensor:
-    return _halves(b, 0) * (_nibbles(b[..., 2:18]).float() - 8)
-
-
-def _q4_1(b: torch.Tensor) -> torch.Tensor:
-    return _halves(b, 0) * _nibbles(b[..., 4:20]).float() + _halves(b, 2)
-
-
-def _q5_0(b: torch.Tensor) -> torch.Tensor:
-    qh = b[..., 2:6].contiguous().view(torch.int32)
-    high = (qh >> torch.arange(32, dtype=torch.int32)) & 1
-    return _halves(b, 0) * ((_nibbles(b[..., 6:22]).int() | (high << 4)).float() - 16)
-
-
-def _q8_0(b: torch.Tensor) -> torch.Tensor:
-    return _halves(b, 0) * b[..., 2:34].contiguous().view(torch.int8).float()
-
-
-def _q4_k(b: torch.Tensor) -> torch.Tensor:
-    """8 sub-blocks of 32; sub-block 2k / 2k+1: the low / high nibbles of bytes 32k..32k+31."""
-    scale, mins = _k_scales(b[..., 4:16])
-    d = (_halves(b, 0) * scale.float()).unsqueeze(-1)
-    m = (_halves(b, 2) * mins.float()).unsqueeze(-1)
-    qs = b[..., 16:144].unflatten(-1, (4, 1, 32))
-    q = torch.cat([qs & 15, qs >> 4], dim=-2).flatten(-3, -2).float()  # [..., 8, 32]
-    return (d * q - m).flatten(-2)
-
-
-def _q6_k(b: torch.Tensor) -> torch.Tensor:
-    """Two halves of 128; quarter c of a half: nibbles of ql | 2 bits of qh << 4, minus 32."""
-    ql = b[..., 0:128].unflatten(-1, (2, 1, 64))
-    low = torch.cat([ql & 15, ql >> 4], dim=-2).unflatten(-1, (2, 32)).flatten(-3, -2)  # [..., 2, 4, 32]
-    qh = b[..., 128:192].unflatten(-1, (2, 1, 32))
-    high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3  # [..., 2, 4, 32]
-    q = ((low | (high << 4)).to(torch.int8) - 32).flatten(-3).unflatten(-1, (16, 16)).float()
-    scale = b[..., 192:208].contiguous().view(torch.int8).float()
-    return ((_halves(b, 208) * scale).unsqueeze(-1) * q).flatten(-2)
-
-
-def _q5_1(b: torch.Tensor) -> torch.Tensor:
-    qh = b[..., 4:8].contiguous().view(torch.int32)
-    high = (qh >> torch.arange(32, dtype=torch.int32)) & 1
-    return _halves(b, 0) * (_nibbles(b[..., 8:24]).int() | (high << 4)).float() + _halves(b, 2)
-
-
-def _shifted(qs: torch.Tensor, shifts: list[int], mask: int) -> torch.Tensor:
-    """qs [..., 1, n] uint8 -> [..., len(shifts), n]: (qs >> shift) & mask for each shift."""
-    return (qs >> torch.tensor(shifts, dtype=torch.uint8).view(-1, 1)) & mask
-
-
-def _q2_k(b: torch.Tensor) -> torch.Tensor:
-    """16 sub-blocks of 16: sub-block 8n + 2j + h holds bits 2j of bytes 32n + 16h .. + 15 of qs;
-    scale byte: 4-bit scale (low) and min (high), times d and dmin."""
-    sc = b[..., 0:16]
-    dl = (_halves(b, 80) * (sc & 15).float()).unsqueeze(-1)
-    ml = (_halves(b, 82) * (sc >> 4).float()).unsqueeze(-1)
-    q = _shifted(b[..., 16:80].unflatten(-1, (2, 1, 32)), [0, 2, 4, 6], 3)  # [..., 2, 4, 32]
-    return (dl * q.flatten(-3).unflatten(-1, (16, 16)).float() - ml).flatten(-2)
-
-
-def _q3_k_scales(sc: torch.Tensor) -> torch.Tensor:
-    """Q3_K's 12 bytes of 6-bit scales [..., 12] -> [..., 16] signed (minus 32)."""
-    low = _shifted(sc[..., 0:8].unsqueeze(-2), [0, 4], 15).flatten(-2)  # [..., 16]
-    high = _shifted(sc[..., 8:12].unsqueeze(-2), [0, 2, 4, 6], 3).flatten(-2)
-    return (low | (high << 4)).int() - 32
-
-
-def _q3_k(b: torch.Tensor) -> torch.Tensor:
-    """As Q2_K's quants, each with a third bit from hmask (element e: bit e // 32 of byte e % 32);
-    a clear bit subtracts 4. Scale d (sc - 32) per sub-block of 16."""
-    dl = (_halves(b, 108) * _q3_k_scales(b[..., 96:108]).float()).unsqueeze(-1)
-    low = _shifted(b[..., 32:96].unflatten(-1, (2, 1, 32)), [0, 2, 4, 6], 3).flatten(-3)  # [..., 256]
-    high = _shifted(b[..., 0:32].unsqueeze(-2), list(range(8)), 1).flatten(-2)
-    q = low.to(torch.int8) - ((high ^ 1) << 2).to(torch.int8)
-    return (dl * q.unflatten(-1, (16, 16)).float()).flatten(-2)
-
-
-def _q5_k(b: torch.Tensor) -> torch.Tensor:
-    """Q4_K's nibbles (at byte 48) with a 5th bit: sub-block s's from bit s of qh[32]."""
-    scale, mins = _k_scales(b[..., 4:16])
-    d = (_halves(b, 0) * scale.float()).unsqueeze(-1)
-    m = (_halves(b, 2) * mins.float()).unsqueeze(-1)
-    low = _shifted(b[..., 48:176].unflatten(-1, (4, 1, 32)), [0, 4], 15).flatten(-3, -2)  # [..., 8, 32]
-    high = _shifted(b[..., 16:48].unsqueeze(-2), list(range(8)), 1)  # [..., 8, 32]
-    return (d * (low | (high << 4)).float() - m).flatten(-2)
-
-
-IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml's kvalues_iq4nl
-
-
-def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
-    return _halves(b, 0) * torch.tensor(IQ4_VALUES, dtype=torch.float32)[_nibbles(b[..., 2:18]).long()]
-
-
-def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
-    """8 sub-blocks of 32 (16 bytes each, nibbles as IQ4_NL), 6-bit scales: 4 low bits from
-    scales_l[4], 2 high from the uint16 scales_h; scale d (ls - 32)."""
-    high = (b[..., 2:4].contiguous().view(torch.int16).int() & 0xFFFF) >> torch.arange(0, 16, 2, dtype=torch.int32)
-    low = _shifted(b[..., 4:8].unsqueeze(-2), [0, 4], 15).transpose(-1, -2).flatten(-2).int()  # byte s // 2, nibble s % 2
-    dl = (_halves(b, 0) * (low | ((high & 3) << 4)).sub(32).float()).unsqueeze(-1)
-    q = _nibbles(b[..., 8:136].unflatten(-1, (8, 16))).long()  # [..., 8, 32]
-    return (dl * torch.tensor(IQ4_VALUES, dtype=torch.float32)[q]).flatten(-2)
-
-
-def _raw(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda b: b.contiguous().view(dtype).float()
-
-
-_DECODERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
-    1: _raw(torch.float16), 2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 8: _q8_0, 10: _q2_k, 11: _q3_k, 12: _q4_k,
-    13: _q5_k, 14: _q6_k, 20: _iq4_nl, 23: _iq4_xs, 30: _raw(torch.bfloat16),
-}
-
-
-def dequantize_torch(qtype: int, blocks: torch.Tensor, in_features: int) -> torch.Tensor:
-    """blocks [rows, row_bytes] -> float32 [rows, in] by PyTorch bit operations (the fallback
-    when the C kernels cannot be built; the same values)."""
-    q = QTYPES[qtype]
-    return _DECODERS[qtype](blocks.view(blocks.shape[0], in_features // q.block, q.bytes)).reshape(-1, in_features)
 
 
 # Types with quant.c's panel layout (16 outputs side by side: see `QuantWeight.panelled`), stated
@@ -407,21 +99,6 @@ def unpanel_numpy(qtype: int, panelled: torch.Tensor, in_features: int) -> torch
 
 ACTIVATIONS = ("float", "q8")
 Q8_TYPES = frozenset(t for t in QTYPES if QTYPES[t].block > 1)  # every quantised type (not F16, BF16)
-
-
-def q8_inputs_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [rows, in] (in a multiple of 32) -> (q int8 [rows, in], d float32 [rows, in / 32]) exactly
-    as quant_q8.h's ``q8_row`` quantises activations: per 32 inputs d = max|x| / 127, q =
-    round(x (1 / d)) half away from zero, in float32 (a block with a NaN or infinity: d NaN, q 0)."""
-    v = x.float().unflatten(-1, (-1, 32))
-    a = v.abs()
-    bad = ~(a <= torch.finfo(torch.float32).max).all(-1)
-    d = torch.where(bad, 0.0, a.amax(-1)) / 127
-    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
-    t = torch.where(bad.unsqueeze(-1), 0.0, v * inv.unsqueeze(-1))
-    whole = t.trunc()  # round half away from zero, exactly (t - whole is exact)
-    q = (whole + torch.sign(t) * ((t - whole).abs() >= 0.5)).clamp(-127, 127)
-    return q.to(torch.int8).flatten(-2), torch.where(bad, torch.nan, d)
 
 
 # ---- the weight -----------------------------------------------------------------------------------
@@ -566,7 +243,7 @@ class QuantWeight:
         rc = fn(self.qtype, self.blocks.data_ptr(), self.blocks.shape[0], self.in_features, x.data_ptr(),
                 x.dtype == torch.bfloat16, y.data_ptr(), y.dtype == torch.bfloat16, rows, threads)
         if rc:
-            _check(rc, "quant_panel_matmul" if self.layout == "panel" else "quant_matmul")
+            check_rc(rc, "quant_panel_matmul" if self.layout == "panel" else "quant_matmul")
         return y
 
     def _call_q8(self, x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -586,7 +263,7 @@ class QuantWeight:
         rc = fn(self.qtype, self.blocks.data_ptr(), self.out_features, self.in_features, x.data_ptr(),
                 x.dtype == torch.bfloat16, y.data_ptr(), y.dtype == torch.bfloat16, rows, _threads(self.nbytes))
         if rc:
-            _check(rc, "quant_matmul_q8")
+            check_rc(rc, "quant_matmul_q8")
         return y
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
