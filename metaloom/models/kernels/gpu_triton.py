@@ -1,4 +1,4 @@
-"""Triton kernels for the GPU's static decode step (`metaloom.models.engine.graphs`): fewer,
+"""Triton kernels for the GPU's static decode step (`metaloom.models.engine.static_step`): fewer,
 fused kernels a layer, and attention that reads the KV pool through the slot table.
 
 Why. A batch-1 step of a 1B model reads 2 GB of weights in four matrix-vector products a
@@ -77,11 +77,18 @@ def _pow2(n: int) -> int:
 @functools.cache
 def _kernels(interpret: bool) -> Any:
     """The jitted kernels (built on first use: Triton reads TRITON_INTERPRET when a kernel is
-    defined, so the interpreter's and the device's are built apart)."""
+    defined, so the interpreter's and the device's are built apart; each `_..._kernel` below
+    defines its kernel afresh when called)."""
+    del interpret  # part of the cache key only
+    return SimpleNamespace(add_rms_norm=_add_rms_norm_kernel(), rope_write=_rope_write_kernel(),
+                           paged_attend=_paged_attend_kernel(), combine=_combine_kernel(),
+                           silu_mul=_silu_mul_kernel())
+
+
+def _add_rms_norm_kernel() -> Any:
+    """The residual add and the next RMSNorm in one pass, a program a row (`add_rms_norm`)."""
     import triton
     import triton.language as tl
-
-    del interpret  # part of the cache key only
 
     @triton.jit
     def add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, res_ptr, out_ptr, d, eps,
@@ -98,6 +105,15 @@ def _kernels(interpret: bool) -> Any:
         inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / d + eps)
         w = tl.load(w_ptr + cols, mask=keep, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * d + cols, x * inv * w, mask=keep)
+
+    return add_rms_norm_kernel
+
+
+def _rope_write_kernel() -> Any:
+    """RoPE on the queries and keys of the fused q|k|v product, the rotated key and the value
+    written to their pool slot, a program a (token, head) (`rope_write`)."""
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def rope_write_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_pool, v_pool,
@@ -128,6 +144,15 @@ def _kernels(interpret: bool) -> Any:
             vdst = v_pool + (slot * hk + kh) * D
             tl.store(vdst + i, tl.load(vsrc + i))
             tl.store(vdst + HALF + i, tl.load(vsrc + HALF + i))
+
+    return rope_write_kernel
+
+
+def _paged_attend_kernel() -> Any:
+    """One-token attention through the slot table, a program a (row, key-value head, chunk of
+    keys) (`paged_attend`)."""
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def paged_attend_kernel(q_ptr, k_pool, v_pool, table_ptr, table_stride, len_ptr, out_ptr, m_ptr, l_ptr,
@@ -179,6 +204,14 @@ def _kernels(interpret: bool) -> Any:
             tl.store(l_ptr + at, l_i)
             tl.store(out_ptr + at[:, None] * BLOCK_D + dd[None, :], acc)
 
+    return paged_attend_kernel
+
+
+def _combine_kernel() -> Any:
+    """The chunks' partial softmaxes merged by log-sum-exp (`paged_attend` with split keys)."""
+    import triton
+    import triton.language as tl
+
     @triton.jit
     def combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, hk, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                        BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
@@ -203,6 +236,14 @@ def _kernels(interpret: bool) -> Any:
         h = hk * G
         tl.store(out_ptr + (r * h + kvh * G + g[:, None]) * D + dd[None, :], acc, mask=(g < G)[:, None] & (dd < D)[None, :])
 
+    return combine_kernel
+
+
+def _silu_mul_kernel() -> Any:
+    """SwiGLU's silu(gate) * up, a program a (token, block of columns) (`silu_mul`)."""
+    import triton
+    import triton.language as tl
+
     @triton.jit
     def silu_mul_kernel(x_ptr, out_ptr, inter, BLOCK: tl.constexpr):
         n = tl.program_id(0)
@@ -212,8 +253,7 @@ def _kernels(interpret: bool) -> Any:
         up = tl.load(x_ptr + n * 2 * inter + inter + cols, mask=keep, other=0.0).to(tl.float32)
         tl.store(out_ptr + n * inter + cols, gate / (1.0 + tl.exp(-gate)) * up, mask=keep)
 
-    return SimpleNamespace(add_rms_norm=add_rms_norm_kernel, rope_write=rope_write_kernel,
-                           paged_attend=paged_attend_kernel, combine=combine_kernel, silu_mul=silu_mul_kernel)
+    return silu_mul_kernel
 
 
 def _k() -> Any:
