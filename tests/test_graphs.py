@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from metaloom.errors import InvalidParameter
-from metaloom.models.engine import graphs
+from metaloom.models.engine import graphs, static_step
 from metaloom.models.engine.config import LlamaConfig
 from metaloom.models.engine.llama import LlamaModel
 from metaloom.testing.tiny import random_weights
@@ -389,7 +389,7 @@ def test_the_mixed_triton_step_attends_through_pytorch_above_paged_rows(monkeypa
     pytest.importorskip("triton")
     monkeypatch.setenv("METALOOM_TRITON", "on")
     monkeypatch.setenv("METALOOM_TRITON_ROWS", "64")
-    monkeypatch.setattr(graphs, "PAGED_ROWS", 2)
+    monkeypatch.setattr(static_step, "PAGED_ROWS", 2)
     called = []
     from metaloom.models.kernels import gpu_triton
 

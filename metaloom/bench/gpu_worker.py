@@ -169,7 +169,7 @@ def metaloom_call(gen: Any, request: Any, device: str, graphs: str | None,
                   speculative: Any = None) -> tuple[float, list[list[int]]]:
     """(seconds, token ids per sample) of one ``generate``; ``graphs``: METALOOM_CUDA_GRAPHS for
     this call (None: as the environment has it; "on+torch": on, with METALOOM_TRITON=off;
-    "on+mixed": on, with Triton's step at every row count, `metaloom.models.engine.graphs.PAGED_ROWS`
+    "on+mixed": on, with Triton's step at every row count, `metaloom.models.engine.static_step.PAGED_ROWS`
     choosing its attention);
     ``logprobs``: a list that receives each sample's
     token log-probabilities; ``ledger``: the `Ledger` charged (default a fresh one);

@@ -64,7 +64,7 @@ class Options:
 
 def options(args: argparse.Namespace) -> Options:
     """Every argument checked before anything is built."""
-    from metaloom.models.engine.graphs import MAX_WIDTH
+    from metaloom.models.engine.static_step import MAX_WIDTH
     from metaloom.models.load import DTYPES
 
     cases = names("cases", args.cases, list(CASES))
