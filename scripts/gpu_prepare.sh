@@ -13,7 +13,7 @@ rm -rf .gpu/tokenizer .gpu/baseline
 mkdir -p .gpu/tokenizer .gpu/baseline
 HF_HUB_OFFLINE=1 .venv/bin/python - <<'PY'
 import os, shutil
-from metaloom.models.load import converted_folder, default_model_path
+from metaloom.models.find import converted_folder, default_model_path
 folder = converted_folder(default_model_path())
 for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "config.json"):
     if os.path.exists(os.path.join(folder, name)):

@@ -41,7 +41,7 @@ if [[ ! -x $VENV/bin/python ]]; then
 fi
 
 # 2. the default model's transformers folder (converted from the shipped GGUF on first use)
-FOLDER=$("$PY" -c 'from metaloom.models.load import resolve; print(resolve("default")[1])')
+FOLDER=$("$PY" -c 'from metaloom.models.find import resolve; print(resolve("default")[1])')
 say "model folder: $FOLDER"
 
 # 3. a free loopback port, vLLM's environment and command line (metaloom.bench.serve's)

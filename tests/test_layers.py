@@ -82,7 +82,7 @@ MODELS_LAYERS = (
      "engine.kv_int8", "engine.gguf_file", "engine.tokenizer"),
     ("kernels",),
     ("engine", "forward", "scorers"),
-    ("load", "__init__"),
+    ("find", "load", "__init__"),  # find: a model spec -> its transformers folder (a GGUF converted once)
 )
 
 

@@ -44,7 +44,7 @@ def test_gguf_conversion_matches_transformers_own_gguf_loader(smollm):
     """Independent of our converter: transformers dequantises and un-permutes the GGUF itself."""
     from transformers import AutoModelForCausalLM
 
-    from metaloom.models.load import default_model_path
+    from metaloom.models.find import default_model_path
 
     path = default_model_path()
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),

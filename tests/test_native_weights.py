@@ -201,13 +201,13 @@ def test_auto_default_loads_what_was_recorded(tmp_path, monkeypatch, smollm):
     import importlib
 
     from metaloom.models.engine import native as native_mod
-    from metaloom.models.load import _fingerprint, default_model_path
+    from metaloom.models.find import default_model_path, fingerprint
 
-    load_mod = importlib.import_module("metaloom.models.load")  # the package's `load` is the function
+    find_mod = importlib.import_module("metaloom.models.find")
     monkeypatch.setenv("METALOOM_CACHE", str(tmp_path))
     # the converted folders stay where they are: only choices/ moves under tmp_path
-    monkeypatch.setattr(load_mod, "cache_root", lambda: os.path.dirname(smollm.folder))
-    path = native_mod.choice_path(_fingerprint(default_model_path()), "float32")
+    monkeypatch.setattr(find_mod, "cache_root", lambda: os.path.dirname(smollm.folder))
+    path = native_mod.choice_path(fingerprint(default_model_path()), "float32")
     for weights in ("native", "dense"):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
@@ -233,7 +233,7 @@ def test_cli_generate_with_native_weights():
 
 
 def test_blocks_are_written_whole_or_not_at_all(tmp_path):
-    from metaloom.models.load import default_model_path
+    from metaloom.models.find import default_model_path
     from metaloom.models.paths import write_folder
 
     path = blocks_path(default_model_path(), str(tmp_path))
@@ -272,9 +272,9 @@ def test_speculator_heads_draft_from_quantised_embedding_and_head(native):
 def test_first_auto_load_measures_records_and_returns_the_measured_model(tmp_path, monkeypatch, smollm):
     import importlib
 
-    load_mod = importlib.import_module("metaloom.models.load")
+    find_mod = importlib.import_module("metaloom.models.find")
     monkeypatch.setenv("METALOOM_CACHE", str(tmp_path))  # no choice recorded yet
-    monkeypatch.setattr(load_mod, "cache_root", lambda: os.path.dirname(smollm.folder))
+    monkeypatch.setattr(find_mod, "cache_root", lambda: os.path.dirname(smollm.folder))
     loaded = load("default")
     records = os.listdir(tmp_path / "choices")
     assert len(records) == 1

@@ -366,7 +366,7 @@ def _check_real(tensor: SimpleNamespace, rows: int = 512) -> str:
 
 
 def test_real_blocks_of_the_default_model():
-    from metaloom.models.load import default_model_path
+    from metaloom.models.find import default_model_path
 
     tensors = gguf_tensors(default_model_path())  # the default model is part of the install
     for name in ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.3.ffn_down.weight", "blk.29.ffn_up.weight"):

@@ -237,7 +237,7 @@ def test_a_local_tokenizer_fills_in_what_the_server_has_no_route_for():
 
 def test_a_tokenizer_folder_gives_the_chat_template_and_output_ids():
     from metaloom.models.engine.tokenizer import HFTokenizer
-    from metaloom.models.load import resolve
+    from metaloom.models.find import resolve
 
     folder = resolve("default")[1]  # the default model is part of the install: its absence is a failure
     fake = FakeOpenAI(features=FakeFeatures.minimal(), replies={"hi": ["Hello there!"]})

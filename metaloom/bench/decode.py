@@ -74,7 +74,7 @@ def isa_paths(args: argparse.Namespace) -> list[str | None]:
 def gguf_file(spec: str) -> str | None:
     """The GGUF behind a model spec (the default model's, or the file named), else None."""
     if spec in ("", "default"):
-        from metaloom.models.load import default_model_path
+        from metaloom.models.find import default_model_path
 
         return default_model_path()
     if os.path.isfile(spec):
@@ -243,8 +243,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from metaloom.bench.timing import copy_bandwidth_gbs
+    from metaloom.models.find import resolve
     from metaloom.models.kernels import isa
-    from metaloom.models.load import pick_device, resolve
+    from metaloom.models.load import pick_device
 
     options(args)  # bad names fail before anything loads
     isa_paths(args)

@@ -285,7 +285,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from metaloom.errors import MetaloomError
-    from metaloom.models.load import resolve
+    from metaloom.models.find import resolve
 
     try:
         import openai  # noqa: F401  (the client side of every measurement)

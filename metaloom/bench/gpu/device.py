@@ -21,7 +21,8 @@ def setup(args: argparse.Namespace) -> tuple[str, str, int]:
     import torch
 
     from metaloom.models.engine.tokenizer import HFTokenizer
-    from metaloom.models.load import pick_device, resolve
+    from metaloom.models.find import resolve
+    from metaloom.models.load import pick_device
 
     device = pick_device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

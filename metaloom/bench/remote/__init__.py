@@ -124,7 +124,8 @@ def _warm_up(systems: dict[str, Any], problem: Problem, correct: Callable[[str |
 
 def main(args: argparse.Namespace) -> int:
     from metaloom.generator import LocalGenerator
-    from metaloom.models.load import load, resolve
+    from metaloom.models.find import resolve
+    from metaloom.models.load import load
 
     opts = options(args)
     dtype = getattr(args, "serve_dtype", "bfloat16")

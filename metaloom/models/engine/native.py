@@ -5,7 +5,7 @@ Why: a batch-1 decode step reads every weight once, so its speed is bytes per to
 Q4_1 file holds 0.625 bytes per weight; dequantised to float32 it is 4 bytes, to bfloat16 2.
 
 - **Storage.** The first native load of a GGUF writes its blocks next to the dense conversion
-  (`metaloom.models.load.converted_folder`), in ``<folder>/native-<types>/model.safetensors``: each
+  (`metaloom.models.find.converted_folder`), in ``<folder>/native-<types>/model.safetensors``: each
   kept weight a uint8 tensor [out, row bytes] exactly as the file stores it (rows un-permuted
   for llama's Q/K, like the dense weights), the rest float32, and each kept weight's ggml type
   and input size in the file's metadata. Later loads memory-map it.
