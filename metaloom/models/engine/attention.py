@@ -1,5 +1,5 @@
 """The eager path's attention masks and its attention with soft-capped scores (the PyTorch ops
-of `metaloom.models.engine.llama.LlamaModel._hidden`)."""
+of `metaloom.models.engine.eager`)."""
 
 from __future__ import annotations
 

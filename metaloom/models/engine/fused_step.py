@@ -1,7 +1,7 @@
 """One-token steps and short speculative verifies of the native model through the fused CPU kernels
 (`metaloom.models.kernels.fused`): everything between the matmuls in a few C calls per layer, or
 every layer in one (`metaloom.models.engine.stack`). Prefill takes the PyTorch ops
-(`metaloom.models.engine.llama.LlamaModel._hidden`).
+(`metaloom.models.engine.eager`).
 
 Each family's differences (`metaloom.models.engine.config`) run here too: per-head q/k norms
 before RoPE, norms of the attention's and MLP's outputs, GeGLU, the attention's own scale and

@@ -7,9 +7,9 @@ each and one attention mask per window is shared by all layers. One-token steps 
 (float32, bfloat16) go further when the model was given `metaloom.models.kernels.fused` kernels:
 everything between the matmuls runs in a few C calls per layer
 (`metaloom.models.engine.fused_step`), and so does a speculative verify of a few tokens per
-row; prefill takes the PyTorch ops below. Keys and values live in a KV pool of token slots
-shared by the caches made from it (`metaloom.models.engine.cache`): a forked row reads its
-parent's keys where they are.
+row; prefill takes the PyTorch ops (`metaloom.models.engine.eager`). Keys and values live in a
+KV pool of token slots (`metaloom.models.engine.pool`) shared by the caches made from it
+(`metaloom.models.engine.cache`): a forked row reads its parent's keys where they are.
 """
 
 from __future__ import annotations
@@ -19,17 +19,16 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 
 from metaloom.errors import ContextWindowExceeded, InvalidParameter, NotAModel, UnsupportedModel
-from metaloom.models.engine import attention, dropping, fused_step, graphs
+from metaloom.models.engine import dropping, eager, fused_step, graphs
 from metaloom.models.engine.cache import PagedKVCache
 from metaloom.models.engine.config import LlamaConfig
 from metaloom.models.engine.fused_step import AUTO_SHARED_READS, FUSED_VERIFY_WIDTH
 from metaloom.models.engine.graphs import StepGraphs
 from metaloom.models.engine.options import EngineOptions
 from metaloom.models.engine.pool import KVPool, storage_dtype
-from metaloom.models.engine.rope import apply_rope, rope_tables
+from metaloom.models.engine.rope import rope_tables
 from metaloom.models.engine.sharing import Sharing
 from metaloom.models.engine.stack import Plan
 from metaloom.models.engine.stack import plan as stack_plan
@@ -313,10 +312,10 @@ class LlamaModel:
 
     def _hidden(self, tokens: torch.Tensor, cache: KVCache, valid: torch.Tensor | None,
                 last_only: bool, tree: torch.Tensor | None = None) -> torch.Tensor:
-        """The transformer up to and including the final norm: [B, T, d] (or [B, 1, d])."""
+        """The transformer up to and including the final norm: [B, T, d] (or [B, 1, d]), through
+        the fused one-token step, the fused verify, or PyTorch ops (`metaloom.models.engine.eager`)."""
         if not isinstance(cache, PagedKVCache) or cache.pool.layers != len(self.layers):
             raise InvalidParameter("cache", type(cache).__name__, "a PagedKVCache from this model's new_cache()")
-        c = self.config
         b, t = tokens.shape
         if b != cache.batch:
             raise InvalidParameter("tokens", tuple(tokens.shape), f"a batch of {cache.batch} rows (the cache's)")
@@ -341,79 +340,7 @@ class LlamaModel:
         if self._verify_applies(cache, t, tree):
             assert self.fused is not None  # checked by _verify_applies
             return fused_step.verify_fused(self, tokens, cache, valid, tree, last_only, self.fused)
-        uniform = bool((lengths == lengths[0]).all()) if b else True
-        fresh = uniform and (not b or int(lengths[0]) == 0)  # nothing cached: attend to this forward's keys
-        entries = lengths[:, None] + torch.arange(t, device=tokens.device)  # [B, T]: where each token sits in its row
-        # its position: the entry plus the positions the row dropped (--kv-policy), which RoPE sees
-        positions = entries + torch.from_numpy(cache.shift).to(tokens.device)[:, None] if cache.drops else entries
-        keys_len = int(lengths.max()) + t
-        explicit_scores = c.attn_softcap is not None  # SDPA has no soft-capping: the scores written out
-        masks: dict[int | None, tuple[torch.Tensor | None, bool]] = {}
-        if tree is not None:  # a token tree: each token one past its parent, attending its ancestors
-            positions = lengths[:, None] + tree.sum(-1) - 1
-            masks[None] = (attention.tree_mask(lengths, tree, keys_len), False)
-        else:
-            for window in dict.fromkeys(self.windows):
-                masks[window] = attention.causal_mask(entries, keys_len, uniform and not explicit_scores, window)
-        run = None if fresh else cache.run_start(keys_len)  # one row in one run of slots: read in place
-        # rows that dropped positions with sinks (StreamingLLM), or attention to record (H2O,
-        # SnapKV's prompt): attention written out (dropping.attend) instead of SDPA
-        mass = dropping.needs_mass(opts, t) if opts.drops else None
-        sinks = bool(cache.sinks.any()) and cache.drops
-        explicit = mass is not None or sinks
-        into = torch.zeros(b, keys_len, dtype=torch.float32, device=tokens.device) if explicit and mass else None
-        rope_at: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per table: cos, sin [B, 1, T, D] at positions
-        for cos, sin in self.ropes:
-            rope_at.setdefault(id(cos), (cos[positions][:, None], sin[positions][:, None]))
-
-        x = self.embed_rows(tokens)  # [B, T, d]
-        h, hk, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        for i, w in enumerate(self.layers):
-            y = F.rms_norm(x, (c.hidden_size,), w.attn_norm, c.rms_norm_eps)
-            qkv = linear(y, w.qkv, w.qkv_bias).view(b, t, h + 2 * hk, d).transpose(1, 2)
-            qk = qkv[:, :h + hk]
-            if w.q_norm is not None and w.k_norm is not None:  # Qwen3, Gemma 3: each head normed before RoPE
-                qk = torch.cat([F.rms_norm(qk[:, :h], (d,), w.q_norm, c.rms_norm_eps),
-                                F.rms_norm(qk[:, h:], (d,), w.k_norm, c.rms_norm_eps)], dim=1)
-            cos, sin = rope_at[id(self.ropes[i][0])]
-            # one RoPE call for q and k together (half the small ops of two calls)
-            q, k = apply_rope(qk, cos, sin).split([h, hk], dim=1)  # [B, heads, T, D]
-            v = qkv[:, h + hk:]
-            cache.write(i, k, v, slots)
-            keys, values = (k, v) if fresh else cache.gather(i, keys_len, run)
-            mask, causal = masks[None if tree is not None else self.windows[i]]
-            if explicit:
-                table = self.ropes[i]
-                q_in = apply_rope(qk[:, :h], table[0][entries][:, None], table[1][entries][:, None]) if sinks else None
-                attn = dropping.attend(q, q_in, keys, values, entries, torch.from_numpy(cache.sinks).to(tokens.device),
-                                       valid, mass, into)
-            elif explicit_scores:
-                attn = attention.capped_attention(q, keys, values, mask, c.attention_scale, c.attn_softcap)  # type: ignore[arg-type]
-            else:
-                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
-                                                      enable_gqa=hk != h, scale=c.attention_scale)
-            out = linear(attn.transpose(1, 2).reshape(b, t, h * d), w.o)
-            if w.post_attn_norm is not None:
-                out = F.rms_norm(out, (c.hidden_size,), w.post_attn_norm, c.rms_norm_eps)
-            x = x + out
-            y = F.rms_norm(x, (c.hidden_size,), w.mlp_norm, c.rms_norm_eps)
-            gate, up = linear(y, w.gate_up).chunk(2, dim=-1)
-            gated = F.silu(gate) if c.activation == "silu" else F.gelu(gate, approximate="tanh")
-            out = linear(gated * up, w.down)
-            if w.post_mlp_norm is not None:
-                out = F.rms_norm(out, (c.hidden_size,), w.post_mlp_norm, c.rms_norm_eps)
-            x = x + out
-        cache.advance(valid)
-        if opts.drops:
-            votes = None
-            if mass == "all":
-                cache.attention_mass()[:, :keys_len] += into.cpu().double().numpy()  # type: ignore[union-attr]
-            elif mass == "window":
-                votes = into.cpu().double().numpy()  # type: ignore[union-attr]
-            dropping.after_forward(opts, cache, t, votes)
-        if last_only:
-            x = x[torch.arange(b, device=x.device), valid - 1][:, None]
-        return F.rms_norm(x, (c.hidden_size,), self.norm, c.rms_norm_eps)
+        return eager.forward(self, tokens, cache, lengths, slots, valid, tree, last_only)
 
     # --- the fused one-token path (metaloom.models.engine.fused_step) ---------------------
     def fused_reads(self, pool: KVPool) -> bool:
