@@ -16,9 +16,9 @@ import torch
 
 from metaloom.constrain import Vocabulary
 from metaloom.decode.batch import DecodeBatch
-from metaloom.decode.joining import NewRow, Prefill, Row, row_state
 from metaloom.decode.beam import beam_steps, finish
 from metaloom.decode.contrastive import LockstepPair, check_same_vocab, contrastive_scores, guidance_scores
+from metaloom.decode.joining import NewRow, Prefill, Row, row_state
 from metaloom.decode.overhead import measure_overhead
 from metaloom.decode.prefill import prefill, prefill_cached, prefill_pair, release_cache
 from metaloom.decode.rows import RowState

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from metaloom.constrain import Constraint
-from metaloom.decode.joining import NewRow
 from metaloom.decode.healing import Prepared, prepare
+from metaloom.decode.joining import NewRow
 from metaloom.decode.specs import BeamParams, ContrastiveParams, GuidanceParams
 from metaloom.errors import ContextWindowExceeded, InvalidParameter
 from metaloom.generator.types import Prompt, Request, TokenIds
