@@ -157,6 +157,19 @@ class Choice:
     threads: int
     tokens: int  # greedy tokens per timing
     repeats: int
+    others_per_core: float  # other runnable work per core while it was measured (`busy`)
+
+
+# Other processes' runnable threads per core above which a measurement is not kept: with the
+# cores contended, OpenMP's threads (native weights) and MKL's (dense) slow down by different
+# factors (up to 20-60x, docs/performance.md), and a choice measured so (here: dense, 13.6 against
+# native's 10.2 tok/s, when native was 7x faster on the quiet machine) would be read back forever.
+BUSY = 0.5
+
+
+def others_per_core() -> float:
+    """The 1-minute load average less this process's own runnable thread, per core."""
+    return max(0.0, os.getloadavg()[0] - 1.0) / (os.cpu_count() or 1)
 
 
 def choice_path(fingerprint: str, dtype: str) -> str:
@@ -175,18 +188,21 @@ def recorded_choice(path: str) -> Choice | None:
     try:
         with open(path) as f:
             c = Choice(**json.load(f))
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError):  # unreadable, or a record from before `others_per_core`
         return None
-    return c if c.weights in ("native", "dense") else None
+    return c if c.weights in ("native", "dense") and c.others_per_core <= BUSY else None
 
 
 def choose(path: str, dtype: str, models: Callable[[], tuple[LanguageModel, LanguageModel]], tokens: int = 24,
            repeats: int = 3) -> Choice:
     """The recorded choice at ``path``, else measure (``models()`` -> (native, dense) models),
-    record and return it."""
+    record and return it. A measurement taken while other work kept the cores busy (more than
+    ``BUSY`` runnable threads per core, before or after it) is used for this load only and not
+    recorded: the next load measures again."""
     found = recorded_choice(path)
     if found is not None:
         return found
+    busy = others_per_core()
     native, dense = models()
     times: dict[str, list[float]] = {"native": [], "dense": []}
     for model in (native, dense):
@@ -195,8 +211,11 @@ def choose(path: str, dtype: str, models: Callable[[], tuple[LanguageModel, Lang
         for name, model in (("native", native), ("dense", dense)):
             times[name].append(greedy_seconds(model, tokens))
     native_s, dense_s = statistics.median(times["native"]), statistics.median(times["dense"])
+    busy = max(busy, others_per_core())
     choice = Choice("native" if native_s <= dense_s else "dense", tokens / native_s, tokens / dense_s, dtype,
-                    torch.get_num_threads(), tokens, repeats)
+                    torch.get_num_threads(), tokens, repeats, round(busy, 3))
+    if busy > BUSY:
+        return choice
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".json")
     with os.fdopen(fd, "w") as f:
