@@ -305,3 +305,27 @@ def test_fused_steps_over_forked_rows_equal_pytorch_steps(monkeypatch, parallel_
         assert counting.calls > before
         assert (outs[0] - outs[1]).abs().max().item() <= 1e-4
     assert caches[1].pool.used_slots == 9 + 3 * 6
+
+
+@needs
+@DTYPES
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (14, 2, 64), (8, 2, 128), (17, 1, 64)])
+def test_a_group_attended_at_once_gives_each_heads_own_bits(heads, kv_heads, dim, dtype):
+    """Grouped-query attention reads each key once for the group's query heads (group_attend in
+    fused.c, 16 query heads at a time): each head's output must be, bit for bit,
+    what the same head gives with a kv head of its own (the model with its kv heads repeated,
+    one query head per group)."""
+    rows, cap, slots, group = 3, 48, 160, heads // kv_heads
+    lengths = torch.tensor([0, 29, 41])
+    cos, sin = rope_tables(dim, 10000.0, None, 64, dtype, CPU)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=_g(15)).to(dtype)
+    keys = torch.randn(slots, kv_heads, dim, generator=_g(16)).to(dtype)
+    values = torch.randn(slots, kv_heads, dim, generator=_g(17)).to(dtype)
+    table = torch.randperm(slots, generator=_g(18))[:rows * cap].view(rows, cap).clone()
+    q, k, v = qkv.view(rows, heads + 2 * kv_heads, dim).split([heads, kv_heads, kv_heads], dim=1)
+    mha_qkv = torch.cat([q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)], 1).reshape(rows, -1)
+    mha_keys, mha_values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    out, mha_out = (torch.empty(rows, heads * dim, dtype=dtype) for _ in range(2))
+    KERNELS.rope_attend(qkv, cos, sin, lengths, table, keys, values, out, heads, None, 1)
+    KERNELS.rope_attend(mha_qkv.contiguous(), cos, sin, lengths, table, mha_keys, mha_values, mha_out, heads, None, 1)
+    assert torch.equal(out, mha_out)
