@@ -1,7 +1,6 @@
 """Admission prefills prompts of very different lengths in separate forwards (`prefill_groups`):
 the split is the cheapest under its cost model, and the outputs are those of one padded forward."""
 
-import time
 
 import pytest
 import torch
@@ -67,12 +66,25 @@ def test_mixed_lengths_prefill_in_two_forwards_and_decode_as_each_alone():
     assert ledger.usage.forward_passes == 2 + 4
 
 
+class _Clock:
+    """The overhead measurement's clock, advanced by the model's forwards instead of by sleeping:
+    a timed test would read the machine's load (under load a 2 ms sleep overshoots, and the
+    measured overhead came out 8192 tokens instead of 64)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
 class _TimedModel(MarkovModel):
-    """A forward of n tokens sleeps FIXED + PER_TOKEN * n seconds: an overhead of 50 tokens."""
+    """A forward of n tokens takes FIXED + PER_TOKEN * n seconds on `clock`: an overhead of 50 tokens."""
     FIXED, PER_TOKEN = 0.002, 0.00004
+    clock = _Clock()
 
     def forward(self, tokens, cache, *, valid=None, last_only=False):
-        time.sleep(self.FIXED + self.PER_TOKEN * tokens.shape[1])
+        self.clock.now += self.FIXED + self.PER_TOKEN * tokens.shape[1]
         return super().forward(tokens, cache, valid=valid, last_only=last_only)
 
 
@@ -89,6 +101,7 @@ def test_overhead_tokens_from_two_timings(one, probe, tokens, expected):
 
 def test_overhead_is_measured_once_and_only_for_mixed_lengths(monkeypatch):
     model = _TimedModel.random(6, seed=2)
+    monkeypatch.setattr(overhead_mod, "time", model.clock)
     gen = LocalGenerator(LoadedModel(model=model, tokenizer=CharTokenizer(6), name="toy", folder="", dtype=torch.float32))
     calls = []
     real = overhead_mod.measure_overhead
