@@ -90,7 +90,8 @@ GGUF_FAMILIES = {
 }
 
 
-def _write_gguf(hf, arch, path):
+def _write_gguf(hf, arch, path, tensors=()):
+    """hf's weights as llama.cpp's converter writes them (``tensors``: extra (name, array) pairs)."""
     import gguf
     import numpy as np
 
@@ -107,6 +108,10 @@ def _write_gguf(hf, arch, path):
                                                   if "rope_theta" in c.rope_parameters else 1e6))
     if arch == "gemma3":
         w.add_uint32(f"{arch}.attention.sliding_window", c.sliding_window)
+    if arch == "llama":
+        w.add_uint32("llama.rope.dimension_count", c.head_dim)
+    for name, x in tensors:
+        w.add_tensor(name, np.asarray(x, dtype=np.float32))
     names = _TO_GGUF | (_GEMMA_TO_GGUF if arch == "gemma3" else {})
     for name, p in hf.state_dict().items():
         x = p.detach().float().numpy()
@@ -115,6 +120,8 @@ def _write_gguf(hf, arch, path):
         if name.startswith("model.layers."):
             i, rest = name.removeprefix("model.layers.").split(".", 1)
             module, kind = rest.rsplit(".", 1)
+            if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):  # interleaved rotary rows
+                x = _permute(x, c.num_attention_heads if module == "self_attn.q_proj" else c.num_key_value_heads)
             w.add_tensor(f"blk.{i}.{names[module]}.{kind}", np.ascontiguousarray(x))
         elif name != "lm_head.weight" or not c.tie_word_embeddings:
             w.add_tensor({"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -174,40 +181,12 @@ def _permute(w, heads):
 
 
 def _llama3_gguf(tmp_path, freqs):
-    import gguf
-    import numpy as np
-
     from tests.test_families_native import BASE, _build
 
     hf, _, _ = _build("llama", BASE | {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0} | LLAMA3},
                       tmp_path / "hf")
-    c, path = hf.config, tmp_path / "llama3.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    for key, value in (("block_count", c.num_hidden_layers), ("context_length", c.max_position_embeddings),
-                       ("embedding_length", c.hidden_size), ("feed_forward_length", c.intermediate_size),
-                       ("attention.head_count", c.num_attention_heads),
-                       ("attention.head_count_kv", c.num_key_value_heads),
-                       ("attention.key_length", c.head_dim), ("attention.value_length", c.head_dim),
-                       ("rope.dimension_count", c.head_dim)):
-        w.add_uint32(f"llama.{key}", value)
-    w.add_float32("llama.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
-    w.add_float32("llama.rope.freq_base", 10000.0)
-    w.add_tensor("rope_freqs.weight", np.asarray(freqs, dtype=np.float32))
-    for name, p in hf.state_dict().items():
-        x = p.detach().float().numpy()
-        if name.startswith("model.layers."):
-            i, rest = name.removeprefix("model.layers.").split(".", 1)
-            module, kind = rest.rsplit(".", 1)
-            if module in ("self_attn.q_proj", "self_attn.k_proj"):
-                x = _permute(x, c.num_attention_heads if module == "self_attn.q_proj" else c.num_key_value_heads)
-            w.add_tensor(f"blk.{i}.{_TO_GGUF[module]}.{kind}", np.ascontiguousarray(x))
-        else:
-            w.add_tensor({"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                          "lm_head.weight": "output.weight"}[name], np.ascontiguousarray(x))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = tmp_path / "llama3.gguf"
+    _write_gguf(hf, "llama", path, [("rope_freqs.weight", freqs)])
     return hf, path
 
 
