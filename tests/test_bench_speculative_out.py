@@ -79,3 +79,23 @@ def test_cost_model_methods_side_by_side_and_their_choices(tmp_path, smollm) -> 
     auto = row["methods"][0]["cost_model"]
     assert set(auto["drafters"]) >= {"ngram", "recycling"} and auto["steps"] > 0
     assert "cost_model" not in row["methods"][1]
+
+
+def test_each_progress_line_reads_its_own_methods_row(tmp_path, monkeypatch, capsys) -> None:
+    """From the second repeat on every method already has a row: each progress line must still
+    print the one it just measured (it printed the last method's for all of them)."""
+    import time
+
+    def slow(i: int):
+        time.sleep(0.02)
+        return [1, 2], None
+
+    monkeypatch.setattr(speculative, "drafter_methods", lambda *a: [Method("slow peer", run=slow, peer=True)])
+    report = speculative.run(_args(tmp_path, repeats=2))
+    rows = {r["method"]: r for r in report["runs"][0]["methods"]}
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[float32 repeat 2/2]")]
+    assert [x.split("] ")[1].split(":")[0] for x in lines] == ["metaloom greedy", "slow peer"]
+    for line in lines:  # each prints its method's own row (after the last repeat: the final one)
+        name, rest = line.split("] ", 1)[1].split(": ", 1)
+        assert rest.startswith(f"{rows[name]['tok_s']:.2f} tok/s"), (line, rows[name]["tok_s"])
+    assert f"{rows['metaloom greedy']['tok_s']:.2f}" != f"{rows['slow peer']['tok_s']:.2f}"

@@ -103,7 +103,7 @@ def _one_dtype(args: argparse.Namespace, dtype: str, done: list[dict[str, Any]])
                     m.ledgers[i] = ledger
             # a long run that is stopped still leaves every row measured so far
             so_far = run_report(loaded, [x for x in methods if x.times], skipped, dtype)
-            row = so_far["methods"][-1]
+            row = next(r for r in so_far["methods"] if r["method"] == m.name)  # its own, not the last row
             print(f"[{dtype} repeat {repeat + 1}/{args.repeats}] {m.name}: {row['tok_s']:.2f} tok/s "
                   f"({row['speedup']:.2f}x greedy)", file=sys.stderr, flush=True)
             if args.out:
