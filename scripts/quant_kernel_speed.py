@@ -46,6 +46,7 @@ SHAPES = {  # (model, weight): [out, in]
     ("Qwen2.5-0.5B", "gate_up"): (9728, 896),
     ("Qwen2.5-0.5B", "down"): (896, 4864),
     ("Qwen2.5-0.5B", "head"): (151936, 896),
+    ("Gemma-3-270M", "head"): (262144, 640),
 }
 # how the GGUFs store them: (weight, type, count per token)
 TOKEN = {

@@ -174,6 +174,26 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(qtype):
 
 
 @needs
+def test_a_q8_0_head_streamed_one_output_at_a_time_gives_the_same_bits():
+    """A Q8_0 weight of 16 MiB or more (a model's head) is read one output at a time at batch 1
+    (quant.c's STREAM_BYTES), where smaller ones and more rows go T_ONE or more outputs side by
+    side: the same sums, bit for bit, and each the float64 product within the kernel's bound; the
+    last outputs (past any multiple of a tile) included."""
+    out, inputs = 16389, 1024  # 17.8 MB of blocks; 16389 = 4 * 4097 + 1
+    g = torch.Generator().manual_seed(7)
+    w = quant.quantize(torch.randn(out, inputs, generator=g), "Q8_0")
+    assert w.nbytes >= 16 << 20
+    ref = reference(8, w.blocks.numpy())
+    x = torch.randn(3, inputs, generator=g)
+    for threads in (1, 2):
+        batch = _matmul(w, x, threads)
+        for i in range(3):
+            alone = _matmul(w, x[i:i + 1], threads)
+            assert torch.equal(alone[0], batch[i]), (i, threads)
+            assert _excess(alone, x[i:i + 1], ref, _kernel_bound(inputs, 8)) <= 1
+
+
+@needs
 @TYPES
 def test_dequantize_and_rows_are_ggufs_values_bit_for_bit(qtype):
     inputs = _inputs(qtype)[1]
