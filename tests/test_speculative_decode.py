@@ -145,6 +145,57 @@ def test_ledger_counts_a_perfect_drafter():
     assert u.output_tokens == 11
 
 
+class Silent(FixedDrafter):
+    """Drafts nothing on alternate steps (as the cost model does when nothing pays) and records
+    what it observes."""
+
+    def __init__(self, tokens):
+        super().__init__(tokens)
+        self.calls, self.drafted, self.seen = 0, 0, []
+
+    def propose(self, contexts, limits, ledger):
+        self.calls += 1
+        drafts = [self.tokens[:limit] if self.calls % 2 == 0 else [] for limit in limits]
+        self.drafted += any(drafts)
+        return Draft.from_lists(drafts)
+
+    def observe(self, verified):
+        self.seen.append((verified.draft.tokens.shape[1], verified.accepted.tolist(),
+                          [verified.tokens[b, :int(a) + 1].tolist() for b, a in enumerate(verified.accepted)],
+                          tuple(verified.logits.shape)))
+
+
+def test_a_step_nothing_is_drafted_for_is_the_plain_step_and_is_still_observed(monkeypatch):
+    """An empty draft skips verification (its acceptance and rollback cost a small model's plain
+    step about a fifth): the tokens, log-probabilities and ledger of plain decoding, each step
+    still one of the speculative decoder's (``verify_steps``), and the drafter sees the emitted
+    token and the target's logits."""
+    import metaloom.decode.speculative_step as step
+
+    table = MarkovModel.random(5, seed=11, sharpness=1.5).table
+    calls = []
+    real_verify = step.verify
+    monkeypatch.setattr(step, "verify", lambda *a, **k: calls.append(1) or real_verify(*a, **k))
+    for params in (SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+                   SamplingParams(temperature=1.0, n=3, max_tokens=9, ignore_eos=True, seed=3)):
+        calls.clear()
+        drafter = Silent([1, 2])
+        ledger = Ledger()
+        req = Request("ab", params)
+        got = _generator(table, Speculative(drafter, num_draft=2)).generate([req], ledger=ledger)
+        assert got == _generator(table).generate([req], ledger=Ledger())
+        assert len(calls) == drafter.drafted > 0  # only the steps that drafted went through verify
+        empty = [s for s in drafter.seen if s[0] == 0]
+        assert len(empty) == drafter.calls - len(calls) > 0
+        for _, accepted, emitted, shape in empty:
+            assert not any(accepted) and all(len(e) == 1 for e in emitted) and shape == (len(accepted), 1, 5)
+        never, ledger, before = Silent([]), Ledger(), len(calls)
+        assert _generator(table, Speculative(never, num_draft=2)).generate([req], ledger=ledger) == got
+        assert len(calls) == before and len(never.seen) == never.calls > 0
+        # each row's tokens after the prefill's first came one a step, each step one of the decoder's
+        assert ledger.usage.verify_steps == ledger.usage.output_tokens - params.n > 0
+
+
 def test_num_draft_is_validated():
     with pytest.raises(InvalidParameter):
         Speculative(NgramDrafter(), num_draft=0)

@@ -204,19 +204,35 @@ class DecodeBatch:
         rngs = [row.spec.rng for row in self.rows]
         cursors = self.cursors if any(c is not None for c in self.cursors) else None
         if self.speculative is None:
-            # on the host: the model reads it there (a device copy would cost two waits a step on a GPU)
-            valid = torch.tensor([0 if d else 1 for d in done], dtype=torch.long)
-            raw, scores, _ = charged_forward_both(self.model, self.pending[:, None], self.cache, ledgers, valid=valid)
-            highs = self.measure()
-            got = draw(self.sampler, self.state, raw[:, -1], scores[:, -1], cursors, rngs, row_keys(self.rows), skip=done)
-            self.state = self.sampler.advance(self.state, got.tokens, got.logprobs)
-            self.pending = got.tokens
-            stepped = [row for row, d in zip(self.rows, done, strict=True) if not d]
-            emit_drawn(self.rows, got, self.cursors, skip=done, raw=raw[:, -1], highs=highs)
+            stepped = self.plain_step(done, ledgers, rngs, cursors)[0]
         else:
             stepped = speculative_step(self, done, ledgers, rngs, cursors)
         self._settle()
         return stepped
+
+    def plain_step(self, done: list[bool], ledgers: list[Ledger], rngs: list[torch.Generator | None],
+                   cursors: list[Constraint | None] | None, hidden: bool = False,
+                   ) -> tuple[list[Row], torch.Tensor, torch.Tensor | None]:
+        """One token a row: forward, `draw`, emit. -> (the rows stepped, the raw logits [B, 1, V],
+        the final hidden states [B, 1, d] when ``hidden``: what a drafter observes after a step
+        it drafted nothing for)."""
+        assert self.cache is not None and self.sampler is not None and self.state is not None
+        assert self.pending is not None
+        # on the host: the model reads it there (a device copy would cost two waits a step on a GPU)
+        valid = torch.tensor([0 if d else 1 for d in done], dtype=torch.long)
+        raw, scores, states = charged_forward_both(self.model, self.pending[:, None], self.cache, ledgers, valid=valid,
+                                                   hidden=hidden)
+        highs = self.measure()
+        # one slice when the scores are the logits: `draw` then takes the pipeline's
+        # log-probabilities as the reported ones (one log-softmax a step, not two)
+        last = raw[:, -1]
+        got = draw(self.sampler, self.state, last, last if scores is raw else scores[:, -1], cursors, rngs,
+                   row_keys(self.rows), skip=done)
+        self.state = self.sampler.advance(self.state, got.tokens, got.logprobs)
+        self.pending = got.tokens
+        stepped = [row for row, d in zip(self.rows, done, strict=True) if not d]
+        emit_drawn(self.rows, got, self.cursors, skip=done, raw=last, highs=highs)
+        return stepped, raw, states
 
     # --- leaving ----------------------------------------------------------------------------
     def _settle(self) -> None:

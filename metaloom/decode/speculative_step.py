@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from metaloom.constrain import Constraint
-from metaloom.decode.emitting import emit_verified, row_tops
+from metaloom.decode.emitting import Tally, emit_verified, row_tops
 from metaloom.decode.joining import Row, row_keys
 from metaloom.decode.select import raw_logprobs, verify
 from metaloom.decode.tree_verify import verify_tree
@@ -39,6 +39,8 @@ def speculative_step(batch: DecodeBatch, done: list[bool], ledgers: list[Ledger]
     limits = [0 if d else max(0, min(batch.speculative.num_draft, room, row.state.max_tokens - len(row.state.tokens) - 1))
               for row, d in zip(batch.rows, done, strict=True)]
     draft = _checked(batch.drafter.propose([row.context for row in batch.rows], limits, ledgers), limits, device)
+    if draft.tokens.shape[1] == 0:  # nothing drafted (the cost model chose 0): the plain step's cost
+        return _undrafted_step(batch, draft, done, ledgers, rngs, cursors)
     tokens = torch.cat([batch.pending[:, None], draft.tokens], dim=1)  # [B, K+1]
     start = batch.cache.lengths.clone()
     finished = torch.tensor(done, dtype=torch.bool, device=start.device)
@@ -68,6 +70,27 @@ def speculative_step(batch: DecodeBatch, done: list[bool], ledgers: list[Ledger]
     batch.pending = acc.tokens[rows_index, acc.accepted.to(device)]
     batch.drafter.observe(Observed(draft=draft, logits=raw, accepted=acc.accepted, tokens=acc.tokens, hidden=hidden,
                                   pending=tokens[:, 0]))
+    return stepped
+
+
+def _undrafted_step(batch: DecodeBatch, draft: Draft, done: list[bool], ledgers: list[Ledger],
+                    rngs: list[torch.Generator | None], cursors: list[Constraint | None] | None) -> list[Row]:
+    """A step no row drafted for: the plain step (`DecodeBatch.plain_step`: the same token each
+    row's verify of an empty draft accepts, by the same draw), without verify's acceptance and
+    rollback, which cost a zero-draft step about a fifth of a small model's plain step (issue
+    47); the drafter still observes what the target said."""
+    assert batch.pending is not None and batch.drafter is not None
+    pending = batch.pending
+    stepped, raw, hidden = batch.plain_step(done, ledgers, rngs, cursors,
+                                            hidden=bool(getattr(batch.drafter, "needs_hidden", False)))
+    assert batch.pending is not None
+    steps = Tally()  # still a step of the speculative decoder, with nothing drafted (`Usage.verify_steps`)
+    for row in stepped:
+        if row.state.error is None:
+            steps.add(row.spec.ledger, verify_steps=1)
+    steps.charge()
+    batch.drafter.observe(Observed(draft=draft, logits=raw, accepted=torch.zeros_like(draft.lengths),
+                                  tokens=batch.pending[:, None], hidden=hidden, pending=pending))
     return stepped
 
 
