@@ -39,15 +39,15 @@ def speculative_step(batch: DecodeBatch, done: list[bool], ledgers: list[Ledger]
     limits = [0 if d else max(0, min(batch.speculative.num_draft, room, row.state.max_tokens - len(row.state.tokens) - 1))
               for row, d in zip(batch.rows, done, strict=True)]
     draft = _checked(batch.drafter.propose([row.context for row in batch.rows], limits, ledgers), limits, device)
+    needs_hidden = bool(getattr(batch.drafter, "needs_hidden", False))
     if draft.tokens.shape[1] == 0:  # nothing drafted (the cost model chose 0): the plain step's cost
-        return _undrafted_step(batch, draft, done, ledgers, rngs, cursors)
+        return _undrafted_step(batch, draft, done, ledgers, rngs, cursors, needs_hidden)
     tokens = torch.cat([batch.pending[:, None], draft.tokens], dim=1)  # [B, K+1]
     start = batch.cache.lengths.clone()
     finished = torch.tensor(done, dtype=torch.bool, device=start.device)
     valid = torch.where(finished.to(device), torch.zeros_like(draft.lengths), 1 + draft.lengths)
     if draft.parents is not None:
         return tree_step(batch, draft, tokens, start, valid, done, ledgers, rngs, cursors)
-    needs_hidden = bool(getattr(batch.drafter, "needs_hidden", False))
     raw, scores, hidden = charged_forward_both(batch.model, tokens, batch.cache, ledgers, valid=valid,
                                                hidden=needs_hidden)
     highs = batch.measure()  # the drafts' KV is held until the rejected ones are rolled back below
@@ -74,15 +74,15 @@ def speculative_step(batch: DecodeBatch, done: list[bool], ledgers: list[Ledger]
 
 
 def _undrafted_step(batch: DecodeBatch, draft: Draft, done: list[bool], ledgers: list[Ledger],
-                    rngs: list[torch.Generator | None], cursors: list[Constraint | None] | None) -> list[Row]:
+                    rngs: list[torch.Generator | None], cursors: list[Constraint | None] | None,
+                    needs_hidden: bool) -> list[Row]:
     """A step no row drafted for: the plain step (`DecodeBatch.plain_step`: the same token each
     row's verify of an empty draft accepts, by the same draw), without verify's acceptance and
     rollback, which cost a zero-draft step about a fifth of a small model's plain step (issue
     47); the drafter still observes what the target said."""
     assert batch.pending is not None and batch.drafter is not None
     pending = batch.pending
-    stepped, raw, hidden = batch.plain_step(done, ledgers, rngs, cursors,
-                                            hidden=bool(getattr(batch.drafter, "needs_hidden", False)))
+    stepped, raw, hidden = batch.plain_step(done, ledgers, rngs, cursors, hidden=needs_hidden)
     assert batch.pending is not None
     steps = Tally()  # still a step of the speculative decoder, with nothing drafted (`Usage.verify_steps`)
     for row in stepped:

@@ -1793,10 +1793,11 @@ static void panel_row(int t, const uint8_t *pw, int64_t nb, const float *xs, con
 
 /* Up to this many rows go through the one-row tiles one row at a time, more panel by panel
  * (`prows`, each group of quants decoded once for all rows). On an AMD EPYC Zen 3 (AVX2) the
- * one-row tiles are fast enough that R passes over a layer's weights (from the caches after the
- * first) beat `prows` up to about 6 rows: SmolLM2's Q4_1 gate_up [3072, 576] took 85 us for one
- * row and 314 / 372 / 444 us for 2 / 3 / 4 rows through `prows` (2 threads), which made a
- * speculative verify of 2 tokens cost 2.3-2.9 one-token steps. Not measured on AVX-512: there
+ * one-row tiles are fast enough that R passes over a weight beat `prows` for 2 and 3 rows and
+ * match it at 4 (best of 150 calls, 2 threads): SmolLM2's Q4_1 gate_up [3072, 576] took 172-187
+ * us for 2 rows this way against 321-383 through `prows`, Qwen2.5-1.5B's Q4_K gate_up [17920,
+ * 1536] 2.9-3.1 ms against 6.2; through `prows` a speculative verify of 2 tokens had cost
+ * SmolLM2 2.85 one-token steps (1.70 now). Not measured on AVX-512: there
  * `prows` keeps every count above one. */
 #ifdef ML_AVX512
 #define ROW_BY_ROW 1
