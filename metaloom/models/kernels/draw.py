@@ -1,0 +1,56 @@
+"""The inverse-CDF draw in C (`draw.c`): the same token as PyTorch's cumsum + searchsorted,
+without the float64 running sum's [B, V] tensors (`metaloom.sampling.counter.inverse_cdf` calls
+it for CPU tensors; draw.c says why and how the sums stay the same).
+
+Built on first use like the other kernels (`metaloom.models.kernels.cbuild`); without a compiler
+`kernels()` gives a reason and the caller keeps PyTorch's way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from metaloom.models.kernels import cbuild
+
+SOURCE = Path(__file__).with_name("draw.c")
+ABI_VERSION = 1  # must match draw.c
+# From this many probabilities in a call, the rows are shared among PyTorch's threads (a
+# parallel region costs microseconds; one row of a 49k vocabulary is ~50 us of additions).
+PARALLEL_MIN = 1 << 18
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+@dataclass(frozen=True)
+class DrawKernels:
+    lib: ctypes.CDLL
+    path: str
+    isa: str = ""
+
+    def inverse_cdf(self, probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """probs [B, V] float32 (contiguous, CPU), u [B] float64 -> tokens [B] long: the first
+        index i of each row with C[i] > u C[V-1], C the running float64 sum in index order;
+        V - 1 when there is none."""
+        rows, v = probs.shape
+        u = u.to(torch.float64).contiguous()
+        tokens = torch.empty(rows, dtype=torch.long)
+        threads = torch.get_num_threads() if probs.numel() >= PARALLEL_MIN else 1
+        if self.lib.inverse_cdf(probs.data_ptr(), rows, v, u.data_ptr(), tokens.data_ptr(), threads):
+            raise MemoryError(f"inverse_cdf: no memory for {rows} rows of {v} probabilities' chunk sums")
+        return tokens
+
+
+def _bind(lib: ctypes.CDLL, path: Path, isa: str = "") -> DrawKernels:
+    lib.metaloom_draw_abi.restype = ctypes.c_int
+    if lib.metaloom_draw_abi() != ABI_VERSION:
+        raise OSError(f"{path} has ABI {lib.metaloom_draw_abi()}, expected {ABI_VERSION}")
+    lib.inverse_cdf.argtypes = [_P, _I, _I, _P, _P, _I]
+    lib.inverse_cdf.restype = ctypes.c_int
+    return DrawKernels(lib, str(path), isa)
+
+
+LIBRARY = cbuild.KernelLibrary(SOURCE, _bind)
+kernels = LIBRARY.current  # the kernels of the path that runs now, or why not

@@ -1,0 +1,78 @@
+"""The inverse-CDF draw in C (metaloom/models/kernels/draw.c) against PyTorch's cumsum +
+searchsorted (`metaloom.sampling.counter.cdf_search`): the same token for every row, including
+targets placed exactly on a running sum, at chunk edges, and rows the C side sums four at a
+time and shares among threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metaloom.models.kernels.draw import kernels
+from metaloom.sampling import counter as C
+
+K = kernels().kernels
+pytestmark = pytest.mark.skipif(K is None, reason=f"no draw kernels: {kernels().reason}")
+
+
+def exact_targets(probs: torch.Tensor, at: list[int]) -> torch.Tensor:
+    """u per row so that u C[-1] lands on the running sum at index at[b] (or within a rounding of
+    it): a draw that compares with >= instead of >, or sums in another order, picks a neighbour."""
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+    return torch.stack([cdf[b, i] / cdf[b, -1] for b, i in enumerate(at)])
+
+
+@pytest.mark.parametrize("rows,v", [(1, 7), (3, 255), (4, 256), (5, 257), (9, 1000), (16, 49152)])
+def test_the_c_draw_is_pytorchs_token_for_every_row(rows, v):
+    g = torch.Generator().manual_seed(rows * 1000 + v)
+    logits = 4 * torch.randn(rows, v, generator=g)
+    logits[:, ::7] = float("-inf")  # tokens of probability 0 are never drawn
+    probs = torch.log_softmax(logits, -1).exp()
+    u = torch.rand(rows, generator=g, dtype=torch.float64)
+    assert K.inverse_cdf(probs, u).tolist() == C.cdf_search(probs, u).tolist()
+    edges = [min(v - 1, e) for e in (0, 255, 256, 511, v // 2, v - 2, v - 1)]
+    for e in edges:
+        at = [(e + 3 * b) % v for b in range(rows)]
+        u = exact_targets(probs, at)
+        for nudge in (0.0, 2.0 ** -52, -(2.0 ** -52)):
+            un = (u * (1 + nudge)).clamp(0, 1 - 2 ** -53)
+            assert K.inverse_cdf(probs, un).tolist() == C.cdf_search(probs, un).tolist(), (e, nudge)
+
+
+def test_a_large_batch_shared_among_threads_draws_the_same_tokens_as_one_thread():
+    g = torch.Generator().manual_seed(5)
+    probs = torch.log_softmax(3 * torch.randn(18, 262144, generator=g), -1).exp()
+    u = torch.rand(18, generator=g, dtype=torch.float64)
+    expected = C.cdf_search(probs, u).tolist()
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert K.inverse_cdf(probs, u).tolist() == expected
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_rows_with_nothing_to_draw_get_the_last_index_and_others_are_untouched():
+    probs = torch.tensor([[0.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.0, 0.0, 0.0], [0.1, 0.2, 0.7]])
+    u = torch.tensor([0.5, 0.75, 0.0, 0.2], dtype=torch.float64)
+    assert K.inverse_cdf(probs, u).tolist() == [2, 1, 2, 1] == C.cdf_search(probs, u).tolist()
+    nan = torch.tensor([[0.2, float("nan"), 0.8]])
+    assert 0 <= int(K.inverse_cdf(nan, torch.tensor([0.9], dtype=torch.float64))[0]) < 3
+
+
+def test_inverse_cdf_takes_the_c_draw_on_the_cpu(monkeypatch):
+    """counter.inverse_cdf on CPU tensors goes through the kernel (and its token is PyTorch's)."""
+    calls = []
+    real = type(K).inverse_cdf
+
+    def spy(self, probs, u):
+        calls.append(probs.shape)
+        return real(self, probs, u)
+
+    monkeypatch.setattr(type(K), "inverse_cdf", spy)
+    lp = torch.log_softmax(torch.randn(2, 3, 50, generator=torch.Generator().manual_seed(0)), -1)
+    u = torch.tensor([0.1, 0.5, 0.9, 0.3, 0.7, 0.99], dtype=torch.float64)
+    tokens = C.inverse_cdf(lp, u)
+    assert calls == [(6, 50)] and tokens.shape == (2, 3)
+    assert tokens.reshape(-1).tolist() == C.cdf_search(lp.reshape(6, 50).exp(), u).tolist()
