@@ -8,7 +8,7 @@ native quantised weights, side by side in one run (issue 47).
 - **samples**: ``--samples`` samples x ``--sample-tokens`` tokens of one prompt (temperature
   0.8, seeded, end-of-sequence ignored) through `LocalGenerator`, median seconds of each.
 - **quality**: perplexity of ``--text-tokens`` tokens of held-out text (metaloom's own docs,
-  `metaloom.bench.kv.held_out_text`) under each, and greedy agreement: for each of a few
+  `metaloom.bench.kv.held_out_ids`) under each, and greedy agreement: for each of a few
   prompts, ``--greedy-tokens`` greedy tokens under each, the length of the prefix they share
   and whether they are identical.
 
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from metaloom.bench import model_args
-from metaloom.bench.kv import held_out_text, perplexity
+from metaloom.bench.kv import held_out_ids, perplexity
 from metaloom.bench.timing import paired_median_seconds
 from metaloom.errors import InvalidParameter
 from metaloom.prefix.radix import common_prefix
@@ -108,7 +108,7 @@ def measure(loaded: Any, rows: list[int], context: int, steps: int, samples: int
     for name, s in zip(models, secs, strict=True):
         out["sides"][name]["samples_seconds"] = s
         out["sides"][name]["samples_tok_s"] = samples * sample_tokens / s
-    ids = tok.encode(held_out_text(), add_special_tokens=False)[:text_tokens + 1]
+    ids = held_out_ids(tok)[:text_tokens + 1]
     for name, m in models.items():
         out["sides"][name]["perplexity"] = perplexity(m, ids, 256)
     agree: list[dict[str, Any]] = []

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from metaloom.bench.kv import QUESTION, held_out_text
+from metaloom.bench.kv import QUESTION, held_out_ids
 from metaloom.errors import InvalidParameter
 from metaloom.models.engine.kv_policy import POLICIES, check_policy
 
@@ -130,7 +130,7 @@ def measure(loaded: Any, policies: list[tuple[str, int | None]], text_tokens: in
     base, tokenizer = loaded.model, loaded.tokenizer
     if not hasattr(base, "with_options"):
         raise InvalidParameter("model", type(base).__name__, "the native model (its KV pool)")
-    ids = tokenizer.encode(held_out_text(), add_special_tokens=False)
+    ids = held_out_ids(tokenizer)
     if len(ids) < max(text_tokens, haystack) or text_tokens > base.max_context or haystack + 64 > base.max_context:
         raise InvalidParameter("text_tokens", text_tokens,
                                f"at most {min(len(ids), base.max_context)} (the text and the context window)")
