@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from metaloom.errors import InvalidParameter
 from metaloom.models.kernels.draw import kernels
 from metaloom.sampling import counter as C
 
@@ -59,6 +60,8 @@ def test_rows_with_nothing_to_draw_get_the_last_index_and_others_are_untouched()
     assert K.inverse_cdf(probs, u).tolist() == [2, 1, 2, 1] == C.cdf_search(probs, u).tolist()
     nan = torch.tensor([[0.2, float("nan"), 0.8]])
     assert 0 <= int(K.inverse_cdf(nan, torch.tensor([0.9], dtype=torch.float64))[0]) < 3
+    with pytest.raises(InvalidParameter, match="V >= 1"):
+        K.inverse_cdf(torch.empty(2, 0), torch.zeros(2, dtype=torch.float64))
 
 
 def test_inverse_cdf_takes_the_c_draw_on_the_cpu(monkeypatch):

@@ -61,8 +61,9 @@ static int64_t find(const float *p, int64_t v, int64_t chunks, const double *end
 }
 
 /* tokens[b] = the draw of row b of p [rows, v] (float32, contiguous) at u[b] (float64 in
- * [0, 1)). Returns 0, or -2 when out of memory. */
+ * [0, 1)). Returns 0; -1 when v < 1; -2 when out of memory. */
 int inverse_cdf(const float *p, int64_t rows, int64_t v, const double *u, int64_t *tokens, int64_t threads) {
+    if (v < 1) return -1;
     const int64_t chunks = (v + CHUNK - 1) / CHUNK, groups = (rows + SIDE - 1) / SIDE;
     int failed = 0;
     (void)threads;

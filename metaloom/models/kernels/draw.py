@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from metaloom.errors import InvalidParameter
 from metaloom.models.kernels import cbuild
 
 SOURCE = Path(__file__).with_name("draw.c")
@@ -38,7 +39,10 @@ class DrawKernels:
         u = u.to(torch.float64).contiguous()
         tokens = torch.empty(rows, dtype=torch.long)
         threads = torch.get_num_threads() if probs.numel() >= PARALLEL_MIN else 1
-        if self.lib.inverse_cdf(probs.data_ptr(), rows, v, u.data_ptr(), tokens.data_ptr(), threads):
+        rc = self.lib.inverse_cdf(probs.data_ptr(), rows, v, u.data_ptr(), tokens.data_ptr(), threads)
+        if rc == -1:
+            raise InvalidParameter("probs", tuple(probs.shape), "[B, V] with V >= 1")
+        if rc:
             raise MemoryError(f"inverse_cdf: no memory for {rows} rows of {v} probabilities' chunk sums")
         return tokens
 
