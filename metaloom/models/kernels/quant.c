@@ -1819,17 +1819,18 @@ static void panel_row(int t, const uint8_t *pw, int64_t nb, const float *xs, con
 #endif
 
 /* Up to this many rows go through the one-row tiles one row at a time, more panel by panel
- * (`prows`, each group of quants decoded once for all rows). On an AMD EPYC Zen 3 (AVX2) the
- * one-row tiles are fast enough that R passes over a weight beat `prows` for 2 and 3 rows and
- * match it at 4 (best of 150 calls, 2 threads): SmolLM2's Q4_1 gate_up [3072, 576] took 172-187
- * us for 2 rows this way against 321-383 through `prows`, Qwen2.5-1.5B's Q4_K gate_up [17920,
- * 1536] 2.9-3.1 ms against 6.2; through `prows` a speculative verify of 2 tokens had cost
- * SmolLM2 2.85 one-token steps (1.70 now). Not measured on AVX-512: there
- * `prows` keeps every count above one. */
+ * (`prows`, each sub-block's quants decoded once for all rows). On an AMD EPYC Zen 3 (AVX2),
+ * with `prows` keeping every sum in a register, both builds in one process called in turn (2
+ * threads, median of 28 calls): 3 rows through `prows` against 3 passes of the one-row tiles,
+ * Qwen2.5-0.5B's Q5_0 gate_up [9728, 896] 1.16 ms against 1.45, Qwen2.5-1.5B's Q4_K gate_up
+ * [17920, 1536] 3.5 against 4.7; 4 rows 1.46 against 1.98 and 4.4 against 6.8. At 2 rows the
+ * one-row passes stay ahead on small weights (SmolLM2's Q4_1 gate_up [3072, 576]: 154 us against
+ * 171) and behind on large ones (Qwen2.5-1.5B's gate_up: 3.3 ms against 2.7). The results are
+ * the same bits either way. Not measured on AVX-512: there `prows` keeps every count above one. */
 #ifdef ML_AVX512
 #define ROW_BY_ROW 1
 #else
-#define ROW_BY_ROW 4
+#define ROW_BY_ROW 2
 #endif
 
 /* panels lo..hi of R <= PANEL_ROWS prepared rows: one row through the tiles, more panel by panel */
