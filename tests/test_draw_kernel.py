@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from metaloom.errors import InvalidParameter
+from metaloom.models.kernels import draw
 from metaloom.models.kernels.draw import kernels
 from metaloom.sampling import counter as C
 
@@ -64,18 +65,30 @@ def test_rows_with_nothing_to_draw_get_the_last_index_and_others_are_untouched()
         K.inverse_cdf(torch.empty(2, 0), torch.zeros(2, dtype=torch.float64))
 
 
-def test_inverse_cdf_takes_the_c_draw_on_the_cpu(monkeypatch):
-    """counter.inverse_cdf on CPU tensors goes through the kernel (and its token is PyTorch's)."""
+def test_inverse_cdf_with_the_c_search_gives_pytorchs_tokens_in_the_callers_shape():
+    lp = torch.log_softmax(torch.randn(2, 3, 50, generator=torch.Generator().manual_seed(0)), -1)
+    u = torch.tensor([[0.1, 0.5, 0.9], [0.3, 0.7, 0.99]], dtype=torch.float64)
+    fast = C.inverse_cdf(lp, u, draw.search)
+    assert fast.shape == (2, 3) and fast.tolist() == C.inverse_cdf(lp, u).tolist()
+    assert draw.search(torch.empty(0, 5), torch.empty(0, dtype=torch.float64)) is None  # left to PyTorch
+
+
+def test_the_decode_loop_draws_sampled_tokens_through_the_c_kernel(monkeypatch):
+    """A sampled generation reaches the kernel (the decode loop passes it to the pipeline's draw)."""
+    from metaloom.generator import LocalGenerator, Request
+    from metaloom.ledger import Ledger
+    from metaloom.sampling import SamplingParams
+    from metaloom.testing.tiny import tiny_llama
+
     calls = []
     real = type(K).inverse_cdf
 
     def spy(self, probs, u):
-        calls.append(probs.shape)
+        calls.append(tuple(probs.shape))
         return real(self, probs, u)
 
     monkeypatch.setattr(type(K), "inverse_cdf", spy)
-    lp = torch.log_softmax(torch.randn(2, 3, 50, generator=torch.Generator().manual_seed(0)), -1)
-    u = torch.tensor([0.1, 0.5, 0.9, 0.3, 0.7, 0.99], dtype=torch.float64)
-    tokens = C.inverse_cdf(lp, u)
-    assert calls == [(6, 50)] and tokens.shape == (2, 3)
-    assert tokens.reshape(-1).tolist() == C.cdf_search(lp.reshape(6, 50).exp(), u).tolist()
+    gen = LocalGenerator(tiny_llama())
+    params = SamplingParams(temperature=1.0, n=3, max_tokens=4, seed=1, ignore_eos=True)
+    out = gen.generate([Request("abcd", params)], ledger=Ledger())
+    assert len(out[0]) == 3 and calls and all(rows == 3 for rows, _ in calls)

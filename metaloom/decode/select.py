@@ -20,6 +20,7 @@ import torch
 
 from metaloom.constrain import Constraint, batch_mask
 from metaloom.errors import InvalidGrammar
+from metaloom.models.kernels import draw as c_draw
 from metaloom.sampling.counter import row_uniforms
 from metaloom.sampling.pipeline import Sampler
 from metaloom.sampling.state import SamplingState
@@ -124,7 +125,7 @@ def draw(sampler: Sampler, state: SamplingState, raw: torch.Tensor, scores: torc
     best = lp.max(dim=-1)
     dead = ~(best.values > float("-inf"))  # NaN too
     u = None if sampler.all_greedy else row_uniforms(keys, lp.device)
-    tokens = sampler.draw(lp, u, best.indices)
+    tokens = sampler.draw(lp, u, best.indices, c_draw.search)
     chosen = lp.gather(-1, tokens[:, None])[:, 0]
     # where the pipeline is plain log-softmax of the model's own logits, the two agree
     same = raw is scores and sampler.plain and mask is None

@@ -25,6 +25,7 @@ two 32-bit halves, two such chains with different salts give 53 bits.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TypeVar
 
 import numpy as np
@@ -83,24 +84,25 @@ def uniforms(keys: Words, counters: Words) -> Words:
     return bits.astype(np.float64) * scale
 
 
-def inverse_cdf(logprobs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+# probabilities [B, V] (float32), u [B] -> the tokens `cdf_search` gives, or None to leave it to it
+Search = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
+
+
+def inverse_cdf(logprobs: torch.Tensor, u: torch.Tensor, search: Search | None = None) -> torch.Tensor:
     """The first index i of each row with C[i] > u * C[-1], C the running sum of exp(logprobs)
-    accumulated in float64 in index order: logprobs [B, V], u [B] in [0, 1) -> tokens [B] long
-    (the last index when no entry passes). A row with no finite entry gets a meaningless index
-    (the caller reports such rows, `metaloom.decode.select.Drawn.failures`).
+    accumulated in float64 in index order: logprobs [..., V], u [...] in [0, 1) -> tokens [...]
+    long (the last index when no entry passes). A row with no finite entry gets a meaningless
+    index (the caller reports such rows, `metaloom.decode.select.Drawn.failures`).
 
-    On a CPU the running sum is formed in C (`metaloom.models.kernels.draw`), addition for
-    addition as PyTorch's cumsum forms it, so the token is the same, without cumsum's two
-    float64 [B, V] tensors (16 rows of a 262k vocabulary: 20-25 ms a step). Elsewhere, or
-    without a compiler, PyTorch's cumsum and searchsorted."""
+    ``search``: another way to the same tokens, tried first. The decode loop passes the C draw
+    (`metaloom.models.kernels.draw.search`): it forms the running sums addition for addition as
+    PyTorch's cumsum does, without cumsum's two float64 [B, V] tensors (16 rows of a 262k
+    vocabulary: 20-25 ms a step). It returns None where it does not run (another device, no
+    compiler); then PyTorch's cumsum and searchsorted (`cdf_search`)."""
     probs = logprobs.float().exp().reshape(-1, logprobs.shape[-1])  # float32 exp: 10x faster on CPUs
-    if probs.device.type == "cpu" and probs.shape[0] and probs.shape[1]:
-        from metaloom.models.kernels.draw import kernels  # a leaf of C kernels, loaded on first use
-
-        k = kernels().kernels
-        if k is not None:
-            return k.inverse_cdf(probs.contiguous(), u.reshape(-1)).reshape(logprobs.shape[:-1])
-    return cdf_search(probs, u)
+    u = u.reshape(-1)
+    tokens = search(probs, u) if search is not None else None
+    return (cdf_search(probs, u) if tokens is None else tokens).reshape(logprobs.shape[:-1])
 
 
 def cdf_search(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -176,17 +176,19 @@ class Sampler:
         """Every row is greedy: a draw needs no uniforms."""
         return all(p.greedy for p in self.params)
 
-    def draw(self, logprobs: torch.Tensor, u: torch.Tensor | None, argmax: torch.Tensor | None = None) -> torch.Tensor:
+    def draw(self, logprobs: torch.Tensor, u: torch.Tensor | None, argmax: torch.Tensor | None = None,
+             search: counter.Search | None = None) -> torch.Tensor:
         """Step 8. logprobs [B, V] -> tokens [B] (long): argmax for greedy rows, otherwise the
         inverse-CDF draw at ``u`` [B] (uniforms in [0, 1): `metaloom.sampling.counter`, keyed by
         each row's seed and position; None only where every row is greedy), for the whole batch
-        at once. ``argmax``: ``logprobs.argmax(-1)`` if the caller has it already."""
+        at once. ``argmax``: ``logprobs.argmax(-1)`` if the caller has it already; ``search``: a
+        faster way to the same draw (`counter.inverse_cdf`)."""
         tokens = logprobs.argmax(dim=-1) if argmax is None else argmax
         if self.all_greedy:
             return tokens.clone()
         if u is None:
             raise ValueError("sampled rows need uniforms (u)")
-        drawn = counter.inverse_cdf(logprobs, u)
+        drawn = counter.inverse_cdf(logprobs, u, search)
         return torch.where(self.greedy.to(drawn.device), tokens, drawn)
 
     def advance(self, state: SamplingState, tokens: torch.Tensor, logprobs: torch.Tensor) -> SamplingState:

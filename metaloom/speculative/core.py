@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from metaloom.constrain import Constraint, batch_mask
+from metaloom.models.kernels import draw as c_draw
 from metaloom.sampling.counter import inverse_cdf, uniforms
 from metaloom.sampling.pipeline import Sampler
 from metaloom.sampling.state import SamplingState
@@ -100,7 +101,7 @@ def plain_draws(logprobs: torch.Tensor, keys: np.ndarray, offsets: np.ndarray | 
     keys = np.asarray(keys, dtype=np.int64).reshape(-1, 2)
     at = np.arange(t, dtype=np.int64)[None, :] if offsets is None else np.asarray(offsets, dtype=np.int64)
     u = uniforms(np.repeat(keys[:, :1], t, axis=1).reshape(-1), (keys[:, 1:] + at).reshape(-1))
-    return inverse_cdf(logprobs.reshape(b * t, v), torch.from_numpy(u).to(logprobs.device)).view(b, t)
+    return inverse_cdf(logprobs.reshape(b * t, v), torch.from_numpy(u).to(logprobs.device), c_draw.search).view(b, t)
 
 
 def target_logprobs(sampler: Sampler, logits: torch.Tensor, drafts: torch.Tensor, state: SamplingState,

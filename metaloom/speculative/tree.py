@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from metaloom.errors import InvalidParameter
+from metaloom.models.kernels import draw as c_draw
 from metaloom.sampling.counter import inverse_cdf, uniforms
 
 
@@ -183,4 +184,4 @@ def accept_sampled(tree: DraftTree, probs: torch.Tensor, key: int, position: int
     the same batched (`metaloom.decode.tree_verify.verify_tree`)."""
     at = np.asarray(block_depths(tree), dtype=np.int64) + position
     u = torch.from_numpy(uniforms(np.full(len(at), key, dtype=np.int64), at))
-    return accept_walk(tree, inverse_cdf(probs.double().clamp(min=0).log(), u).tolist())
+    return accept_walk(tree, inverse_cdf(probs.double().clamp(min=0).log(), u, c_draw.search).tolist())

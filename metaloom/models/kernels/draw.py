@@ -58,3 +58,12 @@ def _bind(lib: ctypes.CDLL, path: Path, isa: str = "") -> DrawKernels:
 
 LIBRARY = cbuild.KernelLibrary(SOURCE, _bind)
 kernels = LIBRARY.current  # the kernels of the path that runs now, or why not
+
+
+def search(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+    """`metaloom.sampling.counter.inverse_cdf`'s ``search``: the C draw of probs [B, V] at u [B]
+    on a CPU, or None (another device, no rows or tokens, no compiler) to leave it to PyTorch."""
+    if probs.device.type != "cpu" or not probs.shape[0] or not probs.shape[1]:
+        return None
+    k = kernels().kernels
+    return None if k is None else k.inverse_cdf(probs.contiguous(), u)

@@ -26,6 +26,7 @@ import torch
 
 from metaloom.errors import UnsupportedModel
 from metaloom.models.forward import Ledgers, charged_forward
+from metaloom.models.kernels import draw as c_draw
 from metaloom.models.protocols import KVCache, LanguageModel
 from metaloom.sampling.counter import uniforms
 from metaloom.sampling.params import SamplingParams
@@ -111,7 +112,7 @@ class DraftModelState:
             else:
                 lq = self.q_sampler.process(self._fit(logits))  # [B, V]
                 probs[:, j] = lq.exp()
-                token = self.q_sampler.draw(lq, self._uniforms(contexts, j, device))
+                token = self.q_sampler.draw(lq, self._uniforms(contexts, j, device), search=c_draw.search)
             drafted[:, j] = token
             if j == k - 1:
                 break
