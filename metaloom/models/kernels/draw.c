@@ -19,9 +19,6 @@
 
 #include <stdint.h>
 #include <stdlib.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #define ABI_VERSION 1
 #define CHUNK 256
