@@ -360,3 +360,19 @@ def test_run_benchmark_skips_a_system_that_fails_or_dies():
 if __name__ == "__main__":  # the fake server as a process: PORT MODE
     FakeHandler.mode = sys.argv[2]
     ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), FakeHandler).serve_forever()
+
+
+def test_metaloom_serve_args_reach_the_metaloom_command_only():
+    import argparse
+
+    from metaloom.bench.serve import _specs, add_args
+
+    p = argparse.ArgumentParser()
+    add_args(p)
+    args = p.parse_args(["--serve-dtype", "float32", "--metaloom-serve-args", "--activations q8 --max-rows 32"])
+    specs, skipped = _specs(args, folder=None, folder_error=None)
+    assert [s.name for s in specs] == ["metaloom"] and skipped == {}
+    argv = list(specs[0].argv)
+    assert argv[argv.index("--dtype") + 1] == "float32"
+    assert argv[-4:] == ["--activations", "q8", "--max-rows", "32"]
+    assert "--metaloom-serve-args" not in argv

@@ -165,3 +165,98 @@ def _wait_done(ticket, timeout: float = 30.0) -> None:
     while not ticket.done and time.monotonic() < deadline:
         time.sleep(0.01)
     assert ticket.done
+
+
+# --- prefill between steps -------------------------------------------------------------------
+
+def _logged(monkeypatch, log: list[tuple[str, int]]):
+    """Record each batch admission (with the ticket it came from) in ``log``."""
+    from metaloom.decode.batch import DecodeBatch
+
+    admit = DecodeBatch.admit
+
+    def logged(self, new):
+        log.append(("admit", new[0].tag if new and new[0].tag is not None else -1))
+        return admit(self, new)
+
+    monkeypatch.setattr(DecodeBatch, "admit", logged)
+
+
+def _sink(log: list[tuple[str, int]], i: int):
+    def sink(event) -> None:
+        if getattr(event, "token_ids", None):
+            log.append(("chunk", i))
+    return sink
+
+
+def _burst(scheduler: Scheduler, n: int, max_tokens: int, log: list[tuple[str, int]]):
+    with held(scheduler):
+        tickets = [scheduler.submit(_request(max_tokens=max_tokens), Ledger(), _sink(log, i)) for i in range(n)]
+        for i, t in enumerate(tickets):
+            for row in t.rows_to_admit:
+                row.tag = i
+    return tickets
+
+
+def test_a_burst_sends_each_first_token_before_the_next_prompt_is_prefilled(generator, monkeypatch):
+    """Time to first token: request i's first token goes out when its own prompt is prefilled,
+    not after the whole burst's prefills."""
+    log: list[tuple[str, int]] = []
+    _logged(monkeypatch, log)
+    scheduler = Scheduler(generator, max_rows=64)
+    try:
+        tickets = _burst(scheduler, 4, 3, log)
+        for t in tickets:
+            _wait_done(t)
+    finally:
+        scheduler.close()
+    firsts = [e for i, e in enumerate(log) if e[0] == "admit" or e not in log[:i]]  # admissions and first chunks
+    assert firsts[:8] == [("admit", 0), ("chunk", 0), ("admit", 1), ("chunk", 1),
+                          ("admit", 2), ("chunk", 2), ("admit", 3), ("chunk", 3)]
+
+
+def test_running_rows_step_between_the_prefills_of_a_burst_past_max_prefill_tokens(generator, monkeypatch):
+    """With max_prefill_tokens below one prompt, each step boundary admits one request (the first
+    always goes, however long) and the rows admitted before take a step in between: a second
+    token of request 0 comes before request 2 is prefilled."""
+    log: list[tuple[str, int]] = []
+    _logged(monkeypatch, log)
+    steps: list[int] = []
+    scheduler = Scheduler(generator, max_rows=64, max_prefill_tokens=1,
+                          on_step=lambda rows: (steps.append(rows), log.append(("step", rows))))
+    try:
+        tickets = _burst(scheduler, 3, 6, log)
+        for t in tickets:
+            _wait_done(t)
+    finally:
+        scheduler.close()
+    admits = [i for i, e in enumerate(log) if e[0] == "admit"]
+    assert [log[i][1] for i in admits] == [0, 1, 2]
+    between = log[admits[0]:admits[2]]
+    assert ("step", 1) in between and ("step", 2) in between  # 1 row, then 2 rows, stepped between admissions
+    assert between.count(("chunk", 0)) >= 2
+    with pytest.raises(InvalidParameter, match="max_prefill_tokens"):
+        Scheduler(generator, max_prefill_tokens=0)
+
+
+def test_a_burst_within_max_prefill_tokens_is_admitted_at_one_step_boundary(generator, monkeypatch):
+    log: list[tuple[str, int]] = []
+    _logged(monkeypatch, log)
+    scheduler = Scheduler(generator, max_rows=64, on_step=lambda rows: log.append(("step", rows)))
+    try:
+        tickets = _burst(scheduler, 3, 4, log)
+        for t in tickets:
+            _wait_done(t)
+    finally:
+        scheduler.close()
+    admits = [i for i, e in enumerate(log) if e[0] == "admit"]
+    assert not any(e[0] == "step" for e in log[:admits[-1]])  # all three prefilled before the first step
+    assert ("step", 3) in log
+
+
+def test_serve_refuses_max_prefill_tokens_below_one_before_loading_a_model(capsys):
+    from metaloom.cli import main
+
+    assert main(["serve", "--model", "/nonexistent/model.gguf", "--max-prefill-tokens", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "max_prefill_tokens" in err and "/nonexistent" not in err  # refused before the model is looked at

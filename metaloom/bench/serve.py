@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -253,7 +254,8 @@ def _specs(args: argparse.Namespace, folder: str | None, folder_error: str | Non
     base_env = dict(os.environ)
     base_env.setdefault("HF_HUB_OFFLINE", "1")
     metaloom = ServerSpec("metaloom", (sys.executable, "-m", "metaloom.cli", "serve", "--model", args.model, "--host", HOST,
-                                       "--port", str(args.port_base), "--dtype", args.serve_dtype),
+                                       "--port", str(args.port_base), "--dtype", args.serve_dtype,
+                                       *shlex.split(args.metaloom_serve_args)),
                           args.port_base, base_env, args.serve_startup_timeout)
     specs, not_run = [metaloom], {}
     if args.vllm:
@@ -274,6 +276,8 @@ HELP = "an OpenAI-compatible server measured from the client side, metaloom's be
 def add_args(p: argparse.ArgumentParser) -> None:
     model_args(p, weights=False)
     server_args(p)
+    p.add_argument("--metaloom-serve-args", default="", metavar="ARGS",
+                   help="more options for `metaloom serve`, one string (e.g. '--weights dense' or '--activations q8')")
     p.add_argument("--clients", default="1,8,32", help="concurrency levels, comma-separated")
     p.add_argument("--serve-tokens", type=int, default=64, help="max_tokens of each request")
     p.add_argument("--serve-requests", type=int, default=64,
@@ -308,7 +312,8 @@ def main(args: argparse.Namespace) -> int:
     result = run_benchmark(specs, levels, args.serve_requests, args.serve_tokens, args.repeats,
                            distinct=not args.serve_same_prompts)
     result["skipped"].update({k: {"reason": v, "repeat": 0, "output_tail": ""} for k, v in not_run.items()})
-    result.update({"model": name, "folder": folder, "dtype": args.serve_dtype, "max_tokens": args.serve_tokens,
+    result.update({"model": name, "folder": folder, "dtype": args.serve_dtype,
+                   "metaloom_serve_args": args.metaloom_serve_args, "max_tokens": args.serve_tokens,
                    "requests_per_level": {c: c * requests_per_client(args.serve_requests, c) for c in levels},
                    "prompts": len(PROMPTS), "cpus": os.cpu_count(), "loadavg_start": list(loadavg),
                    "loadavg_end": list(os.getloadavg())})

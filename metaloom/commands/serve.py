@@ -18,7 +18,7 @@ from typing import Any
 
 from metaloom.commands.common import add_model_args, engine_options
 from metaloom.errors import InvalidParameter
-from metaloom.server.limits import OPEN_ROUTES, Limits
+from metaloom.server.limits import MAX_PREFILL_TOKENS, OPEN_ROUTES, Limits
 
 log = logging.getLogger("metaloom.server")
 _LIMIT_HELP = {
@@ -42,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 route")
     s.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     s.add_argument("--max-rows", type=int, default=64, help="rows decoded together at most")
+    s.add_argument("--max-prefill-tokens", type=int, default=MAX_PREFILL_TOKENS,
+                   help="prompt tokens admitted between two decode steps (a longer prompt goes alone): running "
+                        "streams take a step between the prefills of a burst")
     s.add_argument("--max-waiting", type=int, default=256,
                    help="requests that find no free decode row, queued before a 429")
     s.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body (413 beyond)")
@@ -78,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
 
     if not 1 <= args.port <= 65535:
         raise InvalidParameter("port", args.port, "a port in 1..65535")
+    if args.max_prefill_tokens < 1:
+        raise InvalidParameter("max_prefill_tokens", args.max_prefill_tokens, ">= 1 token")
     if args.max_rows < 1 or args.max_waiting < 0:  # checked before the model load, as the scheduler would
         raise InvalidParameter("max_rows" if args.max_rows < 1 else "max_waiting",
                                args.max_rows if args.max_rows < 1 else args.max_waiting, ">= 1 rows, >= 0 waiting")
@@ -103,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(generator, model_ids=[args.served_model_name or args.model], api_key=args.api_key,
                      max_rows=args.max_rows, max_waiting=args.max_waiting, max_body_bytes=int(args.max_body_mb * (1 << 20)),
                      limits=limits, body_timeout=args.body_timeout, open_routes=open_routes,
-                     kv_pool_bytes=None if args.kv_pool_mb is None else int(args.kv_pool_mb * (1 << 20)))
+                     kv_pool_bytes=None if args.kv_pool_mb is None else int(args.kv_pool_mb * (1 << 20)),
+                     max_prefill_tokens=args.max_prefill_tokens)
     serve(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout, header_timeout=args.header_timeout)
     return 0
 

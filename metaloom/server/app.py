@@ -36,7 +36,7 @@ from metaloom.server.bodies import ChatBody, ChatFields, CompletionBody, Complet
 from metaloom.server.calls import Call, StrategyGate
 from metaloom.server.errors import ApiError, api_error
 from metaloom.server.http import Observed, ReadBody
-from metaloom.server.limits import OPEN_ROUTES, Limits
+from metaloom.server.limits import MAX_PREFILL_TOKENS, OPEN_ROUTES, Limits
 from metaloom.server.memory import memory_parts, size_pools, storage_parts
 from metaloom.server.metrics import Metrics
 from metaloom.server.scheduler import Scheduler
@@ -74,17 +74,19 @@ class Served:
 def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: str | None = None,
                max_rows: int = 64, max_waiting: int = 256, max_body_bytes: int = 4 << 20,
                strategy_workers: int = 8, limits: Limits | None = None, body_timeout: float = 30.0,
-               open_routes: Sequence[str] = OPEN_ROUTES, kv_pool_bytes: int | None = None) -> FastAPI:
+               open_routes: Sequence[str] = OPEN_ROUTES, kv_pool_bytes: int | None = None,
+               max_prefill_tokens: int = MAX_PREFILL_TOKENS) -> FastAPI:
     """The server for ``generator``, answering to ``model_ids`` (the first is the listed id);
     ``limits``: what one request may ask for (`metaloom.server.limits.Limits`, its defaults);
     ``open_routes``: of health, metrics and docs, those served without the key; ``kv_pool_bytes``:
-    the most the KV pool may hold (default: half the memory available at the start)."""
+    the most the KV pool may hold (default: half the memory available at the start);
+    ``max_prefill_tokens``: prompt tokens admitted between two decode steps (`Scheduler`)."""
     unknown = sorted(set(open_routes) - set(OPEN_ROUTES))
     if unknown:
         raise InvalidParameter("open_routes", unknown[0], f"some of {list(OPEN_ROUTES)}")
     limits = limits or Limits()
     metrics = Metrics()
-    scheduler = Scheduler(generator, max_rows=max_rows, max_waiting=max_waiting,
+    scheduler = Scheduler(generator, max_rows=max_rows, max_waiting=max_waiting, max_prefill_tokens=max_prefill_tokens,
                           on_step=lambda rows: metrics.batch_size.observe(rows), limits=limits)
     workers = ThreadPoolExecutor(max_workers=strategy_workers, thread_name_prefix="metaloom-strategy")
     size_pools(generator, max_rows, cap_bytes=kv_pool_bytes)

@@ -24,6 +24,10 @@ from typing import Any
 from metaloom.errors import InvalidParameter
 from metaloom.ledger import Budget
 
+# prompt tokens the scheduler admits between two decode steps at most (a longer request goes alone):
+# about a second of prefill for a 135M model on two cores, so running streams are not held for a burst
+MAX_PREFILL_TOKENS = 2048
+
 # routes a client may call without the API key (``--open-routes``): "docs" is /docs, /redoc and /openapi.json
 OPEN_ROUTES = ("health", "metrics", "docs")
 

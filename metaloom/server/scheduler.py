@@ -59,7 +59,7 @@ from metaloom.server.admission import (
 from metaloom.server.ending import end_all
 from metaloom.server.intake import streams, ticket_for
 from metaloom.server.lanes import BeamLanes
-from metaloom.server.limits import Limits
+from metaloom.server.limits import MAX_PREFILL_TOKENS, Limits
 from metaloom.server.memory import shrink_pool, trim
 from metaloom.server.tickets import Event, Failed, Finished, ShuttingDown, Sink, Stats, Ticket, ended
 
@@ -68,20 +68,33 @@ __all__ = ["Event", "Failed", "Finished", "Overloaded", "Scheduler", "ShuttingDo
 log = logging.getLogger("metaloom.server")
 
 
+def prefill_tokens(ticket: Ticket) -> int:
+    """The prompt tokens admitting ``ticket`` prefills: each distinct prompt once (a request's
+    samples share one); a beam search counts 0 (its lane prefills it at its first turn)."""
+    prompts: dict[object, int] = {}
+    for r in ticket.rows_to_admit:
+        prompts[r.group if r.group is not None else id(r)] = len(r.prompt) + len(r.secondary or ())
+    return sum(prompts.values())
+
+
 class Scheduler:
     """``max_rows``: rows decoded together at most (admission waits for room); ``max_waiting``:
-    requests that cannot be admitted before `submit` refuses with `Overloaded`; ``limits``: what
+    requests that cannot be admitted before `submit` refuses with `Overloaded`;
+    ``max_prefill_tokens``: prompt tokens admitted between two steps (`MAX_PREFILL_TOKENS`); ``limits``: what
     one request may ask for (`Limits`). ``clock``: seconds, for the drain rate behind Retry-After."""
 
     def __init__(self, generator: LocalGenerator, *, max_rows: int = 64, max_waiting: int = 256,
-                 on_step: Callable[[int], None] | None = None, clock: Callable[[], float] = time.monotonic,
+                 max_prefill_tokens: int = MAX_PREFILL_TOKENS, on_step: Callable[[int], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic,
                  limits: Limits | None = None) -> None:
         if max_rows < 1:
             raise InvalidParameter("max_rows", max_rows, ">= 1")
         if max_waiting < 0:
             raise InvalidParameter("max_waiting", max_waiting, ">= 0")
+        if max_prefill_tokens < 1:
+            raise InvalidParameter("max_prefill_tokens", max_prefill_tokens, ">= 1 token")
         self.generator = generator
-        self.max_rows, self.max_waiting = max_rows, max_waiting
+        self.max_rows, self.max_waiting, self.max_prefill_tokens = max_rows, max_waiting, max_prefill_tokens
         self.limits = limits or Limits()
         self.on_step = on_step  # called with the batch size after each step (metrics)
         spec = generator.speculative
@@ -183,8 +196,19 @@ class Scheduler:
         raise Overloaded(waiting, self.max_waiting, retry_after(ahead, self.drain.rate(self.clock()), self.max_rows))
 
     def _take_admissible(self) -> list[Ticket]:
+        """The queue's head that fits (`admissible`), cut where its prompts pass
+        ``max_prefill_tokens`` (the first always goes): a burst of long prompts is prefilled over
+        several step boundaries, and the rows already running take a step between them instead of
+        waiting for the whole burst (vLLM bounds a step's batched tokens for the same reason)."""
         n = self._admissible()
-        return [self._waiting.popleft() for _ in range(n)]
+        taken: list[Ticket] = []
+        tokens = 0
+        while len(taken) < n:
+            tokens += prefill_tokens(self._waiting[0])
+            if taken and tokens > self.max_prefill_tokens:
+                break
+            taken.append(self._waiting.popleft())
+        return taken
 
     # --- the loop thread -------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -218,12 +242,11 @@ class Scheduler:
                         future.set_result(fn())
                     except BaseException as exc:  # handed to the caller, who decides
                         future.set_exception(exc)
-            for ticket in admit:
-                self._admit(ticket)
+            for ticket in admit:  # each one's first tokens go out as soon as its prompt is prefilled,
+                self._admit(ticket)  # not after the others' prefills (time to first token)
+                self._deliver()
             with self._wake:
                 self._prefilling = 0
-            if admit:  # their first tokens go out now, not after the next step (time to first token)
-                self._deliver()
             self._cancel_requested()
             for kind, batch in list(self._batches.items()):
                 if batch.rows:
