@@ -16,8 +16,9 @@ from metaloom.speculative import Draft, Speculative, with_cost_model
 from metaloom.speculative.cost import VerifyCost, measure_verify_cost, monotone
 from metaloom.speculative.drafter import Verified
 from metaloom.speculative.drafters.ngram import NgramDrafter
-from metaloom.speculative.planned import PlannedDrafter, as_chain, kept_paths
+from metaloom.speculative.planned import Outcome, PlannedDrafter, as_chain, kept_paths
 from metaloom.speculative.planner import (
+    COLD,
     PROBE_EVERY,
     Acceptance,
     DraftCost,
@@ -215,7 +216,8 @@ def test_nothing_pays_drafts_only_probes():
     plain, _ = _run(None)
     assert tokens == plain
     assert usage.accepted_tokens == 0
-    assert usage.drafted_tokens <= 200 // PROBE_EVERY + 4, usage.drafted_tokens
+    # the one-node-longer probes back off too: at steps 16, 48, 112 (not every 16th), a node each
+    assert usage.drafted_tokens <= 8, usage.drafted_tokens
     off, usage_off = _run(Speculative(Oracle(False, "wrong"), 8))  # without the cost model: 8 a step
     assert off == plain and usage_off.drafted_tokens > 1000
 
@@ -252,3 +254,62 @@ def test_with_cost_model_measures_the_verify_cost_on_first_use():
     assert tokens == _run(None, max_tokens=40)[0]
     assert spec.drafter.cost is not None and spec.drafter.cost.widths == (1, 2, 3, 4, 5)
     assert usage.accepted_tokens > 0
+
+
+def test_one_node_longer_probes_back_off_while_they_keep_nothing():
+    """A drafter cheap enough to draft all it may and prune after (its own time counts 0), on a
+    cost curve where no node pays at these estimates (it is not even asked to propose but for the
+    probes), and every probe's extra node is rejected: so the probes come at
+    steps 16, 48, 112, 240 (the interval doubling), not every 16th; one that keeps a node brings
+    the interval back to `PROBE_EVERY`."""
+    planned = PlannedDrafter([(Oracle(False, "wrong"), 8)], cost=STEEP)
+
+    def steps(n: int, keep_at: int = -1) -> list[int]:
+        probed = []
+        for _ in range(n):
+            choice = planned.plan([COLD], [8])
+            assert choice.k == (8 if choice.extra else 0)  # cheap, but only a probe could be kept
+            verified = int(choice.extra)
+            kept = [[0]] if choice.extra and planned.step == keep_at else [[]]
+            planned.learn(choice, Outcome([COLD], [8], [8], [verified], kept, 0.0, 1.0, 1 + verified))
+            if choice.extra:
+                probed.append(planned.step)
+        return probed
+
+    assert steps(300) == [16, 48, 112, 240]
+    assert steps(300, keep_at=496) == [496, 512, 544]  # 240 + 256; it kept a node: 16 again, then doubling
+
+
+def test_may_pay_false_means_prune_keeps_nothing_whatever_is_proposed():
+    """Skipping the proposal is exact: whenever `may_pay` says no, `prune` verifies no node of
+    any draft the drafter could have proposed (any lengths, any confidence classes), and with
+    a flat cost curve a drafter with any chance of acceptance is asked."""
+    from metaloom.speculative.drafter import LEVELS
+    from metaloom.speculative.planner import HOT, Timing, prune
+
+    rng = np.random.default_rng(0)
+    refused = 0
+    for trial in range(300):
+        widths = np.array([1, 2, 4, 8, 65])  # a one-token step, then each token about `slope` steps more
+        steps = 1.0 + rng.uniform(0.1, 1.0) * (widths - 1) * rng.uniform(0.9, 1.1, 5)
+        steps[0] = 1.0
+        planned = PlannedDrafter([(Oracle(False, "x"), 6)], cost=VerifyCost((1, 2, 4, 8, 65), tuple(monotone(steps.tolist()))))
+        acc = planned.acceptance[0]
+        for _ in range(int(rng.integers(0, 40))):  # a random history of kept nodes per state and class
+            verified = int(rng.integers(1, 7))
+            acc.record(int(rng.integers(0, 2)), verified, list(range(int(rng.integers(0, verified + 1)) // 2)),
+                       int(rng.integers(0, LEVELS)))
+        rows = int(rng.integers(1, 4))
+        hot = [int(rng.integers(0, 2)) for _ in range(rows)]
+        timing = Timing(planned.cost, 1.0, float(rng.uniform(0, 0.5)))
+        if planned.may_pay(0, hot, [6] * rows, timing, rows):
+            continue
+        refused += 1
+        for _ in range(10):
+            levels = [int(rng.integers(0, LEVELS)) for _ in range(rows)]
+            lengths = [int(rng.integers(0, 7)) for _ in range(rows)]
+            kept = [acc.kept_rates(h, lv) for h, lv in zip(hot, levels, strict=True)]
+            assert prune(kept, lengths, rows, timing) == [0] * rows, trial
+    assert 30 < refused < 270  # both cases were exercised
+    flat = PlannedDrafter([(Oracle(False, "x"), 6)], cost=FLAT)
+    assert flat.may_pay(0, [HOT], [6], Timing(FLAT, 1.0, 0.0), 1)

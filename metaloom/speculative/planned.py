@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from metaloom.errors import InvalidParameter
@@ -30,12 +31,11 @@ from metaloom.models.forward import Ledgers
 from metaloom.models.protocols import LanguageModel
 from metaloom.sampling.pipeline import Sampler
 from metaloom.speculative.cost import VerifyCost, measure_verify_cost
-from metaloom.speculative.drafter import MAX_DRAFT, Draft, Drafter, DraftState, Verified
+from metaloom.speculative.drafter import LEVELS, MAX_DRAFT, Draft, Drafter, DraftState, Verified
 from metaloom.speculative.planner import (
     CHEAP,
     COLD,
     HOT,
-    PROBE_EVERY,
     Acceptance,
     DraftCost,
     Probe,
@@ -48,7 +48,8 @@ from metaloom.speculative.planner import (
 @dataclass(frozen=True)
 class Choice:
     """A step's plan: ``candidate`` drafts up to ``k`` tokens a row. ``extra``: verify one node
-    more per row than the estimates say (every `PROBE_EVERY` steps, to learn past them);
+    more per row than the estimates say (to learn past them: every `PROBE_EVERY` steps, an
+    interval that doubles while such steps keep nothing, as `Probe`'s);
     ``trial``: the candidate is tried because it was not chosen lately (`Probe`); ``rate``: the
     expected tokens per second of the best plan, which a trial is judged against."""
 
@@ -83,6 +84,7 @@ class PlannedDrafter:
         self.acceptance = [Acceptance(k) for k in self.caps]
         self.draft_costs = [DraftCost() for _ in self.caps]
         self.probes = [Probe() for _ in self.caps]
+        self.extras = [Probe() for _ in self.caps]  # when each drafter next verifies one node more
         self.scale, self.gap, self.step = 1.0, 0.0, 0
         self.steps = [0] * len(self.caps)  # steps each drafter drafted (some node verified)
         self.verified = [0] * len(self.caps)
@@ -119,7 +121,10 @@ class PlannedDrafter:
             timing = self.timing()
             plans = []
             if len(self.caps) == 1 and self.cheap(0, timing, rows):  # draft all it may, prune after
-                return Choice(0, self.caps[0], self.step % PROBE_EVERY == 0, False, 0.0)
+                extra = self.extras[0].due(self.step)
+                if not extra and not self.may_pay(0, hot, limits, timing, rows):  # `prune` would keep none:
+                    return Choice(0, 0, False, False, 0.0)  # not even asked, the plain step's cost
+                return Choice(0, self.caps[0], extra, False, 0.0)
             states = set(hot)
             for c, acc in enumerate(self.acceptance):
                 kept = {h: acc.kept_rates(h) for h in states}
@@ -129,7 +134,7 @@ class PlannedDrafter:
                                       self.caps[c])
                 plans.append((rate, -c, k))
             rate, neg, k = max(plans)
-            best = Choice(-neg, k, self.step % PROBE_EVERY == 0, False, rate)
+            best = Choice(-neg, k, self.extras[-neg].due(self.step), False, rate)
             due = [c for c in range(len(plans)) if (c != best.candidate or best.k == 0) and self.probes[c].due(self.step)]
             if due:  # the longest unseen first
                 c = min(due, key=lambda i: self.probes[i].last)
@@ -139,6 +144,19 @@ class PlannedDrafter:
     def cheap(self, c: int, timing: Timing, rows: int) -> bool:
         d = self.draft_costs[c]
         return d.seconds(self.caps[c]) - d.seconds(0) <= CHEAP * timing.scale * timing.cost.seconds_for(rows)
+
+    def may_pay(self, c: int, hot: Sequence[int], limits: Sequence[int], timing: Timing, rows: int) -> bool:
+        """Whether some draft of drafter ``c`` could be worth verifying in part: any m of its
+        nodes, each priced at the best first-node estimate of the rows' states over every
+        confidence class (an upper bound of what `prune` counts: estimates never rise along a
+        draft), beat the plain step's rate. When none does, `prune` keeps nothing whatever is
+        proposed, so the drafter need not propose."""
+        acc = self.acceptance[c]
+        best = max(float(acc.kept_rates(h, level)[0]) for h in set(hot) for level in (None, *range(LEVELS)))
+        most = sum(min(n, self.caps[c]) for n in limits)
+        m = np.arange(most + 1, dtype=np.float64)
+        rate = (rows + best * m) / timing.seconds_array(rows + m)
+        return bool(rate[1:].max(initial=-np.inf) > rate[0])
 
     def keep(self, choice: Choice, hot: Sequence[int], lengths: Sequence[int], rows: int, drafting: float,
              levels: Sequence[int] | None = None) -> list[int]:
@@ -170,6 +188,8 @@ class PlannedDrafter:
                 self.kept[c] += len(outcome.kept[b])
             drafted = any(outcome.verified)
             self.steps[c] += int(drafted)
+            if choice.extra and drafted:  # a probe that kept nothing backs off (a drafter nothing of which is accepted)
+                self.extras[c].tried(self.step, any(outcome.kept))
             if choice.trial:  # a trial wins when the step beat the plan it displaced
                 total = outcome.step + outcome.drafting + self.gap
                 tokens = len(outcome.hot) + sum(len(k) for k in outcome.kept)

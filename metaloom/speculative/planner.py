@@ -24,9 +24,10 @@ just left the copy keeps none, and the two regimes alternate within one answer. 
 counts decayed by `DECAY` per observation, shrunk towards a geometric continuation of the
 earlier nodes' rates (a node never verified is priced from the ones before it); nodes are priced
 no higher than the nodes before them (a prefix of a draft is what can be kept). To keep learning
-what it stopped doing, every `PROBE_EVERY` steps the planner verifies one node more than it
-would, and a drafter (or draft length) it has dropped is tried again after an interval that
-doubles each time the trial does not win (`Probe`).
+what it stopped doing, the planner verifies one node more than it would every `PROBE_EVERY`
+steps, and tries a drafter (or draft length) it has dropped again; both intervals double each time
+the trial does not win (`Probe`: the longer step kept nothing, the drafter's step was slower than
+the plan it displaced), so on text where nothing is accepted the trials fade to one in `PROBE_MOST` steps.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from metaloom.speculative.drafter import LEVELS
 PRIOR = 0.5  # prior acceptance of a first drafted node, before any observation
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind the prior
 DECAY = 0.98  # per observed row-step: about the last 50 count
-PROBE_EVERY = 16  # steps between one-node-longer trials
+PROBE_EVERY = 16  # steps between one-node-longer trials (and drafter trials) while they win
 PROBE_MOST = 1024  # the longest interval between trials of a dropped drafter
 CHEAP = 0.02  # drafting up to the cap costing less than this share of a step: draft it all, prune after
 HOT, COLD = 1, 0
