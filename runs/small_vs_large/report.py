@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -28,9 +29,10 @@ from metaloom.eval.report import write_report
 from metaloom.eval.report.load import load_sweep, merge_sweeps
 
 
-def restricted_copy(folder: str, problems: set[str], into: str) -> str:
-    """``folder``'s config and records on ``problems`` only, in ``into``/<folder's name>, with
-    its traces linked and its records file's time (the page's "written")."""
+def restricted_copy(folder: str, problems: set[str], into: str, exclude: Sequence[str] = ()) -> str:
+    """``folder``'s config and records on ``problems`` only (and none of a strategy whose spec
+    contains a text of ``exclude``), in ``into``/<folder's name>, with its traces linked and its
+    records file's time (the page's "written")."""
     out = os.path.join(into, os.path.basename(os.path.normpath(folder)))
     os.makedirs(out)
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
@@ -40,7 +42,7 @@ def restricted_copy(folder: str, problems: set[str], into: str) -> str:
         json.dump(config, f, indent=1)
     src = os.path.join(folder, "records.jsonl")
     with open(src, encoding="utf-8") as f, open(os.path.join(out, "records.jsonl"), "w", encoding="utf-8") as g:
-        g.writelines(line for line in f if line.strip() and json.loads(line).get("problem") in problems)
+        g.writelines(line for line in f if line.strip() and kept(json.loads(line), problems, exclude))
     stamp = os.path.getmtime(src)
     os.utime(os.path.join(out, "records.jsonl"), (stamp, stamp))
     if os.path.isdir(os.path.join(folder, "traces")):
@@ -48,16 +50,21 @@ def restricted_copy(folder: str, problems: set[str], into: str) -> str:
     return out
 
 
+def kept(record: dict, problems: set[str], exclude: Sequence[str]) -> bool:
+    return record.get("problem") in problems and not any(t in str(record.get("strategy")) for t in exclude)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("output", help="the HTML file to write")
     p.add_argument("folders", nargs="+", help="the small model's sweep, then the larger ones' (`--with`)")
     p.add_argument("--screenshot", default=None, metavar="PNG", help="also render the page to PNG (headless Chromium)")
+    p.add_argument("--exclude", action="append", default=[], help="leave out strategies whose spec contains TEXT")
     args = p.parse_args(argv)
     merged = merge_sweeps([load_sweep(f) for f in args.folders])
-    problems = {r.problem for r in complete(merged.records)}
+    problems = {r.problem for r in complete(merged.records, args.exclude)}
     with tempfile.TemporaryDirectory(prefix="metaloom-small-vs-large-") as tmp:
-        copies = [restricted_copy(f, problems, tmp) for f in args.folders]
+        copies = [restricted_copy(f, problems, tmp, args.exclude) for f in args.folders]
         path = write_report(copies[0], path=args.output, merge=copies[1:])
         print(f"{path}: {len(problems)} problems every strategy finished")
         if args.screenshot:
