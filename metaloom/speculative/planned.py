@@ -122,7 +122,8 @@ class PlannedDrafter:
             plans = []
             if len(self.caps) == 1 and self.cheap(0, timing, rows):  # draft all it may, prune after
                 extra = self.extras[0].due(self.step)
-                if not extra and not self.may_pay(0, hot, limits, timing, rows):  # `prune` would keep none:
+                drafted = self.timing(self.draft_costs[0].seconds(self.caps[0]))  # as `keep` prices it
+                if not extra and not self.may_pay(0, hot, limits, drafted, rows):  # `prune` would keep none:
                     return Choice(0, 0, False, False, 0.0)  # not even asked, the plain step's cost
                 return Choice(0, self.caps[0], extra, False, 0.0)
             states = set(hot)
@@ -149,8 +150,10 @@ class PlannedDrafter:
         """Whether some draft of drafter ``c`` could be worth verifying in part: any m of its
         nodes, each priced at the best first-node estimate of the rows' states over every
         confidence class (an upper bound of what `prune` counts: estimates never rise along a
-        draft), beat the plain step's rate. When none does, `prune` keeps nothing whatever is
-        proposed, so the drafter need not propose."""
+        draft), beat the plain step's rate under ``timing``. When none does, `prune` with that
+        timing keeps nothing whatever is proposed, so the drafter need not propose. The caller
+        passes the step's fixed time with the drafter's usual time for a whole draft in it (what
+        `keep` passes `prune`, up to that time's noise)."""
         acc = self.acceptance[c]
         best = max(float(acc.kept_rates(h, level)[0]) for h in set(hot) for level in (None, *range(LEVELS)))
         most = sum(min(n, self.caps[c]) for n in limits)
