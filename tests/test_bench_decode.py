@@ -277,3 +277,23 @@ def test_single_weights_for_one_model_benchmarks():
     assert single_weights(argparse.Namespace(weights="dense")) == "dense"
     with pytest.raises(InvalidParameter, match="weights"):
         single_weights(argparse.Namespace(weights="native,dense"))
+
+
+def test_native_q8_is_a_row_of_native_weights_with_int8_activations():
+    args = parse("--peers", "", "--weights", "native,native-q8", "--dtypes", "float32")
+    specs, _ = systems(args, "/folder", "/m.gguf", "Q4_1", 2)
+    assert [s.name for s in specs] == ["metaloom native float32", "metaloom native-q8 float32"]
+    assert "activations" not in specs[0].config
+    assert specs[1].config["weights"] == "native" and specs[1].config["activations"] == "q8"
+
+
+def test_the_worker_loads_what_the_row_says_int8_activations_included():
+    """The row's label must say what ran: the q8 row's model multiplies int8 activations."""
+    from metaloom.bench.peers.worker import MetaloomSystem
+
+    case = {"prompt_ids": [1, 2, 3], "temperature": 0.0, "n": 1, "max_tokens": 2}
+    q8 = MetaloomSystem({"model": "default", "dtype": "float32", "weights": "native", "activations": "q8"},
+                        {"greedy": case}, 1)
+    assert q8.info["activations"] == "q8" and q8.gen.loaded.activations == "q8"
+    plain = MetaloomSystem({"model": "default", "dtype": "float32", "weights": "native"}, {"greedy": case}, 1)
+    assert plain.info["activations"] == "float" and plain.gen.loaded.activations == "float"

@@ -43,7 +43,7 @@ LONG_PROMPT = (
                 "and each one carried a different flag." for i in range(1, 13))
 )
 PEERS = ("transformers", "llama.cpp", "vllm")
-WEIGHTS = ("native", "dense")
+WEIGHTS = ("native", "native-q8", "dense")
 DEFAULT_PEERS = "transformers"
 LINEAR = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
           "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
@@ -154,6 +154,9 @@ def systems(args: argparse.Namespace, folder: str, gguf: str | None, quant: str,
         if "native" in weights:
             out.append(SystemSpec(f"metaloom native {dtypes[0]}{tag}", "metaloom", sys.executable,
                                   common | {"dtype": dtypes[0], "weights": "native"}, env))
+        if "native-q8" in weights:  # int8 activations, integer products: llama.cpp's own arithmetic
+            out.append(SystemSpec(f"metaloom native-q8 {dtypes[0]}{tag}", "metaloom", sys.executable,
+                                  common | {"dtype": dtypes[0], "weights": "native", "activations": "q8"}, env))
         if "dense" in weights:
             out += [SystemSpec(f"metaloom dense {d}{tag}", "metaloom", sys.executable,
                                common | {"dtype": d, "weights": "dense"}, env) for d in dtypes]
@@ -324,7 +327,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     model_args(p, device=True, dtypes="float32,bfloat16", weights=False)
     p.add_argument("--weights", default="dense",
                    help="metaloom weight modes, comma-separated: native (the GGUF's quantised blocks, in the first of "
-                        "--dtypes), dense (dequantised, once per --dtypes entry)")
+                        "--dtypes), native-q8 (the same with --activations q8: int8 activations, integer products, "
+                        "as llama.cpp multiplies), dense (dequantised, once per --dtypes entry)")
     p.add_argument("--new-tokens", type=int, default=128, help="batch-1 greedy length")
     p.add_argument("--samples", type=int, default=16, help="samples in the n-samples case")
     p.add_argument("--sample-tokens", type=int, default=64, help="tokens per sample in the n-samples case")

@@ -71,7 +71,8 @@ class FakeSystem:
 
 class MetaloomSystem:
     """metaloom's `LocalGenerator`: ``config`` has model, dtype, device and weights ("native"
-    runs the GGUF's quantised blocks, "dense" dequantises to dtype)."""
+    runs the GGUF's quantised blocks, "dense" dequantises to dtype), and may have activations
+    ("q8": native weights times int8 activations)."""
 
     def __init__(self, config: dict[str, Any], cases: dict[str, Case], threads: int) -> None:
         import inspect
@@ -90,9 +91,16 @@ class MetaloomSystem:
             kwargs["weights"] = weights  # explicit: load's default picks whichever is faster here
         elif weights != "dense":
             raise RuntimeError(f"this metaloom's load() has no weights= parameter: weights={weights!r} is not available")
+        activations = config.get("activations", "float")
+        if activations != "float":
+            if "activations" not in inspect.signature(load).parameters:
+                raise RuntimeError(f"this metaloom's load() has no activations= parameter: {activations!r} is not available")
+            kwargs["activations"] = activations
         loaded = load(config["model"], **kwargs)
         if getattr(loaded, "weights", "dense") != weights:  # the row's label must say what ran
             raise RuntimeError(f"asked for weights={weights!r}, load() gave {getattr(loaded, 'weights', 'dense')!r}")
+        if getattr(loaded, "activations", "float") != activations:
+            raise RuntimeError(f"asked for activations={activations!r}, load() gave {getattr(loaded, 'activations', 'float')!r}")
         self.gen = LocalGenerator(loaded)
         self.requests = {
             name: Request(TokenIds(tuple(c["prompt_ids"])),
@@ -101,6 +109,7 @@ class MetaloomSystem:
             for name, c in cases.items()}
         model: Any = loaded.model
         self.info = {"step_path": step_path(model), "device": str(getattr(model, "device", "cpu")), "weights": weights,
+                     "activations": activations,
                      "isa": _kernel_path(),
                      "dense_weight_bytes": int(model.num_parameters() * loaded.dtype.itemsize)
                      if hasattr(model, "num_parameters") else None}
