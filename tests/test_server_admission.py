@@ -189,28 +189,30 @@ def _sink(log: list[tuple[str, int]], i: int):
     return sink
 
 
-def _burst(scheduler: Scheduler, n: int, max_tokens: int, log: list[tuple[str, int]]):
-    with held(scheduler):
-        tickets = [scheduler.submit(_request(max_tokens=max_tokens), Ledger(), _sink(log, i)) for i in range(n)]
-        for i, t in enumerate(tickets):
-            for row in t.rows_to_admit:
-                row.tag = i
-    return tickets
+def _burst(generator, monkeypatch, n: int, max_tokens: int, **options) -> list[tuple[str, int]]:
+    """Submit ``n`` requests while the loop is held (they arrive together), serve them to the
+    end and return the log: admissions, chunks with tokens, and steps (with their rows)."""
+    log: list[tuple[str, int]] = []
+    _logged(monkeypatch, log)
+    scheduler = Scheduler(generator, max_rows=64, on_step=lambda rows: log.append(("step", rows)), **options)
+    try:
+        with held(scheduler):
+            tickets = [scheduler.submit(_request(max_tokens=max_tokens), Ledger(), _sink(log, i)) for i in range(n)]
+            for i, t in enumerate(tickets):
+                for row in t.rows_to_admit:
+                    row.tag = i
+        for t in tickets:
+            _wait_done(t)
+    finally:
+        scheduler.close()
+    return log
 
 
 def test_a_burst_sends_each_first_token_before_the_next_prompt_is_prefilled(generator, monkeypatch):
     """Time to first token: request i's first token goes out when its own prompt is prefilled,
     not after the whole burst's prefills."""
-    log: list[tuple[str, int]] = []
-    _logged(monkeypatch, log)
-    scheduler = Scheduler(generator, max_rows=64)
-    try:
-        tickets = _burst(scheduler, 4, 3, log)
-        for t in tickets:
-            _wait_done(t)
-    finally:
-        scheduler.close()
-    firsts = [e for i, e in enumerate(log) if e[0] == "admit" or e not in log[:i]]  # admissions and first chunks
+    log = _burst(generator, monkeypatch, 4, 3)
+    firsts = [e for i, e in enumerate(log) if e[0] == "admit" or (e[0] == "chunk" and e not in log[:i])]
     assert firsts[:8] == [("admit", 0), ("chunk", 0), ("admit", 1), ("chunk", 1),
                           ("admit", 2), ("chunk", 2), ("admit", 3), ("chunk", 3)]
 
@@ -219,17 +221,7 @@ def test_running_rows_step_between_the_prefills_of_a_burst_past_max_prefill_toke
     """With max_prefill_tokens below one prompt, each step boundary admits one request (the first
     always goes, however long) and the rows admitted before take a step in between: a second
     token of request 0 comes before request 2 is prefilled."""
-    log: list[tuple[str, int]] = []
-    _logged(monkeypatch, log)
-    steps: list[int] = []
-    scheduler = Scheduler(generator, max_rows=64, max_prefill_tokens=1,
-                          on_step=lambda rows: (steps.append(rows), log.append(("step", rows))))
-    try:
-        tickets = _burst(scheduler, 3, 6, log)
-        for t in tickets:
-            _wait_done(t)
-    finally:
-        scheduler.close()
+    log = _burst(generator, monkeypatch, 3, 6, max_prefill_tokens=1)
     admits = [i for i, e in enumerate(log) if e[0] == "admit"]
     assert [log[i][1] for i in admits] == [0, 1, 2]
     between = log[admits[0]:admits[2]]
@@ -240,15 +232,7 @@ def test_running_rows_step_between_the_prefills_of_a_burst_past_max_prefill_toke
 
 
 def test_a_burst_within_max_prefill_tokens_is_admitted_at_one_step_boundary(generator, monkeypatch):
-    log: list[tuple[str, int]] = []
-    _logged(monkeypatch, log)
-    scheduler = Scheduler(generator, max_rows=64, on_step=lambda rows: log.append(("step", rows)))
-    try:
-        tickets = _burst(scheduler, 3, 4, log)
-        for t in tickets:
-            _wait_done(t)
-    finally:
-        scheduler.close()
+    log = _burst(generator, monkeypatch, 3, 4)
     admits = [i for i, e in enumerate(log) if e[0] == "admit"]
     assert not any(e[0] == "step" for e in log[:admits[-1]])  # all three prefilled before the first step
     assert ("step", 3) in log
