@@ -13,7 +13,7 @@ from metaloom.errors import InvalidParameter
 from metaloom.generator import LocalGenerator, Request
 from metaloom.ledger import Ledger
 from metaloom.sampling import SamplingParams
-from metaloom.server.admission import DrainRate, Overloaded, admissible, retry_after
+from metaloom.server.admission import DrainRate, Overloaded, admissible, prefill_tokens, retry_after, within_budget
 from metaloom.server.errors import api_error
 from metaloom.server.scheduler import Scheduler
 from metaloom.testing.tiny import tiny_llama
@@ -63,6 +63,25 @@ def test_admissible_takes_what_fits_first_in_first_out():
     assert admissible([4, 8, 1], 10, busy=True) == 1  # the 8 waits, and the 1 behind it (no overtaking)
     assert admissible([100, 1], 64, busy=False) == 1  # wider than every row: alone, when nothing runs
     assert admissible([100], 64, busy=True) == 0
+
+
+def test_within_budget_admits_prompts_up_to_the_budget_and_always_the_first():
+    assert within_budget([500, 700, 900, 10], 2048) == 2  # 500 + 700 + 900 = 2100 > 2048: the third waits
+    assert within_budget([500, 700, 800, 48], 2048) == 4  # exactly 2048
+    assert within_budget([5000, 1], 2048) == 1  # a prompt over the budget goes alone
+    assert within_budget([], 2048) == 0
+    assert within_budget([0, 0, 3], 2) == 2  # beam searches count nothing
+
+
+def test_prefill_tokens_counts_each_distinct_prompt_once():
+    from metaloom.decode.joining import NewRow
+
+    params = SamplingParams(max_tokens=4)
+    group = [NewRow(prompt=(1, 2, 3), params=params, ledger=Ledger(), group="g") for _ in range(4)]
+    alone = NewRow(prompt=(1, 2), params=params, ledger=Ledger(), secondary=(7, 8, 9))
+    assert prefill_tokens(group) == 3  # n samples share one prefill
+    assert prefill_tokens([*group, alone]) == 3 + 2 + 3  # a second stream's prompt is prefilled too
+    assert prefill_tokens([]) == 0
 
 
 def test_retry_after_grows_with_the_queue_and_is_an_integer_of_at_least_one_second():

@@ -121,6 +121,39 @@ def admissible(needs: Sequence[int], free: int, busy: bool, kv: Sequence[int] = 
     return taken
 
 
+def check_sizes(max_rows: int, max_waiting: int, max_prefill_tokens: int) -> None:
+    """The scheduler's sizes, refused with `InvalidParameter` naming the one out of range."""
+    if max_rows < 1:
+        raise InvalidParameter("max_rows", max_rows, ">= 1")
+    if max_waiting < 0:
+        raise InvalidParameter("max_waiting", max_waiting, ">= 0")
+    if max_prefill_tokens < 1:
+        raise InvalidParameter("max_prefill_tokens", max_prefill_tokens, ">= 1 token")
+
+
+def prefill_tokens(rows: Sequence[NewRow]) -> int:
+    """The prompt tokens admitting ``rows`` (one request's) prefills: each distinct prompt once
+    (a request's samples share one); none for a beam search (its lane prefills it)."""
+    prompts: dict[object, int] = {}
+    for r in rows:
+        prompts[r.group if r.group is not None else id(r)] = len(r.prompt) + len(r.secondary or ())
+    return sum(prompts.values())
+
+
+def within_budget(tokens: Sequence[int], budget: int) -> int:
+    """How many of the admissible requests (their `prefill_tokens`, in queue order) to admit at
+    one step boundary: as long as their prompts add up to at most ``budget``, the first always.
+    A burst of long prompts is then prefilled over several step boundaries, and the rows already
+    running take a step between them instead of waiting for the whole burst (vLLM bounds a
+    step's batched tokens for the same reason)."""
+    total = 0
+    for i, n in enumerate(tokens):
+        total += n
+        if i and total > budget:
+            return i
+    return len(tokens)
+
+
 def retry_after(ahead_rows: int, rows_per_second: float | None, max_rows: int, cap: int = 600) -> int:
     """Seconds a refused client should wait: the time for ``ahead_rows`` rows to leave the loop
     at the observed drain rate, ``ceil(ahead_rows / rows_per_second)``; with no rate observed

@@ -51,10 +51,13 @@ from metaloom.server.admission import (
     DrainRate,
     Overloaded,
     admissible,
+    check_sizes,
     free_slots,
     kv_need,
+    prefill_tokens,
     retry_after,
     shortfall,
+    within_budget,
 )
 from metaloom.server.ending import end_all
 from metaloom.server.intake import streams, ticket_for
@@ -68,31 +71,16 @@ __all__ = ["Event", "Failed", "Finished", "Overloaded", "Scheduler", "ShuttingDo
 log = logging.getLogger("metaloom.server")
 
 
-def prefill_tokens(ticket: Ticket) -> int:
-    """The prompt tokens admitting ``ticket`` prefills: each distinct prompt once (a request's
-    samples share one); a beam search counts 0 (its lane prefills it at its first turn)."""
-    prompts: dict[object, int] = {}
-    for r in ticket.rows_to_admit:
-        prompts[r.group if r.group is not None else id(r)] = len(r.prompt) + len(r.secondary or ())
-    return sum(prompts.values())
-
-
 class Scheduler:
     """``max_rows``: rows decoded together at most (admission waits for room); ``max_waiting``:
-    requests that cannot be admitted before `submit` refuses with `Overloaded`;
-    ``max_prefill_tokens``: prompt tokens admitted between two steps (`MAX_PREFILL_TOKENS`); ``limits``: what
-    one request may ask for (`Limits`). ``clock``: seconds, for the drain rate behind Retry-After."""
+    requests that cannot be admitted before `submit` refuses with `Overloaded`; ``max_prefill_tokens``:
+    prompt tokens admitted between two steps; ``limits``: what one request may ask for (`Limits`).
+    ``clock``: seconds, for the drain rate behind Retry-After."""
 
     def __init__(self, generator: LocalGenerator, *, max_rows: int = 64, max_waiting: int = 256,
                  max_prefill_tokens: int = MAX_PREFILL_TOKENS, on_step: Callable[[int], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 limits: Limits | None = None) -> None:
-        if max_rows < 1:
-            raise InvalidParameter("max_rows", max_rows, ">= 1")
-        if max_waiting < 0:
-            raise InvalidParameter("max_waiting", max_waiting, ">= 0")
-        if max_prefill_tokens < 1:
-            raise InvalidParameter("max_prefill_tokens", max_prefill_tokens, ">= 1 token")
+                 clock: Callable[[], float] = time.monotonic, limits: Limits | None = None) -> None:
+        check_sizes(max_rows, max_waiting, max_prefill_tokens)
         self.generator = generator
         self.max_rows, self.max_waiting, self.max_prefill_tokens = max_rows, max_waiting, max_prefill_tokens
         self.limits = limits or Limits()
@@ -195,20 +183,9 @@ class Scheduler:
         ahead = sum(t.width for t in self._waiting) - (self.max_rows - self._busy_rows)
         raise Overloaded(waiting, self.max_waiting, retry_after(ahead, self.drain.rate(self.clock()), self.max_rows))
 
-    def _take_admissible(self) -> list[Ticket]:
-        """The queue's head that fits (`admissible`), cut where its prompts pass
-        ``max_prefill_tokens`` (the first always goes): a burst of long prompts is prefilled over
-        several step boundaries, and the rows already running take a step between them instead of
-        waiting for the whole burst (vLLM bounds a step's batched tokens for the same reason)."""
-        n = self._admissible()
-        taken: list[Ticket] = []
-        tokens = 0
-        while len(taken) < n:
-            tokens += prefill_tokens(self._waiting[0])
-            if taken and tokens > self.max_prefill_tokens:
-                break
-            taken.append(self._waiting.popleft())
-        return taken
+    def _take_admissible(self) -> list[Ticket]:  # the head that fits (`admissible`), within the prefill budget
+        tokens = [prefill_tokens(t.rows_to_admit) for t in itertools.islice(self._waiting, self._admissible())]
+        return [self._waiting.popleft() for _ in range(within_budget(tokens, self.max_prefill_tokens))]
 
     # --- the loop thread -------------------------------------------------------------------------
     def _loop(self) -> None:
