@@ -120,6 +120,7 @@ def test_the_limits_are_published(hostile):
     assert r.status_code == 200
     limits = r.json()
     assert limits["max_n"] == 128 and limits["max_prompt_tokens"] == 2000 and limits["kv_pool"]["max_slots"] == 6000
+    assert limits["max_waiting"] == 1 and limits["max_prefill_tokens"] == 2048  # the scheduler's settings too
     card = httpx.get(hostile.url + "/v1/models", timeout=10).json()["data"][0]
     assert card["metaloom"]["limits"]["max_samples"] == 128 and card["max_model_len"] > 0
 

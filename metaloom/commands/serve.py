@@ -18,7 +18,7 @@ from typing import Any
 
 from metaloom.commands.common import add_model_args, engine_options
 from metaloom.errors import InvalidParameter
-from metaloom.server.limits import MAX_PREFILL_TOKENS, OPEN_ROUTES, Limits
+from metaloom.server.limits import MAX_PREFILL_TOKENS, OPEN_ROUTES, Limits, check_sizes
 
 log = logging.getLogger("metaloom.server")
 _LIMIT_HELP = {
@@ -81,11 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not 1 <= args.port <= 65535:
         raise InvalidParameter("port", args.port, "a port in 1..65535")
-    if args.max_prefill_tokens < 1:
-        raise InvalidParameter("max_prefill_tokens", args.max_prefill_tokens, ">= 1 token")
-    if args.max_rows < 1 or args.max_waiting < 0:  # checked before the model load, as the scheduler would
-        raise InvalidParameter("max_rows" if args.max_rows < 1 else "max_waiting",
-                               args.max_rows if args.max_rows < 1 else args.max_waiting, ">= 1 rows, >= 0 waiting")
+    check_sizes(args.max_rows, args.max_waiting, args.max_prefill_tokens)  # before the model load, as the scheduler would
     if not args.max_body_mb > 0:
         raise InvalidParameter("max_body_mb", args.max_body_mb, "> 0")
     if not args.shutdown_timeout >= 0:

@@ -121,16 +121,6 @@ def admissible(needs: Sequence[int], free: int, busy: bool, kv: Sequence[int] = 
     return taken
 
 
-def check_sizes(max_rows: int, max_waiting: int, max_prefill_tokens: int) -> None:
-    """The scheduler's sizes, refused with `InvalidParameter` naming the one out of range."""
-    if max_rows < 1:
-        raise InvalidParameter("max_rows", max_rows, ">= 1")
-    if max_waiting < 0:
-        raise InvalidParameter("max_waiting", max_waiting, ">= 0")
-    if max_prefill_tokens < 1:
-        raise InvalidParameter("max_prefill_tokens", max_prefill_tokens, ">= 1 token")
-
-
 def prefill_tokens(rows: Sequence[NewRow]) -> int:
     """The prompt tokens admitting ``rows`` (one request's) prefills: each distinct prompt once
     (a request's samples share one); none for a beam search (its lane prefills it)."""

@@ -58,7 +58,7 @@ class Served:
     gate: StrategyGate
     limits: Limits
     ids: tuple[str, ...]
-    settings: dict[str, int]  # max_rows, max_waiting, max_body_bytes: reported by /v1/limits
+    settings: dict[str, int]  # max_rows, max_waiting, max_body_bytes, max_prefill_tokens: reported by /v1/limits
     weights: dict[str, int]
     authorised: Callable[[Request], None]
 
@@ -91,7 +91,8 @@ def create_app(generator: LocalGenerator, *, model_ids: Sequence[str], api_key: 
     workers = ThreadPoolExecutor(max_workers=strategy_workers, thread_name_prefix="metaloom-strategy")
     size_pools(generator, max_rows, cap_bytes=kv_pool_bytes)
     served = Served(generator, scheduler, metrics, workers, StrategyGate(strategy_workers, max_waiting), limits,
-                    tuple(model_ids), {"max_rows": max_rows, "max_waiting": max_waiting, "max_body_bytes": max_body_bytes},
+                    tuple(model_ids), {"max_rows": max_rows, "max_waiting": max_waiting, "max_body_bytes": max_body_bytes,
+                                       "max_prefill_tokens": max_prefill_tokens},
                     storage_parts([generator.model, generator.amateur]), _key_check(api_key))
 
     @contextlib.asynccontextmanager

@@ -28,6 +28,17 @@ from metaloom.ledger import Budget
 # about a second of prefill for a 135M model on two cores, so running streams are not held for a burst
 MAX_PREFILL_TOKENS = 2048
 
+def check_sizes(max_rows: int, max_waiting: int, max_prefill_tokens: int) -> None:
+    """The scheduler's sizes (`metaloom serve` checks them before loading a model), refused with
+    `InvalidParameter` naming the one out of range."""
+    if max_rows < 1:
+        raise InvalidParameter("max_rows", max_rows, ">= 1")
+    if max_waiting < 0:
+        raise InvalidParameter("max_waiting", max_waiting, ">= 0")
+    if max_prefill_tokens < 1:
+        raise InvalidParameter("max_prefill_tokens", max_prefill_tokens, ">= 1 token")
+
+
 # routes a client may call without the API key (``--open-routes``): "docs" is /docs, /redoc and /openapi.json
 OPEN_ROUTES = ("health", "metrics", "docs")
 

@@ -51,7 +51,6 @@ from metaloom.server.admission import (
     DrainRate,
     Overloaded,
     admissible,
-    check_sizes,
     free_slots,
     kv_need,
     prefill_tokens,
@@ -62,7 +61,7 @@ from metaloom.server.admission import (
 from metaloom.server.ending import end_all
 from metaloom.server.intake import streams, ticket_for
 from metaloom.server.lanes import BeamLanes
-from metaloom.server.limits import MAX_PREFILL_TOKENS, Limits
+from metaloom.server.limits import MAX_PREFILL_TOKENS, Limits, check_sizes
 from metaloom.server.memory import shrink_pool, trim
 from metaloom.server.tickets import Event, Failed, Finished, ShuttingDown, Sink, Stats, Ticket, ended
 
