@@ -43,39 +43,64 @@ typedef float f8x __attribute__((vector_size(32)));
 /* A row x [in] (float32, or bfloat16 when xbf) -> q [in] int8 (perm: within each group of 8 the
  * elements 0 2 4 6 1 3 5 7, the panel kernels' order), d [in / 32] float, s [3 in / 32] int32
  * (each 32 quants' sum, then each 16's). A block holding a NaN or an infinity gets d = NaN, so
- * that every output it meets is NaN, as in float arithmetic. */
+ * that every output it meets is NaN, as in float arithmetic.
+ *
+ * In 8-lane vectors (GCC's generic vectors: AVX2, NEON, or two SSE halves): each element's
+ * operations are the scalar statement's, one IEEE operation each (no fma: NO_FMA), so the bits
+ * are the same; the block's max and sums do not depend on their order. Scalar, it was 30% of a
+ * 16-row q8 matmul. */
+typedef int8_t q8b8 __attribute__((vector_size(8)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
 NO_FMA static void q8_row(const void *x, int xbf, int64_t in, int perm, int8_t *q, float *d, int32_t *s) {
     const int64_t n32 = in / 32;
+    const i8x lim = {127, 127, 127, 127, 127, 127, 127, 127};
     for (int64_t b = 0; b < n32; b++) {
-        float v[32], amax = 0.0f;
+        f8x v[4];
+        for (int j = 0; j < 4; j++) {
+            if (xbf) {
+                u16x8 h;
+                memcpy(&h, (const uint16_t *)x + 32 * b + 8 * j, 16);
+                v[j] = (f8x)(__builtin_convertvector(h, u8x) << 16);
+            } else {
+                memcpy(&v[j], (const float *)x + 32 * b + 8 * j, 32);
+            }
+        }
+        /* |v| by clearing the sign bit; bad: a lane not <= the largest float (NaN, infinity) */
+        i8x badv = {0};
+        f8x m = {0};
+        for (int j = 0; j < 4; j++) {
+            const f8x a = (f8x)((u8x)v[j] & 0x7FFFFFFFu);
+            badv |= ~(a <= 3.4028235e38f);
+            m = (f8x)(((i8x)m & ~(a > m)) | ((i8x)a & (a > m)));
+        }
+        float amax = 0.0f;
         int bad = 0;
-        for (int i = 0; i < 32; i++) {
-            v[i] = xbf ? bits_f32((uint32_t)((const uint16_t *)x)[32 * b + i] << 16) : ((const float *)x)[32 * b + i];
-            const float a = fabsf(v[i]);
-            bad |= !(a <= 3.4028235e38f);
-            amax = a > amax ? a : amax;
+        for (int i = 0; i < 8; i++) {
+            amax = m[i] > amax ? m[i] : amax;
+            bad |= badv[i] != 0;
         }
         const float dd = amax / 127.0f, id = dd != 0.0f && !bad ? 1.0f / dd : 0.0f;
-        int8_t qb[32];
-        int32_t sum[2] = {0, 0};
-        for (int i = 0; i < 32; i++) { /* round(v id) half away from zero, exactly: truncate, then the
+        i8x sum[2] = {{0}, {0}};
+        for (int j = 0; j < 4; j++) { /* round(v id) half away from zero, exactly: truncate, then the
                                           exact remainder decides (|v id| <= 127: no overflow) */
-            const float t = bad ? 0.0f : v[i] * id;
-            int qi = (int)t;
-            const float f = t - (float)qi;
-            qi += (f >= 0.5f) - (f <= -0.5f);
-            qi = qi > 127 ? 127 : qi < -127 ? -127 : qi;
-            qb[i] = (int8_t)qi;
+            const f8x t = bad ? (f8x){0} : v[j] * id;
+            i8x qi = __builtin_convertvector(t, i8x);
+            const f8x f = t - __builtin_convertvector(qi, f8x);
+            qi += (i8x)(f <= -0.5f) - (i8x)(f >= 0.5f); /* a true comparison is -1 */
+            qi = (qi & ~(qi > lim)) | (lim & (qi > lim));
+            qi = (qi & ~(qi < -lim)) | (-lim & (qi < -lim));
+            sum[j / 2] += qi;
+            q8b8 qb = __builtin_convertvector(qi, q8b8);
+            if (perm) /* within each group of 8: elements 0 2 4 6 1 3 5 7 */
+                qb = __builtin_shuffle(qb, (q8b8){0, 2, 4, 6, 1, 3, 5, 7});
+            memcpy(q + 32 * b + 8 * j, &qb, 8);
         }
-        for (int i = 0; i < 32; i++) sum[i / 16] += qb[i];
-        if (perm) /* within each group of 8: elements 0 2 4 6 1 3 5 7 */
-            for (int i = 0; i < 32; i++) q[32 * b + (i & ~7) + (i & 1) * 4 + (i & 7) / 2] = qb[i];
-        else
-            memcpy(q + 32 * b, qb, 32);
+        int32_t s16[2] = {0, 0};
+        for (int i = 0; i < 8; i++) s16[0] += sum[0][i], s16[1] += sum[1][i];
         d[b] = bad ? NAN : dd;
-        s[b] = sum[0] + sum[1];
-        s[n32 + 2 * b] = sum[0];
-        s[n32 + 2 * b + 1] = sum[1];
+        s[b] = s16[0] + s16[1];
+        s[n32 + 2 * b] = s16[0];
+        s[n32 + 2 * b + 1] = s16[1];
     }
 }
 
@@ -87,7 +112,10 @@ typedef struct {
     void *mem;
 } q8rows;
 
-static int q8_prepare(const void *x, int xbf, int64_t rows, int64_t in, int perm, q8rows *r) {
+/* q8_alloc, then q8_fill over rows [lo, hi): each thread of a parallel region quantises its share
+ * of the rows (`q8_fill_share`) before the products, which need every row: on 2 threads the
+ * inputs take half the time they took before the region */
+static int q8_alloc(int64_t rows, int64_t in, q8rows *r) {
     const int64_t n32 = in / 32;
     const size_t qb = ((size_t)(rows * in) + 63) / 64 * 64, db = (size_t)(rows * n32) * sizeof(float);
     r->mem = aligned_alloc(64, (qb + db + (size_t)(rows * 3 * n32) * sizeof(int32_t) + 63) / 64 * 64);
@@ -95,10 +123,22 @@ static int q8_prepare(const void *x, int xbf, int64_t rows, int64_t in, int perm
     r->q = r->mem;
     r->d = (float *)((char *)r->mem + qb);
     r->s = (int32_t *)((char *)r->d + db);
-    for (int64_t i = 0; i < rows; i++)
+    return 0;
+}
+
+static void q8_fill(const void *x, int xbf, int64_t lo, int64_t hi, int64_t in, int perm, const q8rows *r) {
+    const int64_t n32 = in / 32;
+    for (int64_t i = lo; i < hi; i++)
         q8_row((const char *)x + i * in * (xbf ? 2 : 4), xbf, in, perm, r->q + i * in, r->d + i * n32,
                r->s + i * 3 * n32);
-    return 0;
+}
+
+/* inside a parallel region: this thread's share of the rows, then a barrier */
+static void q8_fill_share(const void *x, int xbf, int64_t rows, int64_t in, int perm, const q8rows *r) {
+    int64_t lo, hi;
+    thread_share(rows, 1, &lo, &hi);
+    q8_fill(x, xbf, lo, hi, in, perm, r);
+#pragma omp barrier
 }
 
 /* ---- integer dot products: per 32-bit lane, 4 bytes of weights (unsigned, or signed when sw)
@@ -306,10 +346,20 @@ INLINE void pbytes8(const int t, vecu V, vecu H, u8x *E, u8x *O) {
     }
 }
 
+/* a b + c, rounded once on x86 with FMA: written out rather than left to GCC's contraction,
+ * which code around an inlined epilogue can undo (a product hoisted out, then added apart) */
+INLINE vec fma8(vec a, vec b, vec c) {
+#if defined(__FMA__)
+    return (vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
 INLINE vec q8_epilogue8(const int t, vec acc, i8x isum, vec scale, vec off, float c, float dx, int32_t S) {
     if (q8_int_off(t)) isum += q8_c(t) * S;
-    acc = __builtin_convertvector(isum, vec) * (scale * splat(dx)) + acc;
-    if (q8_float_off(t)) acc = off * splat(c * (dx * (float)S)) + acc;
+    acc = fma8(__builtin_convertvector(isum, vec), scale * splat(dx), acc);
+    if (q8_float_off(t)) acc = fma8(off, splat(c * (dx * (float)S)), acc);
     return acc;
 }
 
@@ -324,6 +374,64 @@ INLINE vec q8_epilogue8(const int t, vec acc, i8x isum, vec scale, vec off, floa
 #endif
 #if defined(__AVX2__)
 INLINE int q8_run(const int t) { return t == Q6_K ? 1 : five_bit(t) ? 2 : 4; }
+#endif
+
+#if defined(__AVX2__) && !defined(ML_VNNI)
+/* Up to Q8_FEW - 1 rows (a one-token step, a verify of 2 or 3 tokens) take `q8_few_avx2`: 1.2-1.45x
+ * faster there than the loop of `q8_prows` below, and slower at 4 to 16 rows (0.8-0.95x), where
+ * that loop stays (scripts/q8_kernel_ab.py, AMD EPYC Zen 3). */
+#define Q8_FEW 4
+
+/* NR rows (a constant where it is inlined) of one sub-block: each group's four weight vectors
+ * against each row's two broadcast input words, vpmaddubsw's int16 pair sums added up over
+ * `q8_run` groups, then widened by vpmaddwd into the int32 sums, then the epilogue. The sums are
+ * exact, so they do not depend on the order of the adds. */
+INLINE void q8_nrows_avx2(const int t, const int NR, const __m256i *wq, const int8_t *xq, int64_t in, const float *dx,
+                          const int32_t *S, int64_t n32, const vec *scale, const vec *off, float c, vec *acc) {
+    const int GROUPS = pgroups(t), RUN = q8_run(t);
+    const __m256i one = _mm256_set1_epi16(1);
+    __m256i s16[3][2];
+    i8x isum[3][2];
+    UNROLL for (int i = 0; i < NR; i++) s16[i][0] = s16[i][1] = _mm256_setzero_si256(), isum[i][0] = isum[i][1] = (i8x){0};
+    UNROLL for (int v = 0; v < 4; v++) {
+        if (v >= GROUPS) continue;
+        const __m256i e0 = wq[4 * v], e1 = wq[4 * v + 1], o0 = wq[4 * v + 2], o1 = wq[4 * v + 3];
+        UNROLL for (int i = 0; i < NR; i++) {
+            const __m256i xe = _mm256_set1_epi32((int)ld_x4(xq + i * in + 8 * v));
+            const __m256i xo = _mm256_set1_epi32((int)ld_x4(xq + i * in + 8 * v + 4));
+            s16[i][0] = _mm256_add_epi16(s16[i][0], _mm256_add_epi16(_mm256_maddubs_epi16(e0, xe), _mm256_maddubs_epi16(o0, xo)));
+            s16[i][1] = _mm256_add_epi16(s16[i][1], _mm256_add_epi16(_mm256_maddubs_epi16(e1, xe), _mm256_maddubs_epi16(o1, xo)));
+            /* kept in its register here: else GCC reassociates a run's adds into a tree and
+             * spills every product to the stack first (1.25x slower) */
+            __asm__("" : "+x"(s16[i][0]), "+x"(s16[i][1]));
+        }
+        if ((v + 1) % RUN == 0 || v == GROUPS - 1)
+            UNROLL for (int i = 0; i < NR; i++) UNROLL for (int h = 0; h < 2; h++) {
+                isum[i][h] += (i8x)_mm256_madd_epi16(s16[i][h], one);
+                s16[i][h] = _mm256_setzero_si256();
+            }
+    }
+    UNROLL for (int i = 0; i < NR; i++) UNROLL for (int h = 0; h < 2; h++)
+        acc[2 * i + h] = q8_epilogue8(t, acc[2 * i + h], isum[i][h], scale[h], off[h], c, dx[i * n32], S[i * 3 * n32]);
+}
+
+/* R < Q8_FEW rows of one sub-block: the group bytes E, O (from `pbytes8`) laid out once in L1,
+ * then all rows in one inlined block */
+INLINE void q8_few_avx2(const int t, u8x E[4][2], u8x O[4][2], const q8rows *x, int64_t in, int64_t e0, int64_t blk,
+                        int64_t sat, int64_t n32, const vec *scale, const vec *off, float c, vec *acc, int R) {
+    __m256i wq[16] __attribute__((aligned(32)));
+    UNROLL for (int v = 0; v < 4; v++) {
+        if (v >= pgroups(t)) continue;
+        wq[4 * v] = (__m256i)E[v][0], wq[4 * v + 1] = (__m256i)E[v][1];
+        wq[4 * v + 2] = (__m256i)O[v][0], wq[4 * v + 3] = (__m256i)O[v][1];
+    }
+    const int8_t *xq = x->q + e0;
+    const float *dx = x->d + blk;
+    const int32_t *S = x->s + sat;
+    if (R == 1) q8_nrows_avx2(t, 1, wq, xq, in, dx, S, n32, scale, off, c, acc);
+    else if (R == 2) q8_nrows_avx2(t, 2, wq, xq, in, dx, S, n32, scale, off, c, acc);
+    else q8_nrows_avx2(t, 3, wq, xq, in, dx, S, n32, scale, off, c, acc);
+}
 #endif
 
 INLINE void q8_prows(const int t, const uint8_t *pw, int64_t nb, const q8rows *x, int64_t in, int64_t p, void *y,
@@ -349,6 +457,12 @@ INLINE void q8_prows(const int t, const uint8_t *pw, int64_t nb, const q8rows *x
             int64_t at;
             for (int h = 0; h < 2; h++) pscales8(t, P, g, b, sb, n32, h, &scale[h], &off[h], &c, &at);
             const int64_t e0 = b * SUBS * SE + sb * SE, blk = e0 / 32, sat = q8_sat(t, b, sb, n32);
+#if defined(__AVX2__) && !defined(ML_VNNI)
+            if (!iq4(t) && R < Q8_FEW) {
+                q8_few_avx2(t, E, O, x, in, e0, blk, sat, n32, scale, off, c, acc, R);
+                continue;
+            }
+#endif
             for (int r0 = 0; r0 < R; r0 += Q8_RB) {
                 const int nr = R - r0 < Q8_RB ? R - r0 : Q8_RB;
                 i8x isum[Q8_RB][2];
@@ -423,10 +537,11 @@ int quant_panel_matmul_q8(int t, const uint8_t *pw, int64_t out, int64_t in, con
     (void)threads; /* without OpenMP */
     if (!fn || in % block_elems(t) || out % 16 || out <= 0) return -1;
     q8rows xr;
-    if (q8_prepare(x, xbf, rows, in, 1, &xr)) return -2;
+    if (q8_alloc(rows, in, &xr)) return -2;
     const int64_t nb = in / block_elems(t), np = out / 16, n32 = in / 32, elem = ybf ? 2 : 4;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
+        q8_fill_share(x, xbf, rows, in, 1, &xr);
         int64_t lo, hi;
         thread_share(np, 1, &lo, &hi);
         for (int64_t c = 0; c * PANEL_ROWS < rows && lo < hi; c++) {
@@ -572,12 +687,14 @@ int quant_matmul_q8(int t, const uint8_t *w, int64_t out, int64_t in, const void
     if (!fn || in % block_elems(t)) return -1;
     (void)threads;
     q8rows xr;
-    if (q8_prepare(x, xbf, rows, in, 0, &xr)) return -2;
+    if (q8_alloc(rows, in, &xr)) return -2;
     if (threads <= 1) {
+        q8_fill(x, xbf, 0, rows, in, 0, &xr);
         fn(w, in, &xr, rows, y, out, ybf, 0, out);
     } else {
 #pragma omp parallel num_threads(threads)
         {
+            q8_fill_share(x, xbf, rows, in, 0, &xr);
             int64_t lo, hi;
             thread_share(out, 8, &lo, &hi);
             if (lo < hi) fn(w, in, &xr, rows, y, out, ybf, lo, hi);

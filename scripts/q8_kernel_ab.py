@@ -1,0 +1,107 @@
+"""The q8 panel product (quant_q8.h's `quant_panel_matmul_q8`) of a git revision against the
+working tree's, both built for the path this CPU runs and loaded in one process, called
+alternately; not a test.
+
+    python scripts/q8_kernel_ab.py [--base HEAD] [--threads 2] [--rows 1,4,16,32] [--calls 30]
+
+Prints a markdown table: per weight shape and row count, median µs old / new and the ratio, and
+whether the two outputs have the same bits (NaN equal to NaN). Both libraries are compiled here
+with the same flags (`metaloom.models.kernels.cbuild.compile_library`), so only the source
+differs. On a shared machine compare ratios, not absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from quant_kernel_speed import random_blocks
+
+from metaloom.models.kernels import cbuild, isa
+from metaloom.models.kernels.quant import QuantWeight
+from metaloom.models.kernels.quant_library import PARTS
+from metaloom.models.kernels.quant_types import BY_NAME
+
+KERNELS = Path("metaloom/models/kernels")
+FILES = ("quant.c", "quant_q8.h", "vec_store.h")
+SHAPES = (("SmolLM2 gate_up", "Q4_1", 3072, 576), ("SmolLM2 down", "Q4_1", 576, 1536),
+          ("Qwen2.5-0.5B gate_up", "Q5_0", 9728, 896), ("Qwen2.5-0.5B down", "Q6_K", 896, 4864),
+          ("a K-quant", "Q4_K", 2048, 1536))
+
+
+def build(sources: dict[str, str], where: Path) -> ctypes.CDLL:
+    where.mkdir(parents=True)
+    for name, text in sources.items():
+        (where / name).write_text(text)
+    out = where / "quant.so"
+    cc = cbuild.compiler()
+    if cc is None:
+        raise SystemExit("no C compiler")
+    complaint = cbuild.compile_library(cc, where / "quant.c", out, isa_flags=isa.flags(isa.chosen().name), parts=PARTS)
+    if complaint:
+        raise SystemExit(f"build failed in {where}: {complaint}")
+    lib = ctypes.CDLL(str(out))
+    lib.quant_panel_matmul_q8.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                          ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                          ctypes.c_int64, ctypes.c_int64]
+    return lib
+
+
+def alternate(libs: dict[str, ctypes.CDLL], qtype: int, w: QuantWeight, x: torch.Tensor, ys: dict[str, torch.Tensor],
+              threads: int, calls: int) -> dict[str, list[float]]:
+    """Seconds of each call, the libraries taking turns (after one call each to warm up)."""
+    out, inputs = w.shape
+    rows = x.shape[0]
+    times: dict[str, list[float]] = {n: [] for n in libs}
+    for turn in range(calls + 1):
+        for n, lib in libs.items():
+            start = time.perf_counter()
+            lib.quant_panel_matmul_q8(qtype, w.blocks.data_ptr(), out, inputs, x.data_ptr(), 0, ys[n].data_ptr(), 0,
+                                      rows, threads)
+            if turn:
+                times[n].append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--base", default="HEAD")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rows", default="1,4,16,32")
+    p.add_argument("--calls", type=int, default=30)
+    args = p.parse_args()
+    rows_list = [int(r) for r in args.rows.split(",")]
+    old = {f: subprocess.run(["git", "show", f"{args.base}:{KERNELS / f}"], capture_output=True, text=True,
+                             check=True).stdout for f in FILES}
+    new = {f: (KERNELS / f).read_text() for f in FILES}
+    tmp = Path(tempfile.mkdtemp())
+    libs = {"old": build(old, tmp / "old"), "new": build(new, tmp / "new")}
+    g = torch.Generator().manual_seed(0)
+    print(f"{isa.cpu_name()}, {isa.chosen().name} path, {args.threads} threads, {args.base} -> working tree")
+    print("| weight [out, in], type | " + " | ".join(f"{r} rows" for r in rows_list) + " |")
+    print("|---|" + "---|" * len(rows_list))
+    for label, t, out, inputs in SHAPES:
+        qtype = BY_NAME[t]
+        w = QuantWeight(qtype, random_blocks(qtype, out, inputs, g), inputs).panelled()
+        cells = []
+        for rows in rows_list:
+            x = torch.randn(rows, inputs, generator=g)
+            ys = {n: torch.empty(rows, out) for n in libs}
+            times = alternate(libs, qtype, w, x, ys, args.threads, args.calls)
+            same = torch.equal(ys["old"].nan_to_num(7.0), ys["new"].nan_to_num(7.0))
+            a, b = (statistics.median(times[n]) * 1e6 for n in ("old", "new"))
+            cells.append(f"{a:.0f} / {b:.0f} ({a / b:.2f}x){'' if same else ' DIFFERENT BITS'}")
+        print(f"| {label} [{out}, {inputs}], {t} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
