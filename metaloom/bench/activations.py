@@ -3,8 +3,11 @@ native quantised weights, side by side in one run (issue 47).
 
 - **width**: the median seconds of one decode step over ``rows`` rows (each row one new token
   after a ``--context``-token prompt), for each ``--rows`` entry, and its ratio to one row: the
-  cost a verify of k drafted tokens or a batch of k samples pays. Float and q8 alternate within
-  every repeat (`metaloom.bench.timing.paired_median_seconds`).
+  cost a verify of k drafted tokens or a batch of k samples pays. Twice: each row with its own
+  prompt's keys (``separate``: a batch of k requests; each row reads its own cache, so attention
+  grows with the rows whatever the products cost) and every row forked from one prefill
+  (``shared``: k samples of one prompt, as `LocalGenerator` runs them, or a verify's tokens,
+  which read one sequence's keys). Float and q8 alternate within every repeat.
 - **samples**: ``--samples`` samples x ``--sample-tokens`` tokens of one prompt (temperature
   0.8, seeded, end-of-sequence ignored) through `LocalGenerator`, median seconds of each.
 - **quality**: perplexity of ``--text-tokens`` tokens of held-out text (metaloom's own docs,
@@ -40,14 +43,21 @@ PROMPTS = ("Explain in two sentences why the sky is blue.", "Write a Python func
            "Summarise the plot of Romeo and Juliet in one paragraph.", "Give me a name for a pet turtle.")
 
 
-def step_seconds(model: Any, rows: int, context: int, steps: int) -> float:
-    """Median seconds of a one-token step over ``rows`` rows after a ``context``-token prefill."""
+def step_seconds(model: Any, rows: int, context: int, steps: int, shared: bool = False) -> float:
+    """Median seconds of a one-token step over ``rows`` rows after a ``context``-token prefill of
+    each row (``shared``: one prefill, forked to the rows, which then share its keys)."""
     import time
 
-    cache = model.new_cache(rows, context + steps + 2)
-    try:
-        ids = torch.arange(context, device=model.device).remainder(model.vocab_size - 1).add(1)
+    ids = torch.arange(context, device=model.device).remainder(model.vocab_size - 1).add(1)
+    if shared:
+        base = model.new_cache(1, context + steps + 2)
+        model.forward(ids[None], base)
+        cache = base.fork([0] * rows)
+        base.release()
+    else:
+        cache = model.new_cache(rows, context + steps + 2)
         model.forward(ids.expand(rows, context).contiguous(), cache)
+    try:
         token = torch.ones(rows, 1, dtype=torch.long, device=model.device)
         times = []
         for _ in range(steps):
@@ -86,16 +96,17 @@ def measure(loaded: Any, rows: list[int], context: int, steps: int, samples: int
     models = {"float": loaded.model, "q8": with_activations(loaded.model, "q8")}
     out: dict[str, Any] = {"rows": rows, "context": context, "samples": samples, "sample_tokens": sample_tokens,
                            "sides": {name: {} for name in models}}
-    for r in rows:
-        per: dict[str, list[float]] = {name: [] for name in models}
-        for _ in range(repeats + 1):  # float and q8 alternate; the first round warms up
-            for name, m in models.items():
-                per[name].append(step_seconds(m, r, context, steps))
+    for prefix, shared in (("", False), ("shared_", True)):
+        for r in rows:
+            per: dict[str, list[float]] = {name: [] for name in models}
+            for _ in range(repeats + 1):  # float and q8 alternate; the first round warms up
+                for name, m in models.items():
+                    per[name].append(step_seconds(m, r, context, steps, shared))
+            for name in models:
+                out["sides"][name].setdefault(f"{prefix}step_seconds", {})[str(r)] = statistics.median(per[name][1:])
         for name in models:
-            out["sides"][name].setdefault("step_seconds", {})[str(r)] = statistics.median(per[name][1:])
-    for name in models:
-        s = out["sides"][name]["step_seconds"]
-        out["sides"][name]["width_ratio"] = {k: v / s[str(rows[0])] for k, v in s.items()}
+            s = out["sides"][name][f"{prefix}step_seconds"]
+            out["sides"][name][f"{prefix}width_ratio"] = {k: v / s[str(rows[0])] for k, v in s.items()}
     tok = loaded.tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPTS[-1]}]), add_special_tokens=False)
     params = SamplingParams(temperature=0.8, n=samples, max_tokens=sample_tokens, ignore_eos=True, seed=0)
@@ -161,11 +172,12 @@ def main(args: argparse.Namespace) -> int:
         return 0
     print(f"{result['model']} (native weights, {result['dtype']}; {result['cpu']}, {result['isa']} path, "
           f"{result['threads']} threads)")
-    print(f"{'':>6} " + " ".join(f"{r:>4} rows" for r in rows) + "  x1 row at the widest  samples tok/s  perplexity")
+    print(f"{'':>13} " + " ".join(f"{r:>4} rows" for r in rows) + "  x1 row at the widest  samples tok/s  perplexity")
     for name, s in result["sides"].items():
-        steps = " ".join(f"{1e3 * s['step_seconds'][str(r)]:>7.2f}ms" for r in rows)
-        print(f"{name:>6} {steps}  {s['width_ratio'][str(rows[-1])]:>20.2f}  {s['samples_tok_s']:>13.1f}  "
-              f"{s['perplexity']:>10.3f}")
+        for prefix, label in (("", "separate"), ("shared_", "shared")):
+            steps = " ".join(f"{1e3 * s[f'{prefix}step_seconds'][str(r)]:>7.2f}ms" for r in rows)
+            tail = f"  {s['samples_tok_s']:>13.1f}  {s['perplexity']:>10.3f}" if not prefix else ""
+            print(f"{name:>5} {label:>8} {steps}  {s[f'{prefix}width_ratio'][str(rows[-1])]:>20.2f}{tail}")
     g = result["greedy"]
     print(f"greedy, {g['tokens']} tokens, {len(g['prompts'])} prompts: {100 * g['identical']:.0f}% identical, "
           f"mean shared prefix {g['mean_shared_prefix']:.1f} tokens")
