@@ -180,3 +180,36 @@ def test_chat_template_args_reach_the_sweeps_model_and_its_run_line(monkeypatch)
     line = shlex.split(run_line("greedy", setup))
     assert line[line.index("--chat-template-arg") + 1] == "enable_thinking=false"
     assert "name=\"Bob\"" in line
+
+
+def test_q8_activations_reach_the_sweeps_model_its_identity_and_its_run_line(monkeypatch):
+    """`metaloom eval --activations q8` built a Setup with a field it did not have (a TypeError
+    before any run); now the setting reaches `load`, tells the sweep apart from a float one (a
+    resume with the other setting is refused), and is in the `metaloom run` line."""
+    import argparse
+    import importlib
+    import shlex
+
+    from metaloom.commands.evaluate import register, run_line, setup_of
+    from metaloom.eval import worker
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    base = ["eval", "--task", "countdown", "--strategies", "greedy", "--out", "x"]
+    setup = setup_of(parser.parse_args([*base, "--activations", "q8"]))
+    plain = setup_of(parser.parse_args(base))
+    assert setup.activations == "q8" and setup.identity()["activations"] == "q8"
+    assert plain.activations == "float" and "activations" not in plain.identity()  # older sweeps stay resumable
+    seen = {}
+
+    def fake_load(model, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(importlib.import_module("metaloom.models.load"), "load", fake_load)
+    with pytest.raises(RuntimeError, match="stop here"):
+        worker.Worker(setup)
+    assert seen["activations"] == "q8"
+    line = shlex.split(run_line("greedy", setup))
+    assert line[line.index("--activations") + 1] == "q8"
+    assert "--activations" not in shlex.split(run_line("greedy", plain))

@@ -131,13 +131,13 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
 def run_line(spec: str, setup: Any) -> str:
     """The `metaloom run` command that runs ``spec`` as the sweep ran it: its model, and every
     setting of the sweep that changes what the strategy generates (dtype, weights, device,
-    backend, max tokens, temperature, a remote server, the chat template's variables)."""
+    backend, q8 activations, max tokens, temperature, a remote server, the chat template's variables)."""
     import shlex
 
     parts = ["metaloom", "run", "--strategy", spec, "--model", setup.model]
-    defaults = {"dtype": "float32", "device": "auto", "backend": "auto", "weights": "auto"}
+    defaults = {"dtype": "float32", "device": "auto", "backend": "auto", "weights": "auto", "activations": "float"}
     for name, default in defaults.items():
-        value = getattr(setup, name)
+        value = getattr(setup, name, default)
         if value != default:
             parts += [f"--{name.replace('_', '-')}", str(value)]
     for name in ("max_tokens", "temperature", "base_url"):

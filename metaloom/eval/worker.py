@@ -45,6 +45,7 @@ class Setup:
     device: str = "auto"
     backend: str = "auto"
     weights: str = "auto"
+    activations: str = "float"  # --activations q8: the native engine's int8 inputs
     kv_dtype: str = "auto"
     shared_prefix_attention: str = "auto"
     kv_policy: str = "full"
@@ -68,7 +69,8 @@ class Setup:
             d.pop(k)
         # the engine options at their default are left out: a sweep written before they existed
         # ran with them at their defaults, and stays comparable (resumable) with one run now
-        for k, default in (("kv_dtype", "auto"), ("shared_prefix_attention", "auto"), ("kv_policy", "full"),
+        for k, default in (("activations", "float"), ("kv_dtype", "auto"), ("shared_prefix_attention", "auto"),
+                           ("kv_policy", "full"),
                            ("kv_budget", None), ("chat_template_args", None)):
             if d[k] == default:
                 d.pop(k)
@@ -129,7 +131,7 @@ class Worker:
             from metaloom.models.load import load
 
             self.loaded = load(setup.model, dtype=setup.dtype, device=setup.device, backend=setup.backend,
-                               weights=setup.weights, kv_dtype=setup.kv_dtype,
+                               weights=setup.weights, activations=setup.activations, kv_dtype=setup.kv_dtype,
                                shared_prefix_attention=setup.shared_prefix_attention,
                                kv_policy=setup.kv_policy, kv_budget=setup.kv_budget,
                                **({"chat_template_args": json.loads(setup.chat_template_args)}
