@@ -72,7 +72,19 @@ def _reader(path: str) -> Any:
     try:
         return gguf.GGUFReader(path)
     except Exception as exc:  # the gguf package raises assorted errors on corrupt files
+        if _ran_past_the_end(exc):
+            raise NotAModel(f"{path} is shorter than its GGUF header says ({os.path.getsize(path):,} bytes): "
+                            f"truncated (an interrupted download or copy?) or a corrupt header; gguf: {exc}") from exc
         raise NotAModel(f"{path} could not be read as GGUF: {exc}") from exc
+
+
+def _ran_past_the_end(exc: Exception) -> bool:
+    """Whether the gguf package failed because a field or tensor it read ran past the file's end:
+    it reads through a memory map, whose slices past the end come back short, and then fails to
+    view or reshape them (numpy's "cannot reshape array of size ..." or "... must be a divisor
+    of the total size ...")."""
+    text = str(exc)
+    return isinstance(exc, ValueError) and ("cannot reshape array" in text or "must be a divisor" in text)
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
