@@ -99,3 +99,17 @@ def test_each_progress_line_reads_its_own_methods_row(tmp_path, monkeypatch, cap
         name, rest = line.split("] ", 1)[1].split(": ", 1)
         assert rest.startswith(f"{rows[name]['tok_s']:.2f} tok/s"), (line, rows[name]["tok_s"])
     assert f"{rows['metaloom greedy']['tok_s']:.2f}" != f"{rows['slow peer']['tok_s']:.2f}"
+
+
+def test_q8_activations_reach_the_model_every_method_runs_and_the_report(tmp_path, monkeypatch) -> None:
+    seen = []
+    real = speculative.load
+
+    def spy(*a, **kw):
+        seen.append(kw.get("activations"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(speculative, "load", spy)
+    monkeypatch.setattr(speculative, "drafter_methods", lambda *a: [])
+    report = speculative.run(_args(tmp_path, activations="q8", weights="native"))
+    assert seen == ["q8"] and report["activations"] == "q8"

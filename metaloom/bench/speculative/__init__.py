@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         reports.append(_one_dtype(args, dtype, reports))
     out: dict[str, Any] = {**_header(args), "runs": reports}
     if args.prefix_tokens > 0:
-        loaded = load(args.model, dtype=reports[0]["dtype"], weights=single_weights(args))
+        loaded = load(args.model, dtype=reports[0]["dtype"], weights=single_weights(args), activations=args.activations)
         out["prefix_cache"] = prefix_cache_case(loaded, args.prefix_tokens, args.repeats)
     if args.out:
         write_json(args.out, out)
@@ -68,12 +68,13 @@ def _header(args: argparse.Namespace) -> dict[str, Any]:
     from metaloom.models.kernels import isa
 
     return {"cpu": isa.cpu_name(), "cpu_features": isa.describe(isa.cpu_features()), "isa": isa.chosen().name,
-            "threads": torch.get_num_threads(), "weights": str(args.weights), "new_tokens": args.new_tokens,
+            "threads": torch.get_num_threads(), "weights": str(args.weights), "activations": args.activations,
+            "new_tokens": args.new_tokens,
             "prompts": len(PROMPT_SETS[args.prompts]), "prompt_set": args.prompts, "repeats": args.repeats}
 
 
 def _one_dtype(args: argparse.Namespace, dtype: str, done: list[dict[str, Any]]) -> dict[str, Any]:
-    loaded = load(args.model, dtype=dtype, weights=single_weights(args))
+    loaded = load(args.model, dtype=dtype, weights=single_weights(args), activations=args.activations)
     n = args.new_tokens
     skipped: dict[str, str] = {}
     prompts = PROMPT_SETS[args.prompts]
@@ -133,6 +134,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     for action in p._actions:
         if action.dest == "weights":
             action.help = "auto (default: what `load` picks on this machine, as a user gets) | native | dense"
+    p.add_argument("--activations", default="float", choices=("float", "q8"),
+                   help="q8: the native weights multiply int8 inputs (load(activations=)), greedy and every drafter alike")
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per prompt")
     p.add_argument("--drafters", default="auto,ngram,quantized,quantized-int4,jacobi,jacobi-lookup,heads,draft,"
                                          "recycling/chain,recycling",
