@@ -165,17 +165,7 @@ def test_chat_template_args_reach_the_sweeps_model_and_its_run_line(monkeypatch)
     assert hash(setup) and setup.identity()["chat_template_args"] == setup.chat_template_args
     plain = setup_of(parser.parse_args(["eval", "--task", "countdown", "--strategies", "greedy", "--out", "x"]))
     assert plain.chat_template_args is None and "chat_template_args" not in plain.identity()
-    seen = {}
-
-    def fake_load(model, **kwargs):
-        seen.update(kwargs)
-        raise RuntimeError("stop here")
-
-    import importlib
-
-    monkeypatch.setattr(importlib.import_module("metaloom.models.load"), "load", fake_load)
-    with pytest.raises(RuntimeError, match="stop here"):
-        worker.Worker(setup)
+    seen = _load_arguments(worker, setup, monkeypatch)
     assert seen["chat_template_args"] == {"enable_thinking": False, "name": "Bob"}
     line = shlex.split(run_line("greedy", setup))
     assert line[line.index("--chat-template-arg") + 1] == "enable_thinking=false"
@@ -187,7 +177,6 @@ def test_q8_activations_reach_the_sweeps_model_its_identity_and_its_run_line(mon
     before any run); now the setting reaches `load`, tells the sweep apart from a float one (a
     resume with the other setting is refused), and is in the `metaloom run` line."""
     import argparse
-    import importlib
     import shlex
 
     from metaloom.commands.evaluate import register, run_line, setup_of
@@ -200,7 +189,17 @@ def test_q8_activations_reach_the_sweeps_model_its_identity_and_its_run_line(mon
     plain = setup_of(parser.parse_args(base))
     assert setup.activations == "q8" and setup.identity()["activations"] == "q8"
     assert plain.activations == "float" and "activations" not in plain.identity()  # older sweeps stay resumable
-    seen = {}
+    assert _load_arguments(worker, setup, monkeypatch)["activations"] == "q8"
+    line = shlex.split(run_line("greedy", setup))
+    assert line[line.index("--activations") + 1] == "q8"
+    assert "--activations" not in shlex.split(run_line("greedy", plain))
+
+
+def _load_arguments(worker, setup, monkeypatch) -> dict:
+    """The keyword arguments a `Worker` for ``setup`` passes to `load` (which is stopped there)."""
+    import importlib
+
+    seen: dict = {}
 
     def fake_load(model, **kwargs):
         seen.update(kwargs)
@@ -209,7 +208,4 @@ def test_q8_activations_reach_the_sweeps_model_its_identity_and_its_run_line(mon
     monkeypatch.setattr(importlib.import_module("metaloom.models.load"), "load", fake_load)
     with pytest.raises(RuntimeError, match="stop here"):
         worker.Worker(setup)
-    assert seen["activations"] == "q8"
-    line = shlex.split(run_line("greedy", setup))
-    assert line[line.index("--activations") + 1] == "q8"
-    assert "--activations" not in shlex.split(run_line("greedy", plain))
+    return seen
