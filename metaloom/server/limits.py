@@ -28,6 +28,7 @@ from metaloom.ledger import Budget
 # about a second of prefill for a 135M model on two cores, so running streams are not held for a burst
 MAX_PREFILL_TOKENS = 2048
 
+
 def check_sizes(max_rows: int, max_waiting: int, max_prefill_tokens: int) -> None:
     """The scheduler's sizes (`metaloom serve` checks them before loading a model), refused with
     `InvalidParameter` naming the one out of range."""

@@ -386,8 +386,9 @@ INLINE int q8_run(const int t) { return t == Q6_K ? 1 : five_bit(t) ? 2 : 4; }
  * against each row's two broadcast input words, vpmaddubsw's int16 pair sums added up over
  * `q8_run` groups, then widened by vpmaddwd into the int32 sums, then the epilogue. The sums are
  * exact, so they do not depend on the order of the adds. */
-INLINE void q8_nrows_avx2(const int t, const int NR, const __m256i *wq, const int8_t *xq, int64_t in, const float *dx,
-                          const int32_t *S, int64_t n32, const vec *scale, const vec *off, float c, vec *acc) {
+INLINE void q8_nrows_avx2(const int t, const int NR, u8x E[4][2], u8x O[4][2], const int8_t *xq, int64_t in,
+                          const float *dx, const int32_t *S, int64_t n32, const vec *scale, const vec *off, float c,
+                          vec *acc) {
     const int GROUPS = pgroups(t), RUN = q8_run(t);
     const __m256i one = _mm256_set1_epi16(1);
     __m256i s16[3][2];
@@ -395,7 +396,7 @@ INLINE void q8_nrows_avx2(const int t, const int NR, const __m256i *wq, const in
     UNROLL for (int i = 0; i < NR; i++) s16[i][0] = s16[i][1] = _mm256_setzero_si256(), isum[i][0] = isum[i][1] = (i8x){0};
     UNROLL for (int v = 0; v < 4; v++) {
         if (v >= GROUPS) continue;
-        const __m256i e0 = wq[4 * v], e1 = wq[4 * v + 1], o0 = wq[4 * v + 2], o1 = wq[4 * v + 3];
+        const __m256i e0 = (__m256i)E[v][0], e1 = (__m256i)E[v][1], o0 = (__m256i)O[v][0], o1 = (__m256i)O[v][1];
         UNROLL for (int i = 0; i < NR; i++) {
             const __m256i xe = _mm256_set1_epi32((int)ld_x4(xq + i * in + 8 * v));
             const __m256i xo = _mm256_set1_epi32((int)ld_x4(xq + i * in + 8 * v + 4));
@@ -415,22 +416,16 @@ INLINE void q8_nrows_avx2(const int t, const int NR, const __m256i *wq, const in
         acc[2 * i + h] = q8_epilogue8(t, acc[2 * i + h], isum[i][h], scale[h], off[h], c, dx[i * n32], S[i * 3 * n32]);
 }
 
-/* R < Q8_FEW rows of one sub-block: the group bytes E, O (from `pbytes8`) laid out once in L1,
- * then all rows in one inlined block */
+/* R < Q8_FEW rows of one sub-block (the group bytes E, O from `pbytes8`): all rows in one block,
+ * inlined with NR a constant */
 INLINE void q8_few_avx2(const int t, u8x E[4][2], u8x O[4][2], const q8rows *x, int64_t in, int64_t e0, int64_t blk,
                         int64_t sat, int64_t n32, const vec *scale, const vec *off, float c, vec *acc, int R) {
-    __m256i wq[16] __attribute__((aligned(32)));
-    UNROLL for (int v = 0; v < 4; v++) {
-        if (v >= pgroups(t)) continue;
-        wq[4 * v] = (__m256i)E[v][0], wq[4 * v + 1] = (__m256i)E[v][1];
-        wq[4 * v + 2] = (__m256i)O[v][0], wq[4 * v + 3] = (__m256i)O[v][1];
-    }
     const int8_t *xq = x->q + e0;
     const float *dx = x->d + blk;
     const int32_t *S = x->s + sat;
-    if (R == 1) q8_nrows_avx2(t, 1, wq, xq, in, dx, S, n32, scale, off, c, acc);
-    else if (R == 2) q8_nrows_avx2(t, 2, wq, xq, in, dx, S, n32, scale, off, c, acc);
-    else q8_nrows_avx2(t, 3, wq, xq, in, dx, S, n32, scale, off, c, acc);
+    if (R == 1) q8_nrows_avx2(t, 1, E, O, xq, in, dx, S, n32, scale, off, c, acc);
+    else if (R == 2) q8_nrows_avx2(t, 2, E, O, xq, in, dx, S, n32, scale, off, c, acc);
+    else q8_nrows_avx2(t, 3, E, O, xq, in, dx, S, n32, scale, off, c, acc);
 }
 #endif
 
