@@ -329,3 +329,33 @@ def test_a_group_attended_at_once_gives_each_heads_own_bits(heads, kv_heads, dim
     KERNELS.rope_attend(qkv, cos, sin, lengths, table, keys, values, out, heads, None, 1)
     KERNELS.rope_attend(mha_qkv.contiguous(), cos, sin, lengths, table, mha_keys, mha_values, mha_out, heads, None, 1)
     assert torch.equal(out, mha_out)
+
+
+@needs
+@DTYPES
+@pytest.mark.parametrize("positions", [1, 8, 13, 29])
+def test_a_key_scores_the_same_bits_in_a_block_of_eight_and_alone(positions, dtype):
+    """Float keys are scored 8 at a time, their lane sums added across by shuffles (hsum8x8 in
+    fused.c), and the last few one at a time (hsum): both must sum in one order. With every
+    key the same vector, every score must then be the same float: each softmax numerator is
+    exactly 1 and the output is exactly the values' sum, in position order, times 1 / n. One
+    score a rounding apart makes its numerator e^(-ulp) != 1."""
+    heads, kv_heads, dim, slots = 9, 3, 64, 64
+    cos, sin = torch.ones(64, dim, dtype=dtype), torch.zeros(64, dim, dtype=dtype)  # RoPE as the identity
+    g = _g(21)
+    key = torch.randn(kv_heads, dim, generator=g) * torch.logspace(-2, 2, dim)  # terms of many magnitudes
+    qkv = torch.randn(1, (heads + 2 * kv_heads) * dim, generator=g) * 3
+    qkv.view(heads + 2 * kv_heads, dim)[heads:heads + kv_heads] = key  # the new key: the same vector
+    qkv = qkv.to(dtype)
+    keys = key.to(dtype).expand(slots, kv_heads, dim).contiguous()
+    values = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
+    table = torch.randperm(slots, generator=g)[:positions + 1][None].clone()
+    out = torch.empty(1, heads * dim, dtype=dtype)
+    KERNELS.rope_attend(qkv, cos, sin, torch.tensor([positions]), table, keys, values, out, heads, None, 1)
+    v = values[table[0]].float()  # [positions + 1, kv_heads, dim], the new value written in its slot
+    total = torch.zeros(kv_heads, dim)
+    for t in range(positions + 1):  # the kernel's order: one position after another
+        total = total + v[t]
+    expected = (total * torch.tensor(1.0 / (positions + 1), dtype=torch.float32)).repeat_interleave(
+        heads // kv_heads, 0).reshape(1, -1).to(dtype)
+    assert torch.equal(out, expected)

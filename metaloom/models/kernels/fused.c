@@ -403,6 +403,38 @@ INLINE float head_attend(const void *q, const void *K, const void *V, const floa
  * where the compiler fuses a multiply-add differently. */
 #define MAX_GROUP 16
 
+/* Scores come in blocks of 8 keys: each key's dot is a vector of lane sums (8 lanes, after
+ * hsum's first fold on 16), and the 8 are summed across lanes together by shuffles (a transpose
+ * in three rounds of pairwise adds) rather than one hsum a key: 7 vector adds and 15 shuffles for
+ * 8 scores, where 8 hsums take 56 scalar adds and the lane extracts between them. Each sum is
+ * taken in hsum's order, so a score has the bits the key-at-a-time loop gives it. */
+typedef float f8 __attribute__((vector_size(32)));
+typedef int32_t i8v __attribute__((vector_size(32)));
+
+INLINE f8 fold8(vec d) { /* hsum's first step: W lanes to 8 */
+#if W == 16
+    f8 lo, hi;
+    memcpy(&lo, &d, sizeof lo);
+    memcpy(&hi, (const char *)&d + sizeof lo, sizeof hi);
+    return lo + hi;
+#else
+    return d;
+#endif
+}
+
+/* out[t] = ((a[t][0] + a[t][4]) + (a[t][1] + a[t][5])) + ((a[t][2] + a[t][6]) + (a[t][3] + a[t][7])) */
+INLINE f8 hsum8x8(const f8 *a) {
+    const i8v lo4 = {0, 1, 2, 3, 8, 9, 10, 11}, hi4 = {4, 5, 6, 7, 12, 13, 14, 15};
+    const i8v ev = {0, 2, 8, 10, 4, 6, 12, 14}, od = {1, 3, 9, 11, 5, 7, 13, 15};
+    f8 u[4], v[2];
+    for (int p = 0; p < 4; p++) /* lanes 0-3: key 2p's a[i] + a[i + 4]; 4-7: key 2p + 1's */
+        u[p] = __builtin_shuffle(a[2 * p], a[2 * p + 1], lo4) + __builtin_shuffle(a[2 * p], a[2 * p + 1], hi4);
+    for (int q = 0; q < 2; q++) /* lane pairs of keys 4q, 4q + 2, 4q + 1, 4q + 3: (h0 + h1), (h2 + h3) */
+        v[q] = __builtin_shuffle(u[2 * q], u[2 * q + 1], ev) + __builtin_shuffle(u[2 * q], u[2 * q + 1], od);
+    f8 w = __builtin_shuffle(v[0], v[1], ev) + __builtin_shuffle(v[0], v[1], od); /* keys 0 2 4 6 1 3 5 7 */
+    return __builtin_shuffle(w, (i8v){0, 4, 1, 5, 2, 6, 3, 7});
+}
+
 INLINE void group_attend_n(const void *q, int64_t G, const void *K, const void *V, const float *KS, const float *VS,
                            const int64_t *slots, int64_t stride, int64_t off, int64_t sst, int64_t sof, float *scores,
                            int64_t span, float *sums_out, void *out, int64_t oi, int64_t dim, int64_t lo, int64_t pos,
@@ -414,7 +446,45 @@ INLINE void group_attend_n(const void *q, int64_t G, const void *K, const void *
         mx[g] = -INFINITY;
     }
     const int64_t elem = q8 ? 1 : bf ? 2 : 4, lines = (nv * W * elem + 63) / 64;
-    for (int64_t t = lo; t <= pos; t++) {
+    f8 vmx[MAX_GROUP];
+    for (int64_t g = 0; g < G; g++) vmx[g] = (f8){0} - INFINITY;
+    /* a block's keys as float32 when the pool holds bfloat16: converted once, read by G heads */
+    float kb[8 * MAX_VECTORS * W] __attribute__((aligned(64)));
+    int64_t t = lo;
+    for (; !q8 && t + 8 <= pos + 1; t += 8) { /* float keys in blocks of 8 (int8 keys: one at a time, below) */
+        const float *kp[8];
+        for (int b = 0; b < 8; b++) {
+            int64_t at = slots[t + b] * stride + off;
+            if (t + b + PREFETCH_KEYS <= pos) prefetch_kv(K, slots[t + b + PREFETCH_KEYS] * stride + off, elem, lines);
+            if (!bf) {
+                kp[b] = (const float *)K + at;
+                continue;
+            }
+            for (int i = 0; i < nv; i++) {
+                vec x = ld(K, at + W * i, 1);
+                memcpy(kb + b * nv * W + W * i, &x, sizeof x);
+            }
+            kp[b] = kb + b * nv * W;
+        }
+        const f8 ks8 = (f8){0} + scale;
+        for (int64_t g = 0; g < G; g++) {
+            f8 a[8];
+            for (int b = 0; b < 8; b++) {
+                vec d = qf[g][0] * ld(kp[b], 0, 0);
+                for (int i = 1; i < nv; i++) d += qf[g][i] * ld(kp[b], W * i, 0);
+                a[b] = fold8(d);
+            }
+            f8 x = hsum8x8(a) * ks8;
+            if (cap > 0.0f)
+                for (int b = 0; b < 8; b++) x[b] = cap * tanhf(x[b] / cap);
+            memcpy(scores + g * span + t, &x, sizeof x);
+            i8v up = x > vmx[g];
+            vmx[g] = (f8)((up & (i8v)x) | (~up & (i8v)vmx[g]));
+        }
+    }
+    for (int64_t g = 0; g < G; g++)
+        for (int b = 0; b < 8; b++) mx[g] = vmx[g][b] > mx[g] ? vmx[g][b] : mx[g];
+    for (; t <= pos; t++) { /* the last keys, one at a time */
         int64_t at = slots[t] * stride + off;
         if (t + PREFETCH_KEYS <= pos) prefetch_kv(K, slots[t + PREFETCH_KEYS] * stride + off, elem, lines);
         for (int i = 0; i < nv; i++) kv[i] = ldkv(K, at + W * i, bf, q8);
@@ -440,14 +510,52 @@ INLINE void group_attend_n(const void *q, int64_t G, const void *K, const void *
         sums_out[g] = hsum(sums);
         for (int i = 0; i < nv; i++) acc[g][i] = splat(0.0f);
     }
-    for (int64_t t = lo; t <= pos; t++) {
-        int64_t at = slots[t] * stride + off;
-        if (t + PREFETCH_KEYS <= pos) prefetch_kv(V, slots[t + PREFETCH_KEYS] * stride + off, elem, lines);
-        for (int i = 0; i < nv; i++) kv[i] = ldkv(V, at + W * i, bf, q8);
-        float vsc = q8 ? VS[slots[t] * sst + sof] : 1.0f;
-        for (int64_t g = 0; g < G; g++) {
-            float p = q8 ? scores[g * span + t] * vsc : scores[g * span + t];
-            for (int i = 0; i < nv; i++) acc[g][i] += p * kv[i];
+    if (q8) { /* int8 values: each converted once for the G heads (blocks measured no faster) */
+        for (int64_t t = lo; t <= pos; t++) {
+            int64_t at = slots[t] * stride + off;
+            if (t + PREFETCH_KEYS <= pos) prefetch_kv(V, slots[t + PREFETCH_KEYS] * stride + off, elem, lines);
+            for (int i = 0; i < nv; i++) kv[i] = ldkv(V, at + W * i, bf, q8);
+            float vsc = q8 ? VS[slots[t] * sst + sof] : 1.0f;
+            for (int64_t g = 0; g < G; g++) {
+                float p = q8 ? scores[g * span + t] * vsc : scores[g * span + t];
+                for (int i = 0; i < nv; i++) acc[g][i] += p * kv[i];
+            }
+        }
+    } else {
+        /* float values in blocks of VB positions, head by head within a block: a head's nv
+         * accumulators stay in registers (all G heads' do not: 3 x 8 on AVX2 spilled every add
+         * to the stack), and the block, read G times, stays in L1. Each accumulator still adds
+         * its positions in order. */
+        enum { VB = 32 };
+        float vb[VB * MAX_VECTORS * W] __attribute__((aligned(64))); /* bfloat16 values as float32 */
+        for (int64_t t0 = lo; t0 <= pos; t0 += VB) {
+            const int64_t n = pos + 1 - t0 < VB ? pos + 1 - t0 : VB;
+            const float *vp[VB];
+            for (int64_t b = 0; b < n; b++) {
+                int64_t at = slots[t0 + b] * stride + off;
+                if (!bf) {
+                    vp[b] = (const float *)V + at;
+                    continue;
+                }
+                if (t0 + b + PREFETCH_KEYS <= pos) prefetch_kv(V, slots[t0 + b + PREFETCH_KEYS] * stride + off, elem, lines);
+                for (int i = 0; i < nv; i++) {
+                    vec x = ld(V, at + W * i, 1);
+                    memcpy(vb + b * nv * W + W * i, &x, sizeof x);
+                }
+                vp[b] = vb + b * nv * W;
+            }
+            for (int64_t g = 0; g < G; g++) {
+                vec a[MAX_VECTORS];
+                for (int i = 0; i < nv; i++) a[i] = acc[g][i];
+                const float *sc = scores + g * span + t0;
+                for (int64_t b = 0; b < n; b++) {
+                    /* float32 prefetched between the adds: a block's prefetches at once overflowed the miss buffers */
+                    if (!bf && g == 0 && t0 + b + PREFETCH_KEYS <= pos)
+                        prefetch_kv(V, slots[t0 + b + PREFETCH_KEYS] * stride + off, elem, lines);
+                    for (int i = 0; i < nv; i++) a[i] += sc[b] * ld(vp[b], W * i, 0);
+                }
+                for (int i = 0; i < nv; i++) acc[g][i] = a[i];
+            }
         }
     }
     for (int64_t g = 0; g < G; g++) {
