@@ -40,6 +40,11 @@ class UnsupportedISA(MetaloomError):
     run; the message names what the CPU has and the paths it runs."""
 
 
+class KernelPathWarning(RuntimeWarning):
+    """The C kernels for the instruction-set path this CPU should run did not build (a compiler
+    without the path's flags, a source that does not compile), and a slower path runs instead."""
+
+
 class ContextWindowExceeded(MetaloomError):
     """Prompt plus requested tokens do not fit the model's context window."""
 

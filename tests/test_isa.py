@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from metaloom.errors import UnsupportedISA
+from metaloom.errors import KernelPathWarning, UnsupportedISA
 from metaloom.models.kernels import isa
 from metaloom.models.kernels.cbuild import build_library, compiler
 from metaloom.models.kernels.fused import SOURCE as FUSED_SOURCE
@@ -91,7 +91,8 @@ def _fake_cc(tmp_path, refuse: str) -> str:
 
 @pytest.mark.skipif(compiler() is None or "avx2" not in isa.runnable(), reason="needs a C compiler and an AVX2 CPU")
 def test_a_compiler_without_a_paths_flags_falls_to_the_next_path_and_says_so(tmp_path):
-    built = build_library(FUSED_SOURCE, fused_bind, cache_dir=tmp_path, cc=_fake_cc(tmp_path, "-mavx2"), path="avx2")
+    with pytest.warns(KernelPathWarning, match="the avx2 kernels did not build, so the slower generic path runs"):
+        built = build_library(FUSED_SOURCE, fused_bind, cache_dir=tmp_path, cc=_fake_cc(tmp_path, "-mavx2"), path="avx2")
     assert built.value is not None and built.isa == "generic"
     assert "avx2:" in built.reason and "unknown option -mavx2" in built.reason
 

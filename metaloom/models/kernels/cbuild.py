@@ -27,11 +27,13 @@ import re
 import shutil
 import subprocess
 import tempfile
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
 
+from metaloom.errors import KernelPathWarning
 from metaloom.models.kernels import isa
 from metaloom.models.paths import user_cache_dir
 
@@ -181,9 +183,10 @@ def build_library(source: Path, bind: Callable[[ctypes.CDLL, Path, str], T], *, 
     """Compile (or reuse) ``source`` for instruction-set ``path`` (None: `metaloom.models.kernels.isa.chosen`)
     and hand the loaded library, its file and the path it was built for to ``bind`` (which checks
     its ABI version and declares argument types; an OSError or AttributeError from it is a reason).
-    A path the compiler cannot build falls to the next one this CPU runs (``Built.isa`` says which was built, ``reason`` why the
-    others were not). Never raises, but for an `UnsupportedISA` when ``path`` is None and
-    ``METALOOM_ISA`` names a path this CPU lacks."""
+    A path the compiler cannot build falls to the next one this CPU runs (``Built.isa`` says which
+    was built, ``reason`` why the others were not, and a `KernelPathWarning` says so on stderr).
+    Never raises, but for an `UnsupportedISA` when ``path`` is None and ``METALOOM_ISA`` names a
+    path this CPU lacks."""
     cc = cc or compiler()
     if cc is None:
         return Built(None, "no C compiler found (set CC, or install gcc or clang)")
@@ -197,6 +200,9 @@ def build_library(source: Path, bind: Callable[[ctypes.CDLL, Path, str], T], *, 
         built = _build_one(source, bind, cache_dir, cc, flags, name, parts)
         if built.value is not None:
             note = f" ({'; '.join(failures)})" if failures else ""
+            if failures:  # said on stderr too: a run on a slower path otherwise shows no sign of it
+                warnings.warn(f"{source.name}: the {wanted} kernels did not build, so the slower {name} path runs: "
+                              f"{'; '.join(failures)}", KernelPathWarning, stacklevel=2)
             return Built(built.value, built.reason + note, name)
         failures.append(f"{name}: {built.reason}")
     return Built(None, "; ".join(failures))
