@@ -15,17 +15,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from metaloom.models.kernels import cbuild, isa
+from metaloom.models.kernels import isa
 from metaloom.models.kernels.fused import FusedKernels, _bind
 
-KERNELS = Path("metaloom/models/kernels")
+sys.path.insert(0, str(Path(__file__).parent))
+from kernel_sources import at_revision, compile_and_load, in_tree
+
 FILES = ("fused.c", "vec_store.h")
 # (label, query heads, kv heads, head dim)
 SHAPES = (("SmolLM2 (9 / 3 heads)", 9, 3, 64), ("Qwen2.5-0.5B (14 / 2 heads)", 14, 2, 64),
@@ -33,19 +35,8 @@ SHAPES = (("SmolLM2 (9 / 3 heads)", 9, 3, 64), ("Qwen2.5-0.5B (14 / 2 heads)", 1
 
 
 def build(sources: dict[str, str], where: Path) -> FusedKernels:
-    where.mkdir(parents=True)
-    for name, text in sources.items():
-        (where / name).write_text(text)
-    out = where / "fused.so"
-    cc = cbuild.compiler()
-    if cc is None:
-        raise SystemExit("no C compiler")
-    complaint = cbuild.compile_library(cc, where / "fused.c", out, isa_flags=isa.flags(isa.chosen().name))
-    if complaint:
-        raise SystemExit(f"build failed in {where}: {complaint}")
-    import ctypes
-
-    return _bind(ctypes.CDLL(str(out)), out, isa.chosen().name)
+    lib, out = compile_and_load(sources, "fused.c", where)
+    return _bind(lib, out, isa.chosen().name)
 
 
 def case(h: int, hk: int, dim: int, rows: int, positions: int, int8: bool, forked: bool, contiguous: bool,
@@ -94,9 +85,7 @@ def main() -> None:
     p.add_argument("--forked", action="store_true", help="rows share their cached keys' slots")
     p.add_argument("--contiguous", action="store_true", help="each row's slots in order (else shuffled)")
     args = p.parse_args()
-    old = {f: subprocess.run(["git", "show", f"{args.base}:{KERNELS / f}"], capture_output=True, text=True,
-                             check=True).stdout for f in FILES}
-    new = {f: (KERNELS / f).read_text() for f in FILES}
+    old, new = at_revision(FILES, args.base), in_tree(FILES)
     tmp = Path(tempfile.mkdtemp())
     libs = {"old": build(old, tmp / "old"), "new": build(new, tmp / "new")}
     g = torch.Generator().manual_seed(0)

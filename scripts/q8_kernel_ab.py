@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,14 +23,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from kernel_sources import at_revision, compile_and_load, in_tree
 from quant_kernel_speed import random_blocks
 
-from metaloom.models.kernels import cbuild, isa
+from metaloom.models.kernels import isa
 from metaloom.models.kernels.quant import QuantWeight
 from metaloom.models.kernels.quant_library import PARTS
 from metaloom.models.kernels.quant_types import BY_NAME
 
-KERNELS = Path("metaloom/models/kernels")
 FILES = ("quant.c", "quant_q8.h", "vec_store.h")
 SHAPES = (("SmolLM2 gate_up", "Q4_1", 3072, 576), ("SmolLM2 down", "Q4_1", 576, 1536),
           ("Qwen2.5-0.5B gate_up", "Q5_0", 9728, 896), ("Qwen2.5-0.5B down", "Q6_K", 896, 4864),
@@ -39,17 +38,7 @@ SHAPES = (("SmolLM2 gate_up", "Q4_1", 3072, 576), ("SmolLM2 down", "Q4_1", 576, 
 
 
 def build(sources: dict[str, str], where: Path) -> ctypes.CDLL:
-    where.mkdir(parents=True)
-    for name, text in sources.items():
-        (where / name).write_text(text)
-    out = where / "quant.so"
-    cc = cbuild.compiler()
-    if cc is None:
-        raise SystemExit("no C compiler")
-    complaint = cbuild.compile_library(cc, where / "quant.c", out, isa_flags=isa.flags(isa.chosen().name), parts=PARTS)
-    if complaint:
-        raise SystemExit(f"build failed in {where}: {complaint}")
-    lib = ctypes.CDLL(str(out))
+    lib, _ = compile_and_load(sources, "quant.c", where, parts=PARTS)
     lib.quant_panel_matmul_q8.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                           ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                                           ctypes.c_int64, ctypes.c_int64]
@@ -80,9 +69,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=30)
     args = p.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
-    old = {f: subprocess.run(["git", "show", f"{args.base}:{KERNELS / f}"], capture_output=True, text=True,
-                             check=True).stdout for f in FILES}
-    new = {f: (KERNELS / f).read_text() for f in FILES}
+    old, new = at_revision(FILES, args.base), in_tree(FILES)
     tmp = Path(tempfile.mkdtemp())
     libs = {"old": build(old, tmp / "old"), "new": build(new, tmp / "new")}
     g = torch.Generator().manual_seed(0)
