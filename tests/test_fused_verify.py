@@ -202,3 +202,26 @@ def test_token_recycling_on_native_weights_gives_plain_greedys_log_probabilities
         assert got.token_ids == plain.token_ids
         assert got.logprobs == plain.logprobs
     assert ledger.usage.accepted_tokens > 10 and ledger.usage.verify_steps < ledger.usage.output_tokens
+
+
+def test_a_verify_under_auto_keeps_one_token_steps_bits_where_steps_would_share(monkeypatch):
+    """Shared-prefix attention merges the drafted tokens' reads of the prompt in another order,
+    so a verify takes it only when turned on: under ``auto``, even past its threshold, every
+    drafted token gets a one-token step's bits (speculative greedy stays plain greedy)."""
+    import metaloom.models.engine.fused_step as fused_step
+    from metaloom.models.engine.options import EngineOptions
+
+    model, _ = _models("Q4_1")
+    monkeypatch.setattr(fused_step, "AUTO_SHARED_READS", 1)  # auto would share any shared key
+    prompt = [(7 * i + 3) % 101 for i in range(40)]
+    block = [7, 10, 12, 14, 16, 18]
+    hidden = {}
+    for mode in ("auto", "on"):
+        m = model.with_options(EngineOptions(shared_prefix_attention=mode))
+        cache = _prefilled(m, [prompt])
+        hidden[mode] = m.forward_hidden(torch.tensor([block]), cache.fork([0]))[1][0]
+    stepper = _prefilled(model, [prompt])
+    steps = torch.stack([model.forward_hidden(torch.tensor([[t]]), stepper)[1][0, 0] for t in block])
+    assert torch.equal(hidden["auto"], steps)
+    assert not torch.equal(hidden["on"], steps)  # on: merged, equal to rounding only
+    assert (hidden["on"] - steps).abs().max().item() < 1e-4

@@ -37,12 +37,10 @@ have the same property; float32 is the choice when bit-for-bit equality with pla
 matters. One exception holds by construction: on the CPU with native quantised weights (the
 one-call stack of `metaloom.models.engine.stack`), a verify of up to 65 tokens a row runs each
 token through the very one-token kernels plain decoding runs (`LlamaModel._verify_fused`), so
-every position's logits are plain decoding's to the bit, in float32 and bfloat16, as long as
-the verify's tokens do not take shared-prefix attention (``--shared-prefix-attention off``, or
-``auto`` over a short prompt: under `AUTO_SHARED_READS` shared key reads, about 4,096 / (tokens
-- 1) positions). Over long prompts ``auto`` shares the prompt's reads among the tree's tokens
-(3.4x faster verifies at 4,000 positions, docs/engine.md), which merges the softmax in
-another order: exact to rounding only.
+every position's logits are plain decoding's to the bit, in float32 and bfloat16, unless
+shared-prefix attention is forced ``on`` (``--shared-prefix-attention on``: the verify's tokens
+then read the prompt once, merged in another order, exact to rounding only). ``auto`` never
+merges a verify's tokens (`metaloom.models.engine.fused_step.sharing_of` says why).
 """
 
 from __future__ import annotations

@@ -131,10 +131,9 @@ def verify_fused(m: LlamaModel, tokens: torch.Tensor, cache: PagedKVCache, valid
     with a mask rather than arithmetic; here it costs 10.3 (scripts/verify_cost.py). A
     token's arithmetic is exactly a one-token step's (the quantised matmuls keep rows apart,
     and attention is per row), so a greedy verify's argmaxes are plain greedy's bits, not
-    only to rounding, unless shared-prefix attention merges the tokens' shared keys (its
-    ``auto`` mode, past `AUTO_SHARED_READS`: over a long prompt the tokens then read it once,
-    not once each, which is worth the rounding: 3.4x faster at 4,000 positions and 21
-    tokens, scripts/verify_cost.py). -> [B, T, d] ([B, 1, d] with ``last_only``), zeros at padding."""
+    only to rounding. Shared-prefix attention, which merges the tokens' reads of the prompt in
+    another order, takes a verify only when turned ``on``: under ``auto`` it did not pay for
+    its rounding (`sharing_of`). -> [B, T, d] ([B, 1, d] with ``last_only``), zeros at padding."""
     b, t = tokens.shape
     n = cache.host_lengths()  # before this forward: row b's block has slots at n[b] .. n[b] + valid[b] - 1
     keep = valid.tolist()
@@ -153,7 +152,7 @@ def verify_fused(m: LlamaModel, tokens: torch.Tensor, cache: PagedKVCache, valid
             for r, (row, i) in enumerate(zip(rows_b.tolist(), rows_i.tolist(), strict=True)):
                 path = np.flatnonzero(mask[row, i, :i + 1])
                 table[r, n[row]:n[row] + path.size] = cache.slots[row, n[row] + path]
-        sharing = sharing_of(m, table, lengths)
+        sharing = sharing_of(m, table, lengths, verify=True)
         y = fused_rows(m, tokens[torch.from_numpy(rows_b), torch.from_numpy(rows_i)], torch.from_numpy(lengths),
                        torch.from_numpy(table), cache.pool, sharing, Drops(), k)
         out[torch.from_numpy(rows_b), torch.from_numpy(rows_i)] = y
@@ -198,15 +197,23 @@ def _step_stack(m: LlamaModel, plan: Plan, k: FusedKernels, x: torch.Tensor, y: 
     return delta
 
 
-def sharing_of(m: LlamaModel, slots: np.ndarray, lengths: np.ndarray) -> Sharing | None:
+def sharing_of(m: LlamaModel, slots: np.ndarray, lengths: np.ndarray, verify: bool = False) -> Sharing | None:
     """The positions rows with slot table ``slots`` [R, width] and ``lengths`` [R] (each row's
     new position) share in the pool, for shared-prefix attention
     (`metaloom.models.engine.sharing`), or None: turned off, a sliding window in some layer (its
     rows attend different spans), soft-capped scores, nothing shared, or (``auto``) too little
-    shared to gain."""
+    shared to gain, or the rows are a speculative verify's tokens (``verify``).
+
+    Why a verify shares only when turned ``on``: merged, a drafted token's logits are not a
+    one-token step's bits, so speculative greedy can leave plain greedy's tokens at a near tie
+    (seen under q8 with Token Recycling at K = 16). And since the per-row kernel reads each key
+    once per group, merging no longer pays there: SmolLM2, a 21-token tree, AMD EPYC Zen 3, 2
+    threads, `scripts/verify_cost.py`: 91 / 107 ms without / with at 400 positions, 137 / 156 at
+    1,000, 173 / 183 at 2,000, 229 / 210 at 4,000."""
     mode = m.options.shared_prefix_attention
     c = m.config
-    if mode == "off" or len(lengths) < 2 or c.sliding_window is not None or c.attn_softcap is not None:
+    if mode == "off" or (verify and mode != "on") or len(lengths) < 2 or c.sliding_window is not None \
+            or c.attn_softcap is not None:
         return None
     found = find_sharing(slots, lengths)
     if found is None or (mode == "auto" and found.saved_reads() < AUTO_SHARED_READS):
