@@ -19,12 +19,14 @@ thread pool) as PyTorch's own ops rather than a second one competing for the cor
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import warnings
@@ -158,8 +160,10 @@ def _compile(cc: str, source: Path, out: str, flags: list[str], parts: int) -> s
                               timeout=TIMEOUT)
     objects = [f"{out}.{k}.o" for k in range(parts)]
     compile_flags = [f for f in flags if f != "-shared"]
+    # each part in a process group of its own: killing only the compiler driver left its assembler
+    # running, which wrote its object after the cleanup below had removed it (a stray .o)
     procs = [subprocess.Popen([cc, *compile_flags, f"-DMETALOOM_PART={k}", "-c", str(source), "-o", obj],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
              for k, obj in enumerate(objects)]
     try:
         for proc in procs:
@@ -170,7 +174,8 @@ def _compile(cc: str, source: Path, out: str, flags: list[str], parts: int) -> s
     finally:
         for proc in procs:
             if proc.poll() is None:
-                proc.kill()
+                with contextlib.suppress(ProcessLookupError):  # the group already gone
+                    os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         for obj in objects:
             if os.path.exists(obj):
