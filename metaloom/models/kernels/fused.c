@@ -514,10 +514,10 @@ INLINE void group_attend_n(const void *q, int64_t G, const void *K, const void *
         for (int64_t t = lo; t <= pos; t++) {
             int64_t at = slots[t] * stride + off;
             if (t + PREFETCH_KEYS <= pos) prefetch_kv(V, slots[t + PREFETCH_KEYS] * stride + off, elem, lines);
-            for (int i = 0; i < nv; i++) kv[i] = ldkv(V, at + W * i, bf, q8);
-            float vsc = q8 ? VS[slots[t] * sst + sof] : 1.0f;
+            for (int i = 0; i < nv; i++) kv[i] = ld8(V, at + W * i);
+            const float vsc = VS[slots[t] * sst + sof];
             for (int64_t g = 0; g < G; g++) {
-                float p = q8 ? scores[g * span + t] * vsc : scores[g * span + t];
+                float p = scores[g * span + t] * vsc;
                 for (int i = 0; i < nv; i++) acc[g][i] += p * kv[i];
             }
         }
