@@ -249,3 +249,34 @@ def test_the_default_model_under_q8_greedy_is_the_same_with_and_without_speculat
                                                                                      ledger=ledger)[0][0]
         assert got.token_ids == plain.token_ids and got.logprobs == plain.logprobs, type(drafter).__name__
         assert ledger.usage.accepted_tokens > 5  # drafts were verified and kept: multi-row forwards ran
+
+
+def test_auto_activations_pick_q8_where_it_runs_and_float_elsewhere(monkeypatch):
+    """``activations="auto"`` (`metaloom serve`'s default): q8 on a GGUF's own blocks on the CPU,
+    float where q8 cannot run, and the result says which; q8 asked for outright still refuses."""
+    import importlib
+
+    from metaloom.cli import build_parser
+    from metaloom.models.load import load
+
+    loaded = load("default", activations="auto")
+    assert (loaded.weights, loaded.activations) == ("native", "q8")
+    assert loaded.model.layers[0].down.activations == "q8"
+    dense = load("default", activations="auto", weights="dense")
+    assert (dense.weights, dense.activations) == ("dense", "float")
+    # a layer weight q8 does not multiply (an F16 one, say): auto keeps float on the same native weights
+    native = importlib.import_module("metaloom.models.engine.native")
+
+    def refuse(model, activations):
+        raise InvalidParameter("activations", activations, "float here: layer 0's o is F16")
+
+    monkeypatch.setattr(native, "with_activations", refuse)
+    fallback = load("default", activations="auto")
+    assert (fallback.weights, fallback.activations) == ("native", "float")
+    assert fallback.model.layers[0].down.activations == "float"
+    with pytest.raises(InvalidParameter, match="layer 0's o is F16"):
+        load("default", activations="q8")
+    # the server defaults to auto; the other commands keep float
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).activations == "auto"
+    assert parser.parse_args(["generate", "hi"]).activations == "float"

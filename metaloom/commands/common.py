@@ -32,8 +32,9 @@ _SCALAR_DESTS = (*(name for name, _, _ in _SAMPLER_FLAGS), "max_tokens", "n", "s
 SAMPLER_DESTS = (*_SCALAR_DESTS, "stop", "logit_bias", "dry_sequence_breakers", "no_dry_sequence_breakers")
 
 
-def add_model_args(p: argparse.ArgumentParser, *, remote: bool = False) -> None:
-    """The model flags; ``remote``: also ``--backend openai`` (any OpenAI-compatible server)."""
+def add_model_args(p: argparse.ArgumentParser, *, remote: bool = False, activations: str = "float") -> None:
+    """The model flags; ``remote``: also ``--backend openai`` (any OpenAI-compatible server);
+    ``activations``: ``--activations``' default (`metaloom serve`: auto)."""
     p.add_argument("--model", default="default",
                    help="'default' (SmolLM2-135M-Instruct), a .gguf file, or a transformers folder"
                         + ("; with --backend openai, the model id the server lists" if remote else ""))
@@ -49,9 +50,10 @@ def add_model_args(p: argparse.ArgumentParser, *, remote: bool = False) -> None:
     p.add_argument("--weights", default="auto", choices=("auto", "native", "dense"),
                    help="a GGUF's weights: native = its quantised blocks as they are (quantised CPU kernels), "
                         "dense = dequantised to --dtype, auto = whichever decodes faster here (measured once)")
-    p.add_argument("--activations", default="float", choices=("float", "q8"),
+    p.add_argument("--activations", default=activations, choices=("float", "q8", "auto"),
                    help="the native engine's matmul inputs: float (--dtype), or q8 = quantised to int8 per 32 and "
-                        "multiplied with integer dot products (faster for many rows; needs native quantised weights)")
+                        "multiplied with integer dot products (faster for many rows; needs native quantised weights), "
+                        f"or auto = q8 where it can run, else float (default: {activations})")
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
                    help="the native engine's KV cache: auto = --dtype; int8 = int8 keys and values with a float32 "
                         "scale per token and head (3.8x less memory than float32 at head_dim 64)")

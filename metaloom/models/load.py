@@ -103,6 +103,9 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
       to int8 per 32 and multiply with integer dot products (faster for many rows; the arithmetic
       changes, docs/engine.md). q8 needs native quantised weights (``weights`` auto then means
       native): with the transformers backend, dense weights or a GPU it is an `InvalidParameter`.
+      ``auto`` (`metaloom serve`'s default): q8 where it can run (a GGUF on the native engine on
+      the CPU, float32 or bfloat16, ``weights`` not dense, every layer weight quantised blocks),
+      else float; the result's ``activations`` says which.
 
     ``backend``: ``auto`` runs the native engine when it runs the model's architecture
     (`metaloom.models.engine.config.LlamaConfig.from_hf` accepts its config), else transformers;
@@ -130,14 +133,18 @@ def load(spec: str | None = "default", *, dtype: str = "float32", device: str | 
     why_dense = _why_not_native(gguf, use_native, dtype, dev)
     if weights == "native" and why_dense is not None:
         raise InvalidParameter("weights", weights, f"dense here: {why_dense}")
+    may_fall_back = activations == "auto"  # to float where a layer weight is not one q8 multiplies
+    if activations == "auto":
+        activations = "q8" if use_native and why_dense is None and weights != "dense" else "float"
     q8 = activations == "q8"
     if q8 and (why_dense is not None or weights == "dense"):
         raise InvalidParameter("activations", activations, "float here: q8 multiplies native quantised weights, and "
                                                            f"{why_dense or 'weights=dense dequantises them'}")
     if use_native:
         config = LlamaConfig.from_hf(hf_cfg)
-        model, mode = _load_native(config, folder, gguf, why_dense, dtype=dtype, device=dev, pack=pack, fused=fused,
-                                   weights=weights, activations=activations, options=options)
+        model, mode, activations = _load_native(config, folder, gguf, why_dense, dtype=dtype, device=dev, pack=pack,
+                                                fused=fused, weights=weights, activations=activations, options=options,
+                                                may_fall_back=may_fall_back)
         eos = config.eos_token_id
     else:
         from metaloom.models.engine.hf_adapter import HFModel
@@ -158,15 +165,17 @@ def _check_choices(dtype: str, backend: str, weights: str | None, activations: s
         raise InvalidParameter("backend", backend, f"one of {list(BACKENDS)}")
     if weights not in (None, *WEIGHTS):
         raise InvalidParameter("weights", weights, f"one of {list(WEIGHTS)}")
-    if activations not in ACTIVATIONS:
-        raise InvalidParameter("activations", activations, f"one of {list(ACTIVATIONS)}")
+    if activations not in (*ACTIVATIONS, "auto"):
+        raise InvalidParameter("activations", activations, f"one of {[*ACTIVATIONS, 'auto']}")
 
 
 def _load_native(config: LlamaConfig, folder: str, gguf: str | None, why_dense: str | None, *, dtype: str,
                  device: torch.device, pack: bool | None, fused: bool | None, weights: str | None,
-                 activations: str, options: EngineOptions) -> tuple[LanguageModel, str]:
-    """The native model `load` asked for and its weights (``native``: the GGUF's quantised
-    blocks, or ``dense``); ``why_dense``: why the blocks cannot be kept here, or None."""
+                 activations: str, options: EngineOptions, may_fall_back: bool = False) -> tuple[LanguageModel, str, str]:
+    """The native model `load` asked for, its weights (``native``: the GGUF's quantised blocks, or
+    ``dense``) and its activations; ``why_dense``: why the blocks cannot be kept here, or None.
+    ``may_fall_back`` (``activations="auto"``): q8 asked for where it may run, float (on the same
+    native weights) where a layer weight is not one q8 multiplies (an F16 or BF16 one)."""
     q8 = activations == "q8"
     mode = "dense"
     measured: LanguageModel | None = None
@@ -179,14 +188,19 @@ def _load_native(config: LlamaConfig, folder: str, gguf: str | None, why_dense: 
     if q8:
         from metaloom.models.engine.native import with_activations
 
-        model = with_activations(model, activations)
+        try:
+            model = with_activations(model, activations)
+        except InvalidParameter:
+            if not may_fall_back:
+                raise
+            activations = "float"
     if options != EngineOptions():
         from metaloom.models.engine.llama import LlamaModel
 
         if not isinstance(model, LlamaModel):  # pragma: no cover - _native builds one
             raise UnsupportedModel(f"engine options need the native LlamaModel, not {type(model).__name__}")
         model = model.with_options(options)
-    return model, mode
+    return model, mode, activations
 
 
 def native_reason(hf_cfg: Mapping[str, Any]) -> str | None:
