@@ -277,7 +277,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     model_args(p, weights=False)
     server_args(p)
     p.add_argument("--metaloom-serve-args", default="", metavar="ARGS",
-                   help="more options for `metaloom serve`, one string (e.g. '--weights dense' or '--activations q8')")
+                   help="more options for `metaloom serve`, one string (e.g. '--weights dense', or '--activations "
+                        "float': the server's default is auto, q8 where it runs)")
     p.add_argument("--clients", default="1,8,32", help="concurrency levels, comma-separated")
     p.add_argument("--serve-tokens", type=int, default=64, help="max_tokens of each request")
     p.add_argument("--serve-requests", type=int, default=64,
