@@ -313,3 +313,129 @@ def test_may_pay_false_means_prune_keeps_nothing_whatever_is_proposed():
     assert 30 < refused < 270  # both cases were exercised
     flat = PlannedDrafter([(Oracle(False, "x"), 6)], cost=FLAT)
     assert flat.may_pay(0, [HOT], [6], Timing(FLAT, 1.0, 0.0), 1)
+
+
+# --- the exploration budget (conservative bandits) -------------------------------------------
+
+def _simulate(planned, steps, accept):
+    """Drive plan / keep / afford / learn on one row without a model: a step of width w takes
+    exactly the curve's ``seconds_for(w)`` (no drafting time, no gap), and ``accept(m)`` says
+    which of the m verified nodes are kept. Returns, after every step, the time lost against plain
+    steps so far and the time elapsed, undecayed and as the budget holds them (decayed over
+    `WINDOW` steps); and the nodes verified."""
+    lost, elapsed, trace, verified = 0.0, 0.0, [], 0
+    for _ in range(steps):
+        choice = planned.plan([COLD], [8])
+        proposed = [choice.k]
+        keep = planned.keep(choice, [COLD], proposed, 1, 0.0) if choice.k else [0]
+        if any(keep):
+            keep = planned.afford(keep, 1)
+        kept = accept(keep[0])
+        t = planned.cost.seconds_for(1 + keep[0])
+        planned.learn(choice, Outcome([COLD], [choice.k], proposed, keep, [kept], 0.0, t, 1 + keep[0]))
+        lost += t - (1 + len(kept)) * planned.cost.seconds_for(1)
+        elapsed += t
+        verified += keep[0]
+        trace.append((lost, elapsed, planned.budget.lost, planned.budget.elapsed))
+    return trace, verified
+
+
+def test_the_budget_bounds_what_wrong_drafters_lose_and_they_are_still_tried():
+    """Two drafters nothing of which is ever accepted, on a curve where a verified node costs a
+    third of a step, so that the optimistic prior (half of first nodes accepted) makes drafting
+    look worth it at first: the time lost against plain decoding stays within `SAFETY` of the time
+    spent plus the allowance at every step, while the drafters are still tried now and then."""
+    from metaloom.speculative.planner import ALLOWANCE, SAFETY
+
+    cost = VerifyCost((1, 65), (1.0, 1.0 + 64 / 3))
+    planned = PlannedDrafter([(Oracle(False, "a"), 8), (Oracle(False, "b"), 8)], cost=cost)
+    trace, verified = _simulate(planned, 1500, lambda m: [])
+    allowance = ALLOWANCE * cost.seconds_for(1)
+    for lost, elapsed, window_lost, window_elapsed in trace:
+        assert window_lost <= SAFETY * window_elapsed + allowance + 1e-9, (window_lost, window_elapsed)
+        # undecayed: the window forgets early losses a little (1500 steps of a 2048-step window)
+        assert lost <= 1.5 * SAFETY * elapsed + allowance, (lost, elapsed)
+    assert verified >= 10  # explored, within the budget
+    report = planned.report()["budget"]
+    assert report["trimmed_nodes"] > 0  # drafts were cut to the room left
+
+
+def test_the_budget_does_not_hold_back_a_drafter_that_pays():
+    cost = VerifyCost((1, 65), (1.0, 1.0 + 64 / 3))
+    planned = PlannedDrafter([(Oracle(True, "right"), 8)], cost=cost)
+    trace, verified = _simulate(planned, 300, lambda m: list(range(m)))
+    assert trace[-1][0] < -0.5 * trace[-1][1]  # it saved more than half the time
+    assert verified > 8 * 250  # nearly every step verifies the whole draft
+    assert planned.report()["budget"]["held_steps"] == 0
+
+
+def test_held_for_counts_the_plain_steps_until_there_is_room():
+    from metaloom.speculative.planner import Budget
+
+    budget = Budget(lost=0.5, elapsed=10.0)
+    n = budget.held_for(0.1, 0.05)
+    assert n > 0 and budget.held_for(0.1, 1.0) == 0.0  # room already with a larger allowance
+    steps = 0
+    while budget.room(0.05) <= 0:
+        budget.record(0.1)
+        steps += 1
+    assert steps == pytest.approx(n, abs=1.0)
+
+
+class Counting(Oracle):
+    """An `Oracle` that counts its proposals and observations; ``learns_only``: it declares
+    that observing only feeds what it learns."""
+
+    def __init__(self, right, name, learns_only=False):
+        super().__init__(right, name)
+        self.learns_only = learns_only
+        self.proposals = self.observed = 0
+
+    def propose(self, contexts, limits, ledger):
+        self.proposals += 1
+        return super().propose(contexts, limits, ledger)
+
+    def observe(self, verified):
+        self.observed += 1
+
+
+def _plain_steps(state, n):
+    for _ in range(n):
+        draft = state.propose([[1, 2, 3]], [8], None)
+        assert int(draft.lengths[0]) == 0
+        state.observe(Verified(draft=draft, logits=torch.zeros(1, 1, V), accepted=torch.tensor([0]),
+                               tokens=torch.tensor([[1]]), pending=torch.tensor([3])))
+
+
+def test_a_step_the_plan_drafts_nothing_for_asks_no_drafter_and_idle_learners_skip_observing():
+    """With the budget spent for longer than `PROBE_EVERY` steps no drafter is asked to propose,
+    and a drafter whose observation only feeds its learning (Token Recycling's table) is not fed;
+    the others are. With room, the learner is fed every step again."""
+    drafter, learner = Counting(False, "a"), Counting(False, "b", learns_only=True)
+    planned = PlannedDrafter([(drafter, 8), (learner, 8)], cost=STEEP)
+    state = planned.start(None, None, [[1, 2, 3]], [0])
+    planned.budget.lost = 1000.0  # lost far more than the room: held for thousands of steps
+    _plain_steps(state, 20)
+    assert drafter.proposals == learner.proposals == 0
+    assert drafter.observed == 20 and learner.observed == 0
+    planned.reset()  # a fresh budget: room, and no drafter dropped yet
+    state = planned.start(None, None, [[1, 2, 3]], [0])
+    _plain_steps(state, 5)
+    assert learner.observed == 5
+
+
+def test_recycling_learns_from_a_plain_step_as_from_a_one_token_block():
+    from metaloom.speculative.drafters.recycling import RecyclingDrafter
+
+    logits = torch.randn(2, 1, 50)
+    fast, slow = RecyclingDrafter(), RecyclingDrafter()
+    target = type("T", (), {"vocab_size": 50})()
+    for d in (fast, slow):
+        d.start(target, None, [[0], [0]], [0, 0])
+    pending = torch.tensor([7, 9])
+    empty = Draft.from_lists([[], []])
+    fast.start(target, None, [[0], [0]], [0, 0]).observe(
+        Verified(draft=empty, logits=logits, accepted=torch.zeros(2, dtype=torch.long), tokens=pending[:, None],
+                 pending=pending))
+    slow.learn(pending, logits[:, 0])
+    assert torch.equal(fast.table, slow.table) and (fast.table[7] >= 0).all()

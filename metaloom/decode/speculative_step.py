@@ -38,9 +38,13 @@ def speculative_step(batch: DecodeBatch, done: list[bool], ledgers: list[Ledger]
     room = batch.cache.capacity - int(batch.cache.lengths.max()) - 1  # never draft past the cache
     limits = [0 if d else max(0, min(batch.speculative.num_draft, room, row.state.max_tokens - len(row.state.tokens) - 1))
               for row, d in zip(batch.rows, done, strict=True)]
-    draft = _checked(batch.drafter.propose([row.context for row in batch.rows], limits, ledgers), limits, device)
+    proposed = batch.drafter.propose([row.context for row in batch.rows], limits, ledgers)
     needs_hidden = bool(getattr(batch.drafter, "needs_hidden", False))
-    if draft.tokens.shape[1] == 0:  # nothing drafted (the cost model chose 0): the plain step's cost
+    if proposed.tokens.shape[1] == 0:  # nothing drafted (the cost model chose 0): the plain step's cost
+        empty = Draft(proposed.tokens.to(device), proposed.lengths.to(device))
+        return _undrafted_step(batch, empty, done, ledgers, rngs, cursors, needs_hidden)
+    draft = _checked(proposed, limits, device)
+    if draft.tokens.shape[1] == 0:
         return _undrafted_step(batch, draft, done, ledgers, rngs, cursors, needs_hidden)
     tokens = torch.cat([batch.pending[:, None], draft.tokens], dim=1)  # [B, K+1]
     start = batch.cache.lengths.clone()

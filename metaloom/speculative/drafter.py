@@ -23,6 +23,11 @@ A state with a true ``needs_hidden`` attribute (speculator heads, Medusa-style, 
 2024) gets ``Verified.hidden``, the target's final hidden states at every verified position:
 the loop then verifies through `charged_forward_hidden` (models with ``forward_hidden``).
 `Verified.logits` is the target's output at the same positions (Jacobi reads its guesses there).
+
+A state with a true ``learns_only`` attribute keeps no per-row state in `DraftState.observe`:
+it only learns from what it sees (Token Recycling's candidate table). The cost model
+(`metaloom.speculative.planned`) skips such an observation while that drafter is idle, since it
+costs a step's time and feeds no draft soon.
 """
 
 from __future__ import annotations

@@ -33,16 +33,21 @@ from metaloom.sampling.pipeline import Sampler
 from metaloom.speculative.cost import VerifyCost, measure_verify_cost
 from metaloom.speculative.drafter import LEVELS, MAX_DRAFT, Draft, Drafter, DraftState, Verified
 from metaloom.speculative.planner import (
+    ALLOWANCE,
     CHEAP,
     COLD,
     HOT,
+    PROBE_EVERY,
     Acceptance,
+    Budget,
     DraftCost,
     Probe,
     Timing,
     plan_length,
     prune,
 )
+
+REPRICE = 8  # steps a candidate's pricing is reused while no estimate changed (`PlannedDrafter._priced`)
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,9 @@ class PlannedDrafter:
         self.probes = [Probe() for _ in self.caps]
         self.extras = [Probe() for _ in self.caps]  # when each drafter next verifies one node more
         self.scale, self.gap, self.step = 1.0, 0.0, 0
+        self.budget = Budget()  # what exploring may still lose against plain decoding
+        self.version = 0  # bumped whenever an estimate a plan reads changes (`_priced` keeps plans until then)
+        self.priced: tuple[tuple[tuple[int, ...], tuple[int, ...]], int, int, list[tuple[float, int, int]]] | None = None
         self.steps = [0] * len(self.caps)  # steps each drafter drafted (some node verified)
         self.verified = [0] * len(self.caps)
         self.kept = [0] * len(self.caps)
@@ -118,22 +126,17 @@ class PlannedDrafter:
             self.step += 1
             if rows == 0:
                 return Choice(0, 0, False, False, 0.0)
+            if self.budget.room(self.allowance()) <= 0:  # drafting has lost its share: plain steps until earned back
+                self.budget.held += 1
+                return Choice(0, 0, False, False, 0.0)
             timing = self.timing()
-            plans = []
             if len(self.caps) == 1 and self.cheap(0, timing, rows):  # draft all it may, prune after
                 extra = self.extras[0].due(self.step)
                 drafted = self.timing(self.draft_costs[0].seconds(self.caps[0]))  # as `keep` prices it
                 if not extra and not self.may_pay(0, hot, limits, drafted, rows):  # `prune` would keep none:
                     return Choice(0, 0, False, False, 0.0)  # not even asked, the plain step's cost
                 return Choice(0, self.caps[0], extra, False, 0.0)
-            states = set(hot)
-            for c, acc in enumerate(self.acceptance):
-                kept = {h: acc.kept_rates(h) for h in states}
-                proposed = {h: acc.proposal_rates(h) for h in states}
-                k, rate = plan_length([kept[h] for h in hot], [proposed[h] for h in hot],
-                                      [min(n, self.caps[c]) for n in limits], rows, timing, self.draft_costs[c],
-                                      self.caps[c])
-                plans.append((rate, -c, k))
+            plans = self._priced(hot, limits, rows, timing)
             rate, neg, k = max(plans)
             best = Choice(-neg, k, self.extras[-neg].due(self.step), False, rate)
             due = [c for c in range(len(plans)) if (c != best.candidate or best.k == 0) and self.probes[c].due(self.step)]
@@ -141,6 +144,58 @@ class PlannedDrafter:
                 c = min(due, key=lambda i: self.probes[i].last)
                 return Choice(c, max(plans[c][2], min(2, self.caps[c])), True, True, rate)
             return best
+
+    def _priced(self, hot: Sequence[int], limits: Sequence[int], rows: int, timing: Timing) -> list[tuple[float, int, int]]:
+        """Each candidate's best (rate, -index, length) under ``timing``. Pricing three drafters
+        costs a few percent of a small model's step, and on text where nothing is drafted
+        nothing it reads changes but the step time's slow drift: the plans are kept for the same
+        rows until an estimate changes (``version``) or `REPRICE` steps pass."""
+        key = (tuple(hot), tuple(limits))
+        if self.priced is not None and self.priced[:2] == (key, self.version) and self.step - self.priced[2] < REPRICE:
+            return self.priced[3]
+        plans = []
+        states = set(hot)
+        for c, acc in enumerate(self.acceptance):
+            kept = {h: acc.kept_rates(h) for h in states}
+            proposed = {h: acc.proposal_rates(h) for h in states}
+            k, rate = plan_length([kept[h] for h in hot], [proposed[h] for h in hot],
+                                  [min(n, self.caps[c]) for n in limits], rows, timing, self.draft_costs[c],
+                                  self.caps[c])
+            plans.append((rate, -c, k))
+        self.priced = (key, self.version, self.step, plans)
+        return plans
+
+    def idle(self, c: int) -> bool:
+        """Whether drafter ``c`` will not draft within `PROBE_EVERY` steps and did not in the last
+        as many: the budget holds every drafter for longer, or `auto` dropped it and its next
+        trial is further away."""
+        if self.cost is not None and self.budget.held_for(self.timing().seconds(1), self.allowance()) > PROBE_EVERY:
+            return True
+        probe = self.probes[c]
+        return len(self.caps) > 1 and self.step - probe.last > PROBE_EVERY and \
+            probe.last + probe.interval - self.step > PROBE_EVERY
+
+    def allowance(self) -> float:
+        """The budget's fixed room: `ALLOWANCE` plain steps."""
+        return ALLOWANCE * self.timing().seconds(1)
+
+    def afford(self, keep: Sequence[int], rows: int) -> list[int]:
+        """``keep`` cut, from the longest row's tail (its least likely nodes), to what the budget
+        has room for were every node rejected: the verify's extra time over a plain step (the
+        drafting is spent already, whatever is verified)."""
+        with self.lock:
+            room = self.budget.room(self.allowance())
+            timing = self.timing()
+            widths = rows + np.arange(sum(keep) + 1, dtype=np.float64)
+            extra = timing.seconds_array(widths) - timing.seconds(rows)
+            fits = int(np.searchsorted(extra, room, side="right")) - 1  # the most nodes whose extra time fits
+            out = list(keep)
+            cut = sum(out) - max(fits, 0)
+            self.budget.trimmed += max(cut, 0)
+            for _ in range(cut):
+                b = max(range(len(out)), key=lambda i: out[i])
+                out[b] -= 1
+            return out
 
     def cheap(self, c: int, timing: Timing, rows: int) -> bool:
         d = self.draft_costs[c]
@@ -175,12 +230,23 @@ class PlannedDrafter:
     def learn(self, choice: Choice, outcome: Outcome) -> None:
         with self.lock:
             c = choice.candidate
-            self.draft_costs[c].record(choice.k, outcome.drafting)
             assert self.cost is not None
+            live = max(outcome.width - sum(outcome.verified), 1)  # the rows that fed a pending token
+            total = outcome.step + outcome.drafting + self.gap
+            if choice.k > 0:  # against what plain steps would have taken for the tokens it yielded
+                tokens = live + sum(len(k) for k in outcome.kept)
+                self.budget.record(total, tokens / live * self.timing().seconds(live))
+                self.version += 1
+            else:
+                self.budget.record(total)
+            self.draft_costs[c].record(choice.k, outcome.drafting)
             if outcome.step > 0:
                 ratio = outcome.step / self.cost.seconds_for(outcome.width)
                 ratio = min(max(ratio, self.scale / 3), self.scale * 3) if self.step > 1 else ratio
                 self.scale += 0.2 * (ratio - self.scale)
+            if choice.k == 0:  # a plain step: no row was allowed a node, so nothing else is learned
+                self.histogram[0] = self.histogram.get(0, 0) + len(outcome.verified)
+                return
             acc = self.acceptance[c]
             for b, (hot, allowed, proposed, verified) in enumerate(zip(outcome.hot, outcome.allowed, outcome.proposed,
                                                                        outcome.verified, strict=True)):
@@ -209,6 +275,9 @@ class PlannedDrafter:
         with self.lock:
             out: dict[str, Any] = {"drafter": self.name, "verify_cost": None if self.cost is None else self.cost.to_dict(),
                                    "scale": round(self.scale, 3), "gap_ms": round(self.gap * 1e3, 3), "steps": self.step,
+                                   "budget": {"held_steps": self.budget.held, "trimmed_nodes": self.budget.trimmed,
+                                              "lost_ms": round(self.budget.lost * 1e3, 3),
+                                              "elapsed_ms": round(self.budget.elapsed * 1e3, 3)},
                                    "nodes_verified": {str(k): v for k, v in sorted(self.histogram.items())},
                                    "drafters": {}}
             for c, d in enumerate(self.drafters):
@@ -252,15 +321,14 @@ class PlannedState:
         # seconds, when the draft was handed over, and the draft's confidence classes
         self.pending: tuple[Choice, list[int], list[int], list[int], float, float, tuple[int, ...] | None] | None = None
         self.done_at: float | None = None  # when the last step's observation ended
-
-    @property
-    def needs_hidden(self) -> bool:
-        return any(bool(getattr(s, "needs_hidden", False)) for s in self.states)
+        self.needs_hidden = any(bool(getattr(s, "needs_hidden", False)) for s in states)
+        self.caching = [s for s in states if hasattr(s, "cache")]  # read each step by the loop's memory measure
+        self.empty: Draft | None = None  # the draft of a step nothing is drafted for (frozen: shared)
 
     @property
     def cache(self) -> Any:
         """A draft model's own cache (the decode loop charges its KV memory)."""
-        return next((c for s in self.states if (c := getattr(s, "cache", None)) is not None), None)
+        return next((c for s in self.caching if (c := s.cache) is not None), None)
 
     def propose(self, contexts: Sequence[Sequence[int]], limits: Sequence[int], ledger: Ledgers) -> Draft:
         start = time.perf_counter()
@@ -268,12 +336,21 @@ class PlannedState:
             self.planner.learn_gap(start - self.done_at)
         choice = self.planner.plan(self.hot, limits)
         allowed = [min(n, choice.k) for n in limits]
-        draft = self.states[choice.candidate].propose(contexts, allowed, ledger)
+        # nothing allowed: no drafter is asked (each returns nothing for limits of 0, and the
+        # indexes that prompt lookup builds as it proposes catch up on the next proposal)
+        if choice.k > 0:
+            draft = self.states[choice.candidate].propose(contexts, allowed, ledger)
+        else:
+            if self.empty is None or self.empty.lengths.shape[0] != len(contexts):
+                self.empty = Draft.from_lists([[] for _ in contexts])
+            draft = self.empty
         drafting = time.perf_counter() - start
         proposed = [min(int(n), a) for n, a in zip(draft.lengths.tolist(), allowed, strict=True)]
         rows = sum(1 for n in limits if n > 0)
         keep = (self.planner.keep(choice, self.hot, proposed, rows, drafting, draft.levels) if any(proposed)
                 else [0] * len(proposed))
+        if any(keep):
+            keep = self.planner.afford(keep, rows)
         self.pending = (choice, allowed, proposed, keep, drafting, time.perf_counter(), draft.levels)
         lengths = torch.as_tensor(keep, dtype=torch.long, device=draft.lengths.device)
         return Draft(draft.tokens, lengths, draft.probs, draft.parents)
@@ -284,8 +361,8 @@ class PlannedState:
         if self.pending is not None:
             choice, allowed, proposed, keep, drafting, after, levels = self.pending
             proposer = choice.candidate
-            kept = kept_paths(verified)
-            kept = [k if n else [] for k, n in zip(kept, keep, strict=True)]
+            kept = [k if n else [] for k, n in zip(kept_paths(verified), keep, strict=True)] if any(keep) \
+                else [[] for _ in keep]
             rows = sum(1 for n in allowed if n > 0) or len(keep)
             self.planner.learn(choice, Outcome(list(self.hot), allowed, proposed, keep, kept, drafting, now - after,
                                                rows + sum(keep), levels))
@@ -296,6 +373,8 @@ class PlannedState:
         tree = verified.draft.parents is not None
         chain = as_chain(verified) if tree and len(self.states) > 1 else verified
         for i, state in enumerate(self.states):  # a chain drafter sees a tree step as the chain it kept
+            if i != proposer and getattr(state, "learns_only", False) and self.planner.idle(i):
+                continue  # only its table would learn, and it will not draft soon (Token Recycling: a topk a step)
             state.observe(verified if i == proposer or not tree else chain)
         self.done_at = time.perf_counter()
 

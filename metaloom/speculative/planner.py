@@ -28,10 +28,19 @@ what it stopped doing, the planner verifies one node more than it would every `P
 steps, and tries a drafter (or draft length) it has dropped again; both intervals double each time
 the trial does not win (`Probe`: the longer step kept nothing, the drafter's step was slower than
 the plan it displaced), so on text where nothing is accepted the trials fade to one in `PROBE_MOST` steps.
+
+What exploring may cost is bounded (`Budget`): a step drafts only while the time speculation has
+lost against plain decoding stays within `SAFETY` of the decoding time, as a conservative bandit
+explores only while its reward stays within a share of the baseline's (Wu et al. 2016,
+"Conservative Bandits"), and a draft is cut to what the budget could lose were all of it
+rejected. Optimistic first estimates, trials and probes all spend from it; steps that paid
+refill it. So on text where nothing pays, speculation costs at most about `SAFETY` of plain
+decoding's time (and one step) plus the planner's own bookkeeping, however the estimates mislead.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,6 +55,9 @@ DECAY = 0.98  # per observed row-step: about the last 50 count
 PROBE_EVERY = 16  # steps between one-node-longer trials (and drafter trials) while they win
 PROBE_MOST = 1024  # the longest interval between trials of a dropped drafter
 CHEAP = 0.02  # drafting up to the cap costing less than this share of a step: draft it all, prune after
+SAFETY = 0.01  # the share of decoding time that drafting steps may lose against plain steps (`Budget`)
+ALLOWANCE = 0.5  # plain steps' time a fresh planner may lose before it has earned any (`Budget.room`)
+WINDOW = 2048  # steps: the budget's memory (a long plain stretch does not bank a burst of trials)
 HOT, COLD = 1, 0
 
 
@@ -198,6 +210,45 @@ def plan_length(kept: Sequence[np.ndarray], proposed: Sequence[np.ndarray], limi
     if cap and draft.seconds(cap) - draft.seconds(0) <= CHEAP * timing.scale * timing.cost.seconds_for(rows):
         best_k = cap
     return best_k, best_rate
+
+
+@dataclass
+class Budget:
+    """What drafting may still lose (Wu et al. 2016, "Conservative Bandits": explore only while
+    the cumulative reward stays within a share of the baseline's). The baseline is plain
+    decoding: a step that drafted and yielded ``t`` tokens over ``r`` rows would have taken
+    ``t / r`` plain steps. ``lost`` sums what drafting steps took beyond that (negative where
+    speculation paid), ``elapsed`` the time of every step, both decayed over about `WINDOW`
+    steps. The ``room`` left is ``SAFETY * elapsed + allowance - lost`` (``allowance``:
+    `ALLOWANCE` plain steps, so that a fresh planner may try a short draft): a step drafts only while there is
+    room, and verifies no more nodes than would fit in it were every one rejected
+    (`PlannedDrafter.afford`), so ``lost`` never passes ``SAFETY * elapsed`` by more than the
+    allowance and one step's drafting."""
+
+    lost: float = 0.0
+    elapsed: float = 0.0
+    held: int = 0  # steps the budget kept from drafting (reported)
+    trimmed: int = 0  # nodes it cut from drafts that did not fit (reported)
+
+    def room(self, allowance: float) -> float:
+        return SAFETY * self.elapsed + allowance - self.lost
+
+    def held_for(self, step: float, allowance: float) -> float:
+        """About how many plain steps of ``step`` seconds must pass before there is room (0: there is)."""
+        if self.room(allowance) > 0:
+            return 0.0
+        keep = 1.0 - 1.0 / WINDOW
+        earned = SAFETY * step * WINDOW  # what plain steps add to SAFETY * elapsed, over the window
+        # after n plain steps: keep**n * (lost - SAFETY * elapsed) <= allowance + earned * (1 - keep**n)
+        a = (earned + allowance) / (self.lost - SAFETY * self.elapsed + earned)
+        return math.log(a) / math.log(keep)
+
+    def record(self, seconds: float, plain: float | None = None) -> None:
+        """A step of ``seconds``; ``plain``: what plain steps would have taken for its tokens
+        (None: it drafted nothing, so it lost nothing)."""
+        keep = 1.0 - 1.0 / WINDOW
+        self.elapsed = keep * self.elapsed + seconds
+        self.lost = keep * self.lost + (0.0 if plain is None else seconds - plain)
 
 
 @dataclass

@@ -90,6 +90,8 @@ class RecyclingDrafter:
 class RecyclingState:
     """Per batch: nothing of its own (the matrix is the drafter's)."""
 
+    learns_only = True  # observe only updates the matrix (`metaloom.speculative.drafter`)
+
     def __init__(self, drafter: RecyclingDrafter) -> None:
         self.drafter = drafter
 
@@ -102,6 +104,9 @@ class RecyclingState:
         draft = verified.draft
         read = verified.logits.shape[1]
         rows = verified.logits.shape[0]
+        if read == 1 and verified.pending is not None:  # a plain step (nothing drafted): each row read its pending token
+            self.drafter.learn(verified.pending, verified.logits[:, 0])
+            return
         block = torch.zeros(rows, read, dtype=torch.long)
         block[:, 1:] = draft.tokens[:, :read - 1].cpu()
         # the pending token each row read first: the token emitted before this step's block
