@@ -78,6 +78,8 @@ def test_cost_model_methods_side_by_side_and_their_choices(tmp_path, smollm) -> 
     assert row["verify_cost"]["widths"][0] == 1
     auto = row["methods"][0]["cost_model"]
     assert set(auto["drafters"]) >= {"ngram", "recycling"} and auto["steps"] > 0
+    per = auto["per_prompt"][0]["budget"]  # the exploration budget, summed over the prompts
+    assert auto["budget"] == {"held_steps": per["held_steps"], "trimmed_nodes": per["trimmed_nodes"]}
     assert "cost_model" not in row["methods"][1]
 
 

@@ -52,7 +52,8 @@ def run_report(loaded: LoadedModel, methods: list[Method], skipped: dict[str, st
 
 def _choices(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """What the cost model chose over a method's prompts (its last timed call of each): nodes
-    verified per row-step, and per drafter the steps it drafted, the nodes verified and kept."""
+    verified per row-step, per drafter the steps it drafted, the nodes verified and kept, and the
+    steps its exploration budget held from drafting and the nodes it cut."""
     nodes: dict[str, int] = {}
     drafters: dict[str, dict[str, int]] = {}
     steps = 0
@@ -65,5 +66,7 @@ def _choices(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
             for key in total:
                 total[key] += d[key]
     first = next(iter(reports.values()))
+    budget = {key: sum(r["budget"][key] for r in reports.values()) for key in ("held_steps", "trimmed_nodes")}
     return {"steps": steps, "nodes_verified": dict(sorted(nodes.items(), key=lambda kv: int(kv[0]))),
-            "drafters": drafters, "scale": first["scale"], "per_prompt": [reports[i] for i in sorted(reports)]}
+            "drafters": drafters, "budget": budget, "scale": first["scale"],
+            "per_prompt": [reports[i] for i in sorted(reports)]}
