@@ -410,7 +410,8 @@ def _plain_steps(state, n):
 def test_a_step_the_plan_drafts_nothing_for_asks_no_drafter_and_idle_learners_skip_observing():
     """With the budget spent for longer than `PROBE_EVERY` steps no drafter is asked to propose,
     and a drafter whose observation only feeds its learning (Token Recycling's table) is not fed;
-    the others are. With room, the learner is fed every step again."""
+    the others are. With room, the learner is fed every step again, and what its observations
+    take is charged to the budget (a drafter that keeps row state is not charged)."""
     drafter, learner = Counting(False, "a"), Counting(False, "b", learns_only=True)
     planned = PlannedDrafter([(drafter, 8), (learner, 8)], cost=STEEP)
     state = planned.start(None, None, [[1, 2, 3]], [0])
@@ -420,8 +421,15 @@ def test_a_step_the_plan_drafts_nothing_for_asks_no_drafter_and_idle_learners_sk
     assert drafter.observed == 20 and learner.observed == 0
     planned.reset()  # a fresh budget: room, and no drafter dropped yet
     state = planned.start(None, None, [[1, 2, 3]], [0])
+    charged: list[float] = []
+    planned.charge = charged.append  # what the budget is charged, as it is charged
     _plain_steps(state, 5)
     assert learner.observed == 5
+    assert len(charged) == 5 and all(t > 0 for t in charged)  # the learner's observations, each
+    alone = PlannedDrafter([(Counting(False, "c"), 8)], cost=STEEP)  # a drafter that keeps row state: not charged
+    alone.charge = charged.append
+    _plain_steps(alone.start(None, None, [[1, 2, 3]], [0]), 5)
+    assert len(charged) == 5
 
 
 def test_recycling_learns_from_a_plain_step_as_from_a_one_token_block():

@@ -175,6 +175,11 @@ class PlannedDrafter:
         return len(self.caps) > 1 and self.step - probe.last > PROBE_EVERY and \
             probe.last + probe.interval - self.step > PROBE_EVERY
 
+    def charge(self, seconds: float) -> None:
+        """Time spent only to learn (a ``learns_only`` drafter's observation), charged to the budget."""
+        with self.lock:
+            self.budget.charge(seconds)
+
     def allowance(self) -> float:
         """The budget's fixed room: `ALLOWANCE` plain steps."""
         return ALLOWANCE * self.timing().seconds(1)
@@ -373,9 +378,13 @@ class PlannedState:
         tree = verified.draft.parents is not None
         chain = as_chain(verified) if tree and len(self.states) > 1 else verified
         for i, state in enumerate(self.states):  # a chain drafter sees a tree step as the chain it kept
-            if i != proposer and getattr(state, "learns_only", False) and self.planner.idle(i):
+            learner = getattr(state, "learns_only", False)
+            if learner and i != proposer and self.planner.idle(i):
                 continue  # only its table would learn, and it will not draft soon (Token Recycling: a topk a step)
+            began = time.perf_counter()
             state.observe(verified if i == proposer or not tree else chain)
+            if learner:  # learning for drafts to come is exploring too: the budget pays for it
+                self.planner.charge(time.perf_counter() - began)
         self.done_at = time.perf_counter()
 
     def select(self, rows: Sequence[int]) -> PlannedState:

@@ -243,6 +243,12 @@ class Budget:
         a = (earned + allowance) / (self.lost - SAFETY * self.elapsed + earned)
         return math.log(a) / math.log(keep)
 
+    def charge(self, seconds: float) -> None:
+        """Time spent outside any step's forward only to learn for later drafts: lost, as it is
+        time plain decoding would not spend."""
+        self.lost += seconds
+        self.elapsed += seconds
+
     def record(self, seconds: float, plain: float | None = None) -> None:
         """A step of ``seconds``; ``plain``: what plain steps would have taken for its tokens
         (None: it drafted nothing, so it lost nothing)."""
