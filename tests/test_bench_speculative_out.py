@@ -115,3 +115,26 @@ def test_q8_activations_reach_the_model_every_method_runs_and_the_report(tmp_pat
     monkeypatch.setattr(speculative, "drafter_methods", lambda *a: [])
     report = speculative.run(_args(tmp_path, activations="q8", weights="native"))
     assert seen == ["q8"] and report["activations"] == "q8"
+
+
+def test_decode_only_rates_take_the_prefill_and_first_token_off() -> None:
+    """Two prompts of 11 tokens each. Greedy takes 1.0 s a prompt; stopped at its first token it
+    takes 0.5 s. A drafter takes 0.75 s. End to end that is 1.33x greedy. After the first token
+    greedy makes 10 tokens in 0.5 s and the drafter in 0.25 s: 2x. A peer gets no decode rate."""
+
+    def method(name: str, seconds: float, n: int = 11, peer: bool = False) -> Method:
+        m = Method(name, run=lambda i: ([], None), peer=peer)
+        m.times = {0: [seconds, seconds + 0.01, seconds - 0.01], 1: [seconds] * 3}  # medians: seconds
+        m.tokens = {0: list(range(n)), 1: list(range(n))}
+        return m
+
+    loaded = argparse.Namespace(name="toy", weights="native")
+    first = method("metaloom first token", 0.5, n=1)
+    report = run_report(loaded, [method("metaloom greedy", 1.0), method("metaloom ngram", 0.75),
+                                 method("llama.cpp", 0.6, peer=True)], {}, "float32", first)
+    greedy, ngram, peer = report["methods"]
+    assert ngram["speedup"] == pytest.approx(1.0 / 0.75)
+    assert greedy["decode_tok_s"] == pytest.approx(20.0) and ngram["decode_speedup"] == pytest.approx(2.0)
+    assert "decode_tok_s" not in peer and report["first_token_s"] == pytest.approx(1.0)
+    without = run_report(loaded, [method("metaloom greedy", 1.0)], {}, "float32")
+    assert "decode_speedup" not in without["methods"][0] and without["first_token_s"] is None

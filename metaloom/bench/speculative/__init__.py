@@ -79,6 +79,9 @@ def _one_dtype(args: argparse.Namespace, dtype: str, done: list[dict[str, Any]])
     skipped: dict[str, str] = {}
     prompts = PROMPT_SETS[args.prompts]
     methods = [metaloom_method(loaded, "metaloom greedy", None, n, prompts)]
+    # the prefill and first token of each prompt alone: what no drafter speeds up, taken off
+    # metaloom's times for the decode-only rates (`run_report`)
+    first = metaloom_method(loaded, "metaloom first token", None, 1, prompts)
     methods += drafter_methods(args, loaded, n, skipped)
     peers = check_peers(args)
     for peer, build in PEERS.items():
@@ -86,6 +89,8 @@ def _one_dtype(args: argparse.Namespace, dtype: str, done: list[dict[str, Any]])
             methods += build(args, loaded, n, skipped)
         else:
             skipped[peer] = "not asked for (--peers)"
+    for i in range(len(prompts)):
+        first.run(i)
     for m in list(methods):  # warm-up: first calls pay for allocations, thread pools, lazy imports
         try:
             for i in range(len(prompts)):
@@ -94,6 +99,10 @@ def _one_dtype(args: argparse.Namespace, dtype: str, done: list[dict[str, Any]])
             skipped[m.name] = str(exc)
             methods.remove(m)
     for repeat in range(args.repeats):
+        for i in range(len(prompts)):
+            start = time.perf_counter()
+            first.run(i)
+            first.times.setdefault(i, []).append(time.perf_counter() - start)
         for m in methods:
             for i in range(len(prompts)):
                 start = time.perf_counter()
@@ -103,13 +112,13 @@ def _one_dtype(args: argparse.Namespace, dtype: str, done: list[dict[str, Any]])
                 if ledger is not None:
                     m.ledgers[i] = ledger
             # a long run that is stopped still leaves every row measured so far
-            so_far = run_report(loaded, [x for x in methods if x.times], skipped, dtype)
+            so_far = run_report(loaded, [x for x in methods if x.times], skipped, dtype, first)
             row = next(r for r in so_far["methods"] if r["method"] == m.name)  # its own, not the last row
             print(f"[{dtype} repeat {repeat + 1}/{args.repeats}] {m.name}: {row['tok_s']:.2f} tok/s "
                   f"({row['speedup']:.2f}x greedy)", file=sys.stderr, flush=True)
             if args.out:
                 write_partial(args.out, args, done, so_far)
-    return run_report(loaded, methods, skipped, dtype)
+    return run_report(loaded, methods, skipped, dtype, first)
 
 
 def write_partial(path: str, args: argparse.Namespace, done: list[dict[str, Any]], current: dict[str, Any]) -> None:
@@ -168,12 +177,17 @@ def main(args: argparse.Namespace) -> int:
 
     for run_ in report["runs"]:
         print(f"\n{run_['model']} ({run_['dtype']})")
-        print(f"{'method':<44} {'tokens':>6} {'tok/s':>7} {'speedup':>8} {'accept':>7} {'acc/step':>9} {'tok/fwd':>8}")
+        print(f"{'method':<44} {'tokens':>6} {'tok/s':>7} {'speedup':>8} {'decode':>7} {'accept':>7} {'acc/step':>9} "
+              f"{'tok/fwd':>8}")
         for r in run_["methods"]:
             same = "" if r.get("same_tokens_as_greedy", True) else "  (tokens differ from greedy!)"
-            print(f"{r['method']:<44} {r['tokens']:>6} {r['tok_s']:>7.1f} {r['speedup']:>7.2f}x "
+            decode = "-" if r.get("decode_speedup") is None else f"{r['decode_speedup']:.2f}x"
+            print(f"{r['method']:<44} {r['tokens']:>6} {r['tok_s']:>7.1f} {r['speedup']:>7.2f}x {decode:>7} "
                   f"{fmt(r.get('acceptance_rate'), '.0%'):>7} {fmt(r.get('accepted_per_step'), '.2f'):>9} "
                   f"{fmt(r.get('tokens_per_forward'), '.2f'):>8}{same}")
+        if run_.get("first_token_s") is not None:
+            print(f"decode: the speedup after each prompt's prefill and first token "
+                  f"({run_['first_token_s'] * 1e3:.0f} ms for the {report['prompts']} prompts, greedy alone)")
         for name, ratio in run_["ratios"].items():
             print(f"{name}: {ratio:.2f}x")
         for name, why in run_["skipped"].items():
