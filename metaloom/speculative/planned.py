@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,7 +28,7 @@ from metaloom.models.protocols import LanguageModel
 from metaloom.sampling.pipeline import Sampler
 from metaloom.speculative.cost import VerifyCost, measure_verify_cost
 from metaloom.speculative.drafter import LEVELS, MAX_DRAFT, Drafter
-from metaloom.speculative.planned_state import Outcome, PlannedState, as_chain, kept_paths
+from metaloom.speculative.planned_state import Choice, Outcome, PlannedState, as_chain, kept_paths
 from metaloom.speculative.planner import (
     ALLOWANCE,
     CHEAP,
@@ -48,21 +47,6 @@ from metaloom.speculative.planner import (
 __all__ = ["Choice", "Outcome", "PlannedDrafter", "PlannedState", "as_chain", "kept_paths"]
 
 REPRICE = 8  # steps a candidate's pricing is reused while no estimate changed (`PlannedDrafter._priced`)
-
-
-@dataclass(frozen=True)
-class Choice:
-    """A step's plan: ``candidate`` drafts up to ``k`` tokens a row. ``extra``: verify one node
-    more per row than the estimates say (to learn past them: every `PROBE_EVERY` steps, an
-    interval that doubles while such steps keep nothing, as `Probe`'s);
-    ``trial``: the candidate is tried because it was not chosen lately (`Probe`); ``rate``: the
-    expected tokens per second of the best plan, which a trial is judged against."""
-
-    candidate: int
-    k: int
-    extra: bool
-    trial: bool
-    rate: float
 
 
 class PlannedDrafter:

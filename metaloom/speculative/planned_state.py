@@ -2,8 +2,9 @@
 `PlannedDrafter.start` makes for a batch. Each step it asks the planner for a plan, lets the
 chosen drafter propose, keeps the nodes that pay (`PlannedDrafter.keep`, cut to the exploration
 budget's room by `PlannedDrafter.afford`), and after the verify tells the planner what happened
-(`Outcome`) and feeds every drafter what the target said. Also `kept_paths` and `as_chain`: a
-verified tree's accepted path, and a tree step seen as the chain it kept.
+(`Outcome`) and feeds every drafter what the target said. `Choice` is a step's plan and
+`Planner` what the state asks of the planner. Also `kept_paths` and `as_chain`: a verified
+tree's accepted path, and a tree step seen as the chain it kept.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -19,8 +20,39 @@ from metaloom.models.forward import Ledgers
 from metaloom.speculative.drafter import Draft, DraftState, Verified
 from metaloom.speculative.planner import COLD, HOT
 
-if TYPE_CHECKING:
-    from metaloom.speculative.planned import Choice, PlannedDrafter
+
+@dataclass(frozen=True)
+class Choice:
+    """A step's plan: ``candidate`` drafts up to ``k`` tokens a row. ``extra``: verify one node
+    more per row than the estimates say (to learn past them: every `PROBE_EVERY` steps, an
+    interval that doubles while such steps keep nothing, as `Probe`'s);
+    ``trial``: the candidate is tried because it was not chosen lately (`Probe`); ``rate``: the
+    expected tokens per second of the best plan, which a trial is judged against."""
+
+    candidate: int
+    k: int
+    extra: bool
+    trial: bool
+    rate: float
+
+
+class Planner(Protocol):
+    """What a `PlannedState` asks of its planner (`metaloom.speculative.planned.PlannedDrafter`)."""
+
+    def plan(self, hot: Sequence[int], limits: Sequence[int]) -> Choice: ...
+
+    def keep(self, choice: Choice, hot: Sequence[int], lengths: Sequence[int], rows: int, drafting: float,
+             levels: Sequence[int] | None = None) -> list[int]: ...
+
+    def afford(self, keep: Sequence[int], rows: int) -> list[int]: ...
+
+    def learn(self, choice: Choice, outcome: Outcome) -> None: ...
+
+    def learn_gap(self, seconds: float) -> None: ...
+
+    def idle(self, c: int) -> bool: ...
+
+    def charge(self, seconds: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -45,7 +77,7 @@ class PlannedState:
     """A batch's drafting state under the cost model: each drafter's own state, each row's
     `HOT`/`COLD` state, and the plan of the step in flight."""
 
-    def __init__(self, planner: PlannedDrafter, states: list[DraftState], hot: list[int]) -> None:
+    def __init__(self, planner: Planner, states: list[DraftState], hot: list[int]) -> None:
         self.planner = planner
         self.states = states
         self.hot = hot
