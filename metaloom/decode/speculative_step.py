@@ -40,11 +40,10 @@ def speculative_step(batch: DecodeBatch, done: list[bool], ledgers: list[Ledger]
               for row, d in zip(batch.rows, done, strict=True)]
     proposed = batch.drafter.propose([row.context for row in batch.rows], limits, ledgers)
     needs_hidden = bool(getattr(batch.drafter, "needs_hidden", False))
-    if proposed.tokens.shape[1] == 0:  # nothing drafted (the cost model chose 0): the plain step's cost
-        empty = Draft(proposed.tokens.to(device), proposed.lengths.to(device))
-        return _undrafted_step(batch, empty, done, ledgers, rngs, cursors, needs_hidden)
-    draft = _checked(proposed, limits, device)
-    if draft.tokens.shape[1] == 0:
+    # an empty draft (the cost model chose 0) skips `_checked`'s tensor work: nothing to hold to its limits
+    draft = (Draft(proposed.tokens.to(device), proposed.lengths.to(device)) if proposed.tokens.shape[1] == 0
+             else _checked(proposed, limits, device))
+    if draft.tokens.shape[1] == 0:  # nothing drafted: the plain step's cost
         return _undrafted_step(batch, draft, done, ledgers, rngs, cursors, needs_hidden)
     tokens = torch.cat([batch.pending[:, None], draft.tokens], dim=1)  # [B, K+1]
     start = batch.cache.lengths.clone()
