@@ -28,6 +28,9 @@
 #                          or "SHAPE:spec" goes in front of SHAPES where it has no item (default none)
 #   GPU_BENCH_SPEC_DRAFT   the spec case's drafts a step, --spec-draft (default 4)
 #   GPU_BENCH_SMOKE_SHAPES the smoke's shapes (default 135m; none: no smoke)
+#   GPU_BENCH_SMOKE_S      seconds before the smoke is killed as a hang (default 180: on an H200 lent
+#                          2026-11-29, whose host ran eager steps at half an H100 host's speed, the
+#                          135m smoke took 90 s and was killed as it wrote its JSON at the old 90)
 #   GPU_BENCH_EXTRA        more arguments for both (e.g. "--max-tokens 4 --dtype float32" on a CPU)
 #   GPU_BENCH_LIMIT_S      seconds for the whole script (default 420)
 #   GPU_BENCH_CHECKS_S     > 0: also run scripts/gpu_checks.py (the engine's exactness, capture-fidelity
@@ -44,6 +47,7 @@ SHAPES=${GPU_BENCH_SHAPES:-1b,7b:greedy+s16,135m,7b:s64}
 SMOKE_SHAPES=${GPU_BENCH_SMOKE_SHAPES:-135m}
 LIMIT_S=${GPU_BENCH_LIMIT_S:-420}
 CHECKS_S=${GPU_BENCH_CHECKS_S:-0}
+SMOKE_S=${GPU_BENCH_SMOKE_S:-180}
 SPEC=${GPU_BENCH_SPEC:-}
 SPEC_DRAFT=${GPU_BENCH_SPEC_DRAFT:-4}
 DEFAULT_CASES=greedy+s16+s64  # the benchmark's default --cases, for a shape item that names none
@@ -111,7 +115,7 @@ EOF
     local systems=()
     if [[ "$SMOKE_SHAPES" != none ]]; then
         echo "== smoke at $(elapsed) s: METALOOM_CUDA_GRAPHS on vs off, token ids"
-        timeout -k 10 90 "$PY" -m metaloom.cli bench gpu --smoke --shapes "$SMOKE_SHAPES" "${common[@]}" \
+        timeout -k 10 "$SMOKE_S" "$PY" -m metaloom.cli bench gpu --smoke --shapes "$SMOKE_SHAPES" "${common[@]}" \
             --out "$OUT/smoke.json"
         local smoke=$?
         echo "smoke exit status $smoke (0: equal in float32, 1: different in float32, other: failed)"
