@@ -172,13 +172,15 @@ def test_panel_matmul_is_the_float64_product_to_float32_rounding(qtype):
 @PANEL_TYPES
 def test_a_rows_panel_result_does_not_depend_on_its_batch_or_the_threads(qtype):
     inputs = 256 if qtype in K_TYPES else 96
-    w, _ = weight(qtype, 80, inputs, seed=3)
+    # 144 outputs: 9 panels, so that each of 2 threads' shares holds AVX-512's 4 panels of 2-6 rows
+    # (`few`: 4 panels x 2 rows, 2 x 4, and 5 and 6 rows in two groups) with panels left over
+    w, _ = weight(qtype, 144, inputs, seed=3)
     p = w.panelled()
     x = torch.randn(40, inputs, generator=torch.Generator().manual_seed(4))
     alone = torch.cat([p(x[i:i + 1]) for i in range(40)])
-    for rows in (2, 3, 5, 13, 40):
+    for rows in (2, 3, 4, 5, 6, 7, 13, 40):
         for threads in (1, 2):
-            y = torch.empty(rows, 80)
+            y = torch.empty(rows, 144)
             KERNELS.panel_matmul(qtype, p.blocks, inputs, x[:rows].contiguous(), y, rows, threads)
             assert torch.equal(y, alone[:rows]), (rows, threads)
 

@@ -1280,6 +1280,7 @@ typedef void (*prows_fn)(const uint8_t *pw, int64_t nb, const float *xs, const f
 typedef struct {
     ptile_fn tile[4];
     prows_fn rows;
+    prows_fn few; /* AVX-512: `pfew`, 2 to PFEW_ROWS rows against PFEW_PANELS panels; NULL elsewhere */
 } ptile_set;
 #define PANEL_TYPES(X) X(Q4_0) X(Q4_1) X(Q5_0) X(Q5_1) X(Q2_K) X(Q3_K) X(Q4_K) X(Q5_K) X(Q6_K) X(IQ4_NL) X(IQ4_XS)
 #define PSET_CASE(TY) case TY: return &p##TY##_set;
@@ -1508,11 +1509,85 @@ static void prows(int t, const uint8_t *pw, int64_t nb, const float *xs, const f
     for (int r = 0; r < R; r++) st(y, r * out + p * 16, (vec)acc[r], ybf);
 }
 
+/* R <= RMAX rows against T panels p0..: `prows`'s operations per (row, lane), in its order, for
+ * T panels at once. Why: `prows` walks one panel, so R rows give it R fma chains, each 8 fmas a
+ * group long; at 2-4 rows they wait on the fma's latency (SmolLM2's Q4_1 gate_up [3072, 576] at 2
+ * rows took 119 us, 3.4x one row, on an AMD EPYC Zen 4). T panels make T R chains and share each
+ * input's broadcast among them. Rows past R are skipped by branches that predict perfectly, as
+ * in `tile`. */
+INLINE void pfew(const int t, const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, int64_t p0,
+                 void *y, int64_t out, int ybf, const int T, const int RMAX, int R) {
+    const int BB16 = 16 * block_bytes(t), SUBS = psubs(t), GROUPS = pgroups(t), SE = 8 * GROUPS;
+    const int64_t pb = nb * BB16, n32 = in / 32, stride = 3 * n32;
+    __m512 acc[T * RMAX];
+    UNROLL for (int i = 0; i < T * RMAX; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        _Pragma("GCC unroll 1") for (int sb = 0; sb < SUBS; sb++) {
+            pprefetch(t, pw, pb, p0, b, sb, T);
+            __m512 sum[T * RMAX];
+            UNROLL for (int i = 0; i < T * RMAX; i++) sum[i] = _mm512_setzero_ps();
+            UNROLL for (int v = 0; v < GROUPS; v++) {
+                const float *xv = xs + b * SUBS * SE + sb * SE + 8 * v;
+                UNROLL for (int tt = 0; tt < T; tt++) {
+                    const int64_t g = (p0 + tt) * nb + b;
+                    __m512i V, H = _mm512_setzero_si512();
+                    pwords(t, pw + g * BB16, g, sb, v, &V, &H);
+                    UNROLL for (int k = 0; k < 8; k++) {
+                        const __m512 f = pquantf(t, k, V, H);
+                        UNROLL for (int r = 0; r < RMAX; r++)
+                            if (r < R) sum[tt * RMAX + r] = _mm512_fmadd_ps(f, _mm512_set1_ps(xv[r * in + k]),
+                                                                            sum[tt * RMAX + r]);
+                    }
+                }
+            }
+            UNROLL for (int tt = 0; tt < T; tt++) {
+                const int64_t g = (p0 + tt) * nb + b;
+                __m512 scale, off;
+                float c;
+                int64_t at;
+                pscales(t, pw + g * BB16, g, b, sb, n32, &scale, &off, &c, &at);
+                UNROLL for (int r = 0; r < RMAX; r++) {
+                    if (r < R) {
+                        acc[tt * RMAX + r] = _mm512_fmadd_ps(sum[tt * RMAX + r], scale, acc[tt * RMAX + r]);
+                        if (poff(t))
+                            acc[tt * RMAX + r] = _mm512_fmadd_ps(off, _mm512_set1_ps(c * S[r * stride + at]),
+                                                                 acc[tt * RMAX + r]);
+                    }
+                }
+            }
+        }
+    }
+    UNROLL for (int tt = 0; tt < T; tt++) UNROLL for (int r = 0; r < RMAX; r++)
+        if (r < R) st(y, r * out + (p0 + tt) * 16, (vec)acc[tt * RMAX + r], ybf);
+}
+/* `few`: PFEW_PANELS panels of up to PFEW_ROWS rows, as 4 panels x 2 rows or twice 2 panels x 4
+ * rows (4 x 4 spilled its 32 sums and sums of scales: slower than `prows`; 2 x 8 too). Rows up to
+ * PFEW_SPLIT go through it in groups of at most PFEW_ROWS, more through `prows`. SmolLM2's Q4_1
+ * weights on an AMD EPYC Zen 4, 2 threads, medians of 41 calls, two processes each way in turn
+ * (scripts/quant_kernel_speed.py's blocks), `prows` -> `few`:
+ *   gate_up [3072, 576]: 2 rows 85-127 us -> 53-56 (one row: 32-38), 3 rows 96-140 -> 73-78, 4 rows
+ *   105-147 -> 92-98, 5 rows 163-167 -> 127, 6 rows 176-183 -> 146-152;
+ *   qkv [960, 576] 2 rows 29-43 -> 20-24, 4 rows 37-49 -> 33-38; down [576, 1536] 2 rows 45-62 ->
+ *   29-36, 4 rows 57-82 -> 47-59; at 8 rows the groups were slower on these two (64-68 against
+ *   57-71, 103-107 against 90-117): `prows` keeps 8 rows and more. */
+#define PFEW_PANELS 4
+#define PFEW_ROWS 4
+#define PFEW_SPLIT 6
+
 /* one row: 8 panels at a time (8 independent fma chains), then 4, 2, 1 for those left over (one
- * chain waits on the fma latency); more rows: `prows`, panel by panel */
+ * chain waits on the fma latency); 2 to PFEW_SPLIT rows: `few`; more rows: `prows`, panel by panel */
+#define PFEW(TY)                                                                                   \
+    static __attribute__((noinline)) void p##TY##_few(const uint8_t *pw, int64_t nb, const float *xs, const float *S,  \
+                                                      int64_t in, int64_t p, void *y, int64_t out, int ybf, int R) {   \
+        if (R <= 2) pfew(TY, pw, nb, xs, S, in, p, y, out, ybf, 4, 2, R);                          \
+        else {                                                                                     \
+            pfew(TY, pw, nb, xs, S, in, p, y, out, ybf, 2, 4, R);                                  \
+            pfew(TY, pw, nb, xs, S, in, p + 2, y, out, ybf, 2, 4, R);                              \
+        }                                                                                          \
+    }
 #define PTILE_SET(TY)                                                                              \
-    PTILE(TY, 8) PTILE(TY, 4) PTILE(TY, 2) PTILE(TY, 1) PROWS(TY)                                   \
-    static const ptile_set p##TY##_set = {{p##TY##_8, p##TY##_4, p##TY##_2, p##TY##_1}, p##TY##_rows};
+    PTILE(TY, 8) PTILE(TY, 4) PTILE(TY, 2) PTILE(TY, 1) PROWS(TY) PFEW(TY)                          \
+    static const ptile_set p##TY##_set = {{p##TY##_8, p##TY##_4, p##TY##_2, p##TY##_1}, p##TY##_rows, p##TY##_few};
 PANEL_TYPES(PTILE_SET)
 PSET_OF
 
@@ -1792,9 +1867,9 @@ INLINE void prows(const int t, const uint8_t *pw, int64_t nb, const float *xs, c
 /* one row: NP panels at a time (4 NP chains), then 1 for those left over. One panel (4 chains)
  * was fastest streaming from DRAM on a Zen 3 for every type but Q4_K, whose sub-blocks' scales
  * cost more per group and which took two (13.2 -> 14.4 GB/s; Q5_0 7.3 with one, 5.9 with two) */
-#define PTILE_SET(TY) PTILE(TY, 1) PROWS(TY) static const ptile_set p##TY##_set = {{p##TY##_1, NULL}, p##TY##_rows};
+#define PTILE_SET(TY) PTILE(TY, 1) PROWS(TY) static const ptile_set p##TY##_set = {{p##TY##_1, NULL}, p##TY##_rows, NULL};
 #define PTILE_SET2(TY)                                                                             \
-    PTILE(TY, 1) PTILE(TY, 2) PROWS(TY) static const ptile_set p##TY##_set = {{p##TY##_1, p##TY##_2}, p##TY##_rows};
+    PTILE(TY, 1) PTILE(TY, 2) PROWS(TY) static const ptile_set p##TY##_set = {{p##TY##_1, p##TY##_2}, p##TY##_rows, NULL};
 PTILE_SET(Q4_0)
 PTILE_SET(Q4_1)
 PTILE_SET(Q5_0)
@@ -1826,14 +1901,16 @@ static void panel_row(int t, const uint8_t *pw, int64_t nb, const float *xs, con
  * [17920, 1536] 3.5 against 4.7; 4 rows 1.46 against 1.98 and 4.4 against 6.8. At 2 rows the
  * one-row passes stay ahead on small weights (SmolLM2's Q4_1 gate_up [3072, 576]: 154 us against
  * 171) and behind on large ones (Qwen2.5-1.5B's gate_up: 3.3 ms against 2.7). The results are
- * the same bits either way. Not measured on AVX-512: there `prows` keeps every count above one. */
+ * the same bits either way. On AVX-512 every count above one goes to `few` (up to PFEW_SPLIT rows)
+ * or `prows`. */
 #ifdef ML_AVX512
 #define ROW_BY_ROW 1
 #else
 #define ROW_BY_ROW 2
 #endif
 
-/* panels lo..hi of R <= PANEL_ROWS prepared rows: one row through the tiles, more panel by panel */
+/* panels lo..hi of R <= PANEL_ROWS prepared rows: one row through the tiles; more panel by panel,
+ * up to PFEW_SPLIT (AVX-512) through `few` */
 static void panel_chunk(int t, const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, void *y,
                         int64_t out, int ybf, int64_t lo, int64_t hi, int R) {
     if (R <= ROW_BY_ROW) { /* each row through the one-row tiles: the same arithmetic as `prows` */
@@ -1843,6 +1920,25 @@ static void panel_chunk(int t, const uint8_t *pw, int64_t nb, const float *xs, c
         return;
     }
     prows_fn rows = pset(t)->rows;
+#ifdef PFEW_ROWS
+    if (R <= PFEW_SPLIT) { /* in groups of at most PFEW_ROWS rows, as even as can be: rows are independent */
+        const int64_t n32 = in / 32, elem = ybf ? 2 : 4;
+        const int groups = (R + PFEW_ROWS - 1) / PFEW_ROWS;
+        for (int i = 0, r0 = 0; i < groups; i++) {
+            const int n = R / groups + (i < R % groups);
+            const float *xg = xs + r0 * in, *Sg = S + r0 * 3 * n32;
+            void *yg = (char *)y + r0 * out * elem;
+            int64_t p = lo;
+            for (prows_fn few = pset(t)->few; p + PFEW_PANELS <= hi; p += PFEW_PANELS) few(pw, nb, xg, Sg, in, p, yg, out, ybf, n);
+            /* the 1-3 panels left (a thread's share of SmolLM2's qkv, o and down: 30, 18, 18) row by
+             * row through the one-row tiles: `prows` there ran them on n chains */
+            for (int r = 0; p < hi && r < n; r++)
+                panel_row(t, pw, nb, xg + r * in, Sg + r * 3 * n32, in, (char *)yg + r * out * elem, out, ybf, p, hi);
+            r0 += n;
+        }
+        return;
+    }
+#endif
     for (int64_t p = lo; p < hi; p++) rows(pw, nb, xs, S, in, p, y, out, ybf, R);
 }
 
