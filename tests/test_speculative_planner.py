@@ -151,6 +151,34 @@ def test_measure_verify_cost_times_every_width_up_to_the_most():
         measure_verify_cost(model, most=0)
 
 
+class _Timed:
+    """A model whose forward of w tokens takes w ms on a fake clock, except the forwards
+    ``spikes`` picks (by call number), which take 50 ms more: other work on a shared machine."""
+
+    def __init__(self, model, spikes):
+        self.model, self.spikes, self.now, self.calls = model, spikes, 0.0, 0
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def forward(self, tokens, cache, **kw):
+        self.calls += 1
+        self.now += 1e-3 * tokens.shape[1] + (0.05 if self.calls in self.spikes else 0.0)
+        return self.model.forward(tokens, cache, **kw)
+
+
+def test_measure_verify_cost_keeps_each_widths_least_time(monkeypatch):
+    """Noise only adds time: a width two of whose three timed forwards were slowed (calls 1 and
+    8 are the prefill and the warm-up's width 7's; width 1 runs at calls 9, 16, 23, ...) is read
+    at its clean time, and the spikes do not reach the wider widths through `monotone`."""
+    from metaloom.speculative import cost as cost_module
+
+    timed = _Timed(tiny_llama().model, spikes={9, 16, 18})  # width 1 twice, width 3 once
+    monkeypatch.setattr(cost_module, "clock", lambda: timed.now)
+    cost = measure_verify_cost(timed, most=7, repeats=3)
+    assert cost.seconds == pytest.approx(tuple(1e-3 * w for w in cost.widths))
+
+
 # --- in the decode loop ----------------------------------------------------------------------
 
 V = 5
