@@ -252,3 +252,22 @@ def test_grounded_prompts_quote_the_given_texts():
     assert len(prompts) == 5 and all(texts[1] in p for p in prompts)  # too-short texts are never quoted
     assert grounded_prompts(texts, 5, seed=1) == prompts  # seeded
     assert grounded_prompts(["tiny"], 3) == []
+
+
+def test_heads_keep_the_hidden_state_of_each_rows_last_kept_position():
+    """After a verify, row b drafts next from the hidden state at its last kept position
+    (``accepted[b]``); after a plain step (one position a row) from that position, read as a
+    view. Either way a wrong row or position would draft from another context."""
+    from metaloom.speculative.drafter import Draft, Verified
+    from metaloom.speculative.drafters.heads import HeadsState
+
+    state = HeadsState(heads=None, embed=None, head=torch.zeros(1, 4), hidden=None, rows=2)  # type: ignore[arg-type]
+    hidden = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4)
+    drafted = Draft.from_lists([[5, 6], [7, 8]])
+    state.observe(Verified(draft=drafted, logits=torch.zeros(2, 3, 9), accepted=torch.tensor([2, 0]),
+                           tokens=torch.zeros(2, 3, dtype=torch.long), hidden=hidden))
+    assert torch.equal(state.hidden, torch.stack([hidden[0, 2], hidden[1, 0]]))
+    plain = hidden[:, 1:2]
+    state.observe(Verified(draft=Draft.from_lists([[], []]), logits=torch.zeros(2, 1, 9), accepted=torch.tensor([0, 0]),
+                           tokens=torch.zeros(2, 1, dtype=torch.long), hidden=plain))
+    assert torch.equal(state.hidden, hidden[:, 1]) and state.rows == 2

@@ -123,9 +123,12 @@ class HeadsState:
         if verified.hidden is None:  # a loop that does not report hidden states: draft nothing
             self.hidden = None
             return
-        rows = torch.arange(verified.hidden.shape[0], device=verified.hidden.device)
-        # the last kept position (pending + accepted drafts) produced the next pending token
-        self.hidden = verified.hidden[rows, verified.accepted.to(verified.hidden.device)]
+        if verified.hidden.shape[1] == 1:  # a plain step (nothing drafted): a view, no gather (issue 47: every
+            self.hidden = verified.hidden[:, 0]  # step of `auto` feeds the heads; the gather was ~45 us of ~7 ms)
+        else:
+            rows = torch.arange(verified.hidden.shape[0], device=verified.hidden.device)
+            # the last kept position (pending + accepted drafts) produced the next pending token
+            self.hidden = verified.hidden[rows, verified.accepted.to(verified.hidden.device)]
         self.known = None
         self.rows = self.hidden.shape[0]
 
