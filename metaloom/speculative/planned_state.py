@@ -102,12 +102,13 @@ class PlannedState:
         allowed = [min(n, choice.k) for n in limits]
         # nothing allowed: no drafter is asked (each returns nothing for limits of 0, and the
         # indexes that prompt lookup builds as it proposes catch up on the next proposal)
-        if choice.k > 0:
-            draft = self.states[choice.candidate].propose(contexts, allowed, ledger)
-        else:
+        if choice.k == 0:  # the shared empty draft, as it is: nothing to prune or afford
             if self.empty is None or self.empty.lengths.shape[0] != len(contexts):
                 self.empty = Draft.from_lists([[] for _ in contexts])
-            draft = self.empty
+            now = time.perf_counter()
+            self.pending = (choice, allowed, list(allowed), list(allowed), now - start, now, None)
+            return self.empty
+        draft = self.states[choice.candidate].propose(contexts, allowed, ledger)
         drafting = time.perf_counter() - start
         proposed = [min(int(n), a) for n, a in zip(draft.lengths.tolist(), allowed, strict=True)]
         rows = sum(1 for n in limits if n > 0)
