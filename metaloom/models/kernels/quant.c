@@ -1428,93 +1428,13 @@ INLINE void pdecode(const int t, __m512i V, __m512i H, __m512 *f) {
     UNROLL for (int k = 0; k < 8; k++) f[k] = pquantf(t, k, V, H);
 }
 
-/* One row of prepared x (xs, S) against panels p0..p0+T-1: per lane (output), each sub-block's
- * products in element order into a fresh sum, then acc = fma(sum, scale, acc) and
- * acc = fma(off, c S, acc). T panels give T independent fma chains. */
-INLINE void ptile(const int t, const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, int64_t p0,
-                  void *y, int64_t out, int ybf, const int T) {
-    const int BB16 = 16 * block_bytes(t), SUBS = psubs(t), GROUPS = pgroups(t), SE = 8 * GROUPS;
-    const int64_t pb = nb * BB16, n32 = in / 32;
-    (void)out; /* one row: y [out] */
-    __m512 acc[T];
-    UNROLL for (int tt = 0; tt < T; tt++) acc[tt] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        _Pragma("GCC unroll 1") for (int sb = 0; sb < SUBS; sb++) {
-            pprefetch(t, pw, pb, p0, b, sb, T);
-            __m512 sum[T];
-            UNROLL for (int tt = 0; tt < T; tt++) sum[tt] = _mm512_setzero_ps();
-            UNROLL for (int v = 0; v < GROUPS; v++) {
-                const float *xv = xs + b * SUBS * SE + sb * SE + 8 * v;
-                UNROLL for (int tt = 0; tt < T; tt++) {
-                    const int64_t g = (p0 + tt) * nb + b;
-                    __m512i V, H = _mm512_setzero_si512();
-                    pwords(t, pw + g * BB16, g, sb, v, &V, &H);
-                    UNROLL for (int k = 0; k < 8; k++)
-                        sum[tt] = _mm512_fmadd_ps(pquantf(t, k, V, H), _mm512_set1_ps(xv[k]), sum[tt]);
-                }
-            }
-            UNROLL for (int tt = 0; tt < T; tt++) {
-                const int64_t g = (p0 + tt) * nb + b;
-                __m512 scale, off;
-                float c;
-                int64_t at;
-                pscales(t, pw + g * BB16, g, b, sb, n32, &scale, &off, &c, &at);
-                acc[tt] = _mm512_fmadd_ps(sum[tt], scale, acc[tt]);
-                if (poff(t)) acc[tt] = _mm512_fmadd_ps(off, _mm512_set1_ps(c * S[at]), acc[tt]); /* c S exact: c a power of 2 */
-            }
-        }
-    }
-    UNROLL for (int tt = 0; tt < T; tt++) st(y, (p0 + tt) * 16, (vec)acc[tt], ybf);
-}
-
-/* R rows (any number up to PANEL_ROWS) of prepared x against panel p: the same operations per
- * (row, lane) in the same order as `ptile`, so a row's result is the same alone or in a batch.
- * Each group's 8 quants are decoded once for all rows; a row's sums stay in registers over the
- * group and in L1 between groups. */
-#define PANEL_ROWS 32
-static void prows(int t, const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, int64_t p, void *y,
-                  int64_t out, int ybf, int R) {
-    const int BB16 = 16 * block_bytes(t), SUBS = psubs(t), GROUPS = pgroups(t), SE = 8 * GROUPS;
-    const int64_t pb = nb * BB16, n32 = in / 32, stride = 3 * n32;
-    __m512 acc[PANEL_ROWS], sum[PANEL_ROWS];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const int64_t g = p * nb + b;
-        const uint8_t *P = pw + g * BB16;
-        for (int sb = 0; sb < SUBS; sb++) {
-            pprefetch(t, pw, pb, p, b, sb, 1);
-            for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_ps();
-            for (int v = 0; v < GROUPS; v++) {
-                __m512i V, H = _mm512_setzero_si512();
-                __m512 f[8];
-                pwords(t, P, g, sb, v, &V, &H);
-                pdecode(t, V, H, f);
-                const float *xv = xs + b * SUBS * SE + sb * SE + 8 * v;
-                for (int r = 0; r < R; r++) {
-                    __m512 s = sum[r];
-                    UNROLL for (int k = 0; k < 8; k++) s = _mm512_fmadd_ps(f[k], _mm512_set1_ps(xv[r * in + k]), s);
-                    sum[r] = s;
-                }
-            }
-            __m512 scale, off;
-            float c;
-            int64_t at;
-            pscales(t, P, g, b, sb, n32, &scale, &off, &c, &at);
-            for (int r = 0; r < R; r++) {
-                acc[r] = _mm512_fmadd_ps(sum[r], scale, acc[r]);
-                if (poff(t)) acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(c * S[r * stride + at]), acc[r]);
-            }
-        }
-    }
-    for (int r = 0; r < R; r++) st(y, r * out + p * 16, (vec)acc[r], ybf);
-}
-
-/* R <= RMAX rows against T panels p0..: `prows`'s operations per (row, lane), in its order, for
- * T panels at once. Why: `prows` walks one panel, so R rows give it R fma chains, each 8 fmas a
- * group long; at 2-4 rows they wait on the fma's latency (SmolLM2's Q4_1 gate_up [3072, 576] at 2
- * rows took 119 us, 3.4x one row, on an AMD EPYC Zen 4). T panels make T R chains and share each
- * input's broadcast among them. Rows past R are skipped by branches that predict perfectly, as
- * in `tile`. */
+/* R <= RMAX rows of prepared x against T panels p0..: per (row, lane), each sub-block's products
+ * in element order into a fresh sum, then acc = fma(sum, scale, acc) and acc = fma(off, c S, acc),
+ * as `prows` does, so a row's result is the same alone or in a batch. Why T panels: `prows` walks
+ * one panel, so R rows give it R fma chains, each 8 fmas a group long; at 2-4 rows they wait on
+ * the fma's latency (SmolLM2's Q4_1 gate_up [3072, 576] at 2 rows took 85-127 us, 3.4x one row, on
+ * an AMD EPYC Zen 4). T panels make T R chains and share each input's broadcast among them. Rows
+ * past R are skipped by branches that predict perfectly, as in `tile`. */
 INLINE void pfew(const int t, const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, int64_t p0,
                  void *y, int64_t out, int ybf, const int T, const int RMAX, int R) {
     const int BB16 = 16 * block_bytes(t), SUBS = psubs(t), GROUPS = pgroups(t), SE = 8 * GROUPS;
@@ -1560,6 +1480,57 @@ INLINE void pfew(const int t, const uint8_t *pw, int64_t nb, const float *xs, co
     UNROLL for (int tt = 0; tt < T; tt++) UNROLL for (int r = 0; r < RMAX; r++)
         if (r < R) st(y, r * out + (p0 + tt) * 16, (vec)acc[tt * RMAX + r], ybf);
 }
+/* One row of prepared x (xs, S) against panels p0..p0+T-1: per lane (output), each sub-block's
+ * products in element order into a fresh sum, then acc = fma(sum, scale, acc) and
+ * acc = fma(off, c S, acc) (c S exact: c a power of 2). T panels give T independent fma chains.
+ * `pfew` with one row. */
+INLINE void ptile(const int t, const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, int64_t p0,
+                  void *y, int64_t out, int ybf, const int T) {
+    pfew(t, pw, nb, xs, S, in, p0, y, out, ybf, T, 1, 1);
+}
+
+/* R rows (any number up to PANEL_ROWS) of prepared x against panel p: the same operations per
+ * (row, lane) in the same order as `ptile`, so a row's result is the same alone or in a batch.
+ * Each group's 8 quants are decoded once for all rows; a row's sums stay in registers over the
+ * group and in L1 between groups. */
+#define PANEL_ROWS 32
+static void prows(int t, const uint8_t *pw, int64_t nb, const float *xs, const float *S, int64_t in, int64_t p, void *y,
+                  int64_t out, int ybf, int R) {
+    const int BB16 = 16 * block_bytes(t), SUBS = psubs(t), GROUPS = pgroups(t), SE = 8 * GROUPS;
+    const int64_t pb = nb * BB16, n32 = in / 32, stride = 3 * n32;
+    __m512 acc[PANEL_ROWS], sum[PANEL_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t g = p * nb + b;
+        const uint8_t *P = pw + g * BB16;
+        for (int sb = 0; sb < SUBS; sb++) {
+            pprefetch(t, pw, pb, p, b, sb, 1);
+            for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_ps();
+            for (int v = 0; v < GROUPS; v++) {
+                __m512i V, H = _mm512_setzero_si512();
+                __m512 f[8];
+                pwords(t, P, g, sb, v, &V, &H);
+                pdecode(t, V, H, f);
+                const float *xv = xs + b * SUBS * SE + sb * SE + 8 * v;
+                for (int r = 0; r < R; r++) {
+                    __m512 s = sum[r];
+                    UNROLL for (int k = 0; k < 8; k++) s = _mm512_fmadd_ps(f[k], _mm512_set1_ps(xv[r * in + k]), s);
+                    sum[r] = s;
+                }
+            }
+            __m512 scale, off;
+            float c;
+            int64_t at;
+            pscales(t, P, g, b, sb, n32, &scale, &off, &c, &at);
+            for (int r = 0; r < R; r++) {
+                acc[r] = _mm512_fmadd_ps(sum[r], scale, acc[r]);
+                if (poff(t)) acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(c * S[r * stride + at]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) st(y, r * out + p * 16, (vec)acc[r], ybf);
+}
+
 /* `few`: PFEW_PANELS panels of up to PFEW_ROWS rows, as 4 panels x 2 rows or twice 2 panels x 4
  * rows (4 x 4 spilled its 32 sums and sums of scales: slower than `prows`; 2 x 8 too). Rows up to
  * PFEW_SPLIT go through it in groups of at most PFEW_ROWS, more through `prows`. SmolLM2's Q4_1
