@@ -167,15 +167,12 @@ class _Timed:
         return self.model.forward(tokens, cache, **kw)
 
 
-def test_measure_verify_cost_keeps_each_widths_least_time(monkeypatch):
+def test_measure_verify_cost_keeps_each_widths_least_time():
     """Noise only adds time: a width two of whose three timed forwards were slowed (calls 1 and
     8 are the prefill and the warm-up's width 7's; width 1 runs at calls 9, 16, 23, ...) is read
     at its clean time, and the spikes do not reach the wider widths through `monotone`."""
-    from metaloom.speculative import cost as cost_module
-
     timed = _Timed(tiny_llama().model, spikes={9, 16, 18})  # width 1 twice, width 3 once
-    monkeypatch.setattr(cost_module, "clock", lambda: timed.now)
-    cost = measure_verify_cost(timed, most=7, repeats=3)
+    cost = measure_verify_cost(timed, most=7, repeats=3, clock=lambda: timed.now)
     assert cost.seconds == pytest.approx(tuple(1e-3 * w for w in cost.widths))
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import bisect
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,7 +40,6 @@ from metaloom.models.protocols import LanguageModel
 WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 65)  # forward widths timed (65: pending + MAX_DRAFT)
 CONTEXT = 256  # cached tokens before the timed forwards: a verify reads a context, as decoding does
 REPEATS = 5
-clock = time.perf_counter  # the timer (a test drives it)
 
 
 @dataclass(frozen=True)
@@ -100,11 +99,11 @@ def monotone(seconds: Sequence[float]) -> list[float]:
 
 
 def measure_verify_cost(model: LanguageModel, most: int = WIDTHS[-1], context: int = CONTEXT,
-                        repeats: int = REPEATS) -> VerifyCost:
+                        repeats: int = REPEATS, clock: Callable[[], float] = time.perf_counter) -> VerifyCost:
     """Time forwards of every width in `WIDTHS` up to ``most`` (and ``most`` itself) on one row
     after ``context`` cached tokens, each rolled back after it; the least of ``repeats`` rounds
-    after a warm-up round (see the module doc). The forwards belong to no request: nothing is
-    charged for them."""
+    after a warm-up round (see the module doc), read on ``clock``. The forwards belong to no
+    request: nothing is charged for them."""
     if not isinstance(most, int) or most < 1:
         raise InvalidParameter("most", most, "a forward width >= 1")
     widths = sorted({w for w in WIDTHS if w <= most} | {most})
