@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from metaloom.bench import model_args, single_weights
-from metaloom.bench.speculative.methods import drafter_methods, metaloom_method
+from metaloom.bench.speculative.methods import Method, drafter_methods, metaloom_method
 from metaloom.bench.speculative.peers import PEERS, check_peers
 from metaloom.bench.speculative.prompts import PROMPT_SETS
 from metaloom.bench.speculative.report import run_report
@@ -100,17 +100,10 @@ def _one_dtype(args: argparse.Namespace, dtype: str, done: list[dict[str, Any]])
             methods.remove(m)
     for repeat in range(args.repeats):
         for i in range(len(prompts)):
-            start = time.perf_counter()
-            first.run(i)
-            first.times.setdefault(i, []).append(time.perf_counter() - start)
+            _timed(first, i)
         for m in methods:
             for i in range(len(prompts)):
-                start = time.perf_counter()
-                tokens, ledger = m.run(i)
-                m.times.setdefault(i, []).append(time.perf_counter() - start)
-                m.tokens.setdefault(i, tokens)
-                if ledger is not None:
-                    m.ledgers[i] = ledger
+                _timed(m, i)
             # a long run that is stopped still leaves every row measured so far
             so_far = run_report(loaded, [x for x in methods if x.times], skipped, dtype, first)
             row = next(r for r in so_far["methods"] if r["method"] == m.name)  # its own, not the last row
@@ -119,6 +112,16 @@ def _one_dtype(args: argparse.Namespace, dtype: str, done: list[dict[str, Any]])
             if args.out:
                 write_partial(args.out, args, done, so_far)
     return run_report(loaded, methods, skipped, dtype, first)
+
+
+def _timed(m: Method, i: int) -> None:
+    """One timed run of prompt ``i``: its seconds, and its tokens and ledger."""
+    start = time.perf_counter()
+    tokens, ledger = m.run(i)
+    m.times.setdefault(i, []).append(time.perf_counter() - start)
+    m.tokens.setdefault(i, tokens)
+    if ledger is not None:
+        m.ledgers[i] = ledger
 
 
 def write_partial(path: str, args: argparse.Namespace, done: list[dict[str, Any]], current: dict[str, Any]) -> None:
