@@ -1480,6 +1480,7 @@ INLINE void pfew(const int t, const uint8_t *pw, int64_t nb, const float *xs, co
     UNROLL for (int tt = 0; tt < T; tt++) UNROLL for (int r = 0; r < RMAX; r++)
         if (r < R) st(y, r * out + (p0 + tt) * 16, (vec)acc[tt * RMAX + r], ybf);
 }
+
 /* One row of prepared x (xs, S) against panels p0..p0+T-1: per lane (output), each sub-block's
  * products in element order into a fresh sum, then acc = fma(sum, scale, acc) and
  * acc = fma(off, c S, acc) (c S exact: c a power of 2). T panels give T independent fma chains.
