@@ -472,3 +472,87 @@ def test_recycling_learns_from_a_plain_step_as_from_a_one_token_block():
                  pending=pending))
     slow.learn(pending, logits[:, 0])
     assert torch.equal(fast.table, slow.table) and (fast.table[7] >= 0).all()
+
+
+def test_a_step_that_verified_nothing_loses_only_its_drafting_not_its_forwards_noise():
+    """A drafter asked for tokens that proposes none (prompt lookup without a match) leaves a
+    plain step's forward: the budget is charged the drafting alone, however slow the forward ran."""
+    planned = PlannedDrafter([(Oracle(True, "right"), 4)], cost=FLAT)
+    choice = planned.plan([COLD], [4])
+    assert choice.k > 0
+    slow = 3 * FLAT.seconds_for(1)  # a forward three times the curve's (another process ran)
+    planned.learn(choice, Outcome([COLD], [4], [0], [0], [[]], 0.002, slow, 1))
+    assert planned.budget.lost == pytest.approx(0.002)
+    assert planned.budget.elapsed == pytest.approx(slow + 0.002)
+
+
+class Behind(Counting):
+    """A right `Counting` drafter that must feed ``tokens`` target tokens' worth before it drafts."""
+
+    def __init__(self, tokens, name="behind"):
+        super().__init__(True, name)
+        self.tokens = tokens
+
+    def behind(self, contexts):
+        return self.tokens
+
+
+def test_plan_defers_a_catch_up_dearer_than_the_room():
+    """Feeding 50 target tokens first costs 50 / 64 of a step on the flat curve (its widest
+    forward, 64 tokens, takes one step), more than the fresh budget's room of half a step: the
+    plan drafts nothing and counts a deferred step. 20 tokens fit."""
+    for tokens, k in ((50.0, 0), (20.0, 4)):
+        planned = PlannedDrafter([(Behind(tokens), 4)], cost=FLAT)
+        assert planned.plan([COLD], [4], [tokens]).k == k
+        assert planned.report()["budget"]["deferred_steps"] == int(k == 0)
+
+
+@pytest.mark.parametrize("tokens", [0.0, 1e9])
+def test_a_catch_up_the_budget_cannot_cover_is_not_started(tokens):
+    """In the decode loop: a drafter a billion tokens behind (a draft model before its prefill,
+    at any scale the planner learns) is never asked, every step is plain and counted as deferred;
+    with nothing to feed, the same drafter drafts and is accepted."""
+    drafter = Behind(tokens)
+    planned = PlannedDrafter([(drafter, 4)], cost=FLAT)
+    out, usage = _run(Speculative(planned, 4), max_tokens=60)
+    assert out == _run(None, max_tokens=60)[0]
+    deferred = planned.report()["budget"]["deferred_steps"]
+    if tokens:
+        # every step but the last, whose one token left allows no draft
+        assert drafter.proposals == 0 and usage.accepted_tokens == 0 and deferred == usage.verify_steps - 1
+    else:
+        assert drafter.proposals > 5 and usage.accepted_tokens > 30 and deferred == 0
+
+
+class Empty(Counting):
+    """Asked for tokens, proposes none (prompt lookup where the context has no match)."""
+
+    def propose(self, contexts, limits, ledger):
+        self.proposals += 1
+        return Draft.from_lists([[] for _ in contexts])
+
+
+def test_auto_tries_a_drafter_only_when_its_drafting_fits_the_room():
+    """`auto` with a drafter that finds nothing and a right one whose learned drafting time is
+    ten seconds: the dear one is due for a trial after 16 steps but never fits the room, so it is
+    never asked; the other is."""
+    empty, dear = Empty(True, "empty"), Counting(True, "dear")
+    planned = PlannedDrafter([(empty, 4), (dear, 4)], cost=FLAT)
+    planned.draft_costs[1].record(0, 0.0)
+    planned.draft_costs[1].record(2, 10.0)  # as learned on an earlier request
+    out, _ = _run(Speculative(planned, 4), max_tokens=120)
+    assert out == _run(None, max_tokens=120)[0]
+    assert dear.proposals == 0 and empty.proposals > 0
+
+
+def test_a_draft_models_state_is_behind_by_the_context_it_has_not_fed():
+    from metaloom.sampling.pipeline import make_sampler
+    from metaloom.speculative.drafters.draft_model import DraftModelDrafter
+
+    target, draft = tiny_llama().model, tiny_llama(seed=1).model
+    sampler = make_sampler([SamplingParams(temperature=0, max_tokens=8)], target.vocab_size, target.device)
+    state = DraftModelDrafter(draft).start(target, sampler, [[1, 2, 3, 4, 5]], [0])
+    assert state.weight == pytest.approx(1.0)  # the same shapes: a token costs what the target's does
+    assert state.behind([[1, 2, 3, 4, 5]]) == pytest.approx(5.0)  # the whole prompt first
+    state.propose([[1, 2, 3, 4, 5]], [2], Ledger())
+    assert state.behind([[1, 2, 3, 4, 5, 6, 7]]) == pytest.approx(1.0)  # fed the prompt and the first draft

@@ -28,6 +28,10 @@ A state with a true ``learns_only`` attribute keeps no per-row state in `DraftSt
 it only learns from what it sees (Token Recycling's candidate table). The cost model
 (`metaloom.speculative.planned`) skips such an observation while that drafter is idle, since it
 costs a step's time and feeds no draft soon.
+
+A state with a ``behind(contexts)`` method must feed context before it drafts (a draft model's
+catch-up: at its first proposal, the whole prompt); it returns that work in target tokens. The
+cost model tries such a drafter only when the exploration budget has room for it.
 """
 
 from __future__ import annotations

@@ -104,17 +104,23 @@ class PlannedDrafter:
         assert self.cost is not None
         return Timing(self.cost, self.scale, self.gap + fixed)
 
-    def plan(self, hot: Sequence[int], limits: Sequence[int]) -> Choice:
+    def plan(self, hot: Sequence[int], limits: Sequence[int], behind: Sequence[float] | None = None) -> Choice:
+        """The step's plan for rows in states ``hot`` allowed ``limits`` tokens; ``behind``: per
+        candidate, what it must feed before it drafts (`DraftState`'s ``behind``), or None."""
         rows = sum(1 for n in limits if n > 0)
         with self.lock:
             self.step += 1
             if rows == 0:
                 return Choice(0, 0, False, False, 0.0)
-            if self.budget.room(self.allowance()) <= 0:  # drafting has lost its share: plain steps until earned back
+            room = self.budget.room(self.allowance())
+            if room <= 0:  # drafting has lost its share: plain steps until earned back
                 self.budget.held += 1
                 return Choice(0, 0, False, False, 0.0)
             timing = self.timing()
             if len(self.caps) == 1 and self.cheap(0, timing, rows):  # draft all it may, prune after
+                if behind is not None and self.spend(0, self.caps[0], behind) > room:  # a catch-up it cannot afford
+                    self.budget.deferred += 1
+                    return Choice(0, 0, False, False, 0.0)
                 extra = self.extras[0].due(self.step)
                 drafted = self.timing(self.draft_costs[0].seconds(self.caps[0]))  # as `keep` prices it
                 if not extra and not self.may_pay(0, hot, limits, drafted, rows):  # `prune` would keep none:
@@ -123,11 +129,33 @@ class PlannedDrafter:
             plans = self._priced(hot, limits, rows, timing)
             rate, neg, k = max(plans)
             best = Choice(-neg, k, self.extras[-neg].due(self.step), False, rate)
-            due = [c for c in range(len(plans)) if (c != best.candidate or best.k == 0) and self.probes[c].due(self.step)]
-            if due:  # the longest unseen first
+            due = [c for c in range(len(plans)) if (c != best.candidate or best.k == 0) and self.probes[c].due(self.step)
+                   and self.spend(c, self.trial_length(c, plans[c][2]), behind) <= room]
+            if due:  # the longest unseen first, of those whose drafting fits the room
                 c = min(due, key=lambda i: self.probes[i].last)
-                return Choice(c, max(plans[c][2], min(2, self.caps[c])), True, True, rate)
+                return Choice(c, self.trial_length(c, plans[c][2]), True, True, rate)
+            k = best.k
+            while k > 0 and self.spend(best.candidate, k, behind) > room:  # drafting is spent even if all is rejected
+                k -= 1
+            if k < best.k:
+                self.budget.deferred += 1
+                return Choice(best.candidate, k, best.extra and k > 0, False, rate)
             return best
+
+    def trial_length(self, c: int, planned: int) -> int:
+        """A trial of drafter ``c`` drafts its planned length, and at least two tokens where it may."""
+        return max(planned, min(2, self.caps[c]))
+
+    def spend(self, c: int, k: int, behind: Sequence[float] | None) -> float:
+        """What drafting ``k`` tokens with drafter ``c`` is expected to take, spent whatever is
+        accepted: its learned time, and what it must feed first (``behind``: target-token
+        equivalents) at the target's own per-token rate in its widest measured forward."""
+        if k <= 0:
+            return 0.0
+        assert self.cost is not None
+        feed = 0.0 if behind is None else behind[c]
+        widest = self.cost.widths[-1]
+        return self.draft_costs[c].seconds(k) + feed * self.scale * self.cost.seconds_for(widest) / widest
 
     def _priced(self, hot: Sequence[int], limits: Sequence[int], rows: int, timing: Timing) -> list[tuple[float, int, int]]:
         """Each candidate's best (rate, -index, length) under ``timing``. Pricing three drafters
@@ -171,7 +199,7 @@ class PlannedDrafter:
     def afford(self, keep: Sequence[int], rows: int) -> list[int]:
         """``keep`` cut, from the longest row's tail (its least likely nodes), to what the budget
         has room for were every node rejected: the verify's extra time over a plain step (the
-        drafting is spent already, whatever is verified)."""
+        drafting is spent already, whatever is verified; `spend` priced it before)."""
         with self.lock:
             room = self.budget.room(self.allowance())
             timing = self.timing()
@@ -222,9 +250,12 @@ class PlannedDrafter:
             assert self.cost is not None
             live = max(outcome.width - sum(outcome.verified), 1)  # the rows that fed a pending token
             total = outcome.step + outcome.drafting + self.gap
-            if choice.k > 0:  # against what plain steps would have taken for the tokens it yielded
+            if choice.k > 0 and any(outcome.verified):  # against what plain steps would have taken for its tokens
                 tokens = live + sum(len(k) for k in outcome.kept)
                 self.budget.record(total, tokens / live * self.timing().seconds(live))
+                self.version += 1
+            elif choice.k > 0:  # asked, but no node verified: a plain step's forward; only the drafting is lost
+                self.budget.record(total, total - outcome.drafting)  # (its timing noise is not)
                 self.version += 1
             else:
                 self.budget.record(total)
@@ -265,6 +296,7 @@ class PlannedDrafter:
             out: dict[str, Any] = {"drafter": self.name, "verify_cost": None if self.cost is None else self.cost.to_dict(),
                                    "scale": round(self.scale, 3), "gap_ms": round(self.gap * 1e3, 3), "steps": self.step,
                                    "budget": {"held_steps": self.budget.held, "trimmed_nodes": self.budget.trimmed,
+                                              "deferred_steps": self.budget.deferred,
                                               "lost_ms": round(self.budget.lost * 1e3, 3),
                                               "elapsed_ms": round(self.budget.elapsed * 1e3, 3)},
                                    "nodes_verified": {str(k): v for k, v in sorted(self.histogram.items())},

@@ -229,6 +229,7 @@ class Budget:
     elapsed: float = 0.0
     held: int = 0  # steps the budget kept from drafting (reported)
     trimmed: int = 0  # nodes it cut from drafts that did not fit (reported)
+    deferred: int = 0  # steps whose drafting it cut to fit, a catch-up or a dear drafter's (reported)
 
     def room(self, allowance: float) -> float:
         return SAFETY * self.elapsed + allowance - self.lost

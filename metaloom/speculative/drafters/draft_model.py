@@ -50,8 +50,10 @@ class DraftModelDrafter:
         q_params = [SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p)
                     for p in sampler.params]
         q_sampler = make_sampler(q_params, target.vocab_size, self.model.device)
-        return DraftModelState(self.model, cache, [[] for _ in contexts], q_sampler, target.vocab_size, keys,
-                               [len(c) for c in contexts])
+        state = DraftModelState(self.model, cache, [[] for _ in contexts], q_sampler, target.vocab_size, keys,
+                                [len(c) for c in contexts])
+        state.weight = self.model.flops(1, 0, 1) / max(target.flops(1, 0, 1), 1.0)
+        return state
 
 
 def _max_new(sampler: Sampler) -> int:
@@ -69,6 +71,12 @@ class DraftModelState:
         self.vocab = target_vocab
         self.keys = list(keys)  # the rows' random keys: a seeded request stays reproducible
         self.starts = list(starts)  # each row's prompt length: its context position - start is the output's
+        self.weight = 1.0  # a token through this model against one through the target, in FLOPs (`behind`)
+
+    def behind(self, contexts: Sequence[Sequence[int]]) -> float:
+        """The context tokens it must feed before it drafts (its first proposal: the whole
+        prompt), in target tokens by FLOPs: the cost model prices this catch-up before trying it."""
+        return self.weight * sum(max(len(c) - len(f), 0) for c, f in zip(contexts, self.fed, strict=True))
 
     def _sync(self, contexts: Sequence[Sequence[int]]) -> list[list[int]]:
         """Roll each row's cache back to the longest prefix shared with its context; return
@@ -147,7 +155,7 @@ class DraftModelState:
         state = DraftModelState(self.model, self.cache.fork(index), [list(self.fed[r]) for r in index],
                                 self.q_sampler.select(index), self.vocab, [self.keys[r] for r in index],
                                 [self.starts[r] for r in index])
-        state.checked = [self.checked[r] for r in index]
+        state.checked, state.weight = [self.checked[r] for r in index], self.weight
         release = getattr(self.cache, "release", None)
         if release is not None:
             release()  # this state is replaced by the selection
@@ -160,5 +168,5 @@ class DraftModelState:
             raise UnsupportedModel(f"{type(self.cache).__name__} cannot take rows into a running batch (no join)")
         state = DraftModelState(self.model, joined(other.cache), self.fed + other.fed, self.q_sampler.join(other.q_sampler),
                                 self.vocab, self.keys + other.keys, self.starts + other.starts)
-        state.checked = self.checked + other.checked
+        state.checked, state.weight = self.checked + other.checked, self.weight
         return state
