@@ -92,3 +92,24 @@ def test_the_decode_loop_draws_sampled_tokens_through_the_c_kernel(monkeypatch):
     params = SamplingParams(temperature=1.0, n=3, max_tokens=4, seed=1, ignore_eos=True)
     out = gen.generate([Request("abcd", params)], ledger=Ledger())
     assert len(out[0]) == 3 and calls and all(rows == 3 for rows, _ in calls)
+
+
+@pytest.mark.parametrize("rows,v,k", [(1, 1, 1), (1, 5, 5), (2, 63, 8), (3, 64, 8), (4, 65, 8), (7, 1000, 16),
+                                      (5, 49152, 8), (1, 151936, 64)])
+def test_rows_topk_is_torchs_on_distinct_values(rows, v, k):
+    g = torch.Generator().manual_seed(rows * 7 + v + k)
+    x = torch.randn(rows, v, generator=g)
+    x[0, -1] = 100.0  # the largest in the last entry (the last block, partly filled)
+    x[-1, 0] = 99.0  # and the first (the same row when there is one)
+    assert K.topk(x, k).tolist() == x.topk(k, dim=-1).indices.tolist()
+    assert draw.topk(x, k).tolist() == x.topk(k, dim=-1).indices.tolist()
+
+
+def test_rows_topk_breaks_ties_by_index_and_skips_nan():
+    x = torch.tensor([[1.0, 3.0, 3.0, float("nan"), 2.0, 3.0, float("-inf")] + [0.0] * 70])
+    assert K.topk(x, 4).tolist() == [[1, 2, 5, 4]]
+    x[0, 70] = 5.0  # a later block: the scan looks inside only because 5 beats the 4th (1.0)
+    assert K.topk(x, 4).tolist() == [[70, 1, 2, 5]]
+    assert K.topk(torch.full((1, 3), float("-inf")), 2).tolist() == [[0, 1]]  # -inf entries fill what is left
+    with pytest.raises(InvalidParameter, match="k"):
+        K.topk(x, 0)

@@ -15,12 +15,18 @@
  *      again from the sum before it, which repeats pass 1's additions exactly.
  * Four rows are summed side by side: one row's additions form a chain of dependent float64
  * adds (their latency, not their count, bounds a single row), and four chains fill the gaps.
- * Rows are shared among the threads; a row's token does not depend on the threads. */
+ * Rows are shared among the threads; a row's token does not depend on the threads.
+ *
+ * Also `rows_topk`, the k largest entries of each row (Token Recycling's candidates after every
+ * verified token): torch.topk sorts its way through all of Qwen2.5's 151,936 logits in about
+ * 270 us, a step's 0.7% to 1.2% spent each step. Here one pass compares blocks of TOPK_BLOCK
+ * entries with the k-th largest so far (a vectorised test) and looks inside a block only when
+ * some entry beats it, which after the first blocks is rare. */
 
 #include <stdint.h>
 #include <stdlib.h>
 
-#define ABI_VERSION 1
+#define ABI_VERSION 2
 #define CHUNK 256
 #define SIDE 4 /* rows summed side by side */
 
@@ -85,4 +91,41 @@ int inverse_cdf(const float *p, int64_t rows, int64_t v, const double *u, int64_
         free(ends);
     }
     return failed ? -2 : 0;
+}
+
+#define TOPK_BLOCK 64
+#define TOPK_MAX 64
+
+/* idx [k]: the k largest entries of x [v] in descending order, equal values in index order; NaN
+ * never taken (-1 left only where a row has fewer than k other entries) */
+static void row_topk(const float *x, int64_t v, int k, int64_t *idx) {
+    float best[TOPK_MAX];
+    int n = 0;
+    for (int j = 0; j < k; j++) best[j] = -__builtin_inff(), idx[j] = -1;
+    for (int64_t lo = 0; lo < v; lo += TOPK_BLOCK) {
+        const int64_t hi = lo + TOPK_BLOCK < v ? lo + TOPK_BLOCK : v;
+        if (n == k) { /* full: skip a block none of whose entries beats the k-th */
+            const float t = best[k - 1];
+            int beats = 0;
+            for (int64_t i = lo; i < hi; i++) beats |= x[i] > t;
+            if (!beats) continue;
+        }
+        for (int64_t i = lo; i < hi; i++) {
+            const float y = x[i];
+            if (y != y || (n == k && !(y > best[k - 1]))) continue;
+            int j = n < k ? n++ : k - 1; /* the slot it takes, then moved up past smaller entries */
+            while (j > 0 && best[j - 1] < y) best[j] = best[j - 1], idx[j] = idx[j - 1], j--;
+            best[j] = y, idx[j] = i;
+        }
+    }
+}
+
+/* idx [rows, k] (int64): the k largest of each row of x [rows, v] (float32, contiguous) as
+ * `row_topk`. Returns 0; -1 when k is not in [1, min(v, TOPK_MAX)]. */
+int rows_topk(const float *x, int64_t rows, int64_t v, int64_t k, int64_t *idx, int64_t threads) {
+    if (k < 1 || k > v || k > TOPK_MAX) return -1;
+    (void)threads;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && rows > 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) row_topk(x + r * v, v, (int)k, idx + r * k);
+    return 0;
 }

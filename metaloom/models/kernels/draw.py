@@ -1,5 +1,5 @@
 """The inverse-CDF draw in C (`draw.c`): the same token as PyTorch's cumsum + searchsorted,
-without the float64 running sum's [B, V] tensors. `search` is what the decode loop and the
+without the float64 running sum's [B, V] tensors; and each row's top k (`topk`). `search` is what the decode loop and the
 speculative code pass to `metaloom.sampling.counter.inverse_cdf` (sampling does not import
 models); draw.c says why and how the sums stay the same.
 
@@ -19,7 +19,7 @@ from metaloom.errors import InvalidParameter
 from metaloom.models.kernels import cbuild
 
 SOURCE = Path(__file__).with_name("draw.c")
-ABI_VERSION = 1  # must match draw.c
+ABI_VERSION = 2  # must match draw.c
 # From this many probabilities in a call, the rows are shared among PyTorch's threads (a
 # parallel region costs microseconds; one row of a 49k vocabulary is ~50 us of additions).
 PARALLEL_MIN = 1 << 18
@@ -47,6 +47,20 @@ class DrawKernels:
             raise MemoryError(f"inverse_cdf: no memory for {rows} rows of {v} probabilities' chunk sums")
         return tokens
 
+    def topk(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        """x [B, V] float32 (contiguous, CPU) -> [B, k] long: each row's k largest entries'
+        indices, largest first, equal values in index order (NaN never: -1 only where a row
+        has fewer than k other entries). torch.topk's wherever a row's values are distinct."""
+        rows, v = x.shape
+        out = torch.empty(rows, k, dtype=torch.long)
+        threads = torch.get_num_threads() if x.numel() >= PARALLEL_MIN else 1
+        if self.lib.rows_topk(x.data_ptr(), rows, v, k, out.data_ptr(), threads):
+            raise InvalidParameter("k", k, f"in [1, min({v}, {TOPK_MAX})] for rows of {v} entries")
+        return out
+
+
+TOPK_MAX = 64  # draw.c's
+
 
 def _bind(lib: ctypes.CDLL, path: Path, isa: str = "") -> DrawKernels:
     lib.metaloom_draw_abi.restype = ctypes.c_int
@@ -54,6 +68,8 @@ def _bind(lib: ctypes.CDLL, path: Path, isa: str = "") -> DrawKernels:
         raise OSError(f"{path} has ABI {lib.metaloom_draw_abi()}, expected {ABI_VERSION}")
     lib.inverse_cdf.argtypes = [_P, _I, _I, _P, _P, _I]
     lib.inverse_cdf.restype = ctypes.c_int
+    lib.rows_topk.argtypes = [_P, _I, _I, _I, _P, _I]
+    lib.rows_topk.restype = ctypes.c_int
     return DrawKernels(lib, str(path), isa)
 
 
@@ -68,3 +84,13 @@ def search(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
         return None
     k = kernels().kernels
     return None if k is None else k.inverse_cdf(probs.contiguous(), u)
+
+
+def topk(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Each row's ``k`` largest entries' indices [B, k] (long, CPU), largest first: the C
+    kernel for float32 rows on a CPU (``k`` up to `TOPK_MAX`), torch.topk otherwise."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and 1 <= k <= min(x.shape[1], TOPK_MAX):
+        kern = kernels().kernels
+        if kern is not None:
+            return kern.topk(x.contiguous(), k)
+    return x.float().topk(k, dim=-1).indices.cpu()

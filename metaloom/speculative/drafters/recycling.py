@@ -23,6 +23,7 @@ import torch
 
 from metaloom.errors import InvalidParameter
 from metaloom.models.forward import Ledgers
+from metaloom.models.kernels import draw as c_draw
 from metaloom.models.protocols import LanguageModel
 from metaloom.sampling.pipeline import Sampler
 from metaloom.speculative.drafter import Draft, DraftState, Verified
@@ -82,7 +83,7 @@ class RecyclingDrafter:
         """Row ``M[tokens[i]]`` = the ``k`` most likely tokens after it (``logits[i]`` [V])."""
         assert self.table is not None
         k = min(CANDIDATES, logits.shape[-1])  # a vocabulary smaller than the matrix is wide keeps all of it
-        top = logits.float().topk(k, dim=-1).indices.cpu()
+        top = c_draw.topk(logits.reshape(-1, logits.shape[-1]), k)
         with self.lock:
             self.table[tokens.cpu(), :k] = top  # a token read twice keeps its last candidates
 
