@@ -487,37 +487,36 @@ def test_a_step_that_verified_nothing_loses_only_its_drafting_not_its_forwards_n
 
 
 class Behind(Counting):
-    """A right `Counting` drafter that must feed ``tokens`` target tokens' worth before it drafts."""
+    """A right `Counting` drafter that must spend ``seconds`` feeding context before it drafts."""
 
-    def __init__(self, tokens, name="behind"):
+    def __init__(self, seconds, name="behind"):
         super().__init__(True, name)
-        self.tokens = tokens
+        self.seconds = seconds
 
-    def behind(self, contexts):
-        return self.tokens
+    def catch_up(self, contexts):
+        return self.seconds
 
 
 def test_plan_defers_a_catch_up_dearer_than_the_room():
-    """Feeding 50 target tokens first costs 50 / 64 of a step on the flat curve (its widest
-    forward, 64 tokens, takes one step), more than the fresh budget's room of half a step: the
-    plan drafts nothing and counts a deferred step. 20 tokens fit."""
-    for tokens, k in ((50.0, 0), (20.0, 4)):
-        planned = PlannedDrafter([(Behind(tokens), 4)], cost=FLAT)
-        assert planned.plan([COLD], [4], [tokens]).k == k
+    """A catch-up of 0.8 s is more than the fresh budget's room of half a step (a step is 1 s on
+    the flat curve): the plan drafts nothing and counts a deferred step. 0.3 s fits."""
+    for seconds, k in ((0.8, 0), (0.3, 4)):
+        planned = PlannedDrafter([(Behind(seconds), 4)], cost=FLAT)
+        assert planned.plan([COLD], [4], [seconds]).k == k
         assert planned.report()["budget"]["deferred_steps"] == int(k == 0)
 
 
-@pytest.mark.parametrize("tokens", [0.0, 1e9])
-def test_a_catch_up_the_budget_cannot_cover_is_not_started(tokens):
-    """In the decode loop: a drafter a billion tokens behind (a draft model before its prefill,
-    at any scale the planner learns) is never asked, every step is plain and counted as deferred;
-    with nothing to feed, the same drafter drafts and is accepted."""
-    drafter = Behind(tokens)
+@pytest.mark.parametrize("seconds", [0.0, 1e9])
+def test_a_catch_up_the_budget_cannot_cover_is_not_started(seconds):
+    """In the decode loop: a drafter whose catch-up takes longer than any room the budget can
+    have is never asked, every step is plain and counted as deferred; with nothing to feed, the
+    same drafter drafts and is accepted."""
+    drafter = Behind(seconds)
     planned = PlannedDrafter([(drafter, 4)], cost=FLAT)
     out, usage = _run(Speculative(planned, 4), max_tokens=60)
     assert out == _run(None, max_tokens=60)[0]
     deferred = planned.report()["budget"]["deferred_steps"]
-    if tokens:
+    if seconds:
         # every step but the last, whose one token left allows no draft
         assert drafter.proposals == 0 and usage.accepted_tokens == 0 and deferred == usage.verify_steps - 1
     else:
@@ -545,14 +544,29 @@ def test_auto_tries_a_drafter_only_when_its_drafting_fits_the_room():
     assert dear.proposals == 0 and empty.proposals > 0
 
 
-def test_a_draft_models_state_is_behind_by_the_context_it_has_not_fed():
+def test_a_draft_models_catch_up_is_the_context_it_has_not_fed_at_its_measured_rate():
     from metaloom.sampling.pipeline import make_sampler
     from metaloom.speculative.drafters.draft_model import DraftModelDrafter
 
     target, draft = tiny_llama().model, tiny_llama(seed=1).model
     sampler = make_sampler([SamplingParams(temperature=0, max_tokens=8)], target.vocab_size, target.device)
-    state = DraftModelDrafter(draft).start(target, sampler, [[1, 2, 3, 4, 5]], [0])
-    assert state.weight == pytest.approx(1.0)  # the same shapes: a token costs what the target's does
-    assert state.behind([[1, 2, 3, 4, 5]]) == pytest.approx(5.0)  # the whole prompt first
+    drafter = DraftModelDrafter(draft)
+    assert drafter.start(target, sampler, [[1, 2, 3, 4, 5]], [0]).catch_up([[1, 2, 3, 4, 5]]) == 0.0  # not measured
+    rate = drafter.measure_feed()
+    assert rate > 0 and drafter.measure_feed() == rate  # measured once
+    state = drafter.start(target, sampler, [[1, 2, 3, 4, 5]], [0])
+    assert state.catch_up([[1, 2, 3, 4, 5]]) == pytest.approx(5 * rate)  # the whole prompt first
     state.propose([[1, 2, 3, 4, 5]], [2], Ledger())
-    assert state.behind([[1, 2, 3, 4, 5, 6, 7]]) == pytest.approx(1.0)  # fed the prompt and the first draft
+    assert state.catch_up([[1, 2, 3, 4, 5, 6, 7]]) == pytest.approx(rate)  # fed the prompt and the first draft
+
+
+def test_the_planner_measures_a_draft_models_feed_rate_when_it_starts():
+    from metaloom.sampling.pipeline import make_sampler
+    from metaloom.speculative.drafters.draft_model import DraftModelDrafter
+
+    target = tiny_llama().model
+    drafter = DraftModelDrafter(tiny_llama(seed=1).model)
+    planned = PlannedDrafter([(drafter, 4)], cost=FLAT)
+    sampler = make_sampler([SamplingParams(temperature=0, max_tokens=8)], target.vocab_size, target.device)
+    state = planned.start(target, sampler, [[1, 2, 3]], [0])
+    assert drafter.feed and state.states[0].catch_up([[1, 2, 3]]) == pytest.approx(3 * drafter.feed[0])

@@ -99,14 +99,15 @@ def monotone(seconds: Sequence[float]) -> list[float]:
 
 
 def measure_verify_cost(model: LanguageModel, most: int = WIDTHS[-1], context: int = CONTEXT,
-                        repeats: int = REPEATS, clock: Callable[[], float] = time.perf_counter) -> VerifyCost:
-    """Time forwards of every width in `WIDTHS` up to ``most`` (and ``most`` itself) on one row
-    after ``context`` cached tokens, each rolled back after it; the least of ``repeats`` rounds
-    after a warm-up round (see the module doc), read on ``clock``. The forwards belong to no
-    request: nothing is charged for them."""
+                        repeats: int = REPEATS, clock: Callable[[], float] = time.perf_counter,
+                        only: bool = False) -> VerifyCost:
+    """Time forwards of every width in `WIDTHS` up to ``most`` (and ``most`` itself; ``only``:
+    of 1 and ``most`` alone) on one row after ``context`` cached tokens, each rolled back after
+    it; the least of ``repeats`` rounds after a warm-up round (see the module doc), read on
+    ``clock``. The forwards belong to no request: nothing is charged for them."""
     if not isinstance(most, int) or most < 1:
         raise InvalidParameter("most", most, "a forward width >= 1")
-    widths = sorted({w for w in WIDTHS if w <= most} | {most})
+    widths = sorted({1, most} if only else {w for w in WIDTHS if w <= most} | {most})
     context = max(1, min(context, model.max_context - widths[-1] - 1))
     times: dict[int, list[float]] = {w: [] for w in widths}
     gen = torch.Generator().manual_seed(0)

@@ -29,9 +29,9 @@ it only learns from what it sees (Token Recycling's candidate table). The cost m
 (`metaloom.speculative.planned`) skips such an observation while that drafter is idle, since it
 costs a step's time and feeds no draft soon.
 
-A state with a ``behind(contexts)`` method must feed context before it drafts (a draft model's
-catch-up: at its first proposal, the whole prompt); it returns that work in target tokens. The
-cost model tries such a drafter only when the exploration budget has room for it.
+A state with a ``catch_up(contexts)`` method must feed context before it drafts (a draft
+model: at its first proposal, the whole prompt) and returns the seconds that takes. The cost
+model tries such a drafter only when the exploration budget has room for them.
 """
 
 from __future__ import annotations

@@ -96,6 +96,10 @@ class PlannedDrafter:
         with self.lock:
             if self.cost is None:
                 self.cost = measure_verify_cost(target, most=self.num_draft + 1)
+        for d in self.drafters:  # what feeding a drafter's model costs, measured once (a catch-up is priced)
+            measure = getattr(d, "measure_feed", None)
+            if measure is not None:
+                measure()
         states = [d.start(target, sampler, contexts, keys) for d in self.drafters]
         return PlannedState(self, states, [COLD] * len(contexts))
 
@@ -104,9 +108,9 @@ class PlannedDrafter:
         assert self.cost is not None
         return Timing(self.cost, self.scale, self.gap + fixed)
 
-    def plan(self, hot: Sequence[int], limits: Sequence[int], behind: Sequence[float] | None = None) -> Choice:
-        """The step's plan for rows in states ``hot`` allowed ``limits`` tokens; ``behind``: per
-        candidate, what it must feed before it drafts (`DraftState`'s ``behind``), or None."""
+    def plan(self, hot: Sequence[int], limits: Sequence[int], catch_up: Sequence[float] | None = None) -> Choice:
+        """The step's plan for rows in states ``hot`` allowed ``limits`` tokens; ``catch_up``: per
+        candidate, the seconds it must spend feeding context before it drafts, or None."""
         rows = sum(1 for n in limits if n > 0)
         with self.lock:
             self.step += 1
@@ -118,7 +122,7 @@ class PlannedDrafter:
                 return Choice(0, 0, False, False, 0.0)
             timing = self.timing()
             if len(self.caps) == 1 and self.cheap(0, timing, rows):  # draft all it may, prune after
-                if behind is not None and self.spend(0, self.caps[0], behind) > room:  # a catch-up it cannot afford
+                if catch_up is not None and self.spend(0, self.caps[0], catch_up) > room:  # a catch-up it cannot afford
                     self.budget.deferred += 1
                     return Choice(0, 0, False, False, 0.0)
                 extra = self.extras[0].due(self.step)
@@ -130,12 +134,12 @@ class PlannedDrafter:
             rate, neg, k = max(plans)
             best = Choice(-neg, k, self.extras[-neg].due(self.step), False, rate)
             due = [c for c in range(len(plans)) if (c != best.candidate or best.k == 0) and self.probes[c].due(self.step)
-                   and self.spend(c, self.trial_length(c, plans[c][2]), behind) <= room]
+                   and self.spend(c, self.trial_length(c, plans[c][2]), catch_up) <= room]
             if due:  # the longest unseen first, of those whose drafting fits the room
                 c = min(due, key=lambda i: self.probes[i].last)
                 return Choice(c, self.trial_length(c, plans[c][2]), True, True, rate)
             k = best.k
-            while k > 0 and self.spend(best.candidate, k, behind) > room:  # drafting is spent even if all is rejected
+            while k > 0 and self.spend(best.candidate, k, catch_up) > room:  # drafting is spent even if all is rejected
                 k -= 1
             if k < best.k:
                 self.budget.deferred += 1
@@ -146,16 +150,12 @@ class PlannedDrafter:
         """A trial of drafter ``c`` drafts its planned length, and at least two tokens where it may."""
         return max(planned, min(2, self.caps[c]))
 
-    def spend(self, c: int, k: int, behind: Sequence[float] | None) -> float:
+    def spend(self, c: int, k: int, catch_up: Sequence[float] | None) -> float:
         """What drafting ``k`` tokens with drafter ``c`` is expected to take, spent whatever is
-        accepted: its learned time, and what it must feed first (``behind``: target-token
-        equivalents) at the target's own per-token rate in its widest measured forward."""
+        accepted: its learned time, and the seconds it must feed context first (``catch_up``)."""
         if k <= 0:
             return 0.0
-        assert self.cost is not None
-        feed = 0.0 if behind is None else behind[c]
-        widest = self.cost.widths[-1]
-        return self.draft_costs[c].seconds(k) + feed * self.scale * self.cost.seconds_for(widest) / widest
+        return self.draft_costs[c].seconds(k) + (0.0 if catch_up is None else catch_up[c])
 
     def _priced(self, hot: Sequence[int], limits: Sequence[int], rows: int, timing: Timing) -> list[tuple[float, int, int]]:
         """Each candidate's best (rate, -index, length) under ``timing``. Pricing three drafters

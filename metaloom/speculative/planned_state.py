@@ -39,7 +39,7 @@ class Choice:
 class Planner(Protocol):
     """What a `PlannedState` asks of its planner (`metaloom.speculative.planned.PlannedDrafter`)."""
 
-    def plan(self, hot: Sequence[int], limits: Sequence[int], behind: Sequence[float] | None = None) -> Choice: ...
+    def plan(self, hot: Sequence[int], limits: Sequence[int], catch_up: Sequence[float] | None = None) -> Choice: ...
 
     def keep(self, choice: Choice, hot: Sequence[int], lengths: Sequence[int], rows: int, drafting: float,
              levels: Sequence[int] | None = None) -> list[int]: ...
@@ -88,7 +88,7 @@ class PlannedState:
         self.needs_hidden = any(bool(getattr(s, "needs_hidden", False)) for s in states)
         self.caching = [s for s in states if hasattr(s, "cache")]  # read each step by the loop's memory measure
         self.empty: Draft | None = None  # the draft of a step nothing is drafted for (frozen: shared)
-        self.feeds = any(hasattr(s, "behind") for s in states)  # a drafter that catches up before drafting
+        self.feeds = any(hasattr(s, "catch_up") for s in states)  # a drafter that catches up before drafting
 
     @property
     def cache(self) -> Any:
@@ -99,8 +99,8 @@ class PlannedState:
         start = time.perf_counter()
         if self.done_at is not None:
             self.planner.learn_gap(start - self.done_at)
-        behind = [s.behind(contexts) if hasattr(s, "behind") else 0.0 for s in self.states] if self.feeds else None
-        choice = self.planner.plan(self.hot, limits, behind)
+        catch_up = [s.catch_up(contexts) if hasattr(s, "catch_up") else 0.0 for s in self.states] if self.feeds else None
+        choice = self.planner.plan(self.hot, limits, catch_up)
         allowed = [min(n, choice.k) for n in limits]
         # nothing allowed: no drafter is asked (each returns nothing for limits of 0, and the
         # indexes that prompt lookup builds as it proposes catch up on the next proposal)

@@ -19,7 +19,7 @@ one uniform. They report q (Draft.probs).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -31,7 +31,10 @@ from metaloom.models.protocols import KVCache, LanguageModel
 from metaloom.sampling.counter import uniforms
 from metaloom.sampling.params import SamplingParams
 from metaloom.sampling.pipeline import Sampler, make_sampler
+from metaloom.speculative.cost import measure_verify_cost
 from metaloom.speculative.drafter import MAX_DRAFT, Draft, DraftState, Verified
+
+FEED_TOKENS = 16  # the forward width `DraftModelDrafter.measure_feed` times
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,16 @@ class DraftModelDrafter:
 
     model: LanguageModel
     name: str = "draft"
+    feed: list[float] = field(default_factory=list, compare=False, repr=False)  # `measure_feed`'s, once
+
+    def measure_feed(self) -> float:
+        """Seconds a context token costs this model when fed `FEED_TOKENS` at a time (the cost
+        model prices a catch-up with it, `DraftModelState.catch_up`); measured on first use, as
+        the target's verify cost is."""
+        if not self.feed:
+            cost = measure_verify_cost(self.model, most=FEED_TOKENS, context=FEED_TOKENS, repeats=2, only=True)
+            self.feed.append(cost.seconds_for(FEED_TOKENS) / FEED_TOKENS)
+        return self.feed[0]
 
     def start(self, target: LanguageModel, sampler: Sampler, contexts: Sequence[Sequence[int]],
               keys: Sequence[int]) -> DraftModelState:
@@ -52,7 +65,7 @@ class DraftModelDrafter:
         q_sampler = make_sampler(q_params, target.vocab_size, self.model.device)
         state = DraftModelState(self.model, cache, [[] for _ in contexts], q_sampler, target.vocab_size, keys,
                                 [len(c) for c in contexts])
-        state.weight = self.model.flops(1, 0, 1) / max(target.flops(1, 0, 1), 1.0)
+        state.feed = self.feed[0] if self.feed else 0.0
         return state
 
 
@@ -71,12 +84,12 @@ class DraftModelState:
         self.vocab = target_vocab
         self.keys = list(keys)  # the rows' random keys: a seeded request stays reproducible
         self.starts = list(starts)  # each row's prompt length: its context position - start is the output's
-        self.weight = 1.0  # a token through this model against one through the target, in FLOPs (`behind`)
+        self.feed = 0.0  # seconds a context token costs to feed (`DraftModelDrafter.measure_feed`; 0: not measured)
 
-    def behind(self, contexts: Sequence[Sequence[int]]) -> float:
-        """The context tokens it must feed before it drafts (its first proposal: the whole
-        prompt), in target tokens by FLOPs: the cost model prices this catch-up before trying it."""
-        return self.weight * sum(max(len(c) - len(f), 0) for c, f in zip(contexts, self.fed, strict=True))
+    def catch_up(self, contexts: Sequence[Sequence[int]]) -> float:
+        """Seconds of feeding the context it has not seen before it can draft (at its first
+        proposal, the whole prompt): the cost model prices this before trying it."""
+        return self.feed * sum(max(len(c) - len(f), 0) for c, f in zip(contexts, self.fed, strict=True))
 
     def _sync(self, contexts: Sequence[Sequence[int]]) -> list[list[int]]:
         """Roll each row's cache back to the longest prefix shared with its context; return
@@ -155,7 +168,7 @@ class DraftModelState:
         state = DraftModelState(self.model, self.cache.fork(index), [list(self.fed[r]) for r in index],
                                 self.q_sampler.select(index), self.vocab, [self.keys[r] for r in index],
                                 [self.starts[r] for r in index])
-        state.checked, state.weight = [self.checked[r] for r in index], self.weight
+        state.checked, state.feed = [self.checked[r] for r in index], self.feed
         release = getattr(self.cache, "release", None)
         if release is not None:
             release()  # this state is replaced by the selection
@@ -168,5 +181,5 @@ class DraftModelState:
             raise UnsupportedModel(f"{type(self.cache).__name__} cannot take rows into a running batch (no join)")
         state = DraftModelState(self.model, joined(other.cache), self.fed + other.fed, self.q_sampler.join(other.q_sampler),
                                 self.vocab, self.keys + other.keys, self.starts + other.starts)
-        state.checked, state.weight = self.checked + other.checked, self.weight
+        state.checked, state.feed = self.checked + other.checked, self.feed
         return state
