@@ -174,6 +174,22 @@ def test_measure_verify_cost_keeps_each_widths_least_time():
     timed = _Timed(tiny_llama().model, spikes={9, 16, 18})  # width 1 twice, width 3 once
     cost = measure_verify_cost(timed, most=7, repeats=3, clock=lambda: timed.now)
     assert cost.seconds == pytest.approx(tuple(1e-3 * w for w in cost.widths))
+    # the one-token step's median (51 ms: two of three spiked) over its least (1 ms)
+    assert cost.typical == pytest.approx(51.0)
+
+
+def test_a_fresh_planner_starts_at_the_typical_level():
+    """A plain step's usual time, not its best, until steps are observed: the one-token median
+    over the least time scales the curve from the first plan."""
+    from metaloom.sampling.pipeline import make_sampler
+
+    target = tiny_llama().model
+    planned = PlannedDrafter([(Oracle(True, "right"), 4)], cost=VerifyCost((1, 65), (1.0, 1.0), typical=1.25))
+    sampler = make_sampler([SamplingParams(temperature=0, max_tokens=8)], target.vocab_size, target.device)
+    planned.start(target, sampler, [[1, 2, 3]], [0])
+    assert planned.scale == 1.25 and planned.timing().seconds(1) == pytest.approx(1.25)
+    with pytest.raises(InvalidParameter, match="typical"):
+        VerifyCost((1, 2), (1.0, 2.0), typical=0.5)
 
 
 # --- in the decode loop ----------------------------------------------------------------------

@@ -17,7 +17,9 @@ and in the matmuls rows are rows. Measured after a warm-up round, widths interle
 of `REPEATS` rounds so that drifting load hits them alike, nothing charged to any request; made
 once per drafter set-up and kept (`PlannedDrafter`). Each width keeps its least time, not its
 median: on a shared machine the noise only adds time, and the table's shape is what the planner
-cannot correct online (``scale`` moves the level). A median of 3 once read SmolLM2's one-token
+cannot correct online (``scale`` moves the level; it starts at ``typical``, the one-token
+step's median over its least, so that a fresh planner does not price plain steps at their
+best case and read the first drafts' ordinary times as losses). A median of 3 once read SmolLM2's one-token
 step as 11.4 ms where it takes about 7 (two of its three forwards caught by other work), and
 `monotone` carried that to the 2-token verify: "2 tokens cost what 1 does" made Jacobi verify a
 guess every step, and the budget's plain-step baseline covered the loss (issue 47; 0.83x).
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -49,12 +52,15 @@ class VerifyCost:
 
     widths: tuple[int, ...]
     seconds: tuple[float, ...]
+    typical: float = 1.0  # the one-token step's median time over its least: where the planner's scale starts
 
     def __post_init__(self) -> None:
         if not self.widths or self.widths[0] != 1 or list(self.widths) != sorted(set(self.widths)):
             raise InvalidParameter("widths", list(self.widths), "ascending distinct token counts starting at 1")
         if len(self.seconds) != len(self.widths) or any(not s > 0 for s in self.seconds):
             raise InvalidParameter("seconds", list(self.seconds), f"{len(self.widths)} positive times, one per width")
+        if not self.typical >= 1.0:
+            raise InvalidParameter("typical", self.typical, "a median over a least time: >= 1")
 
     def seconds_for(self, tokens: float) -> float:
         """The time of a forward of ``tokens`` new tokens (>= 1; fractional counts interpolate)."""
@@ -86,7 +92,7 @@ class VerifyCost:
 
     def to_dict(self) -> dict[str, object]:
         return {"one_token_ms": round(self.seconds[0] * 1e3, 3), "widths": list(self.widths),
-                "relative": [round(s / self.seconds[0], 3) for s in self.seconds]}
+                "relative": [round(s / self.seconds[0], 3) for s in self.seconds], "typical": round(self.typical, 3)}
 
 
 def monotone(seconds: Sequence[float]) -> list[float]:
@@ -131,7 +137,8 @@ def measure_verify_cost(model: LanguageModel, most: int = WIDTHS[-1], context: i
         release = getattr(cache, "release", None)
         if release is not None:
             release()
-    return VerifyCost(tuple(widths), tuple(monotone([min(times[w]) for w in widths])))
+    least = [min(times[w]) for w in widths]
+    return VerifyCost(tuple(widths), tuple(monotone(least)), statistics.median(times[1]) / least[0])
 
 
 def _sync(device: torch.device) -> None:

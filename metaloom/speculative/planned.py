@@ -96,6 +96,8 @@ class PlannedDrafter:
         with self.lock:
             if self.cost is None:
                 self.cost = measure_verify_cost(target, most=self.num_draft + 1)
+            if self.step == 0:  # nothing learned yet: the step's usual time, not its best
+                self.scale = self.cost.typical
         for d in self.drafters:  # what feeding a drafter's model costs, measured once (a catch-up is priced)
             measure = getattr(d, "measure_feed", None)
             if measure is not None:
