@@ -304,6 +304,7 @@ def test_one_node_longer_probes_back_off_while_they_keep_nothing():
     steps 16, 48, 112, 240 (the interval doubling), not every 16th; one that keeps a node brings
     the interval back to `PROBE_EVERY`."""
     planned = PlannedDrafter([(Oracle(False, "wrong"), 8)], cost=STEEP)
+    planned.budget.lost = -100.0  # earned by earlier drafts: room for the probes' nodes (a step each here)
 
     def steps(n: int, keep_at: int = -1) -> list[int]:
         probed = []
@@ -515,7 +516,8 @@ class Behind(Counting):
 
 def test_plan_defers_a_catch_up_dearer_than_the_room():
     """A catch-up of 0.8 s is more than the fresh budget's room of half a step (a step is 1 s on
-    the flat curve): the plan drafts nothing and counts a deferred step. 0.3 s fits."""
+    the flat curve, where a verified node costs nothing): the plan drafts nothing and counts a
+    deferred step. 0.3 s fits."""
     for seconds, k in ((0.8, 0), (0.3, 4)):
         planned = PlannedDrafter([(Behind(seconds), 4)], cost=FLAT)
         assert planned.plan([COLD], [4], [seconds]).k == k
@@ -586,3 +588,15 @@ def test_the_planner_measures_a_draft_models_feed_rate_when_it_starts():
     sampler = make_sampler([SamplingParams(temperature=0, max_tokens=8)], target.vocab_size, target.device)
     state = planned.start(target, sampler, [[1, 2, 3]], [0])
     assert drafter.feed and state.states[0].catch_up([[1, 2, 3]]) == pytest.approx(3 * drafter.feed[0])
+
+
+def test_a_drafter_is_not_asked_when_the_room_cannot_hold_one_verified_node():
+    """A verified node costs 0.4 of a step (worth it at the prior's 0.5 acceptance). With 0.3 of
+    a step of room, `afford` would verify none of whatever is drafted, so the drafter is not
+    asked and the step counts as deferred; with the fresh budget's half step, it is asked."""
+    cost = VerifyCost((1, 65), (1.0, 1.0 + 64 * 0.4))
+    planned = PlannedDrafter([(Counting(True, "right"), 4)], cost=cost)
+    planned.budget.lost = 0.2  # room: half a step less 0.2
+    assert planned.plan([COLD], [4]).k == 0 and planned.report()["budget"]["deferred_steps"] == 1
+    planned.budget.lost = 0.0
+    assert planned.plan([COLD], [4]).k == 4

@@ -123,8 +123,11 @@ class PlannedDrafter:
                 self.budget.held += 1
                 return Choice(0, 0, False, False, 0.0)
             timing = self.timing()
+            # what drafting may spend: the room less one verified node's time, without which
+            # `afford` would verify nothing and the drafting would be lost for nothing
+            room -= timing.seconds(rows + 1) - timing.seconds(rows)
             if len(self.caps) == 1 and self.cheap(0, timing, rows):  # draft all it may, prune after
-                if catch_up is not None and self.spend(0, self.caps[0], catch_up) > room:  # a catch-up it cannot afford
+                if room <= 0 or self.spend(0, self.caps[0], catch_up) > room:  # not even one node, or a dear catch-up
                     self.budget.deferred += 1
                     return Choice(0, 0, False, False, 0.0)
                 extra = self.extras[0].due(self.step)
@@ -136,12 +139,12 @@ class PlannedDrafter:
             rate, neg, k = max(plans)
             best = Choice(-neg, k, self.extras[-neg].due(self.step), False, rate)
             due = [c for c in range(len(plans)) if (c != best.candidate or best.k == 0) and self.probes[c].due(self.step)
-                   and self.spend(c, self.trial_length(c, plans[c][2]), catch_up) <= room]
+                   and self.spend(c, self.trial_length(c, plans[c][2]), catch_up) < room]
             if due:  # the longest unseen first, of those whose drafting fits the room
                 c = min(due, key=lambda i: self.probes[i].last)
                 return Choice(c, self.trial_length(c, plans[c][2]), True, True, rate)
             k = best.k
-            while k > 0 and self.spend(best.candidate, k, catch_up) > room:  # drafting is spent even if all is rejected
+            while k > 0 and (room <= 0 or self.spend(best.candidate, k, catch_up) > room):  # spent even if all is rejected
                 k -= 1
             if k < best.k:
                 self.budget.deferred += 1

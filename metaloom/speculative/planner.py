@@ -32,9 +32,12 @@ the plan it displaced), so on text where nothing is accepted the trials fade to 
 What exploring may cost is bounded (`Budget`): a step drafts only while the time speculation has
 lost against plain decoding stays within `SAFETY` of the decoding time, as a conservative bandit
 explores only while its reward stays within a share of the baseline's (Wu et al. 2016,
-"Conservative Bandits"), and a draft is cut to what the budget could lose were all of it
-rejected. Optimistic first estimates, trials and probes all spend from it; steps that paid
-refill it. So on text where nothing pays, speculation costs at most about `SAFETY` of plain
+"Conservative Bandits"); a drafter is asked only when its expected drafting time (and a draft
+model's catch-up on the context) fits in the room left with one verified node, and a draft is
+cut to what the budget could lose were all of it rejected. A step whose drafter proposed
+nothing is charged its drafting alone: its forward was a plain step's, and its noise is not
+drafting's loss. Optimistic first estimates, trials and probes all spend from it; steps that
+paid refill it. So on text where nothing pays, speculation costs at most about `SAFETY` of plain
 decoding's time (and one step) plus the planner's own bookkeeping, however the estimates mislead.
 """
 
