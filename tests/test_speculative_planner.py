@@ -34,6 +34,7 @@ from metaloom.testing.toy_models import CharTokenizer, MarkovModel
 
 FLAT = VerifyCost((1, 65), (1.0, 1.0))  # an accelerator far from saturation: any width costs a step
 STEEP = VerifyCost((1, 2, 65), (1.0, 2.0, 65.0))  # every verified token costs a whole step
+NODE_04 = VerifyCost((1, 65), (1.0, 1.0 + 64 * 0.4))  # a verified node costs 0.4 of a step: one fits a fresh budget
 
 
 def _timing(cost, fixed=0.0):
@@ -452,7 +453,7 @@ def _plain_steps(state, n):
 def test_a_step_the_plan_drafts_nothing_for_asks_no_drafter_and_idle_learners_skip_observing():
     """With the budget spent for longer than `PROBE_EVERY` steps no drafter is asked to propose,
     and a drafter whose observation only feeds its learning (Token Recycling's table) is not fed;
-    the others are. With room, the learner is fed every step again, and what its observations
+    the others are. With room for a node, the learner is fed every step again, and what its observations
     take is charged to the budget (a drafter that keeps row state is not charged)."""
     drafter, learner = Counting(False, "a"), Counting(False, "b", learns_only=True)
     planned = PlannedDrafter([(drafter, 8), (learner, 8)], cost=STEEP)
@@ -461,7 +462,8 @@ def test_a_step_the_plan_drafts_nothing_for_asks_no_drafter_and_idle_learners_sk
     _plain_steps(state, 20)
     assert drafter.proposals == learner.proposals == 0
     assert drafter.observed == 20 and learner.observed == 0
-    planned.reset()  # a fresh budget: room, and no drafter dropped yet
+    planned.reset()  # a fresh budget, and no drafter dropped yet
+    planned.budget.lost = -1.0  # earned: room for one node (a step on this curve), where no draft pays
     state = planned.start(None, None, [[1, 2, 3]], [0])
     charged: list[float] = []
     planned.charge = charged.append  # what the budget is charged, as it is charged
@@ -594,9 +596,19 @@ def test_a_drafter_is_not_asked_when_the_room_cannot_hold_one_verified_node():
     """A verified node costs 0.4 of a step (worth it at the prior's 0.5 acceptance). With 0.3 of
     a step of room, `afford` would verify none of whatever is drafted, so the drafter is not
     asked and the step counts as deferred; with the fresh budget's half step, it is asked."""
-    cost = VerifyCost((1, 65), (1.0, 1.0 + 64 * 0.4))
-    planned = PlannedDrafter([(Counting(True, "right"), 4)], cost=cost)
+    planned = PlannedDrafter([(Counting(True, "right"), 4)], cost=NODE_04)
     planned.budget.lost = 0.2  # room: half a step less 0.2
     assert planned.plan([COLD], [4]).k == 0 and planned.report()["budget"]["deferred_steps"] == 1
     planned.budget.lost = 0.0
     assert planned.plan([COLD], [4]).k == 4
+
+
+def test_a_learner_is_idle_while_the_room_cannot_hold_one_node_for_long():
+    """Token Recycling's table update is charged to the budget: while the room stays under one
+    verified node's time (0.4 of a step here) for more than `PROBE_EVERY` steps, no draft of it
+    can come, so it is idle (it would otherwise keep the budget from ever reaching that node)."""
+    planned = PlannedDrafter([(Counting(True, "a", learns_only=True), 4), (Counting(True, "b"), 4)], cost=NODE_04)
+    planned.budget.elapsed, planned.budget.lost = 10.0, 0.45  # room 0.1 + 0.5 - 0.45: 0.25 short of a node
+    assert planned.idle(0)  # about 25 plain steps to earn it, at 1% of each
+    planned.budget.lost = 0.1  # room 0.5: a node fits
+    assert not planned.idle(0)

@@ -184,10 +184,13 @@ class PlannedDrafter:
 
     def idle(self, c: int) -> bool:
         """Whether drafter ``c`` will not draft within `PROBE_EVERY` steps and did not in the last
-        as many: the budget holds every drafter for longer, or `auto` dropped it and its next
-        trial is further away."""
-        if self.cost is not None and self.budget.held_for(self.timing().seconds(1), self.allowance()) > PROBE_EVERY:
-            return True
+        as many: the budget has no room for one verified node for longer (`plan` holds or defers
+        every drafter), or `auto` dropped it and its next trial is further away."""
+        if self.cost is not None:
+            timing = self.timing()
+            node = timing.seconds(2) - timing.seconds(1)
+            if self.budget.held_for(timing.seconds(1), self.allowance() - node) > PROBE_EVERY:
+                return True
         probe = self.probes[c]
         return len(self.caps) > 1 and self.step - probe.last > PROBE_EVERY and \
             probe.last + probe.interval - self.step > PROBE_EVERY

@@ -244,6 +244,8 @@ class Budget:
         keep = 1.0 - 1.0 / WINDOW
         earned = SAFETY * step * WINDOW  # what plain steps add to SAFETY * elapsed, over the window
         # after n plain steps: keep**n * (lost - SAFETY * elapsed) <= allowance + earned * (1 - keep**n)
+        if earned + allowance <= 0:  # more than the window can ever earn
+            return math.inf
         a = (earned + allowance) / (self.lost - SAFETY * self.elapsed + earned)
         return math.log(a) / math.log(keep)
 
