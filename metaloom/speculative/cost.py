@@ -18,9 +18,9 @@ of `REPEATS` rounds so that drifting load hits them alike, nothing charged to an
 once per drafter set-up and kept (`PlannedDrafter`). Each width keeps its least time, not its
 median: on a shared machine the noise only adds time, and the table's shape is what the planner
 cannot correct online (``scale`` moves the level; it starts at ``typical``, the one-token
-step's median over its least, so that a fresh planner does not price plain steps at their
-best case and read the first drafts' ordinary times as losses). A median of 3 once read SmolLM2's one-token
-step as 11.4 ms where it takes about 7 (two of its three forwards caught by other work), and
+step's median over its least, so that a fresh planner does not price plain steps at their best
+and read the first drafts' ordinary times as losses). A median of 3 once read SmolLM2's
+one-token step as 11.4 ms where it takes about 7 (two of its three forwards caught by other work), and
 `monotone` carried that to the 2-token verify: "2 tokens cost what 1 does" made Jacobi verify a
 guess every step, and the budget's plain-step baseline covered the loss (issue 47; 0.83x).
 """

@@ -1,7 +1,8 @@
 """The inverse-CDF draw in C (`draw.c`): the same token as PyTorch's cumsum + searchsorted,
-without the float64 running sum's [B, V] tensors; and each row's top k (`topk`). `search` is what the decode loop and the
-speculative code pass to `metaloom.sampling.counter.inverse_cdf` (sampling does not import
-models); draw.c says why and how the sums stay the same.
+without the float64 running sum's [B, V] tensors; and each row's top k (`topk`, Token
+Recycling's candidates). `search` is what the decode loop and the speculative code pass to
+`metaloom.sampling.counter.inverse_cdf` (sampling does not import models); draw.c says why and
+how the sums stay the same.
 
 Built on first use like the other kernels (`metaloom.models.kernels.cbuild`); without a compiler
 `kernels()` gives a reason and the caller keeps PyTorch's way.
