@@ -125,9 +125,9 @@ class PlannedDrafter:
             timing = self.timing()
             # what drafting may spend: the room less one verified node's time, without which
             # `afford` would verify nothing and the drafting would be lost for nothing
-            room -= timing.seconds(rows + 1) - timing.seconds(rows)
+            room -= timing.node(rows)
             if len(self.caps) == 1 and self.cheap(0, timing, rows):  # draft all it may, prune after
-                if room <= 0 or self.spend(0, self.caps[0], catch_up) > room:  # not even one node, or a dear catch-up
+                if not self.fits(0, self.caps[0], catch_up, room):  # not even one node, or a dear catch-up
                     self.budget.deferred += 1
                     return Choice(0, 0, False, False, 0.0)
                 extra = self.extras[0].due(self.step)
@@ -139,12 +139,12 @@ class PlannedDrafter:
             rate, neg, k = max(plans)
             best = Choice(-neg, k, self.extras[-neg].due(self.step), False, rate)
             due = [c for c in range(len(plans)) if (c != best.candidate or best.k == 0) and self.probes[c].due(self.step)
-                   and self.spend(c, self.trial_length(c, plans[c][2]), catch_up) < room]
+                   and self.fits(c, self.trial_length(c, plans[c][2]), catch_up, room)]
             if due:  # the longest unseen first, of those whose drafting fits the room
                 c = min(due, key=lambda i: self.probes[i].last)
                 return Choice(c, self.trial_length(c, plans[c][2]), True, True, rate)
             k = best.k
-            while k > 0 and (room <= 0 or self.spend(best.candidate, k, catch_up) > room):  # spent even if all is rejected
+            while k > 0 and not self.fits(best.candidate, k, catch_up, room):
                 k -= 1
             if k < best.k:
                 self.budget.deferred += 1
@@ -155,12 +155,11 @@ class PlannedDrafter:
         """A trial of drafter ``c`` drafts its planned length, and at least two tokens where it may."""
         return max(planned, min(2, self.caps[c]))
 
-    def spend(self, c: int, k: int, catch_up: Sequence[float] | None) -> float:
-        """What drafting ``k`` tokens with drafter ``c`` is expected to take, spent whatever is
-        accepted: its learned time, and the seconds it must feed context first (``catch_up``)."""
-        if k <= 0:
-            return 0.0
-        return self.draft_costs[c].seconds(k) + (0.0 if catch_up is None else catch_up[c])
+    def fits(self, c: int, k: int, catch_up: Sequence[float] | None, room: float) -> bool:
+        """Whether drafting ``k`` tokens with drafter ``c`` fits in ``room`` (what the budget has
+        left beyond one verified node): the drafting is spent whatever is accepted, its learned
+        time and the seconds it must feed context first (``catch_up``)."""
+        return self.draft_costs[c].seconds(k) + (0.0 if catch_up is None else catch_up[c]) < room
 
     def _priced(self, hot: Sequence[int], limits: Sequence[int], rows: int, timing: Timing) -> list[tuple[float, int, int]]:
         """Each candidate's best (rate, -index, length) under ``timing``. Pricing three drafters
@@ -188,8 +187,7 @@ class PlannedDrafter:
         every drafter), or `auto` dropped it and its next trial is further away."""
         if self.cost is not None:
             timing = self.timing()
-            node = timing.seconds(2) - timing.seconds(1)
-            if self.budget.held_for(timing.seconds(1), self.allowance() - node) > PROBE_EVERY:
+            if self.budget.held_for(timing.seconds(1), self.allowance() - timing.node()) > PROBE_EVERY:
                 return True
         probe = self.probes[c]
         return len(self.caps) > 1 and self.step - probe.last > PROBE_EVERY and \
@@ -207,7 +205,7 @@ class PlannedDrafter:
     def afford(self, keep: Sequence[int], rows: int) -> list[int]:
         """``keep`` cut, from the longest row's tail (its least likely nodes), to what the budget
         has room for were every node rejected: the verify's extra time over a plain step (the
-        drafting is spent already, whatever is verified; `spend` priced it before)."""
+        drafting is spent already, whatever is verified; `fits` priced it before)."""
         with self.lock:
             room = self.budget.room(self.allowance())
             timing = self.timing()

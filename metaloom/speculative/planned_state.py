@@ -88,7 +88,7 @@ class PlannedState:
         self.needs_hidden = any(bool(getattr(s, "needs_hidden", False)) for s in states)
         self.caching = [s for s in states if hasattr(s, "cache")]  # read each step by the loop's memory measure
         self.empty: Draft | None = None  # the draft of a step nothing is drafted for (frozen: shared)
-        self.feeds = any(hasattr(s, "catch_up") for s in states)  # a drafter that catches up before drafting
+        self.catch_ups = [getattr(s, "catch_up", None) for s in states]  # drafters that feed context before drafting
 
     @property
     def cache(self) -> Any:
@@ -99,7 +99,7 @@ class PlannedState:
         start = time.perf_counter()
         if self.done_at is not None:
             self.planner.learn_gap(start - self.done_at)
-        catch_up = [s.catch_up(contexts) if hasattr(s, "catch_up") else 0.0 for s in self.states] if self.feeds else None
+        catch_up = [f(contexts) if f else 0.0 for f in self.catch_ups] if any(self.catch_ups) else None
         choice = self.planner.plan(self.hot, limits, catch_up)
         allowed = [min(n, choice.k) for n in limits]
         # nothing allowed: no drafter is asked (each returns nothing for limits of 0, and the

@@ -176,6 +176,10 @@ class Timing:
     def seconds_array(self, tokens: np.ndarray) -> np.ndarray:
         return self.scale * self.cost.seconds_array(tokens) + self.fixed
 
+    def node(self, rows: int = 1) -> float:
+        """What one more verified node adds to a plain step of ``rows`` rows."""
+        return self.seconds(rows + 1) - self.seconds(rows)
+
 
 def prune(kept: Sequence[np.ndarray], lengths: Sequence[int], rows: int, timing: Timing,
           extra: int = 0) -> list[int]:

@@ -63,10 +63,8 @@ class DraftModelDrafter:
         q_params = [SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p)
                     for p in sampler.params]
         q_sampler = make_sampler(q_params, target.vocab_size, self.model.device)
-        state = DraftModelState(self.model, cache, [[] for _ in contexts], q_sampler, target.vocab_size, keys,
-                                [len(c) for c in contexts])
-        state.feed = self.feed[0] if self.feed else 0.0
-        return state
+        return DraftModelState(self.model, cache, [[] for _ in contexts], q_sampler, target.vocab_size, keys,
+                               [len(c) for c in contexts], self.feed[0] if self.feed else 0.0)
 
 
 def _max_new(sampler: Sampler) -> int:
@@ -75,7 +73,7 @@ def _max_new(sampler: Sampler) -> int:
 
 class DraftModelState:
     def __init__(self, model: LanguageModel, cache: KVCache, fed: list[list[int]], q_sampler: Sampler,
-                 target_vocab: int, keys: Sequence[int], starts: Sequence[int]) -> None:
+                 target_vocab: int, keys: Sequence[int], starts: Sequence[int], feed: float = 0.0) -> None:
         self.model = model
         self.cache = cache
         self.fed = fed  # fed[b]: the tokens in the draft cache of row b
@@ -84,7 +82,7 @@ class DraftModelState:
         self.vocab = target_vocab
         self.keys = list(keys)  # the rows' random keys: a seeded request stays reproducible
         self.starts = list(starts)  # each row's prompt length: its context position - start is the output's
-        self.feed = 0.0  # seconds a context token costs to feed (`DraftModelDrafter.measure_feed`; 0: not measured)
+        self.feed = feed  # seconds a context token costs to feed (`DraftModelDrafter.measure_feed`; 0: not measured)
 
     def catch_up(self, contexts: Sequence[Sequence[int]]) -> float:
         """Seconds of feeding the context it has not seen before it can draft (at its first
@@ -167,8 +165,8 @@ class DraftModelState:
         index = list(rows)
         state = DraftModelState(self.model, self.cache.fork(index), [list(self.fed[r]) for r in index],
                                 self.q_sampler.select(index), self.vocab, [self.keys[r] for r in index],
-                                [self.starts[r] for r in index])
-        state.checked, state.feed = [self.checked[r] for r in index], self.feed
+                                [self.starts[r] for r in index], self.feed)
+        state.checked = [self.checked[r] for r in index]
         release = getattr(self.cache, "release", None)
         if release is not None:
             release()  # this state is replaced by the selection
@@ -180,6 +178,6 @@ class DraftModelState:
         if joined is None:
             raise UnsupportedModel(f"{type(self.cache).__name__} cannot take rows into a running batch (no join)")
         state = DraftModelState(self.model, joined(other.cache), self.fed + other.fed, self.q_sampler.join(other.q_sampler),
-                                self.vocab, self.keys + other.keys, self.starts + other.starts)
-        state.checked, state.feed = self.checked + other.checked, self.feed
+                                self.vocab, self.keys + other.keys, self.starts + other.starts, self.feed)
+        state.checked = self.checked + other.checked
         return state
