@@ -1,6 +1,7 @@
-"""What quantising the output head's inputs too (as llama.cpp does) would buy under
-``--activations q8``: perplexity, greedy agreement and decode-step time of the q8 model with its
-head multiplying float inputs (what metaloom does) against int8 ones; not a test.
+"""What quantising the output head's inputs too (as llama.cpp does, and as `--activations q8`
+does since the head's Q8_0 panels, quant_q8_0.h) costs and buys: perplexity, greedy agreement and
+decode-step time of the q8 model with its head multiplying int8 inputs against the same model with
+a float head (what q8 did before); not a test.
 
     python scripts/q8_head.py [MODEL]
 
@@ -29,12 +30,13 @@ from metaloom.prefix.radix import common_prefix
 def main() -> None:
     torch.set_num_threads(2)
     loaded = load(sys.argv[1] if len(sys.argv) > 1 else "default", weights="native")
-    q8 = with_activations(loaded.model, "q8")
-    assert isinstance(q8, LlamaModel) and isinstance(q8.lm_head, QuantWeight), "a native GGUF's quantised head"
-    q8_head = LlamaModel(q8.config, q8.embed, q8.layers, q8.norm, q8.lm_head.with_activations("q8"), q8.fused,
-                         q8.options)
+    q8_head = with_activations(loaded.model, "q8")
+    head = loaded.model.lm_head
+    assert isinstance(q8_head, LlamaModel) and isinstance(head, QuantWeight), "a native GGUF's quantised head"
+    q8 = LlamaModel(q8_head.config, loaded.model.embed, q8_head.layers, q8_head.norm, head, q8_head.fused,
+                    q8_head.options)
     models = {"float": loaded.model, "q8": q8, "q8, head too": q8_head}
-    print(f"{cpu_name()}, {chosen().name} path; head {q8.lm_head}")
+    print(f"{cpu_name()}, {chosen().name} path; head {q8_head.lm_head}")
     tok = loaded.tokenizer
     ids = held_out_ids(tok)[:2001]
     for name, m in models.items():

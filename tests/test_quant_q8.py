@@ -94,11 +94,11 @@ def _call(w: QuantWeight, x: torch.Tensor, threads: int, out_dtype: torch.dtype 
 @TYPES
 @pytest.mark.parametrize("layout", ["gguf", "panel"])
 def test_q8_matmul_is_the_product_of_the_dequantised_weight_and_inputs(qtype, layout):
-    if layout == "panel" and qtype not in quant.PANEL_TYPES:
+    if layout == "panel" and qtype not in quant.PANEL_TYPES | {quant.Q8_0}:
         pytest.skip(f"{QTYPES[qtype].name} has no panel layout")
     inputs = _inputs(qtype)
     blocks = random_blocks(qtype, 48, inputs, seed=2)
-    w = QuantWeight(qtype, torch.from_numpy(blocks.copy()), inputs)
+    w = QuantWeight(qtype, torch.from_numpy(blocks.copy()), inputs).with_activations("q8")
     w = w.panelled() if layout == "panel" else w
     assert w.layout == layout
     x = torch.randn(40, inputs, generator=torch.Generator().manual_seed(3))
@@ -131,6 +131,44 @@ def test_a_q8_weight_calls_its_kernel_for_any_rows_in_either_layout(qtype, monke
     monkeypatch.setattr(quant, "kernels", lambda: quant_library.Availability(None, "forced off"))
     y = w(x[:3])  # without kernels: the same quantised inputs times the dequantised weight, in float32
     assert _q8_excess(y, x[:3], qtype, blocks, _factor() * 8) <= 1
+
+
+@needs
+def test_q8_0_panels_sum_each_blocks_exact_integers_then_one_fma_chain():
+    """quant_q8_0.h's arithmetic, bit for bit on every path: per (row, output) the exact int32 sum
+    of each block's 32 quant products, then acc = fma(float(isum), d dx, acc) over the blocks in
+    order. Weights reach both ends of int8 (-128 goes into vpdpbusd as 0, and its magnitude 128
+    against |x| <= 127 into vpmaddubsw) and inputs reach +-127."""
+    g = torch.Generator().manual_seed(6)
+    out, inputs, rows = 48, 160, 21
+    w = quant.quantize(torch.randn(out, inputs, generator=g), "Q8_0")
+    b = w.blocks.view(out, inputs // 32, 34)
+    b[:2, :, 2:] = torch.tensor([-128, 127], dtype=torch.int8).repeat(16).view(torch.uint8)  # the extremes
+    b[2, 1, 2:] = torch.full((32,), -128, dtype=torch.int8).view(torch.uint8)
+    p = w.with_activations("q8").panelled()
+    assert p.layout == "panel" and torch.equal(p.gguf().blocks, w.blocks)
+    assert torch.equal(quant.unpanel_numpy(p.qtype, p.blocks, inputs), w.blocks)  # the numpy inverse agrees
+    assert w.panelled() is w  # float activations: Q8_0 has no float panel kernel
+    assert p.with_activations("float").layout == "gguf" and torch.equal(p.with_activations("float").blocks, w.blocks)
+    x = torch.randn(rows, inputs, generator=g) * torch.logspace(-3, 3, rows).unsqueeze(1)
+    x[0, :32] = torch.linspace(-1, 1, 32)  # inputs of +-127 (each block's largest)
+    y = torch.empty(rows, out)
+    KERNELS.matmul_q8(p.qtype, p.blocks, inputs, x, y, rows, 2, "panel")
+    q, d, _ = KERNELS.q8_inputs(x)
+    quants = b[:, :, 2:].contiguous().view(torch.int8).long()
+    scales = b[:, :, :2].contiguous().view(torch.float16).float()[..., 0]
+    isum = torch.einsum("obk,rbk->rbo", quants, q.long().view(rows, -1, 32))
+    acc = torch.zeros(rows, out)
+    for k in range(inputs // 32):
+        s = scales[:, k][None, :] * d[:, k][:, None]  # d dx: one float32 product
+        # fma(a, s, c): a s is exact in float64 (at most 20 + 24 bits); rounding a s + c to float64
+        # and then to float32 is fma's one rounding unless the first lands on a float32 tie, which
+        # these seeded values never do (a wrong order or a lost integer moves many outputs)
+        if isa.has_fma(isa.chosen().name):
+            acc = (isum[:, k].double() * s.double() + acc.double()).float()
+        else:  # generic x86: a product, then a sum, each rounded
+            acc = isum[:, k].float() * s + acc
+    assert torch.equal(y, acc)
 
 
 def test_activations_are_checked():
@@ -192,6 +230,40 @@ def test_a_q8_models_tree_verify_gives_each_node_a_one_token_steps_bits():
     a = model.forward(torch.tensor([[3, 1, 4, 1, 5]]), model.new_cache(1, 96))
     b = float_model.forward(torch.tensor([[3, 1, 4, 1, 5]]), fc)
     assert (a - b).abs().max() < 0.05 * b.abs().max()
+
+
+def test_a_tied_q8_0_head_takes_q8_in_its_panels_which_also_serve_the_embedding(monkeypatch):
+    """Under q8 a Q8_0 head multiplies int8 inputs in quant_q8_0.h's panels; a tied embedding
+    looks its rows up in the same panels (one table held, not two), exactly as from the file's blocks."""
+    from metaloom.models.engine.config import LlamaConfig
+    from metaloom.models.engine.llama import LlamaModel
+    from metaloom.models.engine.native import with_activations
+    from metaloom.models.kernels import fused
+    from metaloom.testing.tiny import random_weights
+
+    k = fused.kernels().kernels
+    if k is None:
+        pytest.skip("no kernels here")
+    cfg = LlamaConfig.from_hf({"model_type": "llama", "vocab_size": 112, "hidden_size": 128, "intermediate_size": 256,
+                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": True})
+    sd = random_weights(cfg, seed=1)
+    blocks = {n: quant.quantize(w, "Q8_0" if "embed" in n else "Q4_1") for n, w in sd.items()
+              if n.endswith("proj.weight") or "embed_tokens" in n}
+    model = LlamaModel.from_state_dict(cfg, sd, dtype=torch.float32, blocks=blocks).with_fused(k)
+    assert model.lm_head is model.embed and model.lm_head.layout == "gguf"
+    q8 = with_activations(model, "q8")
+    assert q8.lm_head.layout == "panel" and q8.lm_head.activations == "q8" and q8.embed is q8.lm_head
+    assert q8.num_parameters() == model.num_parameters()
+    ids = torch.tensor([[0, 15, 16], [111, 7, 7]])
+    assert torch.equal(q8.embed.rows(ids), model.embed.rows(ids))
+    assert torch.equal(q8.embed.rows(ids, torch.bfloat16), model.embed.rows(ids, torch.bfloat16))
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    a = q8.forward(prompt, q8.new_cache(1, 96))
+    b = model.forward(prompt, model.new_cache(1, 96))
+    assert (a - b).abs().max() < 0.05 * b.abs().max()  # the same model, another arithmetic
+    monkeypatch.setattr(quant, "kernels", lambda: quant_library.Availability(None, "forced off"))
+    assert torch.equal(q8.embed.rows(ids), model.embed.rows(ids))  # PyTorch's reading of the panels agrees
 
 
 def test_q8_needs_native_quantised_weights():

@@ -60,7 +60,7 @@
 #include <arm_neon.h>
 #endif
 
-#define ABI_VERSION 3
+#define ABI_VERSION 4
 /* Built as one translation unit, or (metaloom/models/kernels/cbuild.py) as QUANT_PARTS units
  * compiled in parallel and linked, METALOOM_PART = 0 .. QUANT_PARTS - 1 each defining a share of
  * the exported functions: the compiler discards the static functions a unit does not reach before
@@ -1191,17 +1191,20 @@ int quant_panel_types(void) {
 #endif
 
 /* blocks [out, in / 32 * BB] -> panels (back = 0) or panels -> blocks (back = 1), the same
- * size. Returns 0; -1 not a panel type, `in` not a multiple of 32 or `out` of 16. */
+ * size. Q8_0 has panels of its own, for q8 activations only (quant_q8_0.h). Returns 0; -1 not a
+ * panel type, `in` not a multiple of 32 or `out` of 16. */
+static void q8_0_panel_part(uint8_t *blocks, int64_t nb, uint8_t *panels, int back, int64_t lo, int64_t hi);
 #if ML_PART(1)
 int quant_panel(int t, uint8_t *blocks, int64_t out, int64_t in, uint8_t *panels, int back, int64_t threads) {
     (void)threads;
-    if (!panel_type(t) || in % block_elems(t) || out % 16 || out <= 0) return -1;
+    if (!(panel_type(t) || t == Q8_0) || in % block_elems(t) || out % 16 || out <= 0) return -1;
     int64_t np = out / 16, nb = in / block_elems(t);
 #pragma omp parallel num_threads(threads) if (threads > 1 && np > 1)
     {
         int64_t lo, hi;
         thread_share(np, 1, &lo, &hi);
-        if (lo < hi) panel_part(t, blocks, nb, panels, back, lo, hi);
+        if (lo < hi && t == Q8_0) q8_0_panel_part(blocks, nb, panels, back, lo, hi);
+        else if (lo < hi) panel_part(t, blocks, nb, panels, back, lo, hi);
     }
     return 0;
 }

@@ -92,12 +92,33 @@ _panel_sources = panels.panel_sources
 def unpanel_numpy(qtype: int, panelled: torch.Tensor, in_features: int) -> torch.Tensor:
     """GGUF blocks [out, row_bytes] from quant.c's panel layout (see `QuantWeight.panelled`), by
     numpy bit moves: what the C kernels' ``quant_panel(back=1)`` gives, for when they are gone."""
+    if QTYPES[qtype].name == "Q8_0":  # quant_q8_0.h's panels: per block 16 scales, then 8 groups x 16 outputs x 4
+        out, nb = panelled.shape[0], in_features // 32
+        p = panelled.reshape(out // PANEL, nb, 544)
+        scales = p[:, :, :32].reshape(out // PANEL, nb, PANEL, 2)
+        quants = p[:, :, 32:].reshape(out // PANEL, nb, 8, PANEL, 4).permute(0, 1, 3, 2, 4).reshape(out // PANEL, nb,
+                                                                                                   PANEL, 32)
+        return torch.cat([scales, quants], dim=-1).permute(0, 2, 1, 3).reshape(out, nb * 34).contiguous()
     return panels.unpanel_numpy(qtype, panelled, in_features, QTYPES[qtype].block)
+
+
+def q8_0_panel_rows(panelled: torch.Tensor, in_features: int, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` [n] (int64, in range) of a Q8_0 weight in quant_q8_0.h's panels, dequantised
+    [n, in]: each element scale x quant, exact in float32 as `dequantize`'s, read out of the
+    rows' panels alone (per block 16 float16 scales, then 8 groups x 16 outputs x 4 quants)."""
+    nb = in_features // 32
+    lane = (ids % PANEL).tolist()
+    picked = panelled.view(-1, nb, 544)[ids // PANEL]  # [n, nb, 544]: the rows' panels
+    at = torch.arange(len(lane))
+    scales = picked[:, :, :32].reshape(-1, nb, PANEL, 2)[at, :, lane].contiguous().view(torch.float16).float()
+    quants = picked[:, :, 32:].reshape(-1, nb, 8, PANEL, 4)[at, :, :, lane].contiguous().view(torch.int8)
+    return (quants.reshape(-1, nb, 32).float() * scales).reshape(-1, in_features).to(dtype)
 
 
 # ---- q8 activations (quant_q8.h) --------------------------------------------------------------------
 
 ACTIVATIONS = ("float", "q8")
+Q8_0 = next(t for t in QTYPES if QTYPES[t].name == "Q8_0")
 Q8_TYPES = frozenset(t for t in QTYPES if QTYPES[t].block > 1)  # every quantised type (not F16, BF16)
 
 
@@ -126,9 +147,11 @@ class QuantWeight:
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise InvalidParameter("layout", self.layout, f"one of {list(LAYOUTS)}")
-        if self.layout == "panel" and (self.qtype not in PANEL_TYPES or self.blocks.shape[0] % PANEL):
+        q8_panel = self.qtype == Q8_0 and self.activations == "q8"  # quant_q8_0.h's own panels
+        if self.layout == "panel" and (not (self.qtype in PANEL_TYPES or q8_panel) or self.blocks.shape[0] % PANEL):
             names = ", ".join(QTYPES[t].name for t in sorted(PANEL_TYPES))
-            raise InvalidParameter("layout", self.layout, f"panels hold {names} weights of a multiple of {PANEL} outputs")
+            raise InvalidParameter("layout", self.layout, f"panels hold {names} weights (and Q8_0 under q8 "
+                                   f"activations) of a multiple of {PANEL} outputs")
         if not isinstance(self.qtype, int):
             raise InvalidParameter("qtype", self.qtype, "a ggml type id (an int; qtype_id converts a name)")
         q = QTYPES[qtype_id(self.qtype)]  # an unknown id is an UnsupportedModel naming the known ones
@@ -175,17 +198,24 @@ class QuantWeight:
         return f"QuantWeight({self.info.name}, shape={self.shape}{', panels' if self.layout == 'panel' else ''}{q8})"
 
     def with_activations(self, activations: str) -> QuantWeight:
-        """This weight multiplying float (``"float"``) or int8-quantised (``"q8"``) activations."""
-        return self if activations == self.activations else replace(self, activations=activations)
+        """This weight multiplying float (``"float"``) or int8-quantised (``"q8"``) activations
+        (Q8_0 in panels, which only q8 multiplies, goes back to GGUF's layout for float)."""
+        if activations == self.activations:
+            return self
+        if activations == "float" and self.layout == "panel" and self.qtype == Q8_0:
+            return replace(self.gguf(), activations=activations)
+        return replace(self, activations=activations)
 
     def panelled(self) -> QuantWeight:
         """This weight in the panel layout where this machine's kernels have it (every quantised
-        type but Q8_0, out a multiple of 16, the kernels built), else itself. Why: in GGUF's layout a block's
+        type but Q8_0, out a multiple of 16, the kernels built; Q8_0 under q8 activations only, in
+        panels of its own: quant_q8_0.h), else itself. Why: in GGUF's layout a block's
         quants lie along the input, and widening them into vector lanes costs more than reading
         them (see quant.c); with 16 outputs in the 16 lanes a 4-bit matvec runs about twice as
         fast per core. A regrouping of the same bytes: nothing is requantised."""
         k = self._kernels()
-        if (self.layout == "panel" or k is None or not (k.panel_types >> self.qtype) & 1
+        types = 0 if k is None else k.panel_types | ((1 << Q8_0) if self.activations == "q8" else 0)
+        if (self.layout == "panel" or k is None or not (types >> self.qtype) & 1
                 or self.out_features % PANEL or self.in_features % 32):
             return self
         panels = torch.empty_like(self.blocks)
@@ -287,6 +317,14 @@ class QuantWeight:
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.out_features):
             bad = flat[(flat < 0) | (flat >= self.out_features)][0].item()
             raise InvalidParameter("ids", bad, f"row indices in [0, {self.out_features})")
+        if self.layout != "gguf" and self.qtype == Q8_0:  # a tied head's panels (quant_q8_0.h) serve as the table
+            k = self._kernels()
+            if k is None:
+                y = q8_0_panel_rows(self.blocks, self.in_features, flat, dtype)
+            else:
+                y = torch.empty(flat.numel(), self.in_features, dtype=dtype if dtype in _FLOATS else torch.float32)
+                k.q8_0_panel_rows(self.blocks, self.in_features, flat, y)
+            return y.to(dtype).reshape(*ids.shape, self.in_features)
         if self.layout != "gguf":
             return self.gguf().rows(ids, dtype)
         k = self._kernels()

@@ -14,7 +14,7 @@ import torch
 from metaloom.models.kernels import cbuild
 
 SOURCE = Path(__file__).with_name("quant.c")
-ABI_VERSION = 3  # must match quant.c
+ABI_VERSION = 4  # must match quant.c
 _P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
@@ -83,6 +83,12 @@ class QuantKernels:
                                        y.dtype == torch.bfloat16, threads)
         check_rc(rc, "quant_dequantize")
 
+    def q8_0_panel_rows(self, panels: torch.Tensor, in_features: int, ids: torch.Tensor, y: torch.Tensor) -> None:
+        """y [n, in] = rows ``ids`` [n] int64 of a Q8_0 weight in quant_q8_0.h's panels, float32 or bfloat16."""
+        check_rc(self.lib.quant_q8_0_panel_rows(panels.data_ptr(), panels.shape[0], in_features, ids.data_ptr(),
+                                                ids.shape[0], y.data_ptr(), y.dtype == torch.bfloat16),
+                 "quant_q8_0_panel_rows")
+
     def quantize(self, qtype: int, x: torch.Tensor, out: torch.Tensor, threads: int = 1) -> None:
         """out [rows, row_bytes] uint8 = x [rows, in] (float32 or bfloat16) as Q4_0, Q4_1 or Q8_0."""
         rc = self.lib.quant_quantize(qtype, x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], x.shape[1],
@@ -121,6 +127,8 @@ def _bind(lib: ctypes.CDLL, path: Path, isa: str = "") -> QuantKernels:
         fn.argtypes = [_C, _P, _I, _I, _P, _C, _P, _C, _I, _I]
         fn.restype = ctypes.c_int
     lib.quant_q8_types.restype = ctypes.c_int
+    lib.quant_q8_0_panel_rows.argtypes = [_P, _I, _I, _P, _I, _P, _C]
+    lib.quant_q8_0_panel_rows.restype = ctypes.c_int
     lib.quant_q8_inputs.argtypes = [_P, _C, _I, _I, _P, _P, _P]
     lib.quant_q8_inputs.restype = ctypes.c_int
     return QuantKernels(lib, str(path), bool(lib.metaloom_quant_openmp()), int(lib.quant_panel_types()), isa,

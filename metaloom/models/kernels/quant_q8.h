@@ -522,12 +522,15 @@ typedef void (*q8p_fn)(const uint8_t *, int64_t, const q8rows *, int64_t, int64_
 #define Q8P_CASE(TY) case TY: return q8p_##TY;
 static q8p_fn q8p_of(int t) { switch (t) { PANEL_TYPES(Q8P_CASE) default: return NULL; } }
 
+#include "quant_q8_0.h" /* Q8_0 in panels of its own: the output heads */
+
 /* y [rows, out] = x W^T for W in the panel layout, x quantised to int8 per 32 inputs (the
  * module's note). Returns 0; -1 a type without panels, `in` not a multiple of its block or `out`
  * of 16; -2 out of memory. */
 #if ML_PART(2)
 int quant_panel_matmul_q8(int t, const uint8_t *pw, int64_t out, int64_t in, const void *x, int xbf, void *y,
                           int ybf, int64_t rows, int64_t threads) {
+    if (t == Q8_0) return q8_0_panel_matmul(pw, out, in, x, xbf, y, ybf, rows, threads);
     q8p_fn fn = q8p_of(t);
     (void)threads; /* without OpenMP */
     if (!fn || in % block_elems(t) || out % 16 || out <= 0) return -1;
