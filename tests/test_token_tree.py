@@ -358,3 +358,24 @@ def test_draft_model_trees_give_plain_greedys_tokens_and_accept_drafts(tree):
     usage = ledger.usage
     assert usage.accepted_tokens / usage.verify_steps > 1.0  # more than one draft token kept a step
     assert usage.drafted_tokens > usage.verify_steps * 2  # trees, not single tokens
+
+
+def test_recycling_learns_each_read_tokens_candidates_from_that_tokens_row_of_logits():
+    """After a verify, M[x] holds the top-k of the logits row that followed each token x a row
+    read: its pending token, then its drafted tokens up to its draft's length (not the padding)."""
+    from metaloom.speculative.drafter import Draft, Verified
+    from metaloom.speculative.drafters.recycling import CANDIDATES, RecyclingDrafter, RecyclingState
+
+    vocab = 20
+    drafter = RecyclingDrafter()
+    drafter.table = torch.full((vocab, CANDIDATES), -1, dtype=torch.long)
+    logits = torch.randn(2, 3, vocab, generator=torch.Generator().manual_seed(0))
+    draft = Draft(torch.tensor([[7, 8], [9, 0]]), torch.tensor([2, 1]))  # row 1 drafted one token; 0 pads it
+    RecyclingState(drafter).observe(Verified(draft=draft, logits=logits, accepted=torch.tensor([1, 0]),
+                                             tokens=torch.tensor([[7, 3, 0], [2, 0, 0]]), hidden=None,
+                                             pending=torch.tensor([4, 5])))
+    top = logits.topk(CANDIDATES, dim=-1).indices
+    for token, (b, i) in {4: (0, 0), 7: (0, 1), 8: (0, 2), 5: (1, 0), 9: (1, 1)}.items():
+        assert drafter.table[token].tolist() == top[b, i].tolist(), token
+    learned = {t for t in range(vocab) if drafter.table[t, 0] >= 0}
+    assert learned == {4, 7, 8, 5, 9}  # the padding token read nothing

@@ -102,26 +102,19 @@ class RecyclingState:
         return Draft.from_trees(trees)
 
     def observe(self, verified: Verified) -> None:
-        draft = verified.draft
-        read = verified.logits.shape[1]
-        rows = verified.logits.shape[0]
-        if read == 1 and verified.pending is not None:  # a plain step (nothing drafted): each row read its pending token
-            self.drafter.learn(verified.pending, verified.logits[:, 0])
+        # the pending token each row read first (the token emitted before this step's block)
+        if verified.pending is None:
             return
-        block = torch.zeros(rows, read, dtype=torch.long)
-        block[:, 1:] = draft.tokens[:, :read - 1].cpu()
-        # the pending token each row read first: the token emitted before this step's block
-        pending = verified.pending.cpu() if verified.pending is not None else None
-        if pending is None:
+        logits = verified.logits
+        if logits.shape[1] == 1:  # a plain step (nothing drafted): each row read its pending token
+            self.drafter.learn(verified.pending, logits[:, 0])
             return
-        block[:, 0] = pending
-        lengths = draft.lengths.cpu()
-        tokens, logits = [], []
-        for b in range(rows):
-            n = int(lengths[b]) + 1
-            tokens.append(block[b, :n])
-            logits.append(verified.logits[b, :n])
-        self.drafter.learn(torch.cat(tokens), torch.cat(logits))
+        # each row's tokens as lists and its logits as a slice of the verify's own tensor: no
+        # copy of the logits (a row of Qwen's is 600 KB), as little tensor work as a step allows
+        pending = verified.pending.tolist()
+        drafted = verified.draft.tokens.tolist()
+        for b, n in enumerate(verified.draft.lengths.tolist()):
+            self.drafter.learn(torch.tensor([pending[b], *drafted[b][:n]]), logits[b, :n + 1])
 
     def select(self, rows: Sequence[int]) -> DraftState:
         return self
