@@ -379,3 +379,23 @@ def test_recycling_learns_each_read_tokens_candidates_from_that_tokens_row_of_lo
         assert drafter.table[token].tolist() == top[b, i].tolist(), token
     learned = {t for t in range(vocab) if drafter.table[t, 0] >= 0}
     assert learned == {4, 7, 8, 5, 9}  # the padding token read nothing
+
+
+def test_a_fresh_recycling_matrix_proposes_nothing_without_growing_a_tree(monkeypatch):
+    """Roots without candidates: the shared empty draft, no tree grown (its drafting is charged
+    to the cost model's budget every step); a root with candidates grows its tree."""
+    from metaloom.speculative.drafters.recycling import CANDIDATES, RecyclingDrafter, RecyclingState
+
+    drafter = RecyclingDrafter()
+    drafter.table = torch.full((20, CANDIDATES), -1, dtype=torch.long)
+    state = RecyclingState(drafter)
+    grown = []
+    real_grow = drafter.grow
+    monkeypatch.setattr(drafter, "grow", lambda root, budget: grown.append(root) or real_grow(root, budget))
+    first = state.propose([[1, 2], [3]], [4, 4], None)
+    assert first.lengths.tolist() == [0, 0] and state.propose([[5], [6]], [4, 4], None) is first and grown == []
+    drafter.table[3, :2] = torch.tensor([7, 8])
+    draft = state.propose([[1, 2], [3]], [4, 0], None)  # row 1 may not draft: its root is not grown
+    assert draft.lengths.tolist() == [0, 0] and grown == []
+    draft = state.propose([[1, 2], [3]], [4, 4], None)
+    assert draft.lengths.tolist() == [0, 2] and draft.tokens[1].tolist() == [7, 8] and grown == [2, 3]

@@ -69,12 +69,12 @@ class Draft:
     @classmethod
     def from_trees(cls, trees: Sequence[DraftTree], device: torch.device | str = "cpu") -> Draft:
         """A tree draft from per-row trees."""
+        # padded on the host as lists, then one tensor each: a drafter proposes every step, and
+        # per-row tensor writes cost a small model's step a percent
         k = max((len(t) for t in trees), default=0)
-        tokens = torch.zeros(len(trees), k, dtype=torch.long)
-        parents = torch.full((len(trees), k), -1, dtype=torch.long)
-        for b, t in enumerate(trees):
-            tokens[b, :len(t)] = torch.as_tensor(t.tokens, dtype=torch.long)
-            parents[b, :len(t)] = torch.as_tensor(t.parents, dtype=torch.long)
+        tokens = torch.tensor([[*t.tokens, *[0] * (k - len(t))] for t in trees], dtype=torch.long).reshape(len(trees), k)
+        parents = torch.tensor([[*t.parents, *[-1] * (k - len(t))] for t in trees],
+                               dtype=torch.long).reshape(len(trees), k)
         lengths = torch.tensor([len(t) for t in trees], dtype=torch.long)
         return cls(tokens.to(device), lengths.to(device), parents=parents.to(device))
 

@@ -95,10 +95,21 @@ class RecyclingState:
 
     def __init__(self, drafter: RecyclingDrafter) -> None:
         self.drafter = drafter
+        self.empty: Draft | None = None  # the draft of a step no root has candidates for (frozen: shared)
 
     def propose(self, contexts: Sequence[Sequence[int]], limits: Sequence[int], ledger: Ledgers) -> Draft:
-        trees = [self.drafter.grow(int(ctx[-1]), limit) if limit > 0 and ctx else DraftTree((), ())
-                 for ctx, limit in zip(contexts, limits, strict=True)]
+        table = self.drafter.table
+        assert table is not None
+        roots = [int(ctx[-1]) if limit > 0 and ctx else -1 for ctx, limit in zip(contexts, limits, strict=True)]
+        if all(r < 0 or int(table[r, 0]) < 0 for r in roots):
+            # a fresh matrix knows no candidates yet: nothing to grow, and the drafting time that
+            # the cost model charges stays a few microseconds (a tree of nothing built every step
+            # cost a fresh drafter a tenth of SmolLM2's step, enough to spend its budget)
+            if self.empty is None or self.empty.lengths.shape[0] != len(roots):
+                self.empty = Draft.from_trees([DraftTree((), ())] * len(roots))
+            return self.empty
+        trees = [self.drafter.grow(r, limit) if r >= 0 else DraftTree((), ())
+                 for r, limit in zip(roots, limits, strict=True)]
         return Draft.from_trees(trees)
 
     def observe(self, verified: Verified) -> None:
