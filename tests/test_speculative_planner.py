@@ -580,16 +580,24 @@ def test_a_draft_models_catch_up_is_the_context_it_has_not_fed_at_its_measured_r
     assert state.catch_up([[1, 2, 3, 4, 5, 6, 7]]) == pytest.approx(rate)  # fed the prompt and the first draft
 
 
-def test_the_planner_measures_a_draft_models_feed_rate_when_it_starts():
+def test_the_planner_measures_a_draft_models_feed_rate_before_any_request_pays_for_it():
+    """Given a measured verify cost, the planner measures the draft model's feed rate when it is
+    built (no request's steps pay for it); without one, both when it first starts."""
     from metaloom.sampling.pipeline import make_sampler
     from metaloom.speculative.drafters.draft_model import DraftModelDrafter
 
     target = tiny_llama().model
+    sampler = make_sampler([SamplingParams(temperature=0, max_tokens=8)], target.vocab_size, target.device)
     drafter = DraftModelDrafter(tiny_llama(seed=1).model)
     planned = PlannedDrafter([(drafter, 4)], cost=FLAT)
-    sampler = make_sampler([SamplingParams(temperature=0, max_tokens=8)], target.vocab_size, target.device)
+    assert drafter.feed  # at construction
     state = planned.start(target, sampler, [[1, 2, 3]], [0])
-    assert drafter.feed and state.states[0].catch_up([[1, 2, 3]]) == pytest.approx(3 * drafter.feed[0])
+    assert state.states[0].catch_up([[1, 2, 3]]) == pytest.approx(3 * drafter.feed[0])
+    lazy = DraftModelDrafter(tiny_llama(seed=1).model)
+    planned = PlannedDrafter([(lazy, 4)])
+    assert not lazy.feed
+    planned.start(target, sampler, [[1, 2, 3]], [0])
+    assert lazy.feed and planned.cost is not None
 
 
 def test_a_drafter_is_not_asked_when_the_room_cannot_hold_one_verified_node():

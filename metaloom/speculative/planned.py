@@ -66,6 +66,15 @@ class PlannedDrafter:
         self._name = name or (self.drafters[0].name if len(self.drafters) == 1 else "auto")
         self.lock = threading.Lock()
         self.reset()
+        if cost is not None:  # measured up front: the feed rates too, so that no request pays for them
+            self.measure_feeds()
+
+    def measure_feeds(self) -> None:
+        """What feeding each drafter's own model costs (a catch-up is priced at it), measured once."""
+        for d in self.drafters:
+            measure = getattr(d, "measure_feed", None)
+            if measure is not None:
+                measure()
 
     def reset(self) -> None:
         """Forget what was learned (acceptance, drafting and step times, choices); the measured
@@ -98,10 +107,7 @@ class PlannedDrafter:
                 self.cost = measure_verify_cost(target, most=self.num_draft + 1)
             if self.step == 0:  # nothing learned yet: the step's usual time, not its best
                 self.scale = self.cost.typical
-        for d in self.drafters:  # what feeding a drafter's model costs, measured once (a catch-up is priced)
-            measure = getattr(d, "measure_feed", None)
-            if measure is not None:
-                measure()
+        self.measure_feeds()  # where it was not measured at construction (each drafter keeps its own)
         states = [d.start(target, sampler, contexts, keys) for d in self.drafters]
         return PlannedState(self, states, [COLD] * len(contexts))
 
