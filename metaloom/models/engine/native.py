@@ -113,7 +113,7 @@ def with_activations(model: LanguageModel, activations: str) -> LanguageModel:
     """``model`` (a native `LlamaModel` on native weights) with every linear weight of its layers
     multiplying ``activations`` ("float": as it is; "q8": int8 per 32 inputs, integer products).
     A quantised output head takes q8 too (as llama.cpp's does), a Q8_0 one in panels of its own
-    (quant_q8_0.h: at 16 rows 2.7x faster than its float products on an AVX-512 VNNI CPU); a
+    (quant_q8_0.h: at 16 rows 2.4x faster than its float products on an AVX-512 VNNI CPU); a
     float head stays float. A tied embedding looks its rows up in the same panels. A layer weight
     that is not quantised blocks (dense float, F16, BF16) is an `InvalidParameter` naming it: q8
     multiplies quants."""

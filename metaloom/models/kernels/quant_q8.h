@@ -28,6 +28,7 @@
  *     `q8_row` (a group's even elements, then its odd ones);
  *   quant_matmul_q8: GGUF's layout; each output's block is unpacked to int8 (`unpack_q8`, Q8_0
  *     read in place) and multiplied 32 inputs at a time, 8 lanes of 4 products each.
+ * (quant_panel_matmul_q8 takes Q8_0 too, in panels of its own: quant_q8_0.h.)
  * F16 and BF16 weights have none (-1): q8 is for quantised weights. */
 
 #if defined(__AVX512VNNI__) || defined(METALOOM_EMULATE_VNNI)
