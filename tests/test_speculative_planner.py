@@ -17,6 +17,7 @@ from metaloom.speculative.cost import VerifyCost, measure_verify_cost, monotone
 from metaloom.speculative.drafter import Verified
 from metaloom.speculative.drafters.ngram import NgramDrafter
 from metaloom.speculative.planned import Outcome, PlannedDrafter, as_chain, kept_paths
+from metaloom.speculative.planned_state import Choice
 from metaloom.speculative.planner import (
     COLD,
     PROBE_EVERY,
@@ -620,3 +621,20 @@ def test_a_learner_is_idle_while_the_room_cannot_hold_one_node_for_long():
     assert planned.idle(0)  # about 25 plain steps to earn it, at 1% of each
     planned.budget.lost = 0.1  # room 0.5: a node fits
     assert not planned.idle(0)
+
+
+def test_a_lone_learner_the_budget_holds_stops_learning_until_a_node_comes_near():
+    """Token Recycling alone: once the budget cannot hold one verified node for longer than
+    `PROBE_EVERY` steps, its observations (charged every step) stop, so that the budget can earn
+    the node back; with the node in reach again it learns from every step."""
+    learner = Counting(True, "a", learns_only=True)
+    planned = PlannedDrafter([(learner, 8)], cost=STEEP)
+    state = planned.start(None, None, [[1, 2, 3]], [0])
+    planned.budget.lost = 1000.0  # held for thousands of steps
+    _plain_steps(state, 10)
+    assert learner.proposals == 0 and learner.observed == 0
+    planned.budget.lost = -1.0  # room for a node again
+    learner.observed = 0
+    planned.plan = lambda hot, limits, catch_up=None: Choice(0, 0, False, False, 0.0)  # a plain step all the same
+    _plain_steps(state, 4)
+    assert learner.observed == 4

@@ -127,7 +127,10 @@ class PlannedState:
         proposer = -1
         if self.pending is not None:
             choice, allowed, proposed, keep, drafting, after, levels = self.pending
-            proposer = choice.candidate
+            # the drafter whose nodes were verified; none on a step that verified nothing, so that
+            # a lone learner the budget holds idles too (its table updates, charged every step,
+            # had kept the budget from ever earning back a node: Token Recycling on SmolLM2)
+            proposer = choice.candidate if any(keep) else -1
             kept = [k if n else [] for k, n in zip(kept_paths(verified), keep, strict=True)] if any(keep) \
                 else [[] for _ in keep]
             rows = sum(1 for n in allowed if n > 0) or len(keep)
