@@ -232,25 +232,22 @@ def test_a_q8_models_tree_verify_gives_each_node_a_one_token_steps_bits():
     assert (a - b).abs().max() < 0.05 * b.abs().max()
 
 
+@needs
 def test_a_tied_q8_0_head_takes_q8_in_its_panels_which_also_serve_the_embedding(monkeypatch):
     """Under q8 a Q8_0 head multiplies int8 inputs in quant_q8_0.h's panels; a tied embedding
     looks its rows up in the same panels (one table held, not two), exactly as from the file's blocks."""
     from metaloom.models.engine.config import LlamaConfig
     from metaloom.models.engine.llama import LlamaModel
     from metaloom.models.engine.native import with_activations
-    from metaloom.models.kernels import fused
     from metaloom.testing.tiny import random_weights
 
-    k = fused.kernels().kernels
-    if k is None:
-        pytest.skip("no kernels here")
     cfg = LlamaConfig.from_hf({"model_type": "llama", "vocab_size": 112, "hidden_size": 128, "intermediate_size": 256,
                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                                "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": True})
     sd = random_weights(cfg, seed=1)
     blocks = {n: quant.quantize(w, "Q8_0" if "embed" in n else "Q4_1") for n, w in sd.items()
               if n.endswith("proj.weight") or "embed_tokens" in n}
-    model = LlamaModel.from_state_dict(cfg, sd, dtype=torch.float32, blocks=blocks).with_fused(k)
+    model = LlamaModel.from_state_dict(cfg, sd, dtype=torch.float32, blocks=blocks)
     assert model.lm_head is model.embed and model.lm_head.layout == "gguf"
     q8 = with_activations(model, "q8")
     assert q8.lm_head.layout == "panel" and q8.lm_head.activations == "q8" and q8.embed is q8.lm_head

@@ -399,3 +399,21 @@ def test_a_fresh_recycling_matrix_proposes_nothing_without_growing_a_tree(monkey
     assert draft.lengths.tolist() == [0, 0] and grown == []
     draft = state.propose([[1, 2], [3]], [4, 4], None)
     assert draft.lengths.tolist() == [0, 2] and draft.tokens[1].tolist() == [7, 8] and grown == [2, 3]
+
+
+def test_a_tree_verify_needs_a_model_whose_forward_takes_the_tree_mask():
+    from metaloom.errors import UnsupportedModel
+    from metaloom.ledger import Ledger
+    from metaloom.models.forward import charged_forward_both, takes_trees
+
+    native = tiny_llama().model
+    assert takes_trees(native)
+
+    class NoTrees:  # a model whose forward has no ``tree``
+        def forward(self, tokens, cache, valid=None, last_only=False):
+            raise AssertionError("not reached")
+
+    assert not takes_trees(NoTrees())
+    with pytest.raises(UnsupportedModel, match="takes no token trees"):
+        charged_forward_both(NoTrees(), torch.zeros(1, 2, dtype=torch.long), None, Ledger(),
+                             tree=torch.ones(1, 2, 2, dtype=torch.bool))

@@ -15,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Hashable, Sequence
+from typing import Any, cast
 
 import torch
 
@@ -91,11 +91,16 @@ def charged_forward(model: LanguageModel, tokens: torch.Tensor, cache: KVCache, 
     return logits
 
 
+def takes_trees(model: Any) -> bool:
+    """Whether ``model``'s ``forward`` takes a token-tree mask (``tree``)."""
+    return _class_takes_trees(cast(Hashable, type(model)))  # a class is hashable; mypy reads type[Any] as not
+
+
 @functools.cache
-def takes_trees(model_type: type) -> bool:
-    """Whether a model class's ``forward`` takes a token-tree mask (``tree``): read once per class,
-    not every verify step (`inspect.signature` costs tens of microseconds)."""
-    return "tree" in inspect.signature(model_type.forward).parameters  # type: ignore[attr-defined]  # checked by the caller
+def _class_takes_trees(model_type: Hashable) -> bool:
+    """Read once per class, not every verify step (`inspect.signature` costs tens of microseconds)."""
+    forward = getattr(model_type, "forward", None)
+    return forward is not None and "tree" in inspect.signature(forward).parameters
 
 
 def charged_forward_both(model: LanguageModel, tokens: torch.Tensor, cache: KVCache, ledger: Ledgers, *,
@@ -115,8 +120,7 @@ def charged_forward_both(model: LanguageModel, tokens: torch.Tensor, cache: KVCa
         if getattr(model, "forward_both", None) is not None:
             raise UnsupportedModel(f"token trees verify through one native model, not {type(model).__name__} "
                                    "(two streams)")
-        if not (takes_trees(type(model)) if hasattr(type(model), "forward") else
-                "tree" in inspect.signature(model.forward).parameters):
+        if not takes_trees(model):
             raise UnsupportedModel(f"{type(model).__name__} takes no token trees (the native engine does)")
         tree_states = None
         if hidden:  # speculator heads drafting trees read the hidden state at the accepted path's end

@@ -102,19 +102,6 @@ def unpanel_numpy(qtype: int, panelled: torch.Tensor, in_features: int) -> torch
     return panels.unpanel_numpy(qtype, panelled, in_features, QTYPES[qtype].block)
 
 
-def q8_0_panel_rows(panelled: torch.Tensor, in_features: int, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``ids`` [n] (int64, in range) of a Q8_0 weight in quant_q8_0.h's panels, dequantised
-    [n, in]: each element scale x quant, exact in float32 as `dequantize`'s, read out of the
-    rows' panels alone (per block 16 float16 scales, then 8 groups x 16 outputs x 4 quants)."""
-    nb = in_features // 32
-    lane = (ids % PANEL).tolist()
-    picked = panelled.view(-1, nb, 544)[ids // PANEL]  # [n, nb, 544]: the rows' panels
-    at = torch.arange(len(lane))
-    scales = picked[:, :, :32].reshape(-1, nb, PANEL, 2)[at, :, lane].contiguous().view(torch.float16).float()
-    quants = picked[:, :, 32:].reshape(-1, nb, 8, PANEL, 4)[at, :, :, lane].contiguous().view(torch.int8)
-    return (quants.reshape(-1, nb, 32).float() * scales).reshape(-1, in_features).to(dtype)
-
-
 # ---- q8 activations (quant_q8.h) --------------------------------------------------------------------
 
 ACTIVATIONS = ("float", "q8")
@@ -317,17 +304,13 @@ class QuantWeight:
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.out_features):
             bad = flat[(flat < 0) | (flat >= self.out_features)][0].item()
             raise InvalidParameter("ids", bad, f"row indices in [0, {self.out_features})")
-        if self.layout != "gguf" and self.qtype == Q8_0:  # a tied head's panels (quant_q8_0.h) serve as the table
-            k = self._kernels()
-            if k is None:
-                y = q8_0_panel_rows(self.blocks, self.in_features, flat, dtype)
-            else:
-                y = torch.empty(flat.numel(), self.in_features, dtype=dtype if dtype in _FLOATS else torch.float32)
-                k.q8_0_panel_rows(self.blocks, self.in_features, flat, y)
-            return y.to(dtype).reshape(*ids.shape, self.in_features)
-        if self.layout != "gguf":
-            return self.gguf().rows(ids, dtype)
         k = self._kernels()
+        if self.layout != "gguf" and self.qtype == Q8_0 and k is not None:  # a tied head's panels serve as the table
+            y = torch.empty(flat.numel(), self.in_features, dtype=dtype if dtype in _FLOATS else torch.float32)
+            k.q8_0_panel_rows(self.blocks, self.in_features, flat, y)
+            return y.to(dtype).reshape(*ids.shape, self.in_features)
+        if self.layout != "gguf":  # without the kernels a Q8_0 panel weight too (unpanel_numpy reads it)
+            return self.gguf().rows(ids, dtype)
         if k is None:
             y = dequantize_torch(self.qtype, self.blocks[flat], self.in_features).to(dtype)
         else:

@@ -19,7 +19,6 @@ target's acceptance (`metaloom.speculative.tree`) is exact for sampled rows too.
 from __future__ import annotations
 
 import heapq
-import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from metaloom.errors import InvalidParameter, UnsupportedModel
-from metaloom.models.forward import Ledgers, charged_forward, charged_forward_both
+from metaloom.models.forward import Ledgers, charged_forward, charged_forward_both, takes_trees
 from metaloom.models.protocols import LanguageModel
 from metaloom.sampling.pipeline import Sampler
 from metaloom.speculative.drafter import Draft, DraftState
@@ -47,7 +46,7 @@ class DraftTreeDrafter:
 
     def start(self, target: LanguageModel, sampler: Sampler, contexts: Sequence[Sequence[int]],
               keys: Sequence[int]) -> DraftState:
-        if "tree" not in inspect.signature(self.model.forward).parameters:
+        if not takes_trees(self.model):
             raise UnsupportedModel(f"{type(self.model).__name__} takes no token trees (a native draft model does)")
         base = DraftModelDrafter(self.model, self.name).start(target, sampler, contexts, keys)
         return DraftTreeState(base, self.shape)
