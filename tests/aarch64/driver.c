@@ -27,6 +27,11 @@ int quant_panel(int t, uint8_t *blocks, int64_t out, int64_t in, uint8_t *panels
 int quant_panel_matmul(int t, const uint8_t *pw, int64_t out, int64_t in, const void *x, int xbf, void *y, int ybf,
                        int64_t rows, int64_t threads);
 int quant_panel_types(void);
+int quant_panel_matmul_q8(int t, const uint8_t *pw, int64_t out, int64_t in, const void *x, int xbf, void *y,
+                          int ybf, int64_t rows, int64_t threads);
+int quant_q8_inputs(const void *x, int xbf, int64_t rows, int64_t in, int8_t *q, float *d, int32_t *s);
+int quant_q8_0_panel_rows(const uint8_t *pw, int64_t out, int64_t in, const int64_t *ids, int64_t n, void *y,
+                          int ybf);
 void residual_rms_norm(void *x, const void *delta, const void *w, void *y, int64_t rows, int64_t d, float eps,
                        int bf16);
 void silu_mul(const void *gu, void *y, int64_t rows, int64_t inter, int bf16);
@@ -109,6 +114,12 @@ int main(int argc, char **argv) {
         rc = quant_quantize((int)I(0), P(1), (int)I(2), I(3), I(4), P(5), I(6));
     else if (!strcmp(fn, "quant_panel"))
         rc = quant_panel((int)I(0), P(1), I(2), I(3), P(4), (int)I(5), I(6));
+    else if (!strcmp(fn, "quant_panel_matmul_q8"))
+        rc = quant_panel_matmul_q8((int)I(0), P(1), I(2), I(3), P(4), (int)I(5), P(6), (int)I(7), I(8), I(9));
+    else if (!strcmp(fn, "quant_q8_inputs"))
+        rc = quant_q8_inputs(P(0), (int)I(1), I(2), I(3), P(4), P(5), P(6));
+    else if (!strcmp(fn, "quant_q8_0_panel_rows"))
+        rc = quant_q8_0_panel_rows(P(0), I(1), I(2), P(3), I(4), P(5), (int)I(6));
     else if (!strcmp(fn, "quant_panel_types"))
         rc = quant_panel_types();
     else if (!strcmp(fn, "residual_rms_norm"))

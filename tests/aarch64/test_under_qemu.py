@@ -2,7 +2,7 @@
 generic one: plain ARMv8-A) by Debian's cross-compiler and run under qemu-aarch64 through a small
 driver (tests/aarch64/driver.c), against the same numpy/gguf references and bounds as the x86
 suites: every quantised type's matmul, dequantisation and quantisation, the panel regrouping and
-panel matmul, the fused decode kernels, float32 and bfloat16.
+panel matmul, Q8_0's q8 panels (quant_q8_0.h, `sdot`), the fused decode kernels, float32 and bfloat16.
 
 This checks exactness, not speed: qemu emulates. Run by ``make test-aarch64`` (and so by CI),
 not by ``make test``: it needs ``aarch64-linux-gnu-gcc`` (Debian's gcc-aarch64-linux-gnu) and
@@ -166,6 +166,41 @@ def test_panel_regrouping_and_panel_matmul(driver, qtype):
         assert rc == 0 and _panel_excess(y, x[:rows], qtype, blocks, factor=1) <= 1, rows
         first.append(y[0])
     assert torch.equal(first[0], first[1]) and torch.equal(first[0], first[2])  # a row's result: alone or in a batch
+
+
+
+def test_q8_0_panels_and_their_integer_products(driver):
+    """quant_q8_0.h on aarch64 (NEON `sdot`, and the portable path): the panels are x86's bytes,
+    the products are each block's exact int32 sum then one fma chain (as tests/test_quant_q8.py
+    holds the x86 paths to), a row's result is the same alone or in a batch, and a tied
+    embedding's rows read from the panels are the file's values."""
+    g = torch.Generator().manual_seed(26)
+    out, inputs, rows = 48, 160, 21
+    w = quant.quantize(torch.randn(out, inputs, generator=g), "Q8_0")
+    b = w.blocks.view(out, inputs // 32, 34)
+    b[:2, :, 2:] = torch.tensor([-128, 127], dtype=torch.int8).repeat(16).view(torch.uint8)  # both ends of int8
+    rc, (panels,) = driver.call("quant_panel", w.qtype, w.blocks, out, inputs, Out(tuple(w.blocks.shape), torch.uint8),
+                                0, 2)
+    assert rc == 0 and torch.equal(panels, w.with_activations("q8").panelled().blocks)
+    x = torch.randn(rows, inputs, generator=g) * torch.logspace(-3, 3, rows).unsqueeze(1)
+    rc, (q, d, _) = driver.call("quant_q8_inputs", x, 0, rows, inputs, Out((rows, inputs), torch.int8),
+                                Out((rows, inputs // 32), torch.float32), Out((rows, 3 * inputs // 32), torch.int32))
+    assert rc == 0
+    quants = b[:, :, 2:].contiguous().view(torch.int8).long()
+    scales = b[:, :, :2].contiguous().view(torch.float16).float()[..., 0]
+    isum = torch.einsum("obk,rbk->rbo", quants, q.long().view(rows, -1, 32))
+    acc = torch.zeros(rows, out)
+    for k in range(inputs // 32):  # fma(isum, d dx, acc); see tests/test_quant_q8.py on the float64 step
+        acc = (isum[:, k].double() * (scales[:, k][None, :] * d[:, k][:, None]).double() + acc.double()).float()
+    rc, (y,) = driver.call("quant_panel_matmul_q8", w.qtype, panels, out, inputs, x, 0, Out((rows, out), torch.float32),
+                           0, rows, 2)
+    assert rc == 0 and torch.equal(y, acc)
+    rc, (one,) = driver.call("quant_panel_matmul_q8", w.qtype, panels, out, inputs, x[5:6], 0,
+                             Out((1, out), torch.float32), 0, 1, 1)
+    assert rc == 0 and torch.equal(one[0], y[5])
+    ids = torch.tensor([0, 1, 17, 47])
+    rc, (table,) = driver.call("quant_q8_0_panel_rows", panels, out, inputs, ids, 4, Out((4, inputs), torch.float32), 0)
+    assert rc == 0 and torch.equal(table, w.rows(ids))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
