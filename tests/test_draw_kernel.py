@@ -113,3 +113,28 @@ def test_rows_topk_breaks_ties_by_index_and_skips_nan():
     assert K.topk(torch.full((1, 3), float("-inf")), 2).tolist() == [[0, 1]]  # -inf entries fill what is left
     with pytest.raises(InvalidParameter, match="k"):
         K.topk(x, 0)
+
+
+@pytest.mark.parametrize("shape", [(1, 49152), (9, 49152), (2, 5, 1000), (3, 1), (4, 65)])
+def test_row_max_is_torchs_max_with_ties_in_index_order(shape):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randint(-6, 7, shape, generator=g).float()  # a few values over many entries: the maximum is tied
+    x.view(-1, shape[-1])[0, -1] = 50.0  # one row's maximum alone in its last entry
+    x.view(-1, shape[-1])[-1].fill_(float("-inf"))  # a row of nothing but -inf: max's value -inf at index 0
+    values, index = draw.row_max(x)
+    best = x.max(dim=-1)
+    assert torch.equal(values, best.values) and torch.equal(index, best.indices)
+    assert index.dtype == torch.long and index.shape == shape[:-1]
+
+
+def test_row_max_marks_a_row_holding_nan_as_max_does():
+    x = torch.tensor([[1.0, float("nan"), 3.0, 2.0], [float("nan")] * 4, [0.5, 4.0, 4.0, -1.0]])
+    values, index = draw.row_max(x)
+    assert values[:2].isnan().all() and values[2] == 4.0  # every caller reads a NaN row as one nothing is drawn from
+    assert index[2] == 1 and ((index >= 0) & (index < 4)).all()  # NaN rows: some index in range
+
+
+def test_row_max_outside_the_kernel_is_torchs():
+    x = torch.randn(3, 4, 100, dtype=torch.bfloat16)
+    values, index = draw.row_max(x)
+    assert torch.equal(values, x.max(dim=-1).values) and torch.equal(index, x.max(dim=-1).indices)

@@ -122,10 +122,10 @@ def draw(sampler: Sampler, state: SamplingState, raw: torch.Tensor, scores: torc
     active = [c if not (skip and skip[b]) else None for b, c in enumerate(cursors)] if cursors is not None else None
     mask = masks(active, scores.shape[-1], scores.device, errors)
     lp = sampler.process(scores, state, mask=mask, generators=generators)
-    best = lp.max(dim=-1)
-    dead = ~(best.values > float("-inf"))  # NaN too
+    values, argmax = c_draw.row_max(lp)
+    dead = ~(values > float("-inf"))  # NaN too
     u = None if sampler.all_greedy else row_uniforms(keys, lp.device)
-    tokens = sampler.draw(lp, u, best.indices, c_draw.search)
+    tokens = sampler.draw(lp, u, argmax, c_draw.search)
     chosen = lp.gather(-1, tokens[:, None])[:, 0]
     # where the pipeline is plain log-softmax of the model's own logits, the two agree
     same = raw is scores and sampler.plain and mask is None
@@ -173,15 +173,15 @@ def verify(sampler: Sampler, state: SamplingState, scores: torch.Tensor, draft: 
     lengths = draft.lengths.clone()
     # a position that allows no token: draft no further than the position before it; at
     # position 0 the row cannot go on at all (one pass gives the argmax acceptance needs too)
-    best = lp.max(dim=-1)
-    empty = ~(best.values > float("-inf"))  # [B, K+1]
+    values, best = c_draw.row_max(lp)
+    empty = ~(values > float("-inf"))  # [B, K+1]
     for b, i in torch.nonzero(empty).tolist():
         if i == 0:
             first = position_masks[0] if position_masks is not None else None
             errors.setdefault(b, "no token can be drawn: " + _why_empty(first, b))
         elif i <= int(lengths[b]):
             lengths[b] = min(int(lengths[b]), i - 1)
-    argmax: torch.Tensor | None = best.indices
+    argmax: torch.Tensor | None = best
     if errors:
         lp = lp.clone()
         for b in errors:

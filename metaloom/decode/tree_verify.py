@@ -26,6 +26,7 @@ import torch
 
 from metaloom.constrain import Constraint
 from metaloom.decode.select import live_cursors
+from metaloom.models.kernels import draw as c_draw
 from metaloom.sampling.pipeline import Sampler
 from metaloom.sampling.state import SamplingState
 from metaloom.speculative.core import gather_states, plain_draws
@@ -108,8 +109,7 @@ def verify_tree(sampler: Sampler, state: SamplingState, scores: torch.Tensor, dr
     lp, states = tree_logprobs(sampler, scores, draft, state, generators, position_masks)
     b, t = lp.shape[:2]
     trees = draft.trees()
-    best = lp.max(dim=-1)
-    own = best.indices
+    values, own = c_draw.row_max(lp)
     if not sampler.all_greedy:
         if keys is None:
             raise ValueError("sampled rows need their random keys (keys)")
@@ -117,7 +117,7 @@ def verify_tree(sampler: Sampler, state: SamplingState, scores: torch.Tensor, dr
         for r, tree in enumerate(trees):
             depths[r, :len(tree) + 1] = block_depths(tree)
         own = torch.where(sampler.greedy.to(lp.device)[:, None], own, plain_draws(lp, keys, depths))
-    host = torch.stack([own.double(), (~(best.values > float("-inf"))).double()]).tolist()  # the step's one wait
+    host = torch.stack([own.double(), (~(values > float("-inf"))).double()]).tolist()  # the step's one wait
     tokens: list[list[int]] = []
     positions: list[list[int]] = []
     for r in range(b):

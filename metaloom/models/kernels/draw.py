@@ -95,3 +95,24 @@ def topk(x: torch.Tensor, k: int) -> torch.Tensor:
         if kern is not None:
             return kern.topk(x.contiguous(), k)
     return x.float().topk(k, dim=-1).indices.cpu()
+
+
+def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.max(x, dim=-1)``'s (values, indices) for x [..., V]: each row's largest entry and
+    the first index holding it. On a CPU, PyTorch's reduction with an index walks the entries one
+    at a time (SmolLM2's 49,152 logits: 0.33 ms for the 9 positions of an 8-token verify, 46 us
+    for one row, AMD EPYC Zen 4), while `amax` is vectorised and the C top-1 (`rows_topk`, which
+    skips blocks of 64 that cannot beat the best so far) finds the index: 0.03 ms and 8 us.
+    The values are `amax`'s, NaN where a row holds one, as max's are; such a row's index is its
+    largest other entry's (max's would be the NaN's): every caller treats a NaN row as one no
+    token can be drawn from, whatever its index."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() == 0 or not x.shape[-1] or not x.numel():
+        best = x.max(dim=-1)
+        return best.values, best.indices
+    kern = kernels().kernels
+    if kern is None:
+        best = x.max(dim=-1)
+        return best.values, best.indices
+    flat = x.reshape(-1, x.shape[-1])
+    index = kern.topk(flat.contiguous(), 1)[:, 0].clamp_(min=0)  # -1 only in an all-NaN row
+    return x.amax(dim=-1), index.view(x.shape[:-1])

@@ -127,7 +127,7 @@ class DraftModelState:
         logits = charged_forward(self.model, tokens, self.cache, ledger, valid=valid, last_only=True)[:, -1]
         for j in range(k):
             if probs is None:  # all greedy: the argmax is all a greedy row needs
-                token = self._fit(logits).argmax(dim=-1)
+                token = c_draw.row_max(self._fit(logits))[1]
             else:
                 lq = self.q_sampler.process(self._fit(logits))  # [B, V]
                 probs[:, j] = lq.exp()
