@@ -638,3 +638,41 @@ def test_a_lone_learner_the_budget_holds_stops_learning_until_a_node_comes_near(
     planned.plan = lambda hot, limits, catch_up=None: Choice(0, 0, False, False, 0.0)  # a plain step all the same
     _plain_steps(state, 4)
     assert learner.observed == 4
+
+
+def test_a_drafted_steps_overhead_prices_only_steps_that_verify_a_node():
+    cost = VerifyCost((1, 2, 3, 4, 5), (1.0, 1.1, 1.2, 2.0, 2.2))
+    a = np.array([0.9, 0.8, 0.7, 0.6])
+    # without it the best is two nodes (2.7 / 1.2); with 0.5 of a step more for any drafted step:
+    # 1 / 1 against 1.9 / 1.6, 2.7 / 1.7 (best), 3.4 / 2.5, 4.0 / 2.7
+    assert prune([a], [4], 1, Timing(cost, 1.0, 0.0, 0.5)) == [2]
+    assert prune([a], [4], 1, Timing(cost, 1.0, 0.0, 1.8)) == [0]  # 2.7 / 3.0 < 1: no draft pays it
+    timing = Timing(cost, 1.0, 0.25, 0.5)
+    assert timing.drafted(1, np.array([0.0, 0.5, 2.0])).tolist() == pytest.approx([1.25, 1.05 + 0.25 + 0.25, 1.2 + 0.75])
+    assert timing.node(1) == pytest.approx(0.1 + 0.5)
+    # plan_length sees it too: a certain 1-token draft (0.1 to draft) yields 2 tokens in 1.1 + 0.1 + 0.5 (1.18
+    # a second, over 1), in 1.1 + 0.1 + 1.0 with twice the overhead (0.91: plain steps pay more)
+    dear = DraftCost(per_token=0.1)
+    assert plan_length([np.ones(1)], [np.ones(1)], [1], 1, Timing(cost, 1.0, 0.0, 0.5), dear, 1)[0] == 1
+    assert plan_length([np.ones(1)], [np.ones(1)], [1], 1, Timing(cost, 1.0, 0.0, 1.0), dear, 1)[0] == 0
+
+
+def test_the_overhead_is_learned_from_drafted_steps_and_the_scale_from_plain_ones():
+    planned = PlannedDrafter([(Oracle(True, "right"), 4)], cost=VerifyCost((1, 5), (0.01, 0.02)))
+    planned.start(None, None, [[0]], [0])
+    planned.step = 5
+    scale = planned.scale
+    drafted = Choice(0, 4, False, False, 0.0)
+    # a step verifying 2 nodes (width 3: 0.015 s priced) that took 0.018 s: 3 ms beyond its forward
+    planned.learn(drafted, Outcome([COLD], [4], [4], [2], [[0, 1]], 0.0, scale * 0.015 + 0.003, 3))
+    assert planned.overhead == pytest.approx(0.003) and planned.scale == scale
+    planned.learn(drafted, Outcome([COLD], [4], [4], [2], [[0]], 0.0, scale * 0.015 + 0.008, 3))
+    assert planned.overhead == pytest.approx(0.003 + 0.2 * 0.005)  # a moving average
+    planned.learn(drafted, Outcome([COLD], [4], [4], [2], [[0]], 0.0, scale * 0.015 + 1.0, 3))
+    assert planned.overhead == pytest.approx(0.004 + 0.2 * (scale * 0.01 - 0.004))  # a stall counts one plain step
+    before = planned.overhead
+    plain = Choice(0, 0, False, False, 0.0)
+    planned.learn(plain, Outcome([COLD], [0], [0], [0], [[]], 0.0, 0.02, 1))  # a plain step twice its price
+    assert planned.overhead == before and planned.scale == pytest.approx(scale + 0.2 * (2.0 - scale))
+    assert planned.report()["overhead_ms"] == pytest.approx(round(before * 1e3, 3))
+    assert planned.timing().overhead == before

@@ -84,6 +84,8 @@ class PlannedDrafter:
         self.probes = [Probe() for _ in self.caps]
         self.extras = [Probe() for _ in self.caps]  # when each drafter next verifies one node more
         self.scale, self.gap, self.step = 1.0, 0.0, 0
+        self.overhead = 0.0  # a drafted step's seconds beyond scale * c(width) (`Timing.overhead`)
+        self.drafted_steps = 0  # steps the overhead was learned from
         self.budget = Budget()  # what exploring may still lose against plain decoding
         self.version = 0  # bumped whenever an estimate a plan reads changes (`_priced` keeps plans until then)
         self.priced: tuple[tuple[tuple[int, ...], tuple[int, ...]], int, int, list[tuple[float, int, int]]] | None = None
@@ -114,7 +116,7 @@ class PlannedDrafter:
     # --- planning (under the lock: batches of one engine may run in threads) ----------------
     def timing(self, fixed: float = 0.0) -> Timing:
         assert self.cost is not None
-        return Timing(self.cost, self.scale, self.gap + fixed)
+        return Timing(self.cost, self.scale, self.gap + fixed, self.overhead)
 
     def plan(self, hot: Sequence[int], limits: Sequence[int], catch_up: Sequence[float] | None = None) -> Choice:
         """The step's plan for rows in states ``hot`` allowed ``limits`` tokens; ``catch_up``: per
@@ -215,8 +217,7 @@ class PlannedDrafter:
         with self.lock:
             room = self.budget.room(self.allowance())
             timing = self.timing()
-            widths = rows + np.arange(sum(keep) + 1, dtype=np.float64)
-            extra = timing.seconds_array(widths) - timing.seconds(rows)
+            extra = timing.drafted(rows, np.arange(sum(keep) + 1, dtype=np.float64)) - timing.seconds(rows)
             fits = int(np.searchsorted(extra, room, side="right")) - 1  # the most nodes whose extra time fits
             out = list(keep)
             cut = sum(out) - max(fits, 0)
@@ -242,7 +243,7 @@ class PlannedDrafter:
         best = max(float(acc.kept_rates(h, level)[0]) for h in set(hot) for level in (None, *range(LEVELS)))
         most = sum(min(n, self.caps[c]) for n in limits)
         m = np.arange(most + 1, dtype=np.float64)
-        rate = (rows + best * m) / timing.seconds_array(rows + m)
+        rate = (rows + best * m) / timing.drafted(rows, m)
         return bool(rate[1:].max(initial=-np.inf) > rate[0])
 
     def keep(self, choice: Choice, hot: Sequence[int], lengths: Sequence[int], rows: int, drafting: float,
@@ -272,7 +273,15 @@ class PlannedDrafter:
             else:
                 self.budget.record(total)
             self.draft_costs[c].record(choice.k, outcome.drafting)
-            if outcome.step > 0:
+            if outcome.step > 0 and choice.k > 0 and any(outcome.verified):
+                # a drafted step: what it took beyond its forward's price (the forward's level is
+                # the plain steps' to set), at most one plain step's worth, as a noisy step's own
+                # share of the moving average is bounded below
+                one = self.scale * self.cost.seconds_for(1)
+                residual = min(max(outcome.step - self.scale * self.cost.seconds_for(outcome.width), 0.0), one)
+                self.overhead += 0.2 * (residual - self.overhead) if self.drafted_steps else residual - self.overhead
+                self.drafted_steps += 1
+            elif outcome.step > 0:
                 ratio = outcome.step / self.cost.seconds_for(outcome.width)
                 ratio = min(max(ratio, self.scale / 3), self.scale * 3) if self.step > 1 else ratio
                 self.scale += 0.2 * (ratio - self.scale)
@@ -307,6 +316,7 @@ class PlannedDrafter:
         with self.lock:
             out: dict[str, Any] = {"drafter": self.name, "verify_cost": None if self.cost is None else self.cost.to_dict(),
                                    "scale": round(self.scale, 3), "gap_ms": round(self.gap * 1e3, 3), "steps": self.step,
+                                   "overhead_ms": round(self.overhead * 1e3, 3),
                                    "budget": {"held_steps": self.budget.held, "trimmed_nodes": self.budget.trimmed,
                                               "deferred_steps": self.budget.deferred,
                                               "lost_ms": round(self.budget.lost * 1e3, 3),

@@ -118,7 +118,8 @@ class PlannedState:
                 else [0] * len(proposed))
         if any(keep):
             keep = self.planner.afford(keep, rows)
-        self.pending = (choice, allowed, proposed, keep, drafting, time.perf_counter(), draft.levels)
+        now = time.perf_counter()  # choosing what to verify counts as drafting: the plain step does neither
+        self.pending = (choice, allowed, proposed, keep, now - start, now, draft.levels)
         lengths = torch.as_tensor(keep, dtype=torch.long, device=draft.lengths.device)
         return Draft(draft.tokens, lengths, draft.probs, draft.parents)
 

@@ -3,11 +3,13 @@ trees the node budget), which drafter drafts, and 0 (no speculation) when nothin
 
 A step that verifies ``m`` drafted nodes over ``B`` live rows yields the rows' pending tokens
 plus every accepted node, and costs a forward of ``B + m`` tokens (`VerifyCost`, measured once,
-rescaled online by the step times observed: ``scale``), the drafter's own time (``d0 + d1 k``,
-learned online per drafter) and the loop's fixed time between steps (``gap``, observed). The
-planner maximises expected tokens per second of the step::
+rescaled online by the plain steps' times: ``scale``), the drafter's own time (``d0 + d1 k``,
+learned online per drafter), the loop's fixed time between steps (``gap``, observed) and, when
+``m > 0``, what a drafted step spends beyond its forward (``overhead``: the acceptance over every
+verified position, keeping the accepted nodes' KV, a tree's masks; learned online from drafted
+steps' times against ``scale * c``). The planner maximises expected tokens per second of the step::
 
-    rate(m) = (B + sum of a_i over the m kept nodes) / (scale * c(B + m) + drafting + gap)
+    rate(m) = (B + sum of a_i over the m kept nodes) / (scale * c(B + m) + [m > 0] overhead + drafting + gap)
 
 where ``a_i`` is the probability that the i-th node a drafter proposes is accepted (for a chain,
 that at least i drafts are; for a tree, that node i lies on the accepted path), learned online
@@ -164,21 +166,29 @@ class DraftCost:
 @dataclass(frozen=True)
 class Timing:
     """What a step costs besides the verified nodes: the measured curve, its online ``scale``,
-    and the fixed seconds of the step (drafting done or planned, the loop's gap)."""
+    the fixed seconds of every step (drafting done or planned, the loop's gap), and the
+    ``overhead`` a step that verifies some node pays beyond its forward (the acceptance over
+    every position, keeping the kept nodes' KV, a tree's masks: learned online)."""
 
     cost: VerifyCost
     scale: float
     fixed: float
+    overhead: float = 0.0
 
     def seconds(self, tokens: float) -> float:
+        """A plain step of ``tokens`` rows (no node verified)."""
         return self.scale * self.cost.seconds_for(tokens) + self.fixed
 
-    def seconds_array(self, tokens: np.ndarray) -> np.ndarray:
-        return self.scale * self.cost.seconds_array(tokens) + self.fixed
+    def drafted(self, rows: int, nodes: np.ndarray) -> np.ndarray:
+        """Steps of ``rows`` rows verifying ``nodes`` [N] nodes besides (0: the plain step;
+        fractional: an expected count, whose chance of verifying any is taken as min(nodes, 1))."""
+        nodes = np.asarray(nodes, dtype=np.float64)
+        return (self.scale * self.cost.seconds_array(rows + nodes) + self.fixed
+                + self.overhead * np.minimum(nodes, 1.0))
 
     def node(self, rows: int = 1) -> float:
-        """What one more verified node adds to a plain step of ``rows`` rows."""
-        return self.seconds(rows + 1) - self.seconds(rows)
+        """What one verified node adds to a plain step of ``rows`` rows (the overhead with it)."""
+        return self.seconds(rows + 1) - self.seconds(rows) + self.overhead
 
 
 def prune(kept: Sequence[np.ndarray], lengths: Sequence[int], rows: int, timing: Timing,
@@ -189,7 +199,7 @@ def prune(kept: Sequence[np.ndarray], lengths: Sequence[int], rows: int, timing:
     maximise the step's expected tokens per second; ``extra`` more per row (a probe)."""
     items = sorted((-float(kept[b][i]), i, b) for b in range(len(lengths)) for i in range(lengths[b]))
     gains = np.concatenate([[0.0], np.cumsum([-neg for neg, _, _ in items])])
-    rate = (rows + gains) / timing.seconds_array(rows + np.arange(len(items) + 1, dtype=np.float64))
+    rate = (rows + gains) / timing.drafted(rows, np.arange(len(items) + 1, dtype=np.float64))
     best_m = int(np.argmax(rate))  # the first of equal rates: the fewest nodes
     out = [0] * len(lengths)
     for _, _, b in items[:best_m]:
@@ -211,7 +221,7 @@ def plan_length(kept: Sequence[np.ndarray], proposed: Sequence[np.ndarray], limi
         n = np.minimum(ks, limit)
         gain += np.concatenate([[0.0], np.cumsum(proposed[b][:cap] * kept[b][:cap])])[n]
         width += np.concatenate([[0.0], np.cumsum(proposed[b][:cap])])[n]
-    rate = (rows + gain) / (timing.seconds_array(rows + width) + draft.fixed + draft.per_token * ks)
+    rate = (rows + gain) / (timing.drafted(rows, width) + draft.fixed + draft.per_token * ks)
     best_k = int(np.argmax(rate))
     best_rate = float(rate[best_k])
     if cap and draft.seconds(cap) - draft.seconds(0) <= CHEAP * timing.scale * timing.cost.seconds_for(rows):
