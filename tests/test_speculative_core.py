@@ -157,3 +157,20 @@ def test_sampled_rows_emit_plain_samplings_draws_whatever_the_draft():
     assert perfect.accepted.tolist() == [3] * n
     one = plain_draws(lp[:1, :1], keys[:1])  # the same row alone, and its first position alone
     assert int(one[0, 0]) == int(plain[0, 0])
+
+
+def test_all_greedy_rows_are_walked_on_the_host_as_the_tensor_ops_walk_them():
+    """Every row greedy on a CPU (no keys): `accept` walks the drafts on the host; with keys and
+    every row greedy it takes the tensor ops' way. The two agree on every row, including drafts
+    accepted whole, rejected at once, empty, and matching past their length."""
+    g = torch.Generator().manual_seed(3)
+    b, k, v = 64, 6, 5
+    lp = torch.log_softmax(torch.randn(b, k + 1, v, generator=g), dim=-1)
+    best = lp.argmax(dim=-1)
+    drafts = torch.where(torch.rand(b, k, generator=g) < 0.7, best[:, :k], (best[:, :k] + 1) % v)
+    lengths = torch.randint(0, k + 1, (b,), generator=g)
+    greedy = torch.ones(b, dtype=torch.bool)
+    host = accept(lp, drafts, lengths, greedy, None)
+    tensors = accept(lp, drafts, lengths, greedy, _keys(b))
+    assert torch.equal(host.accepted, tensors.accepted) and torch.equal(host.tokens, tensors.tokens)
+    assert set(host.accepted.tolist()) >= {0, k} and host.tokens.dtype == torch.long

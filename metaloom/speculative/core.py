@@ -82,6 +82,8 @@ def accept(target_logprobs: torch.Tensor, draft_tokens: torch.Tensor, draft_leng
     best = target_logprobs.argmax(dim=-1) if argmax is None else argmax  # [B, K+1]: the same argmax as Sampler.draw
     if keys is None and b and not bool(greedy.all()):
         raise ValueError("sampled rows need their random keys (keys)")
+    if keys is None and device.type == "cpu":
+        return _greedy_walk(best, draft_tokens, lengths)
     own = best if keys is None else torch.where(greedy.to(device)[:, None], best,
                                                 plain_draws(target_logprobs, keys))
     ok = (own[:, :k] == draft_tokens) & in_draft
@@ -90,6 +92,25 @@ def accept(target_logprobs: torch.Tensor, draft_tokens: torch.Tensor, draft_leng
     tokens[:, :k] = draft_tokens
     tokens[rows, accepted] = own[rows, accepted]
     return Acceptance(accepted=accepted, tokens=tokens)
+
+
+def _greedy_walk(best: torch.Tensor, draft_tokens: torch.Tensor, lengths: torch.Tensor) -> Acceptance:
+    """`accept` for greedy rows on the host: the same walk and tokens as the tensor ops, from one
+    copy of the argmax and the draft. A drafted step on a CPU reads its handful of tokens in a
+    few microseconds this way, where each of the tensor ops' dozen small kernels costs tens
+    (issue 47: a drafted SmolLM2 step spent about 2 ms beyond its forward)."""
+    own, drafts, n = best.tolist(), draft_tokens.tolist(), lengths.tolist()
+    accepted, tokens = [], []
+    for row, draft, limit in zip(own, drafts, n, strict=True):
+        a = 0
+        while a < limit and row[a] == draft[a]:
+            a += 1
+        out = [*draft, 0]
+        out[a] = row[a]
+        accepted.append(a)
+        tokens.append(out)
+    return Acceptance(accepted=torch.tensor(accepted, dtype=torch.long),
+                      tokens=torch.tensor(tokens, dtype=torch.long).view(len(own), best.shape[1]))
 
 
 def plain_draws(logprobs: torch.Tensor, keys: np.ndarray, offsets: np.ndarray | None = None) -> torch.Tensor:
@@ -138,7 +159,8 @@ def after_step(sampler: Sampler, states: Sequence[SamplingState], logprobs: torc
     state after its n_b accepted drafts) advanced by its final (replacement/bonus) token."""
     n = acceptance.accepted
     rows = torch.arange(n.shape[0], device=n.device)
-    picked = gather_states(states, n)
+    # one state at every position (a plain pipeline's: nothing it keeps changes along a draft) needs no gather
+    picked = states[0] if all(s is states[0] for s in states) else gather_states(states, n)
     final = acceptance.tokens[rows, n]
     return sampler.advance(picked, final, logprobs[rows, n])
 
