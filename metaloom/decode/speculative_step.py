@@ -119,8 +119,10 @@ def tree_step(batch: DecodeBatch, draft: Draft, tokens: torch.Tensor, start: tor
     at = torch.tensor([p + [0] * (width - len(p)) for p in out.positions], device=raw.device)  # [B, T]
     emitted = torch.tensor([t + [0] * (width - len(t)) for t in out.tokens], device=raw.device)
     rows_index = torch.arange(len(batch.rows), device=raw.device)[:, None]
-    chosen_lp = out.logprobs.to(raw.device)[rows_index, at].gather(-1, emitted[..., None])[..., 0].tolist()
-    emitted_lp = raw_logprobs(raw[rows_index, at], emitted).tolist()
+    chosen = out.logprobs.to(raw.device)[rows_index, at].gather(-1, emitted[..., None])[..., 0]
+    same = raw is scores and batch.sampler.plain and cursors is None and not out.errors  # as the chain's
+    chosen_lp = chosen.tolist()
+    emitted_lp = chosen_lp if same else raw_logprobs(raw[rows_index, at], emitted).tolist()
     stepped = emit_verified(batch.rows, batch.cursors, done, out.errors, out.tokens, out.positions, emitted_lp, chosen_lp,
                             row_tops(batch.rows, done, raw), draft, out.accepted, highs)
     for b in range(len(batch.rows)):  # keep the pending token and the accepted path; rows done before keep nothing

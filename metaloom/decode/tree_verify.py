@@ -136,7 +136,8 @@ def verify_tree(sampler: Sampler, state: SamplingState, scores: torch.Tensor, dr
     last = torch.tensor([p[-1] for p in positions], device=lp.device)
     final = torch.tensor([tk[-1] for tk in tokens], device=lp.device)
     rows = torch.arange(b, device=lp.device)
-    after = sampler.advance(gather_states(states, last), final, lp[rows, last])
+    picked = states[0] if all(s is states[0] for s in states) else gather_states(states, last)  # plain: one state
+    after = sampler.advance(picked, final, lp[rows, last])
     return TreeVerified(tokens, positions, lp, after, errors)
 
 
