@@ -37,7 +37,7 @@ same rows, forward and emit.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import torch
 
@@ -212,10 +212,10 @@ class DecodeBatch:
 
     def plain_step(self, done: list[bool], ledgers: list[Ledger], rngs: list[torch.Generator | None],
                    cursors: list[Constraint | None] | None, hidden: bool = False,
-                   ) -> tuple[list[Row], torch.Tensor, torch.Tensor | None]:
+                   also: Mapping[str, int] | None = None) -> tuple[list[Row], torch.Tensor, torch.Tensor | None]:
         """One token a row: forward, `draw`, emit. -> (the rows stepped, the raw logits [B, 1, V],
         the final hidden states [B, 1, d] when ``hidden``: what a drafter observes after a step
-        it drafted nothing for)."""
+        it drafted nothing for). ``also``: more counts charged with each emitted token."""
         assert self.cache is not None and self.sampler is not None and self.state is not None
         assert self.pending is not None
         # on the host: the model reads it there (a device copy would cost two waits a step on a GPU)
@@ -231,7 +231,7 @@ class DecodeBatch:
         self.state = self.sampler.advance(self.state, got.tokens, got.logprobs)
         self.pending = got.tokens
         stepped = [row for row, d in zip(self.rows, done, strict=True) if not d]
-        emit_drawn(self.rows, got, self.cursors, skip=done, raw=last, highs=highs)
+        emit_drawn(self.rows, got, self.cursors, skip=done, raw=last, highs=highs, also=also)
         return stepped, raw, states
 
     # --- leaving ----------------------------------------------------------------------------

@@ -7,7 +7,7 @@ charges gathered per ledger and applied once each (`Tally`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,9 +39,12 @@ def row_top(tops: list[Any] | None, row: Row, *at: int) -> Any:
 
 
 def emit_drawn(rows: Sequence[Row], got: Any, cursors: Sequence[Constraint | None],
-               skip: Sequence[bool] = (), *, raw: torch.Tensor, highs: Sequence[tuple[Ledger, int]] = ()) -> None:
+               skip: Sequence[bool] = (), *, raw: torch.Tensor, highs: Sequence[tuple[Ledger, int]] = (),
+               also: Mapping[str, int] | None = None) -> None:
     """Emit each row's drawn token; ``raw`` [B, V]: the logits it was drawn after (for the
-    rows that record their most likely tokens); ``highs``: KV peaks to charge with the tokens."""
+    rows that record their most likely tokens); ``highs``: KV peaks to charge with the tokens;
+    ``also``: more counts each emitting row's ledger is charged in the same charge (a
+    speculative step that drafted nothing: one verify step)."""
     tally = Tally()
     tally.peaks(highs)
     # one device-to-host copy for the four (token ids are exact in float64); the step's only wait
@@ -59,7 +62,7 @@ def emit_drawn(rows: Sequence[Row], got: Any, cursors: Sequence[Constraint | Non
         emit(row.state, tokens[b], raw_lp[b], chosen[b], cursors[b], row_top(tops, row, b))
         if row.context:
             row.context.append(tokens[b])
-        tally.add(row.spec.ledger, output_tokens=1)
+        tally.add(row.spec.ledger, output_tokens=1, **(also or {}))
     tally.charge()
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from metaloom.constrain import Constraint
-from metaloom.decode.emitting import Tally, emit_verified, row_tops
+from metaloom.decode.emitting import emit_verified, row_tops
 from metaloom.decode.joining import Row, row_keys
 from metaloom.decode.select import raw_logprobs, verify
 from metaloom.decode.tree_verify import verify_tree
@@ -28,6 +28,8 @@ from metaloom.speculative.drafter import Verified as Observed
 if TYPE_CHECKING:
     from metaloom.decode.batch import DecodeBatch
 
+VERIFY_STEP = {"verify_steps": 1}
+
 
 def speculative_step(batch: DecodeBatch, done: list[bool], ledgers: list[Ledger], rngs: list[torch.Generator | None],
                      cursors: list[Constraint | None] | None) -> list[Row]:
@@ -35,14 +37,19 @@ def speculative_step(batch: DecodeBatch, done: list[bool], ledgers: list[Ledger]
     assert batch.cache is not None and batch.sampler is not None and batch.state is not None
     assert batch.pending is not None and batch.drafter is not None and batch.speculative is not None
     device = batch.pending.device
-    room = batch.cache.capacity - int(batch.cache.lengths.max()) - 1  # never draft past the cache
+    host = getattr(batch.cache, "host_lengths", None)  # the paged cache's, without a tensor
+    longest = int(host().max()) if host is not None else int(batch.cache.lengths.max())
+    room = batch.cache.capacity - longest - 1  # never draft past the cache
     limits = [0 if d else max(0, min(batch.speculative.num_draft, room, row.state.max_tokens - len(row.state.tokens) - 1))
               for row, d in zip(batch.rows, done, strict=True)]
     proposed = batch.drafter.propose([row.context for row in batch.rows], limits, ledgers)
     needs_hidden = bool(getattr(batch.drafter, "needs_hidden", False))
     # an empty draft (the cost model chose 0) skips `_checked`'s tensor work: nothing to hold to its limits
-    draft = (Draft(proposed.tokens.to(device), proposed.lengths.to(device)) if proposed.tokens.shape[1] == 0
-             else _checked(proposed, limits, device))
+    if proposed.tokens.shape[1] == 0:
+        draft = proposed if proposed.tokens.device == device and proposed.parents is None and proposed.probs is None \
+            else Draft(proposed.tokens.to(device), proposed.lengths.to(device))
+    else:
+        draft = _checked(proposed, limits, device)
     if draft.tokens.shape[1] == 0:  # nothing drafted: the plain step's cost
         return _undrafted_step(batch, draft, done, ledgers, rngs, cursors, needs_hidden)
     tokens = torch.cat([batch.pending[:, None], draft.tokens], dim=1)  # [B, K+1]
@@ -85,13 +92,9 @@ def _undrafted_step(batch: DecodeBatch, draft: Draft, done: list[bool], ledgers:
     47); the drafter still observes what the target said."""
     assert batch.pending is not None and batch.drafter is not None
     pending = batch.pending
-    stepped, raw, hidden = batch.plain_step(done, ledgers, rngs, cursors, hidden=needs_hidden)
+    # still a step of the speculative decoder, with nothing drafted (`Usage.verify_steps`), charged with the token
+    stepped, raw, hidden = batch.plain_step(done, ledgers, rngs, cursors, hidden=needs_hidden, also=VERIFY_STEP)
     assert batch.pending is not None
-    steps = Tally()  # still a step of the speculative decoder, with nothing drafted (`Usage.verify_steps`)
-    for row in stepped:
-        if row.state.error is None:
-            steps.add(row.spec.ledger, verify_steps=1)
-    steps.charge()
     batch.drafter.observe(Observed(draft=draft, logits=raw, accepted=torch.zeros_like(draft.lengths),
                                   tokens=batch.pending[:, None], hidden=hidden, pending=pending))
     return stepped

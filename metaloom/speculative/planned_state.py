@@ -105,11 +105,9 @@ class PlannedState:
         # nothing allowed: no drafter is asked (each returns nothing for limits of 0, and the
         # indexes that prompt lookup builds as it proposes catch up on the next proposal)
         if choice.k == 0:  # the shared empty draft, as it is: nothing to prune or afford
-            if self.empty is None or self.empty.lengths.shape[0] != len(contexts):
-                self.empty = Draft.from_lists([[] for _ in contexts])
             now = time.perf_counter()
             self.pending = (choice, allowed, list(allowed), list(allowed), now - start, now, None)
-            return self.empty
+            return self.nothing(len(contexts))
         draft = self.states[choice.candidate].propose(contexts, allowed, ledger)
         drafting = time.perf_counter() - start
         proposed = [min(int(n), a) for n, a in zip(draft.lengths.tolist(), allowed, strict=True)]
@@ -120,8 +118,16 @@ class PlannedState:
             keep = self.planner.afford(keep, rows)
         now = time.perf_counter()  # choosing what to verify counts as drafting: the plain step does neither
         self.pending = (choice, allowed, proposed, keep, now - start, now, draft.levels)
+        if not any(keep):  # the step verifies nothing: the plain step's empty draft, nothing to build
+            return self.nothing(len(contexts))
         lengths = torch.as_tensor(keep, dtype=torch.long, device=draft.lengths.device)
         return Draft(draft.tokens, lengths, draft.probs, draft.parents)
+
+    def nothing(self, rows: int) -> Draft:
+        """The draft of a step that verifies no node (shared: drafts are frozen)."""
+        if self.empty is None or self.empty.lengths.shape[0] != rows:
+            self.empty = Draft.from_lists([[] for _ in range(rows)])
+        return self.empty
 
     def observe(self, verified: Verified) -> None:
         now = time.perf_counter()
