@@ -676,3 +676,35 @@ def test_the_overhead_is_learned_from_drafted_steps_and_the_scale_from_plain_one
     assert planned.overhead == before and planned.scale == pytest.approx(scale + 0.2 * (2.0 - scale))
     assert planned.report()["overhead_ms"] == pytest.approx(round(before * 1e3, 3))
     assert planned.timing().overhead == before
+
+
+def test_held_for_counts_what_learning_charges_every_step():
+    from metaloom.speculative.planner import Budget
+
+    budget = Budget(lost=0.5, elapsed=10.0)
+    plain, paying = budget.held_for(0.1, 0.05), budget.held_for(0.1, 0.05, spend=0.0005)
+    assert paying > plain > 0
+    steps = 0
+    while budget.room(0.05) <= 0:  # a plain step of 0.1 s, then 0.5 ms of learning charged
+        budget.record(0.1)
+        budget.charge(0.0005)
+        steps += 1
+    assert steps == pytest.approx(paying, abs=1.0)
+    assert Budget(lost=0.5, elapsed=10.0).held_for(0.1, 0.05, spend=0.002) == float("inf")  # 1% of 0.1 s < 2 ms
+
+
+def test_a_learner_whose_learning_costs_more_than_the_budget_earns_is_idle():
+    """The room is a few plain steps short of a node, but the learner's own charges (twice what
+    a plain step earns) would keep it short for ever: it idles, and learns again when the room
+    holds the node."""
+    planned = PlannedDrafter([(Counting(True, "a", learns_only=True), 4), (Counting(True, "b"), 4)], cost=NODE_04)
+    planned.budget.elapsed, planned.budget.lost = 10.0, 0.21  # room 0.1 + 0.5 - 0.21: 0.01 short of a node
+    assert not planned.idle(0)  # a plain step earns 0.01
+    state = planned.start(None, None, [[1, 2, 3]], [0])
+    planned.plan = lambda hot, limits, catch_up=None: Choice(0, 0, False, False, 0.0)
+    planned.charge(0.02)  # what its last observation cost: twice a step's earnings
+    _plain_steps(state, 1)
+    assert planned.spend == pytest.approx(0.02) and planned.report()["learning_ms"] == 20.0
+    assert planned.idle(0)
+    planned.budget.lost = 0.0  # room for the node
+    assert not planned.idle(0)

@@ -86,6 +86,8 @@ class PlannedDrafter:
         self.scale, self.gap, self.step = 1.0, 0.0, 0
         self.overhead = 0.0  # a drafted step's seconds beyond scale * c(width) (`Timing.overhead`)
         self.drafted_steps = 0  # steps the overhead was learned from
+        self.charged = 0.0  # learners' charges since the last step was learned from
+        self.spend = 0.0  # their moving average over the steps they learned in (`idle`)
         self.budget = Budget()  # what exploring may still lose against plain decoding
         self.version = 0  # bumped whenever an estimate a plan reads changes (`_priced` keeps plans until then)
         self.priced: tuple[tuple[tuple[int, ...], tuple[int, ...]], int, int, list[tuple[float, int, int]]] | None = None
@@ -195,7 +197,8 @@ class PlannedDrafter:
         every drafter), or `auto` dropped it and its next trial is further away."""
         if self.cost is not None:
             timing = self.timing()
-            if self.budget.held_for(timing.seconds(1), self.allowance() - timing.node()) > PROBE_EVERY:
+            # learning is charged: a learner idles unless the room holds a node soon though it pays
+            if self.budget.held_for(timing.seconds(1), self.allowance() - timing.node(), self.spend) > PROBE_EVERY:
                 return True
         probe = self.probes[c]
         return len(self.caps) > 1 and self.step - probe.last > PROBE_EVERY and \
@@ -205,6 +208,7 @@ class PlannedDrafter:
         """Time spent only to learn (a ``learns_only`` drafter's observation), charged to the budget."""
         with self.lock:
             self.budget.charge(seconds)
+            self.charged += seconds
 
     def allowance(self) -> float:
         """The budget's fixed room: `ALLOWANCE` plain steps."""
@@ -261,6 +265,9 @@ class PlannedDrafter:
         with self.lock:
             c = choice.candidate
             assert self.cost is not None
+            if self.charged > 0:  # the last step's learning (its learners observe after this is called)
+                self.spend += 0.2 * (self.charged - self.spend) if self.spend else self.charged
+                self.charged = 0.0
             live = max(outcome.width - sum(outcome.verified), 1)  # the rows that fed a pending token
             total = outcome.step + outcome.drafting + self.gap
             if choice.k > 0 and any(outcome.verified):  # against what plain steps would have taken for its tokens
@@ -317,6 +324,7 @@ class PlannedDrafter:
             out: dict[str, Any] = {"drafter": self.name, "verify_cost": None if self.cost is None else self.cost.to_dict(),
                                    "scale": round(self.scale, 3), "gap_ms": round(self.gap * 1e3, 3), "steps": self.step,
                                    "overhead_ms": round(self.overhead * 1e3, 3),
+                                   "learning_ms": round(self.spend * 1e3, 3),
                                    "budget": {"held_steps": self.budget.held, "trimmed_nodes": self.budget.trimmed,
                                               "deferred_steps": self.budget.deferred,
                                               "lost_ms": round(self.budget.lost * 1e3, 3),

@@ -251,12 +251,14 @@ class Budget:
     def room(self, allowance: float) -> float:
         return SAFETY * self.elapsed + allowance - self.lost
 
-    def held_for(self, step: float, allowance: float) -> float:
-        """About how many plain steps of ``step`` seconds must pass before there is room (0: there is)."""
+    def held_for(self, step: float, allowance: float, spend: float = 0.0) -> float:
+        """About how many plain steps of ``step`` seconds must pass before there is room (0: there
+        is), each also charged ``spend`` seconds (learners observing: `charge`); inf when what a
+        step earns does not cover its charges."""
         if self.room(allowance) > 0:
             return 0.0
         keep = 1.0 - 1.0 / WINDOW
-        earned = SAFETY * step * WINDOW  # what plain steps add to SAFETY * elapsed, over the window
+        earned = (SAFETY * (step + spend) - spend) * WINDOW  # what plain steps add to the room, over the window
         # after n plain steps: keep**n * (lost - SAFETY * elapsed) <= allowance + earned * (1 - keep**n)
         if earned + allowance <= 0:  # more than the window can ever earn
             return math.inf
