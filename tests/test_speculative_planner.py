@@ -658,24 +658,34 @@ def test_a_drafted_steps_overhead_prices_only_steps_that_verify_a_node():
 
 
 def test_the_overhead_is_learned_from_drafted_steps_and_the_scale_from_plain_ones():
+    """The overhead is the median of the last drafted steps' times beyond scale * c(width): a
+    stall does not move it, a faster-than-priced step pulls it down but never below 0."""
     planned = PlannedDrafter([(Oracle(True, "right"), 4)], cost=VerifyCost((1, 5), (0.01, 0.02)))
     planned.start(None, None, [[0]], [0])
     planned.step = 5
     scale = planned.scale
     drafted = Choice(0, 4, False, False, 0.0)
-    # a step verifying 2 nodes (width 3: 0.015 s priced) that took 0.018 s: 3 ms beyond its forward
-    planned.learn(drafted, Outcome([COLD], [4], [4], [2], [[0, 1]], 0.0, scale * 0.015 + 0.003, 3))
+
+    def step(beyond):  # a step verifying 2 nodes (width 3: 0.015 s priced) that took ``beyond`` more
+        planned.learn(drafted, Outcome([COLD], [4], [4], [2], [[0, 1]], 0.0, planned.scale * 0.015 + beyond, 3))
+
+    step(0.003)
     assert planned.overhead == pytest.approx(0.003) and planned.scale == scale
-    planned.learn(drafted, Outcome([COLD], [4], [4], [2], [[0]], 0.0, scale * 0.015 + 0.008, 3))
-    assert planned.overhead == pytest.approx(0.003 + 0.2 * 0.005)  # a moving average
-    planned.learn(drafted, Outcome([COLD], [4], [4], [2], [[0]], 0.0, scale * 0.015 + 1.0, 3))
-    assert planned.overhead == pytest.approx(0.004 + 0.2 * (scale * 0.01 - 0.004))  # a stall counts one plain step
-    before = planned.overhead
+    step(0.005)
+    step(1.0)  # a stall
+    assert planned.overhead == pytest.approx(0.005)
+    step(-0.004)
+    step(-0.004)
+    step(-0.004)
+    assert planned.overhead == 0.0  # the median is -0.004 + ... < 0: priced at 0
+    before = planned.overhead = 0.002
     plain = Choice(0, 0, False, False, 0.0)
     planned.learn(plain, Outcome([COLD], [0], [0], [0], [[]], 0.0, 0.02, 1))  # a plain step twice its price
     assert planned.overhead == before and planned.scale == pytest.approx(scale + 0.2 * (2.0 - scale))
-    assert planned.report()["overhead_ms"] == pytest.approx(round(before * 1e3, 3))
-    assert planned.timing().overhead == before
+    assert planned.report()["overhead_ms"] == 2.0 and planned.timing().overhead == before
+    for _ in range(16):  # the window: only the last 16 drafted steps count
+        step(0.001)
+    assert planned.overhead == pytest.approx(0.001)
 
 
 def test_held_for_counts_what_learning_charges_every_step():
