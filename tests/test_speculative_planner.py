@@ -718,3 +718,45 @@ def test_a_learner_whose_learning_costs_more_than_the_budget_earns_is_idle():
     assert planned.idle(0)
     planned.budget.lost = 0.0  # room for the node
     assert not planned.idle(0)
+
+
+def test_plain_ahead_promises_the_steps_the_budget_holds_but_the_last():
+    planned = PlannedDrafter([(Oracle(False, "a"), 4)], cost=NODE_04)
+    assert planned.plain_ahead(1) == 0  # a fresh budget has room for a node
+    planned.budget.elapsed, planned.budget.lost = 10.0, 0.45  # room 0.15: 0.25 short of a node (0.4)
+    timing = planned.timing()
+    held = planned.budget.held_for(timing.seconds(1), planned.allowance() - timing.node(1))
+    assert held > 2 and planned.plain_ahead(1) == int(held) - 1
+    planned.budget.lost = 1e6
+    assert planned.plain_ahead(1) == 63  # at most `AHEAD_MOST` before asking again
+    assert PlannedDrafter([(Oracle(False, "a"), 4)]).plain_ahead(1) == 0  # no verify cost yet
+    planned.skipped(0.5, 1)  # learned as an undrafted step: counted, in the budget, in the report
+    report = planned.report()
+    assert report["steps"] == 1 and report["plain_ahead_steps"] == 1 and report["nodes_verified"] == {"0": 1}
+    assert planned.budget.elapsed == pytest.approx(10.0 * (1 - 1 / 2048) + 0.5)
+
+
+def test_plain_ahead_waits_for_every_learner_to_idle():
+    learner = Counting(True, "a", learns_only=True)
+    planned = PlannedDrafter([(learner, 4), (Counting(True, "b"), 4)], cost=NODE_04)
+    state = planned.start(None, None, [[1, 2, 3]], [0])
+    planned.budget.elapsed, planned.budget.lost = 10.0, 0.45  # about 25 plain steps from a node
+    planned.spend = 0.0005  # its learning costs less than a step earns
+    assert planned.idle(0) and state.plain_ahead(1)  # ~25 steps away: idle, and the steps are plain
+    planned.budget.lost = 0.25  # 0.05 short: about 5 steps, the planner sure of 4
+    state.ahead = 0
+    assert planned.plain_ahead(1) >= 3
+    assert not planned.idle(0) and not state.plain_ahead(1)  # the learner is not idle: it learns from them
+
+
+def test_steps_the_budget_holds_run_without_the_drafters():
+    """A drafter nothing of which is accepted, on a curve where each verified token costs a whole
+    step: the budget holds it, and those steps run as plain steps it neither plans nor observes,
+    counted as the speculative decoder's steps all the same; the tokens are greedy's."""
+    drafter = Counting(False, "wrong")
+    planned = PlannedDrafter([(drafter, 8)], cost=STEEP)
+    tokens, usage = _run(Speculative(planned, 8))
+    assert tokens == _run(None)[0]
+    report = planned.report()
+    assert report["plain_ahead_steps"] > 100 and report["steps"] == usage.verify_steps == 199  # the prefill drew the 1st
+    assert drafter.observed == report["steps"] - report["plain_ahead_steps"]

@@ -7,6 +7,7 @@ emitted and the cache rolled back past the rejected drafts.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,15 @@ def speculative_step(batch: DecodeBatch, done: list[bool], ledgers: list[Ledger]
     """Draft, verify in one forward, accept, roll back (`metaloom.speculative`)."""
     assert batch.cache is not None and batch.sampler is not None and batch.state is not None
     assert batch.pending is not None and batch.drafter is not None and batch.speculative is not None
+    # the cost model (`PlannedState`): steps it is sure not to draft in run as plain steps, without
+    # the drafters' planning and observing, and are reported to it
+    ahead, skipped = getattr(batch.drafter, "plain_ahead", None), getattr(batch.drafter, "skipped", None)
+    live = sum(1 for d in done if not d)
+    if ahead is not None and skipped is not None and ahead(live):
+        began = time.perf_counter()
+        stepped = batch.plain_step(done, ledgers, rngs, cursors, also=VERIFY_STEP)[0]
+        skipped(time.perf_counter() - began, live)
+        return stepped
     device = batch.pending.device
     host = getattr(batch.cache, "host_lengths", None)  # the paged cache's, without a tensor
     longest = int(host().max()) if host is not None else int(batch.cache.lengths.max())

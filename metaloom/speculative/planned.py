@@ -49,6 +49,7 @@ from metaloom.speculative.planner import (
 __all__ = ["Choice", "Outcome", "PlannedDrafter", "PlannedState", "as_chain", "kept_paths"]
 
 OVERHEAD_WINDOW = 16  # drafted steps whose median residual is the overhead (`PlannedDrafter.learn`)
+AHEAD_MOST = 64  # the most steps `plain_ahead` promises before asking the budget again
 REPRICE = 8  # steps a candidate's pricing is reused while no estimate changed (`PlannedDrafter._priced`)
 
 
@@ -91,6 +92,7 @@ class PlannedDrafter:
         self.drafted_steps = 0  # steps the overhead was learned from
         self.residuals: deque[float] = deque(maxlen=OVERHEAD_WINDOW)  # their last times beyond scale * c(width)
         self.charged = 0.0  # learners' charges since the last step was learned from
+        self.ahead_steps = 0  # steps run plain without the drafters (`plain_ahead`; reported)
         self.spend = 0.0  # their moving average over the steps they learned in (`idle`)
         self.budget = Budget()  # what exploring may still lose against plain decoding
         self.version = 0  # bumped whenever an estimate a plan reads changes (`_priced` keeps plans until then)
@@ -207,6 +209,28 @@ class PlannedDrafter:
         probe = self.probes[c]
         return len(self.caps) > 1 and self.step - probe.last > PROBE_EVERY and \
             probe.last + probe.interval - self.step > PROBE_EVERY
+
+    def plain_ahead(self, rows: int) -> int:
+        """How many of the next steps of ``rows`` live rows are sure to be plain, the last of them
+        not counted (the budget's room cannot hold one verified node before: `plan` holds or
+        defers every drafter, probes and trials included); 0 when unsure. The decode loop runs
+        them as plain steps without the drafters (`PlannedState.plain_ahead`), and the last
+        one as an undrafted step, so that every drafter sees the step before it drafts again."""
+        with self.lock:
+            if self.cost is None or rows <= 0:
+                return 0
+            timing = self.timing()
+            n = self.budget.held_for(timing.seconds(rows), self.allowance() - timing.node(rows))
+            return int(min(n, AHEAD_MOST)) - 1 if n > 1 else 0
+
+    def skipped(self, seconds: float, rows: int) -> None:
+        """A step `plain_ahead` let run as a plain step of ``seconds``: learned as `plan` and
+        `learn` would learn an undrafted one (the budget's record, the scale, the step count)."""
+        with self.lock:
+            self.step += 1
+            self.ahead_steps += 1
+        self.learn(Choice(0, 0, False, False, 0.0), Outcome([COLD] * rows, [0] * rows, [0] * rows, [0] * rows,
+                                                             [[] for _ in range(rows)], 0.0, seconds, rows))
 
     def charge(self, seconds: float) -> None:
         """Time spent only to learn (a ``learns_only`` drafter's observation), charged to the budget."""
@@ -328,7 +352,7 @@ class PlannedDrafter:
             out: dict[str, Any] = {"drafter": self.name, "verify_cost": None if self.cost is None else self.cost.to_dict(),
                                    "scale": round(self.scale, 3), "gap_ms": round(self.gap * 1e3, 3), "steps": self.step,
                                    "overhead_ms": round(self.overhead * 1e3, 3),
-                                   "learning_ms": round(self.spend * 1e3, 3),
+                                   "learning_ms": round(self.spend * 1e3, 3), "plain_ahead_steps": self.ahead_steps,
                                    "budget": {"held_steps": self.budget.held, "trimmed_nodes": self.budget.trimmed,
                                               "deferred_steps": self.budget.deferred,
                                               "lost_ms": round(self.budget.lost * 1e3, 3),

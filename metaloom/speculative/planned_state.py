@@ -52,6 +52,10 @@ class Planner(Protocol):
 
     def idle(self, c: int) -> bool: ...
 
+    def plain_ahead(self, rows: int) -> int: ...
+
+    def skipped(self, seconds: float, rows: int) -> None: ...
+
     def charge(self, seconds: float) -> None: ...
 
 
@@ -89,6 +93,8 @@ class PlannedState:
         self.caching = [s for s in states if hasattr(s, "cache")]  # read each step by the loop's memory measure
         self.empty: Draft | None = None  # the draft of a step nothing is drafted for (frozen: shared)
         self.catch_ups = [getattr(s, "catch_up", None) for s in states]  # drafters that feed context before drafting
+        self.learners = [i for i, s in enumerate(states) if getattr(s, "learns_only", False)]
+        self.ahead = 0  # steps `plain_ahead` has promised plain and not yet run
 
     @property
     def cache(self) -> Any:
@@ -128,6 +134,26 @@ class PlannedState:
         if self.empty is None or self.empty.lengths.shape[0] != rows:
             self.empty = Draft.from_lists([[] for _ in range(rows)])
         return self.empty
+
+    def plain_ahead(self, rows: int) -> bool:
+        """Whether this step can be a plain step the drafters do not take part in: the planner
+        is sure it will not draft in it nor in the next (`PlannedDrafter.plain_ahead`), and every
+        learner is idle (none would observe it). Such a step is reported with `skipped`."""
+        if self.ahead > 0:
+            self.ahead -= 1
+            return True
+        if self.learners and not all(self.planner.idle(i) for i in self.learners):
+            return False
+        self.ahead = self.planner.plain_ahead(rows)
+        if self.ahead > 0:
+            self.ahead -= 1
+            return True
+        return False
+
+    def skipped(self, seconds: float, rows: int) -> None:
+        """A step `plain_ahead` allowed ran as a plain step of ``seconds``."""
+        self.planner.skipped(seconds, rows)
+        self.done_at = time.perf_counter()  # the next step's gap starts here, not at the last observation
 
     def observe(self, verified: Verified) -> None:
         now = time.perf_counter()
