@@ -89,11 +89,10 @@ class PlannedDrafter:
         self.extras = [Probe() for _ in self.caps]  # when each drafter next verifies one node more
         self.scale, self.gap, self.step = 1.0, 0.0, 0
         self.overhead = 0.0  # a drafted step's seconds beyond scale * c(width) (`Timing.overhead`)
-        self.drafted_steps = 0  # steps the overhead was learned from
-        self.residuals: deque[float] = deque(maxlen=OVERHEAD_WINDOW)  # their last times beyond scale * c(width)
+        self.residuals: deque[float] = deque(maxlen=OVERHEAD_WINDOW)  # the last drafted steps' such seconds
         self.charged = 0.0  # learners' charges since the last step was learned from
-        self.ahead_steps = 0  # steps run plain without the drafters (`plain_ahead`; reported)
         self.spend = 0.0  # their moving average over the steps they learned in (`idle`)
+        self.ahead_steps = 0  # steps run plain without the drafters (`plain_ahead`; reported)
         self.budget = Budget()  # what exploring may still lose against plain decoding
         self.version = 0  # bumped whenever an estimate a plan reads changes (`_priced` keeps plans until then)
         self.priced: tuple[tuple[tuple[int, ...], tuple[int, ...]], int, int, list[tuple[float, int, int]]] | None = None
@@ -315,7 +314,6 @@ class PlannedDrafter:
                 # noise), and a moving average of them, clamped at 0, read 1-4 ms
                 self.residuals.append(outcome.step - self.scale * self.cost.seconds_for(outcome.width))
                 self.overhead = max(statistics.median(self.residuals), 0.0)
-                self.drafted_steps += 1
             elif outcome.step > 0:
                 ratio = outcome.step / self.cost.seconds_for(outcome.width)
                 ratio = min(max(ratio, self.scale / 3), self.scale * 3) if self.step > 1 else ratio

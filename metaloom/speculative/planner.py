@@ -259,8 +259,8 @@ class Budget:
 
     def held_for(self, step: float, allowance: float, spend: float = 0.0) -> float:
         """About how many plain steps of ``step`` seconds must pass before there is room (0: there
-        is), each also charged ``spend`` seconds (learners observing: `charge`); inf when what a
-        step earns does not cover its charges."""
+        is), each also charged ``spend`` seconds (learners observing: `charge`); inf when the
+        window can never earn it (a step's charges outrunning its 1%, say)."""
         if self.room(allowance) > 0:
             return 0.0
         keep = 1.0 - 1.0 / WINDOW
