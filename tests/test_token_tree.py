@@ -276,6 +276,36 @@ def test_tree_flags_are_checked_by_name():
     check_speculative_args(p.parse_args(["--speculative", "recycling", "--tree", "static:4,2,1"]))
 
 
+@pytest.mark.parametrize("tree", ["static:4,2,2,1", "static:1,1,1,1", "ngram"])
+@pytest.mark.parametrize("penalty", [1.0, 1.5])
+def test_tree_and_chain_steps_report_plain_decodings_log_probabilities(tree, penalty):
+    """The emitted tokens' reported log-probabilities are the raw model's, as plain decoding's:
+    with a plain pipeline they are read from the verify's own log-softmax, with a penalty (the
+    pipeline's differ) from the raw logits."""
+    from metaloom.generator.local import LocalGenerator
+    from metaloom.generator.types import Request
+    from metaloom.ledger import Ledger
+    from metaloom.sampling.params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=penalty)
+    prompts = ["abcabc", "hello"]
+    plain = LocalGenerator(tiny_llama()).generate([Request(p, params) for p in prompts], ledger=Ledger())
+    if tree == "ngram":  # prompt lookup: the chain step
+        from metaloom.speculative import Speculative
+        from metaloom.speculative.drafters.ngram import NgramDrafter
+
+        gen = LocalGenerator(tiny_llama(), speculative=Speculative(NgramDrafter(), 6))
+    else:
+        gen, _ = _generator(tree)
+    ledger = Ledger()
+    for _ in range(2):
+        got = gen.generate([Request(p, params) for p in prompts], ledger=ledger)
+    assert ledger.usage.accepted_tokens > 0
+    for g, q in zip(got, plain, strict=True):
+        assert g[0].token_ids == q[0].token_ids
+        assert g[0].logprobs == pytest.approx(q[0].logprobs, abs=1e-5)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_trees_under_a_constraint_and_penalties_on_the_default_model(smollm, temperature):
     """A regex constraint and a repetition penalty on the real model: every branch's cursor and

@@ -76,8 +76,7 @@ def speculative_step(batch: DecodeBatch, done: list[bool], ledgers: list[Ledger]
     acc = out.acceptance
     batch.state = out.state
     chosen = out.logprobs.gather(-1, acc.tokens.to(out.logprobs.device)[..., None])[..., 0]  # [B, K+1]
-    # where the pipeline is plain log-softmax of the model's own logits, the two agree
-    same = raw is scores and batch.sampler.plain and cursors is None and not out.errors
+    same = _chosen_are_raw(batch, raw, scores, cursors, out.errors)
     emitted_lp = (chosen if same else raw_logprobs(raw, acc.tokens.to(raw.device))).tolist()
     chosen_lp = chosen.tolist()
     emitted = [acc.emitted(b) for b in range(len(batch.rows))]
@@ -133,7 +132,7 @@ def tree_step(batch: DecodeBatch, draft: Draft, tokens: torch.Tensor, start: tor
     emitted = torch.tensor([t + [0] * (width - len(t)) for t in out.tokens], device=raw.device)
     rows_index = torch.arange(len(batch.rows), device=raw.device)[:, None]
     chosen = out.logprobs.to(raw.device)[rows_index, at].gather(-1, emitted[..., None])[..., 0]
-    same = raw is scores and batch.sampler.plain and cursors is None and not out.errors  # as the chain's
+    same = _chosen_are_raw(batch, raw, scores, cursors, out.errors)
     chosen_lp = chosen.tolist()
     emitted_lp = chosen_lp if same else raw_logprobs(raw[rows_index, at], emitted).tolist()
     stepped = emit_verified(batch.rows, batch.cursors, done, out.errors, out.tokens, out.positions, emitted_lp, chosen_lp,
@@ -149,6 +148,14 @@ def tree_step(batch: DecodeBatch, draft: Draft, tokens: torch.Tensor, start: tor
     batch.drafter.observe(Observed(draft=draft, logits=raw, accepted=accepted, tokens=flat, hidden=hidden,
                                   pending=tokens[:, 0]))
     return stepped
+
+
+def _chosen_are_raw(batch: DecodeBatch, raw: torch.Tensor, scores: torch.Tensor,
+                    cursors: list[Constraint | None] | None, errors: dict[int, str]) -> bool:
+    """Whether the pipeline's log-probabilities of the emitted tokens are the reported (raw)
+    ones: a plain log-softmax of the model's own logits, no constraint, no failed row."""
+    assert batch.sampler is not None
+    return raw is scores and batch.sampler.plain and cursors is None and not errors
 
 
 def _checked(draft: Draft, limits: Sequence[int], device: torch.device) -> Draft:

@@ -139,16 +139,14 @@ class PlannedState:
         """Whether this step can be a plain step the drafters do not take part in: the planner
         is sure it will not draft in it nor in the next (`PlannedDrafter.plain_ahead`), and every
         learner is idle (none would observe it). Such a step is reported with `skipped`."""
-        if self.ahead > 0:
-            self.ahead -= 1
-            return True
-        if self.learners and not all(self.planner.idle(i) for i in self.learners):
-            return False
-        self.ahead = self.planner.plain_ahead(rows)
-        if self.ahead > 0:
-            self.ahead -= 1
-            return True
-        return False
+        if self.ahead <= 0:  # none promised: ask, unless a learner would observe the step
+            if self.learners and not all(self.planner.idle(i) for i in self.learners):
+                return False
+            self.ahead = self.planner.plain_ahead(rows)
+            if self.ahead <= 0:
+                return False
+        self.ahead -= 1
+        return True
 
     def skipped(self, seconds: float, rows: int) -> None:
         """A step `plain_ahead` allowed ran as a plain step of ``seconds``."""
