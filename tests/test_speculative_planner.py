@@ -21,10 +21,12 @@ from metaloom.speculative.planned_state import Choice
 from metaloom.speculative.planner import (
     COLD,
     PROBE_EVERY,
+    WIDE_POINTS,
     Acceptance,
     DraftCost,
     Probe,
     Timing,
+    fit_overhead,
     plan_length,
     prune,
     rates,
@@ -686,6 +688,57 @@ def test_the_overhead_is_learned_from_drafted_steps_and_the_scale_from_plain_one
     for _ in range(16):  # the window: only the last 16 drafted steps count
         step(0.001)
     assert planned.overhead == pytest.approx(0.001)
+
+
+def test_fit_overhead_separates_a_fixed_part_from_a_share_of_the_width():
+    """Drafted steps whose seconds beyond the table are 0.5 + 0.3 x (x: the table's seconds the
+    nodes add) give back both parts exactly; a 30 ms stall among eight steps moves neither; steps
+    of one width (or widths closer than ``apart``), or fewer than `WIDE_POINTS` steps, carry no
+    slope, and their median is the overhead."""
+    points = [(x, 0.5 + 0.3 * x) for x in (0.1, 0.1, 0.5, 1.0, 1.0, 2.5, 4.0, 4.0)]
+    assert len(points) == WIDE_POINTS
+    assert fit_overhead(points, 0.05) == pytest.approx((0.5, 0.3))
+    assert fit_overhead([*points, (1.0, 30.0)], 0.05) == pytest.approx((0.5, 0.3))
+    assert fit_overhead(points[1:], 0.05) == pytest.approx((0.5 + 0.3 * 1.0, 0.0))  # 7: the median of r
+    assert fit_overhead([(1.0, 0.2), (1.0, 0.4), (1.0, 9.0)], 0.05) == pytest.approx((0.4, 0.0))
+    assert fit_overhead([(1.0, 0.2), (1.02, 0.4), (1.0, 9.0)], 0.05) == pytest.approx((0.4, 0.0))
+    assert fit_overhead([], 0.05) == (0.0, 0.0)
+
+
+def test_the_width_share_prices_wide_verifies_above_narrow_ones():
+    """One additive overhead fitted to wide steps overprices a narrow draft; split into a fixed
+    part and a share of the width, the same steps' costs price a one-node draft below it."""
+    cost = VerifyCost((1, 2, 6), (1.0, 1.1, 1.5))
+    timing = Timing(cost, 1.0, 0.0, 0.1, 0.5)  # a drafted step: + 0.1, + half the width's table seconds
+    # nodes 0, 1, 5: 1.0; 1.1 + 0.1 + 0.05; 1.5 + 0.1 + 0.25
+    assert timing.drafted(1, np.array([0.0, 1.0, 5.0])).tolist() == pytest.approx([1.0, 1.25, 1.85])
+    assert timing.node(1) == pytest.approx(0.1 * 1.5 + 0.1)
+    # a node accepted 0.3 of the time: 1.3 / 1.25 > 1 pays; with one overhead of 0.35, which the same
+    # 5-node steps' 0.35 beyond the table would give, 1.3 / 1.45 < 1 does not
+    a = np.array([0.3])
+    assert prune([a], [1], 1, timing) == [1]
+    assert prune([a], [1], 1, Timing(cost, 1.0, 0.0, 0.35)) == [0]
+
+
+def test_the_planner_learns_both_parts_from_drafted_steps_of_two_widths():
+    cost = VerifyCost((1, 2, 6), (0.010, 0.011, 0.015))
+    planned = PlannedDrafter([(Oracle(True, "right"), 5)], cost=cost)
+    planned.start(None, None, [[0]], [0])
+    planned.step = 5
+    drafted = Choice(0, 5, False, False, 0.0)
+
+    def step(nodes):  # a step verifying ``nodes`` that took 2 ms + 0.5 of the width's table time more
+        width = 1 + nodes
+        took = planned.scale * cost.seconds_for(width) + 0.002 + 0.5 * (cost.seconds_for(width) - 0.010)
+        planned.learn(drafted, Outcome([COLD], [5], [5], [nodes], [[0]], 0.0, took, width))
+
+    for nodes in (1, 5, 1, 5, 1, 5, 1):
+        step(nodes)
+    assert planned.wide == 0.0  # 7 steps: their median residual (a 2-token step's) is the overhead
+    assert planned.overhead == pytest.approx(0.002 + 0.5 * 0.001)
+    step(5)
+    assert (planned.overhead, planned.wide) == pytest.approx((0.002, 0.5))
+    assert planned.timing().wide == planned.wide and planned.report()["overhead_wide"] == 0.5
 
 
 def test_held_for_counts_what_learning_charges_every_step():

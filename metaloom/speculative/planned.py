@@ -17,7 +17,6 @@ Token Recycling keeps its matrix; `report` says what it chose (``--json``'s ``co
 
 from __future__ import annotations
 
-import statistics
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -42,13 +41,15 @@ from metaloom.speculative.planner import (
     DraftCost,
     Probe,
     Timing,
+    fit_overhead,
     plan_length,
     prune,
 )
 
 __all__ = ["Choice", "Outcome", "PlannedDrafter", "PlannedState", "as_chain", "kept_paths"]
 
-OVERHEAD_WINDOW = 16  # drafted steps whose median residual is the overhead (`PlannedDrafter.learn`)
+OVERHEAD_WINDOW = 16  # drafted steps the overhead is fitted to (`PlannedDrafter.learn`, `fit_overhead`)
+WIDE_APART = 0.25  # their widths' costs at least this many one-token steps apart to give a slope
 AHEAD_MOST = 64  # the most steps `plain_ahead` promises before asking the budget again
 REPRICE = 8  # steps a candidate's pricing is reused while no estimate changed (`PlannedDrafter._priced`)
 
@@ -89,7 +90,9 @@ class PlannedDrafter:
         self.extras = [Probe() for _ in self.caps]  # when each drafter next verifies one node more
         self.scale, self.gap, self.step = 1.0, 0.0, 0
         self.overhead = 0.0  # a drafted step's seconds beyond scale * c(width) (`Timing.overhead`)
-        self.residuals: deque[float] = deque(maxlen=OVERHEAD_WINDOW)  # the last drafted steps' such seconds
+        self.wide = 0.0  # and per second of c its nodes add (`Timing.wide`)
+        # the last drafted steps' (c(width) - c(rows), seconds beyond scale * c(width)): `fit_overhead`
+        self.residuals: deque[tuple[float, float]] = deque(maxlen=OVERHEAD_WINDOW)
         self.charged = 0.0  # learners' charges since the last step was learned from
         self.spend = 0.0  # their moving average over the steps they learned in (`idle`)
         self.ahead_steps = 0  # steps run plain without the drafters (`plain_ahead`; reported)
@@ -123,7 +126,7 @@ class PlannedDrafter:
     # --- planning (under the lock: batches of one engine may run in threads) ----------------
     def timing(self, fixed: float = 0.0) -> Timing:
         assert self.cost is not None
-        return Timing(self.cost, self.scale, self.gap + fixed, self.overhead)
+        return Timing(self.cost, self.scale, self.gap + fixed, self.overhead, self.wide)
 
     def plan(self, hot: Sequence[int], limits: Sequence[int], catch_up: Sequence[float] | None = None) -> Choice:
         """The step's plan for rows in states ``hot`` allowed ``limits`` tokens; ``catch_up``: per
@@ -309,11 +312,14 @@ class PlannedDrafter:
             self.draft_costs[c].record(choice.k, outcome.drafting)
             if outcome.step > 0 and choice.k > 0 and any(outcome.verified):
                 # a drafted step: what it took beyond its forward's price (the forward's level is
-                # the plain steps' to set). The median of the last `OVERHEAD_WINDOW`: a drafted
-                # SmolLM2 step's lies between -2 and +6 ms around a median of 0.3 (the step's
-                # noise), and a moving average of them, clamped at 0, read 1-4 ms
-                self.residuals.append(outcome.step - self.scale * self.cost.seconds_for(outcome.width))
-                self.overhead = max(statistics.median(self.residuals), 0.0)
+                # the plain steps' to set), fitted over the last `OVERHEAD_WINDOW` by medians: a
+                # drafted SmolLM2 step's lies between -2 and +6 ms of it (the step's noise), and a
+                # moving average of them, clamped at 0, read 1-4 ms
+                x = self.cost.seconds_for(outcome.width) - self.cost.seconds_for(live)
+                self.residuals.append((x, outcome.step - self.scale * self.cost.seconds_for(outcome.width)))
+                overhead, wide = fit_overhead(self.residuals, WIDE_APART * self.cost.seconds[0])
+                # a wider verify never costs less than a narrower one
+                self.overhead, self.wide = max(overhead, 0.0), max(wide, -self.scale / 2)
             elif outcome.step > 0:
                 ratio = outcome.step / self.cost.seconds_for(outcome.width)
                 ratio = min(max(ratio, self.scale / 3), self.scale * 3) if self.step > 1 else ratio
@@ -349,7 +355,7 @@ class PlannedDrafter:
         with self.lock:
             out: dict[str, Any] = {"drafter": self.name, "verify_cost": None if self.cost is None else self.cost.to_dict(),
                                    "scale": round(self.scale, 3), "gap_ms": round(self.gap * 1e3, 3), "steps": self.step,
-                                   "overhead_ms": round(self.overhead * 1e3, 3),
+                                   "overhead_ms": round(self.overhead * 1e3, 3), "overhead_wide": round(self.wide, 3),
                                    "learning_ms": round(self.spend * 1e3, 3), "plain_ahead_steps": self.ahead_steps,
                                    "budget": {"held_steps": self.budget.held, "trimmed_nodes": self.budget.trimmed,
                                               "deferred_steps": self.budget.deferred,

@@ -5,11 +5,14 @@ A step that verifies ``m`` drafted nodes over ``B`` live rows yields the rows' p
 plus every accepted node, and costs a forward of ``B + m`` tokens (`VerifyCost`, measured once,
 rescaled online by the plain steps' times: ``scale``), the drafter's own time (``d0 + d1 k``,
 learned online per drafter), the loop's fixed time between steps (``gap``, observed) and, when
-``m > 0``, what a drafted step spends beyond its forward (``overhead``: the acceptance over every
-verified position, keeping the accepted nodes' KV, a tree's masks; learned online from drafted
-steps' times against ``scale * c``). The planner maximises expected tokens per second of the step::
+``m > 0``, what a drafted step spends beyond its forward: ``overhead`` (the acceptance over every
+verified position, keeping the accepted nodes' KV, a tree's masks) and ``wide`` per second of the
+verify's width (a wide forward's cost moves with the machine apart from a one-token step's;
+both learned online from drafted steps' times against ``scale * c``, `fit_overhead`). The
+planner maximises expected tokens per second of the step::
 
-    rate(m) = (B + sum of a_i over the m kept nodes) / (scale * c(B + m) + [m > 0] overhead + drafting + gap)
+    rate(m) = (B + sum of a_i over the m kept nodes)
+              / (scale * c(B + m) + [m > 0] (overhead + wide (c(B + m) - c(B))) + drafting + gap)
 
 where ``a_i`` is the probability that the i-th node a drafter proposes is accepted (for a chain,
 that at least i drafts are; for a tree, that node i lies on the accepted path), learned online
@@ -52,6 +55,7 @@ SmolLM2 step on two CPU cores, is spent only around the steps that may draft.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -180,6 +184,7 @@ class Timing:
     scale: float
     fixed: float
     overhead: float = 0.0
+    wide: float = 0.0  # a drafted step's seconds beyond scale * c, per second of c the nodes add (`fit_overhead`)
 
     def seconds(self, tokens: float) -> float:
         """A plain step of ``tokens`` rows (no node verified)."""
@@ -189,12 +194,37 @@ class Timing:
         """Steps of ``rows`` rows verifying ``nodes`` [N] nodes besides (0: the plain step;
         fractional: an expected count, whose chance of verifying any is taken as min(nodes, 1))."""
         nodes = np.asarray(nodes, dtype=np.float64)
-        return (self.scale * self.cost.seconds_array(rows + nodes) + self.fixed
+        width = self.cost.seconds_array(rows + nodes)
+        return ((self.scale + self.wide) * width - self.wide * self.cost.seconds_for(rows) + self.fixed
                 + self.overhead * np.minimum(nodes, 1.0))
 
     def node(self, rows: int = 1) -> float:
         """What one verified node adds to a plain step of ``rows`` rows (the overhead with it)."""
-        return self.seconds(rows + 1) - self.seconds(rows) + self.overhead
+        added = self.cost.seconds_for(rows + 1) - self.cost.seconds_for(rows)
+        return (self.scale + self.wide) * added + self.overhead
+
+
+WIDE_POINTS = 8  # drafted steps before a slope is fitted (`fit_overhead`): two steps' noise is not a slope
+
+
+def fit_overhead(points: Sequence[tuple[float, float]], apart: float) -> tuple[float, float]:
+    """(overhead, wide) from drafted steps: ``points`` (x, r), x the table's seconds the step's
+    nodes added to its rows' forward (c(width) - c(rows)), r the step's seconds beyond
+    ``scale * c(width)``; fitted as r = overhead + wide x. Theil-Sen (Sen 1968): ``wide`` the
+    median of the slopes between points whose x lie at least ``apart`` apart, the overhead the
+    median of r - wide x. Both parts are there: a drafted step pays about the same beyond its
+    forward whatever its width (proposing, accepting, rolling back), and a wide forward's share
+    moves with the machine: on a 2-core VM a 12-token SmolLM2 verify took 12.6 ms for seconds,
+    then 16.6 ms, while a one-token step moved by 5% (issue 47). One additive overhead fitted to
+    5- to 11-token steps read 2.3 ms and priced a 2-token verify 20% of a step too high.
+    Medians, as a step's noise has spikes of 30 ms. With fewer than `WIDE_POINTS` points, or
+    none of them ``apart``, ``wide`` is 0 (a SmolLM2 step's noise of +-2 ms between two steps 1 ms
+    of the curve apart read as slopes of -0.7 to 4.7)."""
+    pts = list(points)
+    slopes = [(r2 - r1) / (x2 - x1) for i, (x1, r1) in enumerate(pts) for x2, r2 in pts[i + 1:]
+              if abs(x2 - x1) >= apart] if len(pts) >= WIDE_POINTS else []
+    wide = statistics.median(slopes) if slopes else 0.0
+    return statistics.median([r - wide * x for x, r in pts]) if pts else 0.0, wide
 
 
 def prune(kept: Sequence[np.ndarray], lengths: Sequence[int], rows: int, timing: Timing,
