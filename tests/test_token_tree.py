@@ -205,6 +205,34 @@ def test_recycling_trees_give_plain_greedys_tokens_and_accept_drafts():
     assert int((drafter.table >= 0).any(-1).sum()) > 5  # it learned candidates for the tokens it read
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_tree_that_is_one_path_a_row_takes_the_chain_step(monkeypatch, temperature):
+    """Token Recycling's chain shape is a tree whose nodes each follow the one before: it is
+    verified by the chain step (no tree masks, walks or slot keeping), with plain decoding's
+    tokens, greedy and sampled; a tree with siblings still takes the tree step."""
+    import metaloom.decode.speculative_step as step
+    from metaloom.generator.local import LocalGenerator
+    from metaloom.generator.types import Request
+    from metaloom.ledger import Ledger
+    from metaloom.sampling.params import SamplingParams
+
+    calls = []
+    tree_step = step.tree_step
+    monkeypatch.setattr(step, "tree_step", lambda *a, **k: calls.append(1) or tree_step(*a, **k))
+    params = SamplingParams(temperature=temperature, max_tokens=30, ignore_eos=True, seed=7)
+    prompts = ["abcabc", "hello", "zzzyx"]
+    plain = LocalGenerator(tiny_llama()).generate([Request(p, params) for p in prompts], ledger=Ledger())
+    for tree, through_tree in (("static:1,1,1,1", False), ("static:4,2,2,1", True)):
+        gen, _ = _generator(tree)
+        ledger = Ledger()
+        calls.clear()
+        for _ in range(2):  # the second time round the matrix knows these texts
+            got = gen.generate([Request(p, params) for p in prompts], ledger=ledger)
+            assert [c[0].token_ids for c in got] == [c[0].token_ids for c in plain]
+        assert ledger.usage.verify_steps > 0 and ledger.usage.accepted_tokens > 0
+        assert bool(calls) == through_tree, tree
+
+
 def test_recycling_samples_follow_plain_samplings_distribution_over_two_tokens():
     """600 samples of 4 tokens, the drafter warmed up on the prompt so its drafts (two sibling
     candidates for the second token) are often accepted: the (second, third) pairs against the

@@ -142,6 +142,9 @@ class Verified:
     logprobs: torch.Tensor
     state: SamplingState
     errors: dict[int, str]
+    # [B, K+1]: the log-probability of each position's emitted token when every row is greedy
+    # (the position's maximum; past a row's emitted tokens, padding), else None
+    chosen: torch.Tensor | None = None
 
 
 def live_cursors(cursors: Sequence[Constraint | None], vocab: int, device: torch.device,
@@ -170,12 +173,16 @@ def verify(sampler: Sampler, state: SamplingState, scores: torch.Tensor, draft: 
             if c is not None and n:
                 c.rollback(n)  # re-advanced token by token when the rows emit
     lp, states = target_logprobs(sampler, scores, draft.tokens, state, generators, position_masks)
-    lengths = draft.lengths.clone()
+    lengths = draft.lengths
     # a position that allows no token: draft no further than the position before it; at
-    # position 0 the row cannot go on at all (one pass gives the argmax acceptance needs too)
+    # position 0 the row cannot go on at all (one pass gives the argmax acceptance needs too).
+    # Found on the host from one copy of the maxima: after a forward each small tensor op costs
+    # a CPU tens of microseconds (issue 47)
     values, best = c_draw.row_max(lp)
-    empty = ~(values > float("-inf"))  # [B, K+1]
-    for b, i in torch.nonzero(empty).tolist():
+    empty = [(b, i) for b, row in enumerate(values.tolist()) for i, v in enumerate(row) if not v > float("-inf")]
+    if empty:
+        lengths = lengths.clone()
+    for b, i in empty:
         if i == 0:
             first = position_masks[0] if position_masks is not None else None
             errors.setdefault(b, "no token can be drawn: " + _why_empty(first, b))
@@ -189,4 +196,7 @@ def verify(sampler: Sampler, state: SamplingState, scores: torch.Tensor, draft: 
             lengths[b] = 0
         argmax = None
     acceptance = accept(lp, draft.tokens, lengths, sampler.greedy, None if sampler.all_greedy else keys, argmax)
-    return Verified(acceptance, lp, after_step(sampler, states, lp, acceptance), errors)
+    # greedy rows emit each position's argmax (an accepted draft token is one), whose
+    # log-probability is the position's maximum: no gather needed
+    chosen = values if sampler.all_greedy and not errors else None
+    return Verified(acceptance, lp, after_step(sampler, states, lp, acceptance), errors, chosen)
