@@ -126,7 +126,8 @@ def draw(sampler: Sampler, state: SamplingState, raw: torch.Tensor, scores: torc
     dead = ~(values > float("-inf"))  # NaN too
     u = None if sampler.all_greedy else row_uniforms(keys, lp.device)
     tokens = sampler.draw(lp, u, argmax, c_draw.search)
-    chosen = lp.gather(-1, tokens[:, None])[:, 0]
+    # a greedy row's token is its argmax, whose log-probability is the maximum row_max found
+    chosen = values if sampler.all_greedy else lp.gather(-1, tokens[:, None])[:, 0]
     # where the pipeline is plain log-softmax of the model's own logits, the two agree
     same = raw is scores and sampler.plain and mask is None
     return Drawn(tokens, lp, chosen if same else raw_logprobs(raw, tokens), chosen, errors, dead, mask)
