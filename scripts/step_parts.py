@@ -1,0 +1,102 @@
+"""Where a decode step's time goes besides its forward: plain greedy and the same requests with
+a drafter at a fixed draft length, each part of the step (the forward, the draw or the verify,
+emitting, the cache's roll-back, the drafter's propose and observe) timed in place; not a test.
+
+    python scripts/step_parts.py [DRAFTER [K [PROMPTS [ROUNDS]]]]
+
+DRAFTER: a `metaloom.speculative.registry` name (default recycling, whose K is then a chain of
+K nodes as a tree); K: its draft tokens a step (default 1); PROMPTS: grounded (default) or free,
+`metaloom bench speculative`'s; ROUNDS (default 2) after a warm-up round. The default model on
+native weights with q8 activations. Prints per round each part's calls and mean ms a call; what
+a step spends beyond its forward is the step's time less the forward's. Wrapping costs about a
+microsecond a call. The parts are the functions the decode loop calls by name
+(`metaloom.decode.batch`, `metaloom.decode.speculative_step`), so a part renamed there is
+missing here, not silently zero.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import metaloom.decode.batch as batch
+import metaloom.decode.speculative_step as step
+from metaloom.bench.speculative.prompts import PROMPT_SETS
+from metaloom.generator import LocalGenerator, Request
+from metaloom.ledger import Ledger
+from metaloom.models.engine.cache import PagedKVCache
+from metaloom.models.load import load
+from metaloom.sampling import SamplingParams
+from metaloom.sampling.pipeline import make_sampler
+from metaloom.speculative import Speculative
+from metaloom.speculative.drafter import Draft
+from metaloom.speculative.registry import DrafterOptions, build_drafter
+
+TIMES: collections.defaultdict[str, float] = collections.defaultdict(float)
+CALLS: collections.Counter[str] = collections.Counter()
+
+
+def timed(owner: Any, attr: str, label: str) -> None:
+    """Replace ``owner.attr`` by itself timed under ``label``."""
+    inner: Callable[..., Any] = getattr(owner, attr)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            TIMES[label] += time.perf_counter() - began
+            CALLS[label] += 1
+
+    setattr(owner, attr, wrapper)
+
+
+def main() -> None:
+    name = sys.argv[1] if len(sys.argv) > 1 else "recycling"
+    k = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    prompts = PROMPT_SETS[sys.argv[3] if len(sys.argv) > 3 else "grounded"]
+    rounds = int(sys.argv[4]) if len(sys.argv) > 4 else 2
+    torch.set_num_threads(2)
+    loaded = load("default", weights="native", activations="q8")
+    options = DrafterOptions(tree="static:" + ",".join(["1"] * k)) if name == "recycling" else DrafterOptions()
+    drafter = build_drafter(name, loaded, options)
+    for owner, attr, label in (
+            (batch, "speculative_step", "speculative step"), (batch, "charged_forward_both", "plain: forward"),
+            (batch, "draw", "plain: draw"), (batch, "emit_drawn", "plain: emit"),
+            (batch.DecodeBatch, "plain_step", "plain step"), (batch.DecodeBatch, "measure", "measure KV"),
+            (step, "charged_forward_both", "drafted: forward"), (step, "verify", "verify"),
+            (step, "verify_tree", "verify_tree"), (step, "tree_step", "tree step"),
+            (step, "emit_verified", "drafted: emit"), (step, "_checked", "check draft"),
+            (PagedKVCache, "truncate", "truncate"), (PagedKVCache, "keep_entries", "keep_entries"),
+            (Draft, "tree_attention", "tree masks")):
+        timed(owner, attr, label)
+    sampler = make_sampler([SamplingParams(temperature=0)], loaded.model.vocab_size, loaded.model.device)
+    state = type(drafter.start(loaded.model, sampler, [[1, 2]], [0]))  # the drafter's per-batch state's class
+    timed(state, "propose", "propose")
+    timed(state, "observe", "observe")
+    plain, speculative = LocalGenerator(loaded), LocalGenerator(loaded, speculative=Speculative(drafter, k))
+
+    def run(gen: LocalGenerator) -> float:
+        began = time.perf_counter()
+        for p in prompts:
+            gen.generate([Request.chat(p, SamplingParams(temperature=0, max_tokens=128))], ledger=Ledger())
+        return time.perf_counter() - began
+
+    run(plain)
+    run(speculative)
+    for r in range(rounds):
+        for label, gen in (("plain", plain), (f"{name}, K={k}", speculative)):
+            TIMES.clear()
+            CALLS.clear()
+            seconds = run(gen)
+            parts = ", ".join(f"{part} {CALLS[part]} x {TIMES[part] / CALLS[part] * 1e3:.3f}" for part in TIMES)
+            print(f"round {r + 1}, {label}: {seconds:.3f} s; ms a call: {parts}")
+
+
+if __name__ == "__main__":
+    main()
