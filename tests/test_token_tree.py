@@ -233,6 +233,17 @@ def test_a_tree_that_is_one_path_a_row_takes_the_chain_step(monkeypatch, tempera
         assert bool(calls) == through_tree, tree
 
 
+def test_a_tree_counts_as_one_path_only_up_to_each_rows_limit():
+    from metaloom.decode.speculative_step import _all_chains
+    from metaloom.speculative.drafter import Draft
+
+    # row 0: 5 -> 6, then 7 a sibling of 6; row 1: one node
+    draft = Draft.from_trees([DraftTree((5, 6, 7), (-1, 0, 0)), DraftTree((9,), (-1,))])
+    assert _all_chains(draft, [2, 1]) and _all_chains(draft, [2, 0])
+    assert not _all_chains(draft, [3, 1])
+    assert not _all_chains(Draft.from_trees([DraftTree((5, 6), (-1, -1))]), [2])  # two siblings
+
+
 def test_recycling_samples_follow_plain_samplings_distribution_over_two_tokens():
     """600 samples of 4 tokens, the drafter warmed up on the prompt so its drafts (two sibling
     candidates for the second token) are often accepted: the (second, third) pairs against the

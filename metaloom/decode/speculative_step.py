@@ -60,7 +60,7 @@ def speculative_step(batch: DecodeBatch, done: list[bool], ledgers: list[Ledger]
             else Draft(proposed.tokens.to(device), proposed.lengths.to(device))
     else:
         draft = _checked(proposed, limits, device)
-        if draft.parents is not None and _all_chains(draft):
+        if proposed.parents is not None and _all_chains(proposed, limits):
             # a tree whose verified nodes form one path a row (Token Recycling's chain shape; a
             # tree the cost model cut to one node) takes the chain step: the same acceptance,
             # without the tree's masks, walks and slot keeping, which cost a drafted SmolLM2
@@ -165,11 +165,12 @@ def _chosen_are_raw(batch: DecodeBatch, raw: torch.Tensor, scores: torch.Tensor,
     return raw is scores and batch.sampler.plain and cursors is None and not errors
 
 
-def _all_chains(draft: Draft) -> bool:
-    """Whether every row's tree is a chain: node i follows node i - 1 for each verified node."""
+def _all_chains(draft: Draft, limits: Sequence[int]) -> bool:
+    """Whether every row's tree, cut to its limit, is a chain: node i follows node i - 1 for each
+    node verified. Read from the drafter's own tensors (made on the host: no device wait)."""
     assert draft.parents is not None
-    return all(all(p == i - 1 for i, p in enumerate(row[:n]))
-               for row, n in zip(draft.parents.tolist(), draft.lengths.tolist(), strict=True))
+    return all(all(p == i - 1 for i, p in enumerate(row[:min(n, limit)]))
+               for row, n, limit in zip(draft.parents.tolist(), draft.lengths.tolist(), limits, strict=True))
 
 
 def _checked(draft: Draft, limits: Sequence[int], device: torch.device) -> Draft:
