@@ -315,8 +315,8 @@ class PlannedDrafter:
                 # the plain steps' to set), fitted over the last `OVERHEAD_WINDOW` by medians: a
                 # drafted SmolLM2 step's lies between -2 and +6 ms of it (the step's noise), and a
                 # moving average of them, clamped at 0, read 1-4 ms
-                x = self.cost.seconds_for(outcome.width) - self.cost.seconds_for(live)
-                self.residuals.append((x, outcome.step - self.scale * self.cost.seconds_for(outcome.width)))
+                forward = self.cost.seconds_for(outcome.width)
+                self.residuals.append((forward - self.cost.seconds_for(live), outcome.step - self.scale * forward))
                 overhead, wide = fit_overhead(self.residuals, WIDE_APART * self.cost.seconds[0])
                 # a wider verify never costs less than a narrower one
                 self.overhead, self.wide = max(overhead, 0.0), max(wide, -self.scale / 2)

@@ -200,8 +200,7 @@ class Timing:
 
     def node(self, rows: int = 1) -> float:
         """What one verified node adds to a plain step of ``rows`` rows (the overhead with it)."""
-        added = self.cost.seconds_for(rows + 1) - self.cost.seconds_for(rows)
-        return (self.scale + self.wide) * added + self.overhead
+        return float(self.drafted(rows, np.ones(1))[0]) - self.seconds(rows)
 
 
 WIDE_POINTS = 8  # drafted steps before a slope is fitted (`fit_overhead`): two steps' noise is not a slope
