@@ -278,6 +278,20 @@ class _Counting:
         return call
 
 
+def test_a_decode_step_over_a_few_hundred_keys_splits_its_attention():
+    """scripts/attention_threads.py: from about 250 (row, key) pairs a split over threads pays
+    (a one-token step at 300 positions 5-8% faster), and below it the split is level. With the
+    old threshold (2048) a step or a 2- to 6-token verify at a few hundred positions stayed on one
+    thread while the other waited."""
+    from metaloom.models.engine.fused_step import attention_threads
+
+    assert attention_threads(1, 299, 2) == 2  # one row, 300 keys: a decode step
+    assert attention_threads(4, 99, 8) == 8  # a 4-token verify after 96 positions
+    assert attention_threads(1, 120, 2) == 1  # too little to pay for the parallel regions
+    assert attention_threads(2, 30, 2) == 1
+    assert attention_threads(1, 10**6, 1) == 1  # one thread available
+
+
 @needs
 @pytest.mark.parametrize("parallel_from", [10**9, 0])  # one thread; every step split over threads
 def test_fused_steps_over_forked_rows_equal_pytorch_steps(monkeypatch, parallel_from):

@@ -62,6 +62,14 @@ def step_fused(m: LlamaModel, tokens: torch.Tensor, cache: PagedKVCache, lengths
     return y[:, None]
 
 
+def attention_threads(rows: int, longest: int, available: int) -> int:
+    """The threads a fused step's attention splits over: all ``available`` once ``rows`` rows
+    read enough cached keys (the longest row's ``longest`` plus its new one) to pay for a parallel
+    region in each layer (`PARALLEL_MIN_KEYS`), else one. Tasks are (row, kv head), so the split
+    does not change a row's arithmetic."""
+    return available if rows * (longest + 1) >= PARALLEL_MIN_KEYS else 1
+
+
 def fused_rows(m: LlamaModel, tokens: torch.Tensor, lengths: torch.Tensor, table: torch.Tensor, pool: KVPool,
                sharing: Sharing | None, drops: Drops, k: FusedKernels) -> torch.Tensor:
     """One new token per row through the fused kernels: tokens [R] at positions lengths [R],
@@ -76,9 +84,7 @@ def fused_rows(m: LlamaModel, tokens: torch.Tensor, lengths: torch.Tensor, table
     act = x.new_empty(b, c.intermediate_size)
     if not fused_reads(m, pool) or not pool.keys[0].is_contiguous() or not table.is_contiguous():
         raise UnsupportedModel("the fused step needs the contiguous KV pool of new_cache()")
-    # split attention over threads only when there is enough of it (each parallel region
-    # costs a few microseconds, 2 per layer)
-    threads = torch.get_num_threads() if b * (int(lengths.max()) + 1) >= PARALLEL_MIN_KEYS else 1
+    threads = attention_threads(b, int(lengths.max()), torch.get_num_threads())
     plan = m._plan(b)
     eps, scale, cap = c.rms_norm_eps, c.attention_scale, c.attn_softcap
     if plan is not None:  # every layer in one call: the same kernels, in the same order (metaloom.models.engine.stack)

@@ -55,7 +55,11 @@ SOURCE = Path(__file__).with_name("fused.c")
 ABI_VERSION = 9  # must match fused.c
 # From this many (row, cached key) pairs per step, fused.c's attention splits over PyTorch's
 # threads (OpenMP); below it, one thread (a parallel region costs microseconds per layer).
-PARALLEL_MIN_KEYS = 2048
+# Measured with scripts/attention_threads.py (AMD EPYC Zen 4, avx512 and avx2 paths, SmolLM2 and
+# Qwen2.5-Coder-0.5B, 2 threads): splitting is level to 1-3% either way below about 250 pairs and
+# pays from there (a one-token step at 300 positions 5-8% faster, at 1,000 10-15%; a 2- to 4-token
+# verify at 300 positions 6-9%). It was 2048, which kept short decode steps and verifies on one thread.
+PARALLEL_MIN_KEYS = 256
 MAX_HEAD_DIM = 256  # fused.c keeps a query and its output in 16 vectors of 16
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # fused.c's glu_mul
 _P, _I = ctypes.c_void_p, ctypes.c_int64
