@@ -126,6 +126,52 @@ def test_rope_attend_equals_rope_cache_write_and_sdpa(heads, kv_heads, dim, wind
     assert torch.equal(values, ref_values)  # the value, copied
 
 
+def _long_rows(dtype, heads, kv_heads, dim, lengths, seed):
+    """Rows of a long context at scattered slots: qkv, RoPE tables, slot table, keys and values."""
+    rows, cap = len(lengths), max(lengths) + 1
+    slots = rows * cap
+    cos, sin = rope_tables(dim, 10000.0, None, cap, dtype, CPU)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=_g(seed)).to(dtype)
+    keys = torch.randn(slots, kv_heads, dim, generator=_g(seed + 1)).to(dtype)
+    values = torch.randn(slots, kv_heads, dim, generator=_g(seed + 2)).to(dtype)
+    table = torch.randperm(slots, generator=_g(seed + 3)).view(rows, cap).clone()
+    return qkv, cos, sin, torch.tensor(lengths), table, keys, values
+
+
+@needs
+@DTYPES
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("heads, kv_heads, dim, window", [(9, 3, 64, None), (4, 1, 128, None), (6, 2, 64, 700)])
+def test_a_long_row_attended_in_parts_equals_sdpa(heads, kv_heads, dim, window, threads, dtype):
+    """Past ATTEND_PART (512) positions a row's attention is split into parts of 512 positions,
+    one task each, and the parts' partial softmaxes merged by their log-sum-exp (fused.c,
+    merge_parts): 1, 1, 2 and 3 parts here (2 in a window of 700). Dropping a part's weight
+    e^(m_c - M) from the merge, or a part, fails this."""
+    qkv, cos, sin, lengths, table, keys, values = _long_rows(dtype, heads, kv_heads, dim, [5, 511, 512, 1300], 40)
+    ref_keys, ref_values = keys.clone(), values.clone()
+    expected = _reference_attend(qkv, cos, sin, lengths, table, ref_keys, ref_values, heads, window)
+    out = torch.empty(len(lengths), heads * dim, dtype=dtype)
+    KERNELS.rope_attend(qkv, cos, sin, lengths, table, keys, values, out, heads, window, threads)
+    assert _close(out, expected, dtype)
+
+
+@needs
+@DTYPES
+def test_a_long_rows_bits_do_not_depend_on_the_threads_or_the_other_rows(dtype):
+    """The parts depend only on a row's own positions: the row alone on one thread (a decode
+    step) and among other rows on two (a verify's drafted tokens, a batch) give the same bits.
+    Speculative decoding's exactness against plain greedy rests on it."""
+    heads, kv_heads, dim = 9, 3, 64
+    qkv, cos, sin, lengths, table, keys, values = _long_rows(dtype, heads, kv_heads, dim, [1300, 40, 700], 50)
+    together = torch.empty(3, heads * dim, dtype=dtype)
+    KERNELS.rope_attend(qkv, cos, sin, lengths, table, keys.clone(), values.clone(), together, heads, None, 2)
+    for r in range(3):
+        alone = torch.empty(1, heads * dim, dtype=dtype)
+        KERNELS.rope_attend(qkv[r:r + 1].contiguous(), cos, sin, lengths[r:r + 1], table[r:r + 1].contiguous(),
+                            keys.clone(), values.clone(), alone, heads, None, 1)
+        assert torch.equal(alone[0], together[r])
+
+
 def _tiny(model_type: str = "llama", **extra) -> LlamaModel:
     """A tiny random model whose sizes the kernels take (multiples of 16, head_dim 32)."""
     torch.manual_seed(0)

@@ -438,7 +438,7 @@ INLINE f8 hsum8x8(const f8 *a) {
 INLINE void group_attend_n(const void *q, int64_t G, const void *K, const void *V, const float *KS, const float *VS,
                            const int64_t *slots, int64_t stride, int64_t off, int64_t sst, int64_t sof, float *scores,
                            int64_t span, float *sums_out, void *out, int64_t oi, int64_t dim, int64_t lo, int64_t pos,
-                           float scale, float cap, const int nv, const int bf, const int q8) {
+                           float scale, float cap, float *part, const int nv, const int bf, const int q8) {
     vec qf[MAX_GROUP][MAX_VECTORS], acc[MAX_GROUP][MAX_VECTORS], kv[MAX_VECTORS];
     float mx[MAX_GROUP];
     for (int64_t g = 0; g < G; g++) {
@@ -559,6 +559,13 @@ INLINE void group_attend_n(const void *q, int64_t G, const void *K, const void *
         }
     }
     for (int64_t g = 0; g < G; g++) {
+        if (part) { /* a part of the row's positions: its max, sum and unnormalised acc, merged later */
+            float *p = part + g * (dim + 2);
+            p[0] = mx[g];
+            p[1] = sums_out[g];
+            for (int i = 0; i < nv; i++) memcpy(p + 2 + W * i, &acc[g][i], sizeof(vec));
+            continue;
+        }
         float inv = 1.0f / sums_out[g];
         for (int i = 0; i < nv; i++) st(out, oi + g * dim + W * i, acc[g][i] * inv, bf);
     }
@@ -566,12 +573,13 @@ INLINE void group_attend_n(const void *q, int64_t G, const void *K, const void *
 
 #define GROUP_ATTEND(NV) \
     group_attend_n(q, G, K, V, KS, VS, slots, stride, off, sst, sof, scores, span, sums, out, oi, dim, lo, pos, scale, \
-                   cap, NV, bf, q8)
+                   cap, part, NV, bf, q8)
 
+/* part: NULL, or [G][dim + 2] for (max, sum, acc) of each head over lo..pos, unnormalised */
 INLINE void group_attend(const void *q, int64_t G, const void *K, const void *V, const float *KS, const float *VS,
                          const int64_t *slots, int64_t stride, int64_t off, int64_t sst, int64_t sof, float *scores,
                          int64_t span, float *sums, void *out, int64_t oi, int64_t dim, int64_t lo, int64_t pos,
-                         float scale, float cap, const int bf, const int q8) {
+                         float scale, float cap, float *part, const int bf, const int q8) {
     switch (dim) {
     case 64: GROUP_ATTEND(64 / W); break;
     case 128: GROUP_ATTEND(128 / W); break;
@@ -590,29 +598,51 @@ typedef struct {
     float *probs;
 } drop_args;
 
+/* A row's positions lo..pos are attended in parts of ATTEND_PART positions (lo, lo + ATTEND_PART,
+ * ...), each part a task, and the parts' partial softmaxes merged (merge_parts): so one row's
+ * attention at a long context splits over the threads evenly, where (row, kv head) tasks alone
+ * split SmolLM2's 3 kv heads 2 : 1 over 2 threads and Gemma 3's one not at all. The parts depend
+ * only on the row's lo and pos, never on the threads or the other rows, so a position's output
+ * has the same bits in a decode step and in a verify (a verify's drafted tokens are rows of
+ * their own). Rows with dropped positions (shift, sinks, probs) are attended whole. */
+#define ATTEND_PART 512
+
+INLINE int64_t attend_lo(int64_t pos, int64_t window) { return (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0; }
+
+INLINE int64_t attend_parts(int64_t pos, int64_t window, const drop_args *dr) {
+    if (dr->shift || dr->sinks || dr->probs) return 1;
+    return (pos - attend_lo(pos, window) + ATTEND_PART) / ATTEND_PART; /* ceil(positions / ATTEND_PART) */
+}
+
 /* One (row, kv head) task: attend every query head of kv head j's group over the row's
  * positions (its new key and value already written by write_new). scores: [group, span] scratch,
  * q: [(group + 1) * dim] for the rotated queries. Without sinks the group goes through
  * group_attend, MAX_GROUP heads at a time (each key and value read once per part); sinks rotate
- * the query twice and take the head-at-a-time path. */
+ * the query twice and take the head-at-a-time path. With `part` (not NULL): only positions
+ * part `chunk` of ATTEND_PART, each head's (max, sum, acc) into part [group][dim + 2]. */
 INLINE void attend_task(const void *qkv, const void *cs, const void *sn, const int64_t *lengths,
                         const int64_t *table, int64_t width, void *kc, void *vc, float *ks, float *vs, void *out,
                         int64_t r, int64_t j, int64_t h, int64_t hk, int64_t dim, int64_t window, float scale,
-                        float cap, float *scores, int64_t span, float *q, const drop_args *dr, const int bf,
-                        const int q8) {
+                        float cap, float *scores, int64_t span, float *q, const drop_args *dr, int64_t chunk,
+                        float *part, const int bf, const int q8) {
     int64_t stride = (h + 2 * hk) * dim, group = h / hk;
     int64_t pos = lengths[r];
-    int64_t lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+    int64_t lo = attend_lo(pos, window);
     int64_t row = r * stride, at = (pos + (dr->shift ? dr->shift[r] : 0)) * dim;
     int64_t sinks = dr->sinks ? dr->sinks[r] : 0;
     const int64_t *slots = table + r * width;
     if (!(sinks > 0 && at != pos * dim)) {
         float sums[MAX_GROUP];
+        int64_t a = lo, b = pos; /* the positions of this task */
+        if (part) {
+            a = lo + chunk * ATTEND_PART;
+            b = a + ATTEND_PART - 1 < pos ? a + ATTEND_PART - 1 : pos;
+        }
         for (int64_t c = 0; c < group; c += MAX_GROUP) { /* a group of more than MAX_GROUP heads: in parts */
             int64_t n = group - c < MAX_GROUP ? group - c : MAX_GROUP, g0 = j * group + c;
             for (int64_t g = 0; g < n; g++) rope(qkv, row + (g0 + g) * dim, cs, sn, at, q, g * dim, dim, bf);
             group_attend(q, n, kc, vc, ks, vs, slots, hk * dim, j * dim, hk, j, scores, span, sums, out,
-                         (r * h + g0) * dim, dim, lo, pos, scale, cap, bf, q8);
+                         (r * h + g0) * dim, dim, a, b, scale, cap, part ? part + c * (dim + 2) : NULL, bf, q8);
             if (dr->probs) /* scores hold e^(score - max) for lo..pos, head by head */
                 for (int64_t g = 0; g < n; g++) {
                     float inv = 1.0f / sums[g], *p = dr->probs + (r * hk + j) * width;
@@ -639,6 +669,28 @@ INLINE void attend_task(const void *qkv, const void *cs, const void *sn, const i
     }
 }
 
+/* out [G heads, dim] of one (row, kv head) from its np parts (position order), each part
+ * [G][dim + 2] = (max m, sum l, acc): softmax over the concatenation = sum_c e^(m_c - M) acc_c /
+ * sum_c e^(m_c - M) l_c with M the largest m_c, summed in part order (the log-sum-exp merge of
+ * shared-prefix attention and of the sinks, above). */
+INLINE void merge_parts(const float *parts, int64_t np, int64_t G, int64_t dim, void *out, int64_t oi, const int bf) {
+    const int64_t ps = G * (dim + 2), nv = dim / W;
+    for (int64_t g = 0; g < G; g++) {
+        float m = -INFINITY, l = 0.0f;
+        for (int64_t c = 0; c < np; c++) m = parts[c * ps + g * (dim + 2)] > m ? parts[c * ps + g * (dim + 2)] : m;
+        vec acc[MAX_VECTORS];
+        for (int64_t i = 0; i < nv; i++) acc[i] = splat(0.0f);
+        for (int64_t c = 0; c < np; c++) {
+            const float *p = parts + c * ps + g * (dim + 2);
+            const float w = vexp(splat(p[0] - m))[0];
+            l += p[1] * w;
+            for (int64_t i = 0; i < nv; i++) acc[i] += ld(p + 2, W * i, 0) * w;
+        }
+        const float inv = 1.0f / l;
+        for (int64_t i = 0; i < nv; i++) st(out, oi + g * dim + W * i, acc[i] * inv, bf);
+    }
+}
+
 INLINE int rope_attend_t(const void *qkv, const void *cs, const void *sn, const int64_t *lengths,
                          const int64_t *table, int64_t width, void *kc, void *vc, float *ks, float *vs, void *out,
                          int64_t rows, int64_t h, int64_t hk, int64_t dim, int64_t window, int64_t threads,
@@ -652,7 +704,22 @@ INLINE int rope_attend_t(const void *qkv, const void *cs, const void *sn, const 
     int64_t span = longest + 1 + W, group = h / hk, part = group < MAX_GROUP ? group : MAX_GROUP;
     size_t scratch = (size_t)(part * span + (group + 1) * dim);
     int failed = 0;
-    int64_t tasks = rows * hk;
+    /* row r's tasks are first[r]..first[r + 1] - 1: hk kv heads x its parts, a kv head's parts
+     * adjacent; a row in parts leaves each task's partial softmax in parts [task][group][dim + 2] */
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(rows + 1)), split = 0;
+    if (!first) return -1;
+    first[0] = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t np = attend_parts(lengths[r], window, dr);
+        first[r + 1] = first[r] + hk * np;
+        split |= np > 1;
+    }
+    const int64_t tasks = first[rows], pstride = group * (dim + 2);
+    float *parts = split ? malloc(sizeof(float) * (size_t)(tasks * pstride)) : NULL;
+    if (split && !parts) {
+        free(first);
+        return -1;
+    }
 #pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1)
     {
         float *scores = malloc(sizeof(float) * scratch);
@@ -661,12 +728,35 @@ INLINE int rope_attend_t(const void *qkv, const void *cs, const void *sn, const 
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < tasks; task++)
-            if (scores)
-                attend_task(qkv, cs, sn, lengths, table, width, kc, vc, ks, vs, out, task / hk, task % hk, h, hk, dim,
-                            window, scale, cap, scores, span, scores + part * span, dr, bf, q8);
+        for (int64_t task = 0; task < tasks; task++) {
+            if (!scores) continue;
+            int64_t lo = 0, hi = rows - 1; /* the row: the last r with first[r] <= task */
+            while (lo < hi) {
+                int64_t mid = (lo + hi + 1) / 2;
+                if (first[mid] <= task) lo = mid;
+                else hi = mid - 1;
+            }
+            const int64_t r = lo, np = (first[r + 1] - first[r]) / hk, k = task - first[r];
+            attend_task(qkv, cs, sn, lengths, table, width, kc, vc, ks, vs, out, r, k / np, h, hk, dim, window, scale,
+                        cap, scores, span, scores + part * span, dr, k % np, np > 1 ? parts + task * pstride : NULL,
+                        bf, q8);
+        }
+        int bad; /* set before the loop's barrier, so every thread reads the same */
+#pragma omp atomic read
+        bad = failed;
+        if (split && !bad) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t rj = 0; rj < rows * hk; rj++) {
+                const int64_t r = rj / hk, j = rj % hk, np = (first[r + 1] - first[r]) / hk;
+                if (np > 1)
+                    merge_parts(parts + (first[r] + j * np) * pstride, np, group, dim, out, (r * h + j * group) * dim,
+                                bf);
+            }
+        }
         free(scores);
     }
+    free(parts);
+    free(first);
     return failed ? -1 : 0;
 }
 
