@@ -143,11 +143,11 @@ def _long_rows(dtype, heads, kv_heads, dim, lengths, seed):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("heads, kv_heads, dim, window", [(9, 3, 64, None), (4, 1, 128, None), (6, 2, 64, 700)])
 def test_a_long_row_attended_in_parts_equals_sdpa(heads, kv_heads, dim, window, threads, dtype):
-    """Past ATTEND_PART (512) positions a row's attention is split into parts of 512 positions,
-    one task each, and the parts' partial softmaxes merged by their log-sum-exp (fused.c,
-    merge_parts): 1, 1, 2 and 3 parts here (2 in a window of 700). Dropping a part's weight
-    e^(m_c - M) from the merge, or a part, fails this."""
-    qkv, cos, sin, lengths, table, keys, values = _long_rows(dtype, heads, kv_heads, dim, [5, 511, 512, 1300], 40)
+    """From ATTEND_HALVES (512) positions a row's attention is split into two halves, one task
+    each, and the halves' partial softmaxes merged by their log-sum-exp (fused.c, merge_parts):
+    whole, whole, in halves from exactly 512 positions, and in halves of 1,301 (of a window of 700
+    with one). Dropping a half's weight e^(m_c - M) from the merge, or a half, fails this."""
+    qkv, cos, sin, lengths, table, keys, values = _long_rows(dtype, heads, kv_heads, dim, [5, 510, 511, 1300], 40)
     ref_keys, ref_values = keys.clone(), values.clone()
     expected = _reference_attend(qkv, cos, sin, lengths, table, ref_keys, ref_values, heads, window)
     out = torch.empty(len(lengths), heads * dim, dtype=dtype)
@@ -158,7 +158,7 @@ def test_a_long_row_attended_in_parts_equals_sdpa(heads, kv_heads, dim, window, 
 @needs
 @DTYPES
 def test_a_long_rows_bits_do_not_depend_on_the_threads_or_the_other_rows(dtype):
-    """The parts depend only on a row's own positions: the row alone on one thread (a decode
+    """The halves depend only on a row's own positions: the row alone on one thread (a decode
     step) and among other rows on two (a verify's drafted tokens, a batch) give the same bits.
     Speculative decoding's exactness against plain greedy rests on it."""
     heads, kv_heads, dim = 9, 3, 64

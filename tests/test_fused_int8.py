@@ -108,8 +108,9 @@ def test_rope_attend_int8_writes_python_codes_and_attends_the_dequantised_pool(h
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_long_row_over_an_int8_pool_attended_in_parts_equals_the_dequantised_pool(threads):
-    """Past 512 positions a row is attended in parts merged by their log-sum-exp (fused.c,
-    merge_parts): here 1, 2 and 3 parts, int8 keys and values scaled per position. float32 only:
+    """From 512 positions a row is attended in two halves merged by their log-sum-exp (fused.c,
+    merge_parts): here whole, then in halves of 701 and 1,101, int8 keys and values scaled per
+    position. float32 only:
     in bfloat16 these peaked softmaxes over 1,100 positions miss the short rows' tolerance with the
     row attended whole as well."""
     heads, kv_heads, dim, dtype = 9, 3, 64, torch.float32

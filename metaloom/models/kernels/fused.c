@@ -598,28 +598,31 @@ typedef struct {
     float *probs;
 } drop_args;
 
-/* A row's positions lo..pos are attended in parts of ATTEND_PART positions (lo, lo + ATTEND_PART,
- * ...), each part a task, and the parts' partial softmaxes merged (merge_parts): so one row's
- * attention at a long context splits over the threads evenly, where (row, kv head) tasks alone
- * split SmolLM2's 3 kv heads 2 : 1 over 2 threads and Gemma 3's one not at all. The parts depend
- * only on the row's lo and pos, never on the threads or the other rows, so a position's output
- * has the same bits in a decode step and in a verify (a verify's drafted tokens are rows of
- * their own). Rows with dropped positions (shift, sinks, probs) are attended whole. */
-#define ATTEND_PART 512
+/* A row of at least ATTEND_HALVES positions is attended in two halves (the first ends at a
+ * multiple of 32 positions from lo), each a task, and the halves' partial softmaxes merged
+ * (merge_parts): so one row's attention at a long context splits over two threads evenly, where
+ * (row, kv head) tasks alone split SmolLM2's 3 kv heads 2 : 1 and Gemma 3's one not at all.
+ * Two halves, not parts of a fixed size: every part adds tasks and merges that a batch of rows,
+ * already split evenly, pays for (4 rows of SmolLM2 at 4,000 positions: 5% slower in parts of 512,
+ * against 16% faster for one row). The halves depend only on the row's lo and pos, never on the
+ * threads or the other rows, so a position's output has the same bits in a decode step and in a
+ * verify (a verify's drafted tokens are rows of their own). Rows with dropped positions (shift,
+ * sinks, probs) are attended whole. */
+#define ATTEND_HALVES 512
 
 INLINE int64_t attend_lo(int64_t pos, int64_t window) { return (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0; }
 
 INLINE int64_t attend_parts(int64_t pos, int64_t window, const drop_args *dr) {
     if (dr->shift || dr->sinks || dr->probs) return 1;
-    return (pos - attend_lo(pos, window) + ATTEND_PART) / ATTEND_PART; /* ceil(positions / ATTEND_PART) */
+    return pos - attend_lo(pos, window) + 1 >= ATTEND_HALVES ? 2 : 1;
 }
 
 /* One (row, kv head) task: attend every query head of kv head j's group over the row's
  * positions (its new key and value already written by write_new). scores: [group, span] scratch,
  * q: [(group + 1) * dim] for the rotated queries. Without sinks the group goes through
  * group_attend, MAX_GROUP heads at a time (each key and value read once per part); sinks rotate
- * the query twice and take the head-at-a-time path. With `part` (not NULL): only positions
- * part `chunk` of ATTEND_PART, each head's (max, sum, acc) into part [group][dim + 2]. */
+ * the query twice and take the head-at-a-time path. With `part` (not NULL): only the row's half
+ * `chunk` (0, 1) of its positions, each head's (max, sum, acc) into part [group][dim + 2]. */
 INLINE void attend_task(const void *qkv, const void *cs, const void *sn, const int64_t *lengths,
                         const int64_t *table, int64_t width, void *kc, void *vc, float *ks, float *vs, void *out,
                         int64_t r, int64_t j, int64_t h, int64_t hk, int64_t dim, int64_t window, float scale,
@@ -635,8 +638,9 @@ INLINE void attend_task(const void *qkv, const void *cs, const void *sn, const i
         float sums[MAX_GROUP];
         int64_t a = lo, b = pos; /* the positions of this task */
         if (part) {
-            a = lo + chunk * ATTEND_PART;
-            b = a + ATTEND_PART - 1 < pos ? a + ATTEND_PART - 1 : pos;
+            const int64_t half = ((pos - lo + 1) / 2) & ~(int64_t)31;
+            a = chunk ? lo + half : lo;
+            b = chunk ? pos : lo + half - 1;
         }
         for (int64_t c = 0; c < group; c += MAX_GROUP) { /* a group of more than MAX_GROUP heads: in parts */
             int64_t n = group - c < MAX_GROUP ? group - c : MAX_GROUP, g0 = j * group + c;
