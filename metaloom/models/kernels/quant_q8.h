@@ -52,10 +52,11 @@ typedef float f8x __attribute__((vector_size(32)));
  * 16-row q8 matmul. */
 typedef int8_t q8b8 __attribute__((vector_size(8)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
-NO_FMA static void q8_row(const void *x, int xbf, int64_t in, int perm, int8_t *q, float *d, int32_t *s) {
+NO_FMA static void q8_blocks(const void *x, int xbf, int64_t in, int64_t b0, int64_t b1, int perm, int8_t *q, float *d,
+                             int32_t *s) {
     const int64_t n32 = in / 32;
     const i8x lim = {127, 127, 127, 127, 127, 127, 127, 127};
-    for (int64_t b = 0; b < n32; b++) {
+    for (int64_t b = b0; b < b1; b++) {
         f8x v[4];
         for (int j = 0; j < 4; j++) {
             if (xbf) {
@@ -105,6 +106,11 @@ NO_FMA static void q8_row(const void *x, int xbf, int64_t in, int perm, int8_t *
     }
 }
 
+/* the whole row: blocks 0..in / 32 - 1 */
+static void q8_row(const void *x, int xbf, int64_t in, int perm, int8_t *q, float *d, int32_t *s) {
+    q8_blocks(x, xbf, in, 0, in / 32, perm, q, d, s);
+}
+
 /* rows of x quantised into one buffer: q [rows][in], d [rows][in / 32], s [rows][3 in / 32] */
 typedef struct {
     int8_t *q;
@@ -134,11 +140,19 @@ static void q8_fill(const void *x, int xbf, int64_t lo, int64_t hi, int64_t in, 
                r->s + i * 3 * n32);
 }
 
-/* inside a parallel region: this thread's share of the rows, then a barrier */
+/* inside a parallel region: this thread's share of the rows' blocks of 32, then a barrier. By
+ * blocks, not rows: each block's quants, scale and sums are its own, so one row (a decode step)
+ * splits over the threads too, where by rows one thread quantised it while the others waited. */
 static void q8_fill_share(const void *x, int xbf, int64_t rows, int64_t in, int perm, const q8rows *r) {
+    const int64_t n32 = in / 32;
     int64_t lo, hi;
-    thread_share(rows, 1, &lo, &hi);
-    q8_fill(x, xbf, lo, hi, in, perm, r);
+    thread_share(rows * n32, 1, &lo, &hi);
+    while (lo < hi) {
+        const int64_t i = lo / n32, b0 = lo % n32, b1 = b0 + (hi - lo) < n32 ? b0 + (hi - lo) : n32;
+        q8_blocks((const char *)x + i * in * (xbf ? 2 : 4), xbf, in, b0, b1, perm, r->q + i * in, r->d + i * n32,
+                  r->s + i * 3 * n32);
+        lo += b1 - b0;
+    }
 #pragma omp barrier
 }
 
