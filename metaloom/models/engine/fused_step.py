@@ -65,8 +65,9 @@ def step_fused(m: LlamaModel, tokens: torch.Tensor, cache: PagedKVCache, lengths
 def attention_threads(rows: int, longest: int, available: int) -> int:
     """The threads a fused step's attention splits over: all ``available`` once ``rows`` rows
     read enough cached keys (the longest row's ``longest`` plus its new one) to pay for a parallel
-    region in each layer (`PARALLEL_MIN_KEYS`), else one. Tasks are (row, kv head), so the split
-    does not change a row's arithmetic."""
+    region in each layer (`PARALLEL_MIN_KEYS`), else one. The tasks (row, kv head, and a long
+    row's half) follow from the rows' positions alone, so the split does not change a row's
+    arithmetic."""
     return available if rows * (longest + 1) >= PARALLEL_MIN_KEYS else 1
 
 

@@ -119,9 +119,9 @@ typedef struct {
     void *mem;
 } q8rows;
 
-/* q8_alloc, then q8_fill over rows [lo, hi): each thread of a parallel region quantises its share
- * of the rows (`q8_fill_share`) before the products, which need every row: on 2 threads the
- * inputs take half the time they took before the region */
+/* q8_alloc, then q8_fill over rows [lo, hi), or inside a parallel region `q8_fill_share`: each
+ * thread quantises its share of the rows' blocks before the products, which need every row: on 2
+ * threads the inputs take half the time they took before the region */
 static int q8_alloc(int64_t rows, int64_t in, q8rows *r) {
     const int64_t n32 = in / 32;
     const size_t qb = ((size_t)(rows * in) + 63) / 64 * 64, db = (size_t)(rows * n32) * sizeof(float);
