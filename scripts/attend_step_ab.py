@@ -23,17 +23,10 @@ import torch
 
 from metaloom.models import load
 from metaloom.models.kernels import isa
-from metaloom.models.kernels.fused import FusedKernels, _bind
 
 sys.path.insert(0, str(Path(__file__).parent))
-from kernel_sources import at_revision, compile_and_load, in_tree
-
-FILES = ("fused.c", "vec_store.h")
-
-
-def build(sources: dict[str, str], where: Path) -> FusedKernels:
-    lib, out = compile_and_load(sources, "fused.c", where)
-    return _bind(lib, out, isa.chosen().name)
+from attend_kernel_ab import FILES, build  # the kernel-level A/B's sources and build
+from kernel_sources import at_revision, in_tree
 
 
 def main() -> None:
