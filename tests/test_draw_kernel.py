@@ -138,3 +138,19 @@ def test_row_max_outside_the_kernel_is_torchs():
     x = torch.randn(3, 4, 100, dtype=torch.bfloat16)
     values, index = draw.row_max(x)
     assert torch.equal(values, x.max(dim=-1).values) and torch.equal(index, x.max(dim=-1).indices)
+
+
+def test_row_max_finds_the_first_of_ties_across_lanes_and_a_nan_in_the_tail():
+    # 70 entries: two passes of 32 in vectors, then 6 in the tail; the maximum 3.0 at 41 (second
+    # pass, lane 1 of the second chain) and at 9 (first pass, the same lane): 9 must win, and a
+    # later lane holding it first (index 2) wins over both
+    x = torch.zeros(4, 70)
+    x[0, [41, 9]] = 3.0
+    x[1, [41, 9, 2]] = 3.0
+    x[2, 66] = float("nan")  # a NaN only in the tail
+    x[3, 5] = float("nan")  # and one only in the vectors
+    values, index = K.row_max(x)
+    assert index.tolist()[:2] == [9, 2] and values.tolist()[:2] == [3.0, 3.0]
+    assert values[2:].isnan().all() and 0 <= int(index[2]) < 70
+    x[2, 66], x[2, 68] = 0.0, 7.0  # the largest in the tail
+    assert K.row_max(x)[1].tolist()[2] == 68

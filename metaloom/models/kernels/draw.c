@@ -21,12 +21,17 @@
  * verified token): torch.topk sorts its way through all of Qwen2.5's 151,936 logits in about
  * 270 us, a step's 0.7% to 1.2% spent each step. Here one pass compares blocks of TOPK_BLOCK
  * entries with the k-th largest so far (a vectorised test) and looks inside a block only when
- * some entry beats it, which after the first blocks is rare. */
+ * some entry beats it, which after the first blocks is rare.
+ *
+ * And `rows_max`, each row's maximum and the first index holding it in one call: what the
+ * decode loop needs of every verified position's log-probabilities, which `amax` and the top-1
+ * search had read in two calls of their own (each dear right after a forward, whose weights
+ * have pushed the caller's code and data out of the caches). */
 
 #include <stdint.h>
 #include <stdlib.h>
 
-#define ABI_VERSION 2
+#define ABI_VERSION 3
 #define CHUNK 256
 #define SIDE 4 /* rows summed side by side */
 
@@ -127,5 +132,63 @@ int rows_topk(const float *x, int64_t rows, int64_t v, int64_t k, int64_t *idx, 
     (void)threads;
 #pragma omp parallel for num_threads(threads) if (threads > 1 && rows > 1) schedule(static)
     for (int64_t r = 0; r < rows; r++) row_topk(x + r * v, v, (int)k, idx + r * k);
+    return 0;
+}
+
+typedef float f8v __attribute__((vector_size(32)));
+typedef int32_t i8v __attribute__((vector_size(32)));
+#define MAX_LANES 8
+#define MAX_CHAINS 4 /* independent running maxima: a compare-and-blend chain's latency, not its count */
+
+/* the maximum of x [v] (NaN when it holds one, as torch.amax) and the first index holding the
+ * largest entry that is not NaN (0 in an all-NaN row), in one pass: each lane of each chain
+ * keeps its largest entry and where it first saw it (a strict > never moves it to a later
+ * equal), and the first index of the largest is then the least of those lanes' that hold it */
+static void row_max(const float *x, int64_t v, float *value, int64_t *index) {
+    const float ninf = -__builtin_inff();
+    f8v m[MAX_CHAINS];
+    i8v at[MAX_CHAINS], nan = {0};
+    const i8v lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    for (int c = 0; c < MAX_CHAINS; c++) m[c] = (f8v){ninf, ninf, ninf, ninf, ninf, ninf, ninf, ninf}, at[c] = lane;
+    const int64_t step = MAX_LANES * MAX_CHAINS, whole = v / step * step;
+    for (int64_t i = 0; i < whole; i += step)
+        for (int c = 0; c < MAX_CHAINS; c++) {
+            f8v y;
+            __builtin_memcpy(&y, x + i + c * MAX_LANES, sizeof y);
+            nan |= y != y;
+            const i8v gt = y > m[c], here = lane + (int32_t)(i + c * MAX_LANES);
+            m[c] = (f8v)(((i8v)y & gt) | ((i8v)m[c] & ~gt));
+            at[c] = (here & gt) | (at[c] & ~gt);
+        }
+    float best = ninf;
+    int64_t first = 0;
+    int found_nan = 0;
+    for (int c = 0; c < MAX_CHAINS; c++)
+        for (int l = 0; l < MAX_LANES; l++) {
+            found_nan |= nan[l] != 0;
+            if (m[c][l] > best || (m[c][l] == best && at[c][l] < first)) best = m[c][l], first = at[c][l];
+        }
+    if (!(best > ninf)) first = 0; /* nothing above -inf in the vectors: the first -inf (or NaN) entry */
+    for (int64_t i = whole; i < v; i++) { /* the tail, after every vector's entries */
+        found_nan |= x[i] != x[i];
+        if (x[i] > best) best = x[i], first = i;
+    }
+    if (!(best > ninf)) /* an all -inf (or NaN) row: the first -inf entry, or 0 */
+        for (int64_t i = 0; i < v; i++)
+            if (x[i] == ninf) {
+                first = i;
+                break;
+            }
+    *value = found_nan ? __builtin_nanf("") : best;
+    *index = first;
+}
+
+/* values [rows] (float32), index [rows] (int64): `row_max` of each row of x [rows, v] (float32,
+ * contiguous). Returns 0; -1 when v < 1. */
+int rows_max(const float *x, int64_t rows, int64_t v, float *values, int64_t *index, int64_t threads) {
+    if (v < 1) return -1;
+    (void)threads;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && rows > 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) row_max(x + r * v, v, values + r, index + r);
     return 0;
 }

@@ -20,7 +20,7 @@ from metaloom.errors import InvalidParameter
 from metaloom.models.kernels import cbuild
 
 SOURCE = Path(__file__).with_name("draw.c")
-ABI_VERSION = 2  # must match draw.c
+ABI_VERSION = 3  # must match draw.c
 # From this many probabilities in a call, the rows are shared among PyTorch's threads (a
 # parallel region costs microseconds; one row of a 49k vocabulary is ~50 us of additions).
 PARALLEL_MIN = 1 << 18
@@ -59,6 +59,19 @@ class DrawKernels:
             raise InvalidParameter("k", k, f"in [1, min({v}, {TOPK_MAX})] for rows of {v} entries")
         return out
 
+    def row_max(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., V] float32 (contiguous, CPU) -> (values [...] float32, indices [...] long): each
+        row's maximum (NaN where the row holds one) and the first index of its largest other
+        entry (0 in an all-NaN row)."""
+        shape, v = x.shape[:-1], x.shape[-1]
+        rows = x.numel() // v if v else 0
+        # made in their final shape: right after a forward each torch call costs microseconds
+        values, index = torch.empty(shape, dtype=torch.float32), torch.empty(shape, dtype=torch.long)
+        threads = torch.get_num_threads() if rows * v >= PARALLEL_MIN else 1
+        if self.lib.rows_max(x.data_ptr(), rows, v, values.data_ptr(), index.data_ptr(), threads):
+            raise InvalidParameter("x", tuple(x.shape), "[..., V] with V >= 1")
+        return values, index
+
 
 TOPK_MAX = 64  # draw.c's
 
@@ -71,6 +84,8 @@ def _bind(lib: ctypes.CDLL, path: Path, isa: str = "") -> DrawKernels:
     lib.inverse_cdf.restype = ctypes.c_int
     lib.rows_topk.argtypes = [_P, _I, _I, _I, _P, _I]
     lib.rows_topk.restype = ctypes.c_int
+    lib.rows_max.argtypes = [_P, _I, _I, _P, _P, _I]
+    lib.rows_max.restype = ctypes.c_int
     return DrawKernels(lib, str(path), isa)
 
 
@@ -101,10 +116,11 @@ def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.max(x, dim=-1)``'s (values, indices) for x [..., V]: each row's largest entry and
     the first index holding it. On a CPU, PyTorch's reduction with an index walks the entries one
     at a time (SmolLM2's 49,152 logits: 0.33 ms for the 9 positions of an 8-token verify, 46 us
-    for one row, AMD EPYC Zen 4), while `amax` is vectorised and the C top-1 (`rows_topk`, which
-    skips blocks of 64 that cannot beat the best so far) finds the index: 0.03 ms and 8 us.
-    The values are `amax`'s, NaN where a row holds one, as max's are; such a row's index is its
-    largest other entry's (max's would be the NaN's): every caller treats a NaN row as one no
+    for one row, AMD EPYC Zen 4); the C `rows_max` finds both in one vectorised call. Right after
+    a forward that matters more than the arithmetic: each call then starts with cold caches, and
+    `amax` with the C top-1 (two calls) took 0.11-0.14 ms of a decode step where they take 0.02
+    warm. The values are `amax`'s, NaN where a row holds one, as max's are; such a row's index is
+    its largest other entry's (max's would be the NaN's): every caller treats a NaN row as one no
     token can be drawn from, whatever its index."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() == 0 or not x.shape[-1] or not x.numel():
         best = x.max(dim=-1)
@@ -113,6 +129,4 @@ def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if kern is None:
         best = x.max(dim=-1)
         return best.values, best.indices
-    flat = x.reshape(-1, x.shape[-1])
-    index = kern.topk(flat.contiguous(), 1)[:, 0].clamp_(min=0)  # -1 only in an all-NaN row
-    return x.amax(dim=-1), index.view(x.shape[:-1])
+    return kern.row_max(x if x.is_contiguous() else x.contiguous())
