@@ -83,6 +83,18 @@ def test_advance_returns_a_new_state_and_select_reorders_it():
     assert sampler.select([1]).params == (sampler.params[1],)
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_p=0.9),
+                                    SamplingParams(mirostat=2), SamplingParams(presence_penalty=0.5),
+                                    SamplingParams(repetition_penalty=1.1), SamplingParams(no_repeat_ngram_size=2)])
+def test_a_state_that_keeps_nothing_advances_to_itself_and_one_that_keeps_something_moves(params):
+    sampler = make_sampler([params], 6)
+    s0 = sampler.start([[1, 2]])
+    s1 = sampler.advance(s0, torch.tensor([4]), sampler.process(torch.zeros(1, 6), s0))
+    keeps = any(getattr(s0, f) is not None for f in ("seen", "counts", "history", "lengths", "mu"))
+    assert s0.empty is not keeps
+    assert (s1 is s0) is not keeps  # an empty state is shared (frozen); a kept one is a new state
+
+
 def test_stateful_adapters_without_state_say_how_to_build_it():
     sampler = make_sampler([SamplingParams(no_repeat_ngram_size=2)], 5)
     with pytest.raises(ValueError, match="start"):

@@ -193,7 +193,9 @@ class Sampler:
 
     def advance(self, state: SamplingState, tokens: torch.Tensor, logprobs: torch.Tensor) -> SamplingState:
         """The state after each row drew ``tokens`` [B] from ``logprobs`` [B, V] (what `process`
-        returned). Returns a new state; ``state`` is not modified."""
+        returned). Returns a new state; ``state`` is not modified (an `empty` one comes back as it is)."""
+        if state.empty:  # frozen, so sharing it is safe; this spares a decode step a tensor op after its forward
+            return state
         column = tokens.to(torch.long)[:, None]
         seen = counts = history = lengths = mu = None
         if state.seen is not None:

@@ -22,6 +22,12 @@ class SamplingState:
     lengths: torch.Tensor | None = None  # [B] long: valid length of each history row
     mu: torch.Tensor | None = None  # [B] float32: mirostat v2 surprise bound, bits
 
+    @property
+    def empty(self) -> bool:
+        """Keeps nothing (no adapter that looks back is on): advancing it changes nothing."""
+        return self.seen is None and self.counts is None and self.history is None and self.lengths is None \
+            and self.mu is None
+
     def select(self, rows: Sequence[int]) -> SamplingState:
         """The state of a sub-batch (rows in the order given)."""
         changes = {}

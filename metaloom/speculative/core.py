@@ -76,14 +76,14 @@ def accept(target_logprobs: torch.Tensor, draft_tokens: torch.Tensor, draft_leng
     if draft_tokens.shape != (b, k):
         raise ValueError(f"draft tokens {tuple(draft_tokens.shape)} do not match target positions {(b, k1)}")
     device = target_logprobs.device
-    rows = torch.arange(b, device=device)
     lengths = draft_lengths.to(device)
-    in_draft = torch.arange(k, device=device)[None, :] < lengths[:, None]  # [B, K]
     best = target_logprobs.argmax(dim=-1) if argmax is None else argmax  # [B, K+1]: the same argmax as Sampler.draw
-    if keys is None and b and not bool(greedy.all()):
+    if keys is None and b and not all(greedy.tolist()):  # a host list: after a forward each tensor op is dear
         raise ValueError("sampled rows need their random keys (keys)")
     if keys is None and device.type == "cpu":
         return _greedy_walk(best, draft_tokens, lengths)
+    rows = torch.arange(b, device=device)
+    in_draft = torch.arange(k, device=device)[None, :] < lengths[:, None]  # [B, K]
     own = best if keys is None else torch.where(greedy.to(device)[:, None], best,
                                                 plain_draws(target_logprobs, keys))
     ok = (own[:, :k] == draft_tokens) & in_draft
@@ -158,9 +158,11 @@ def after_step(sampler: Sampler, states: Sequence[SamplingState], logprobs: torc
     """The pipeline state after each row emitted its tokens: row b takes ``states[n_b]`` (the
     state after its n_b accepted drafts) advanced by its final (replacement/bonus) token."""
     n = acceptance.accepted
-    rows = torch.arange(n.shape[0], device=n.device)
     # one state at every position (a plain pipeline's: nothing it keeps changes along a draft) needs no gather
     picked = states[0] if all(s is states[0] for s in states) else gather_states(states, n)
+    if picked.empty:  # nothing to advance (the gathers below cost a small model's step tens of microseconds)
+        return picked
+    rows = torch.arange(n.shape[0], device=n.device)
     final = acceptance.tokens[rows, n]
     return sampler.advance(picked, final, logprobs[rows, n])
 
