@@ -159,10 +159,14 @@ class PagedKVCache:
 
     def truncate(self, lengths: Sequence[int] | torch.Tensor) -> None:
         """Shorten each row to ``lengths[b]`` (<= its length); dropped positions let go of their slots."""
-        new = np.asarray(torch.as_tensor(lengths, dtype=torch.long).cpu().numpy(), dtype=np.int64)
-        if new.shape != self._n.shape or bool((new < 0).any()) or bool((new > self._n).any()):
-            raise InvalidParameter("lengths", new.tolist(), f"{self.batch} values in [0, current lengths {self._n.tolist()}]")
-        dropped = [self.slots[b, new[b]:self._n[b]] for b in range(self.batch) if new[b] < self._n[b]]
+        # host lists where it can: a speculative step rolls back after every verify, right after a
+        # forward, when each numpy or torch call starts with cold caches (tens of microseconds)
+        values = lengths.tolist() if isinstance(lengths, torch.Tensor) else [int(n) for n in lengths]
+        now = self._n.tolist()
+        if len(values) != len(now) or any(not 0 <= n <= m for n, m in zip(values, now, strict=True)):
+            raise InvalidParameter("lengths", values, f"{self.batch} values in [0, current lengths {now}]")
+        new = np.asarray(values, dtype=np.int64)
+        dropped = [self.slots[b, n:m] for b, (n, m) in enumerate(zip(values, now, strict=True)) if n < m]
         if dropped:
             self.pool.release(np.concatenate(dropped))
         if self.mass is not None:

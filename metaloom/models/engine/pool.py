@@ -27,6 +27,7 @@ import torch
 from metaloom.errors import CacheFull, InvalidParameter
 
 SCRATCH = 0  # the slot padding writes go to
+SMALL_RELEASE = 64  # `KVPool.release` of at most this many slots walks them as Python ints
 KV_STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}  # --kv-dtype's types
 
 
@@ -133,13 +134,23 @@ class KVPool:
         if slots.size == 0:
             return
         with self.lock:
-            if slots.size > 4096:
-                self.refs -= np.bincount(slots, minlength=len(self.refs))
+            if slots.size <= SMALL_RELEASE:  # a rejected draft's few slots: Python ints, no numpy calls
+                ids = slots.tolist()
+                refs = self.refs
+                for i in ids:
+                    refs[i] -= 1
+                left = [int(refs[i]) for i in ids]
+                if min(left) < 0:  # pragma: no cover - a bookkeeping bug
+                    raise RuntimeError("KV pool slot released more often than retained")
+                gone = np.asarray(sorted({i for i, n in zip(ids, left, strict=True) if n == 0}), dtype=np.int64)
             else:
-                np.subtract.at(self.refs, slots, 1)
-            gone = np.unique(slots[self.refs[slots] == 0])
-            if gone.size and bool((self.refs[gone] < 0).any()):  # pragma: no cover - a bookkeeping bug
-                raise RuntimeError("KV pool slot released more often than retained")
+                if slots.size > 4096:
+                    self.refs -= np.bincount(slots, minlength=len(self.refs))
+                else:
+                    np.subtract.at(self.refs, slots, 1)
+                if bool((self.refs[slots] < 0).any()):  # pragma: no cover - a bookkeeping bug
+                    raise RuntimeError("KV pool slot released more often than retained")
+                gone = np.unique(slots[self.refs[slots] == 0])
             # pushed highest first, so the lowest is taken first: a row rolled back (a rejected
             # draft) and extended again gets the same ascending run of slots back, and its keys
             # stay one contiguous block that attention can read in place (`PagedKVCache.gather`)
