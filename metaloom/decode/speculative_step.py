@@ -68,10 +68,13 @@ def speculative_step(batch: DecodeBatch, done: list[bool], ledgers: list[Ledger]
             draft = Draft(draft.tokens, draft.lengths, draft.probs)
     if draft.tokens.shape[1] == 0:  # nothing drafted: the plain step's cost
         return _undrafted_step(batch, draft, done, ledgers, rngs, cursors, needs_hidden)
+    # the step's small bookkeeping as host lists where it can: right after a forward every torch
+    # op starts with cold caches and costs a small model's step tens of microseconds (issue 47)
     tokens = torch.cat([batch.pending[:, None], draft.tokens], dim=1)  # [B, K+1]
-    start = batch.cache.lengths.clone()
-    finished = torch.tensor(done, dtype=torch.bool, device=start.device)
-    valid = torch.where(finished.to(device), torch.zeros_like(draft.lengths), 1 + draft.lengths)
+    start = host().tolist() if host is not None else batch.cache.lengths.tolist()
+    drafted = draft.lengths.tolist()
+    # on the host, as the plain step's: the model reads it there (`charged_forward_both` moves it where it must)
+    valid = torch.tensor([0 if d else 1 + n for d, n in zip(done, drafted, strict=True)], dtype=torch.long)
     if draft.parents is not None:
         return tree_step(batch, draft, tokens, start, valid, done, ledgers, rngs, cursors)
     raw, scores, hidden = charged_forward_both(batch.model, tokens, batch.cache, ledgers, valid=valid,
@@ -86,14 +89,14 @@ def speculative_step(batch: DecodeBatch, done: list[bool], ledgers: list[Ledger]
     same = _chosen_are_raw(batch, raw, scores, cursors, out.errors)
     emitted_lp = (chosen if same else raw_logprobs(raw, acc.tokens.to(raw.device))).tolist()
     chosen_lp = chosen.tolist()
-    emitted = [acc.emitted(b) for b in range(len(batch.rows))]
+    accepted = acc.accepted.tolist()
+    emitted = [row[:a + 1] for row, a in zip(acc.tokens.tolist(), accepted, strict=True)]  # `Acceptance.emitted`'s
     positions = [list(range(len(e))) for e in emitted]
     stepped = emit_verified(batch.rows, batch.cursors, done, out.errors, emitted, positions, emitted_lp, chosen_lp,
-                            row_tops(batch.rows, done, raw), draft, acc.accepted.tolist(), highs)
+                            row_tops(batch.rows, done, raw), draft, accepted, highs)
     # keep pending + accepted drafts; rows finished before this step keep nothing
-    batch.cache.truncate(torch.where(finished, start, start + 1 + acc.accepted.to(start.device)))
-    rows_index = torch.arange(len(batch.rows), device=device)
-    batch.pending = acc.tokens[rows_index, acc.accepted.to(device)]
+    batch.cache.truncate([s if d else s + 1 + a for s, d, a in zip(start, done, accepted, strict=True)])
+    batch.pending = torch.tensor([e[-1] for e in emitted], dtype=torch.long, device=device)  # each row's last
     batch.drafter.observe(Observed(draft=draft, logits=raw, accepted=acc.accepted, tokens=acc.tokens, hidden=hidden,
                                   pending=tokens[:, 0]))
     return stepped
@@ -116,7 +119,7 @@ def _undrafted_step(batch: DecodeBatch, draft: Draft, done: list[bool], ledgers:
     return stepped
 
 
-def tree_step(batch: DecodeBatch, draft: Draft, tokens: torch.Tensor, start: torch.Tensor, valid: torch.Tensor,
+def tree_step(batch: DecodeBatch, draft: Draft, tokens: torch.Tensor, start: Sequence[int], valid: torch.Tensor,
               done: list[bool], ledgers: list[Ledger], rngs: list[torch.Generator | None],
               cursors: list[Constraint | None] | None) -> list[Row]:
     """`speculative_step` for token-tree drafts: one tree-masked verify forward, a path
@@ -175,9 +178,9 @@ def _all_chains(draft: Draft, limits: Sequence[int]) -> bool:
 
 def _checked(draft: Draft, limits: Sequence[int], device: torch.device) -> Draft:
     """Hold a drafter to its limits (a longer draft would overflow the cache or max_tokens)."""
-    cap = torch.as_tensor(list(limits), dtype=torch.long, device=device)
-    lengths = torch.minimum(draft.lengths.to(device), cap)
-    k = int(lengths.max()) if lengths.numel() else 0
+    held = [min(n, limit) for n, limit in zip(draft.lengths.tolist(), limits, strict=True)]  # host ints: no tensor ops
+    lengths = torch.tensor(held, dtype=torch.long, device=device)
+    k = max(held, default=0)
     probs = None if draft.probs is None else draft.probs[:, :k].to(device)
     parents = None if draft.parents is None else draft.parents[:, :k].to(device)  # a prefix of a tree is a tree
     if parents is not None and probs is not None:

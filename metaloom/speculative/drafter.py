@@ -107,10 +107,10 @@ class Draft:
     @classmethod
     def from_lists(cls, drafts: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> Draft:
         """A deterministic draft from per-row token lists."""
+        # padded as lists, then one tensor each (as `from_trees`): per-row writes cost prompt
+        # lookup 0.08 ms a SmolLM2 step, right after a forward when every torch call is dear
         k = max((len(d) for d in drafts), default=0)
-        tokens = torch.zeros(len(drafts), k, dtype=torch.long)
-        for b, d in enumerate(drafts):
-            tokens[b, :len(d)] = torch.as_tensor(list(d), dtype=torch.long)
+        tokens = torch.tensor([[*d, *[0] * (k - len(d))] for d in drafts], dtype=torch.long).reshape(len(drafts), k)
         lengths = torch.tensor([len(d) for d in drafts], dtype=torch.long)
         return cls(tokens.to(device), lengths.to(device))
 
