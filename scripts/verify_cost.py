@@ -5,7 +5,8 @@ shared-prefix attention off and on. Each forward is timed on the same prefilled 
 back after each (as a rejected draft is), median of 10 after 2 warm-ups. The figures in
 docs/engine.md and docs/performance.md come from it.
 
-usage: python scripts/verify_cost.py [--weights native|dense] [--dtype float32|bfloat16]"""
+usage: python scripts/verify_cost.py [--weights native|dense] [--dtype float32|bfloat16] [--activations float|q8]
+    [--positions N]"""
 
 from __future__ import annotations
 
@@ -43,12 +44,16 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--weights", default="native")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--activations", default="float")
+    p.add_argument("--positions", type=int, default=400, help="the chains' prompt length")
     args = p.parse_args()
-    model = load("default", dtype=args.dtype, weights=args.weights).model
-    print(f"{cpu_name()}, {torch.get_num_threads()} threads, SmolLM2-135M {args.weights} {args.dtype}")
-    cache = _prefilled(model, 400)
-    for t in (1, 2, 4, 8, 12, 16, 24, 32):
-        print(f"chain of {t:2d} after 400 tokens: {_ms(model, cache, torch.randint(100, 40000, (1, t))):6.1f} ms")
+    model = load("default", dtype=args.dtype, weights=args.weights, activations=args.activations).model
+    print(f"{cpu_name()}, {torch.get_num_threads()} threads, SmolLM2-135M {args.weights} {args.dtype}, "
+          f"{args.activations} activations")
+    cache = _prefilled(model, args.positions)
+    for t in (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32):
+        ms = _ms(model, cache, torch.randint(100, 40000, (1, t)))
+        print(f"chain of {t:2d} after {args.positions} tokens: {ms:6.2f} ms")
     parents: list[int] = []
     level = [-1]
     for width in (4, 2, 1):  # 4 under the pending token, 2 under each, 1 under each: 20 nodes
