@@ -17,12 +17,11 @@ Token Recycling keeps its matrix; `report` says what it chose (``--json``'s ``co
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
-
-import numpy as np
 
 from metaloom.errors import InvalidParameter
 from metaloom.models.protocols import LanguageModel
@@ -251,8 +250,9 @@ class PlannedDrafter:
         with self.lock:
             room = self.budget.room(self.allowance())
             timing = self.timing()
-            extra = timing.drafted(rows, np.arange(sum(keep) + 1, dtype=np.float64)) - timing.seconds(rows)
-            fits = int(np.searchsorted(extra, room, side="right")) - 1  # the most nodes whose extra time fits
+            plain = timing.seconds(rows)
+            extra = [timing.drafted_at(rows, float(m)) - plain for m in range(sum(keep) + 1)]  # ascending
+            fits = bisect.bisect_right(extra, room) - 1  # the most nodes whose extra time fits
             out = list(keep)
             cut = sum(out) - max(fits, 0)
             self.budget.trimmed += max(cut, 0)
@@ -276,9 +276,8 @@ class PlannedDrafter:
         acc = self.acceptance[c]
         best = max(float(acc.kept_rates(h, level)[0]) for h in set(hot) for level in (None, *range(LEVELS)))
         most = sum(min(n, self.caps[c]) for n in limits)
-        m = np.arange(most + 1, dtype=np.float64)
-        rate = (rows + best * m) / timing.drafted(rows, m)
-        return bool(rate[1:].max(initial=-np.inf) > rate[0])
+        plain = (rows + best * 0.0) / timing.drafted_at(rows, 0.0)  # in floats: `Timing.drafted_at`
+        return any((rows + best * m) / timing.drafted_at(rows, float(m)) > plain for m in range(1, most + 1))
 
     def keep(self, choice: Choice, hot: Sequence[int], lengths: Sequence[int], rows: int, drafting: float,
              levels: Sequence[int] | None = None) -> list[int]:

@@ -76,19 +76,26 @@ WINDOW = 2048  # steps: the budget's memory (a long plain stretch does not bank 
 HOT, COLD = 1, 0
 
 
-def rates(tried: np.ndarray, kept: np.ndarray, prior: float = PRIOR, base: np.ndarray | None = None) -> np.ndarray:
+def rates(tried: Sequence[float], kept: Sequence[float], prior: float = PRIOR,
+          base: Sequence[float] | None = None) -> list[float]:
     """Each node's acceptance estimate [N] from decayed counts: node i's ``kept / tried``
     shrunk by `PRIOR_WEIGHT` pseudo-observations towards ``base[i]`` (a coarser estimate) or,
     without one, towards node i-1's estimate times the ratio of the last two (``prior`` for the
     first); never above node i-1's."""
-    out = np.empty(len(tried))
+    out = []
     prev, ratio = 1.0, prior
     for i in range(len(tried)):
         toward = prev * ratio if base is None else float(base[i])
-        est = min((kept[i] + PRIOR_WEIGHT * toward) / (tried[i] + PRIOR_WEIGHT), prev)
+        est = min((float(kept[i]) + PRIOR_WEIGHT * toward) / (float(tried[i]) + PRIOR_WEIGHT), prev)
         ratio = est / prev if prev > 0 else 0.0
-        out[i] = prev = est
+        out.append(est)
+        prev = est
     return out
+
+
+def _decayed(counts: list[float], n: int) -> list[float]:
+    """``counts`` decayed by `DECAY`, then one more for each of its first ``n`` entries."""
+    return [c * DECAY + 1.0 if i < n else c * DECAY for i, c in enumerate(counts)]
 
 
 class Acceptance:
@@ -96,16 +103,18 @@ class Acceptance:
     kept nodes (`rates`), and offered and proposed ones (how often the drafter proposes a node
     i when allowed to: prompt lookup has nothing to copy at times, heads stop when unsure).
     Kept nodes are also counted per confidence class of the draft (`Draft.levels`), whose
-    estimates shrink towards their state's over all classes."""
+    estimates shrink towards their state's over all classes. The counts are Python floats: they
+    are updated and read every step right after a forward, when each numpy call on these few
+    entries cost more than the arithmetic (issue 47)."""
 
     def __init__(self, most: int) -> None:
         self.most = most
         slots = 2 * (LEVELS + 1)  # per state: all classes, then each class
-        self.tried = np.zeros((slots, most))
-        self.kept = np.zeros((slots, most))
-        self.offered = np.zeros((2, most))
-        self.proposed = np.zeros((2, most))
-        self._rates: dict[tuple[str, int], np.ndarray] = {}  # estimates since the last record
+        self.tried = [[0.0] * most for _ in range(slots)]
+        self.kept = [[0.0] * most for _ in range(slots)]
+        self.offered = [[0.0] * most for _ in range(2)]
+        self.proposed = [[0.0] * most for _ in range(2)]
+        self._rates: dict[tuple[str, int], list[float]] = {}  # estimates since the last record
 
     @staticmethod
     def slot(hot: int, level: int | None = None) -> int:
@@ -119,31 +128,29 @@ class Acceptance:
         n = min(verified, self.most)
         self._rates.clear()
         for slot in {self.slot(hot), self.slot(hot, level)}:
-            self.tried[slot] *= DECAY
-            self.kept[slot] *= DECAY
-            self.tried[slot, :n] += 1
+            self.tried[slot] = _decayed(self.tried[slot], n)
+            row = [c * DECAY for c in self.kept[slot]]
             for i in kept:
                 if i < n:
-                    self.kept[slot, i] += 1
+                    row[i] += 1
+            self.kept[slot] = row
 
     def record_proposal(self, hot: int, allowed: int, proposed: int) -> None:
         n = min(allowed, self.most)
         if n <= 0:
             return
         self._rates.clear()
-        self.offered[hot] *= DECAY
-        self.proposed[hot] *= DECAY
-        self.offered[hot, :n] += 1
-        self.proposed[hot, :min(proposed, n)] += 1
+        self.offered[hot] = _decayed(self.offered[hot], n)
+        self.proposed[hot] = _decayed(self.proposed[hot], min(proposed, n))
 
-    def kept_rates(self, hot: int, level: int | None = None) -> np.ndarray:
+    def kept_rates(self, hot: int, level: int | None = None) -> list[float]:
         slot = self.slot(hot, level)
         if ("kept", slot) not in self._rates:
             base = None if level is None else self.kept_rates(hot)
             self._rates["kept", slot] = rates(self.tried[slot], self.kept[slot], base=base)
         return self._rates["kept", slot]
 
-    def proposal_rates(self, hot: int) -> np.ndarray:
+    def proposal_rates(self, hot: int) -> list[float]:
         if ("proposed", hot) not in self._rates:
             self._rates["proposed", hot] = rates(self.offered[hot], self.proposed[hot], prior=1.0)
         return self._rates["proposed", hot]
@@ -198,9 +205,17 @@ class Timing:
         return ((self.scale + self.wide) * width - self.wide * self.cost.seconds_for(rows) + self.fixed
                 + self.overhead * np.minimum(nodes, 1.0))
 
+    def drafted_at(self, rows: int, nodes: float) -> float:
+        """`drafted` of one count, in Python floats (the same arithmetic in the same order): the
+        planner prices a step's few lengths right after a forward, when every numpy call starts
+        with cold caches, and its numpy pricing cost a SmolLM2 step a few percent (issue 47)."""
+        width = self.cost.seconds_for(rows + nodes)
+        return ((self.scale + self.wide) * width - self.wide * self.cost.seconds_for(rows) + self.fixed
+                + self.overhead * min(nodes, 1.0))
+
     def node(self, rows: int = 1) -> float:
         """What one verified node adds to a plain step of ``rows`` rows (the overhead with it)."""
-        return float(self.drafted(rows, np.ones(1))[0]) - self.seconds(rows)
+        return self.drafted_at(rows, 1.0) - self.seconds(rows)
 
 
 WIDE_POINTS = 8  # drafted steps before a slope is fitted (`fit_overhead`): two steps' noise is not a slope
@@ -226,39 +241,49 @@ def fit_overhead(points: Sequence[tuple[float, float]], apart: float) -> tuple[f
     return statistics.median([r - wide * x for x, r in pts]) if pts else 0.0, wide
 
 
-def prune(kept: Sequence[np.ndarray], lengths: Sequence[int], rows: int, timing: Timing,
+def prune(kept: Sequence[Sequence[float]], lengths: Sequence[int], rows: int, timing: Timing,
           extra: int = 0) -> list[int]:
     """How many of its drafted nodes each row verifies: ``kept[b]`` [>= lengths[b]] row b's node
     acceptance estimates (non-increasing), ``lengths[b]`` its drafted nodes, ``rows`` the live
     rows (each feeds its pending token). Nodes are taken best first across rows, as many as
     maximise the step's expected tokens per second; ``extra`` more per row (a probe)."""
     items = sorted((-float(kept[b][i]), i, b) for b in range(len(lengths)) for i in range(lengths[b]))
-    gains = np.concatenate([[0.0], np.cumsum([-neg for neg, _, _ in items])])
-    rate = (rows + gains) / timing.drafted(rows, np.arange(len(items) + 1, dtype=np.float64))
-    best_m = int(np.argmax(rate))  # the first of equal rates: the fewest nodes
+    best_m, best, gain = 0, (rows + 0.0) / timing.drafted_at(rows, 0.0), 0.0
+    for m, (neg, _, _) in enumerate(items, start=1):  # in floats, as `Timing.drafted_at` says why
+        gain += -neg
+        rate = (rows + gain) / timing.drafted_at(rows, float(m))
+        if rate > best:  # the first of equal rates: the fewest nodes
+            best_m, best = m, rate
     out = [0] * len(lengths)
     for _, _, b in items[:best_m]:
         out[b] += 1
     return [min(n + extra, lengths[b]) if lengths[b] else 0 for b, n in enumerate(out)]
 
 
-def plan_length(kept: Sequence[np.ndarray], proposed: Sequence[np.ndarray], limits: Sequence[int], rows: int,
+def plan_length(kept: Sequence[Sequence[float]], proposed: Sequence[Sequence[float]], limits: Sequence[int], rows: int,
                 timing: Timing, draft: DraftCost, cap: int) -> tuple[int, float]:
     """Before drafting: the draft length k in [0, cap] (every row's limit, cut by ``limits[b]``)
     with the best expected rate, and that rate. Row b's node i counts with probability
     ``proposed[b][i]`` (it is drafted) times ``kept[b][i]`` (it is accepted); drafting costs
     ``draft.seconds(k)``. A drafter whose drafting is nearly free (`CHEAP`) drafts ``cap`` and
     lets `prune` choose among what it proposed."""
-    ks = np.arange(cap + 1)
-    gain = np.zeros(cap + 1)
-    width = np.zeros(cap + 1)
+    # in Python floats (`Timing.drafted_at` says why), in numpy's order of the same operations
+    gain = [0.0] * (cap + 1)
+    width = [0.0] * (cap + 1)
     for b, limit in enumerate(limits):  # row b contributes its first min(k, limit) nodes
-        n = np.minimum(ks, limit)
-        gain += np.concatenate([[0.0], np.cumsum(proposed[b][:cap] * kept[b][:cap])])[n]
-        width += np.concatenate([[0.0], np.cumsum(proposed[b][:cap])])[n]
-    rate = (rows + gain) / (timing.drafted(rows, width) + draft.fixed + draft.per_token * ks)
-    best_k = int(np.argmax(rate))
-    best_rate = float(rate[best_k])
+        g, w = [0.0], [0.0]  # the running sums of its first i nodes' expected acceptances and proposals
+        for p, a in zip(proposed[b][:cap], kept[b][:cap], strict=False):
+            g.append(g[-1] + float(p) * float(a))
+            w.append(w[-1] + float(p))
+        for k in range(cap + 1):
+            n = min(k, limit, len(g) - 1)
+            gain[k] += g[n]
+            width[k] += w[n]
+    best_k, best_rate = 0, -math.inf
+    for k in range(cap + 1):
+        rate = (rows + gain[k]) / (timing.drafted_at(rows, width[k]) + draft.fixed + draft.per_token * k)
+        if rate > best_rate or k == 0:  # the first of equal rates
+            best_k, best_rate = k, rate
     if cap and draft.seconds(cap) - draft.seconds(0) <= CHEAP * timing.scale * timing.cost.seconds_for(rows):
         best_k = cap
     return best_k, best_rate
