@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from metaloom.constrain import Constraint, batch_mask
+from metaloom.decode import greedy_verify
 from metaloom.errors import InvalidGrammar
 from metaloom.models.kernels import draw as c_draw
 from metaloom.sampling.counter import row_uniforms
@@ -140,6 +141,8 @@ class Verified:
     rows that could not go on (with why)."""
 
     acceptance: Acceptance
+    # [B, K+1, V]; for greedy rows under the plain pipeline only the positions some row read
+    # (`greedy_verify`): past them, none
     logprobs: torch.Tensor
     state: SamplingState
     errors: dict[int, str]
@@ -165,6 +168,11 @@ def verify(sampler: Sampler, state: SamplingState, scores: torch.Tensor, draft: 
     for plain sampling's draw at every position (`metaloom.sampling.counter`; needed only when
     some row samples); ``generators``: the pipeline's own coins (XTC)."""
     errors: dict[int, str] = {}
+    if cursors is None and state.empty and greedy_verify.applies(scores, sampler.plain and sampler.all_greedy):
+        fast = greedy_verify.greedy_verify(scores, draft)  # the log-softmax of the positions read only
+        if fast is not None:
+            taken, read, emitted = fast
+            return Verified(taken, read, state, errors, emitted)
     vocab = scores.shape[-1]
     position_masks = None
     if cursors is not None:
