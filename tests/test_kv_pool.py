@@ -41,3 +41,26 @@ def test_releasing_a_slot_more_often_than_it_was_held_is_an_error(small, monkeyp
     held = p.allocate(2)
     with pytest.raises(RuntimeError, match="released more often"):
         p.release(held[[0, 0]])
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_a_few_rows_prepare_the_same_slots_and_table_as_many_rows_do(width, monkeypatch):
+    from metaloom.models.engine import cache as cache_module
+    from metaloom.models.engine.cache import PagedKVCache
+
+    def run() -> tuple[list[list[int]], list[list[int]], list[int]]:
+        p = KVPool(layers=1, kv_heads=1, head_dim=4, dtype=torch.float32, slots=64)
+        c = PagedKVCache(p, 3, 16)
+        c.prepare_host([2, 0, 1], 2)  # rows of different lengths first
+        c.advance([2, 0, 1])
+        out = c.prepare_host([width, 0, 1], width)  # row 1 keeps nothing: the scratch slot
+        c.advance(torch.tensor([width, 0, 1]))
+        return out.tolist(), c.slots[:, :6].tolist(), c.host_lengths().tolist()
+
+    few = run()
+    out, table, lengths = few
+    assert lengths == [2 + width, 0, 2] and out[1] == [0] * width
+    assert out[0] == list(range(out[0][0], out[0][0] + width))  # a row's new slots: one ascending run
+    assert table[0][2:2 + width] == out[0] and table[1][:width] == [0] * width
+    monkeypatch.setattr(cache_module, "FEW_ROWS", 0)  # the vectorised form
+    assert run() == few

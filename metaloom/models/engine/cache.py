@@ -42,6 +42,11 @@ from metaloom.models.engine.pool import SCRATCH, KVPool
 _SERIALS = itertools.count(1)  # PagedKVCache.serial: ids never reused (id() can be, after collection)
 
 
+# a cache of at most this many rows writes a forward's slots row by row: right after a forward each
+# numpy call starts cold, and the vectorised form's dozen cost a SmolLM2 step 0.1 ms (issue 47)
+FEW_ROWS = 8
+
+
 class PagedKVCache:
     """Rows of slots in a `KVPool`: row ``b`` holds positions ``0 .. lengths[b] - 1`` at slots
     ``table[b, :lengths[b]]``. ``capacity`` bounds each row's length. The bookkeeping (table,
@@ -262,30 +267,33 @@ class PagedKVCache:
         ``mirrored``: the caller writes these slots into its own device copy of the table (a
         static step, `metaloom.models.engine.graphs`), so the copy stays current."""
         self.reserve(width)
-        keep = np.asarray(valid, dtype=np.int64)
-        fresh = self.pool.allocate(int(keep.sum()))
+        keep = [int(v) for v in valid]
+        fresh = self.pool.allocate(sum(keep))
         out = np.full((self.batch, width), SCRATCH, dtype=np.int64)
-        if width == 1:  # a decode step: one slot per kept row, vectorised
-            rows = np.flatnonzero(keep)
-            out[rows, 0] = fresh
+        self.wide_writes += width > 1 and not mirrored
+        few = self.batch <= FEW_ROWS  # row by row in Python ints (FEW_ROWS says why)
+        if width == 1 and not few:  # a decode step of many rows: one slot per kept row, vectorised
+            out[np.flatnonzero(keep), 0] = fresh
         else:
-            self.wide_writes += not mirrored
             at = 0
-            for b in np.flatnonzero(keep).tolist():
-                k = int(keep[b])
+            for b, k in enumerate(keep):
                 out[b, :k] = fresh[at:at + k]
                 at += k
         # the table gets every written position, padding included (as the scratch slot): a
         # kernel that writes at a row's next position must never find a stale slot there,
         # which may by now belong to another row
-        for j in range(width):
-            self.slots[np.arange(self.batch), self._n + j] = out[:, j]
+        if few:
+            for b, n in enumerate(self._n.tolist()):
+                self.slots[b, n:n + width] = out[b]
+        else:
+            for j in range(width):
+                self.slots[np.arange(self.batch), self._n + j] = out[:, j]
         self._table = None if self.pool.device.type != "cpu" else self._table
         return out
 
     def advance(self, valid: torch.Tensor | Sequence[int]) -> None:
-        add = torch.as_tensor(valid, dtype=torch.long).cpu().numpy()
-        self._n = self._n + add
+        add = valid.tolist() if isinstance(valid, torch.Tensor) else [int(v) for v in valid]  # no device wait on a CPU
+        self._n = self._n + np.asarray(add, dtype=np.int64)
         self._lengths = None
 
     def table(self) -> torch.Tensor:
