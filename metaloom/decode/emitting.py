@@ -47,11 +47,15 @@ def emit_drawn(rows: Sequence[Row], got: Any, cursors: Sequence[Constraint | Non
     speculative step that drafted nothing: one verify step)."""
     tally = Tally()
     tally.peaks(highs)
-    # one device-to-host copy for the four (token ids are exact in float64); the step's only wait
-    tokens_f, raw_lp, chosen, dead = torch.stack([got.tokens.double(), got.raw.double(), got.chosen.double(),
-                                                  got.dead.double()]).tolist()
-    tokens = [int(t) for t in tokens_f]
-    errors = got.failures(dead, skip)
+    if got.tokens.device.type == "cpu":  # no copies to save: each list read alone, the same tensor once
+        tokens, raw_lp = got.tokens.tolist(), got.raw.tolist()
+        chosen = raw_lp if got.chosen is got.raw else got.chosen.tolist()
+        best = chosen if got.best is got.chosen else got.best.tolist()
+    else:  # one device-to-host copy for the four (token ids are exact in float64); the step's only wait
+        tokens_f, raw_lp, chosen, best = torch.stack([got.tokens.double(), got.raw.double(), got.chosen.double(),
+                                                      got.best.double()]).tolist()
+        tokens = [int(t) for t in tokens_f]
+    errors = got.failures(best, skip)
     tops = row_tops(rows, skip, raw)
     for b, row in enumerate(rows):
         if skip and skip[b]:

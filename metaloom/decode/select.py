@@ -84,24 +84,25 @@ def _pairs(ids: Any, values: Any) -> Any:
 class Drawn:
     """One token per row: ``tokens`` [B], the pipeline's log-probabilities [B, V] (for the state
     update), each token's raw model log-probability [B] and pipeline log-probability [B].
-    ``errors``: rows known to have failed before the draw (their grammar engine); ``dead`` [B]
-    bool, on the device: rows the pipeline left no token. Both kinds' entries are meaningless;
-    `failures` names them all once ``dead`` is on the host (read with the tokens, one copy)."""
+    ``errors``: rows known to have failed before the draw (their grammar engine); ``best`` [B],
+    on the device: each row's largest log-probability, which is not above -inf (or is NaN) in
+    the rows the pipeline left no token. Both kinds' entries are meaningless; `failures` names
+    them all once ``best`` is on the host (read with the tokens)."""
 
     tokens: torch.Tensor
     logprobs: torch.Tensor
     raw: torch.Tensor
     chosen: torch.Tensor
     errors: dict[int, str]
-    dead: torch.Tensor
+    best: torch.Tensor
     mask: torch.Tensor | None = None
 
-    def failures(self, dead: Sequence[float | bool], skip: Sequence[bool] = ()) -> dict[int, str]:
-        """Every row that could not draw, with why: ``errors`` and the rows whose ``dead`` (as
-        read back on the host) is set; finished rows (``skip``) are never failures."""
+    def failures(self, best: Sequence[float], skip: Sequence[bool] = ()) -> dict[int, str]:
+        """Every row that could not draw, with why: ``errors`` and the rows whose ``best`` (as
+        read back on the host) allows no token; finished rows (``skip``) are never failures."""
         out = {b: e for b, e in self.errors.items() if not (skip and skip[b])}
-        for b, d in enumerate(dead):
-            if d and b not in out and not (skip and skip[b]):
+        for b, v in enumerate(best):
+            if not v > float("-inf") and b not in out and not (skip and skip[b]):  # NaN too
                 out[b] = "no token can be drawn: " + _why_empty(self.mask, b)
         return out
 
@@ -124,14 +125,14 @@ def draw(sampler: Sampler, state: SamplingState, raw: torch.Tensor, scores: torc
     mask = masks(active, scores.shape[-1], scores.device, errors)
     lp = sampler.process(scores, state, mask=mask, generators=generators)
     values, argmax = c_draw.row_max(lp)
-    dead = ~(values > float("-inf"))  # NaN too
     u = None if sampler.all_greedy else row_uniforms(keys, lp.device)
-    tokens = sampler.draw(lp, u, argmax, c_draw.search)
+    # greedy rows take the argmax row_max made (a fresh tensor of their own: no copy)
+    tokens = argmax if sampler.all_greedy else sampler.draw(lp, u, argmax, c_draw.search)
     # a greedy row's token is its argmax, whose log-probability is the maximum row_max found
     chosen = values if sampler.all_greedy else lp.gather(-1, tokens[:, None])[:, 0]
     # where the pipeline is plain log-softmax of the model's own logits, the two agree
     same = raw is scores and sampler.plain and mask is None
-    return Drawn(tokens, lp, chosen if same else raw_logprobs(raw, tokens), chosen, errors, dead, mask)
+    return Drawn(tokens, lp, chosen if same else raw_logprobs(raw, tokens), chosen, errors, values, mask)
 
 
 @dataclass(frozen=True)
