@@ -2,11 +2,13 @@
 a drafter at a fixed draft length, each part of the step (the forward, the draw or the verify,
 emitting, the cache's roll-back, the drafter's propose and observe) timed in place; not a test.
 
-    python scripts/step_parts.py [DRAFTER [K [PROMPTS [ROUNDS]]]]
+    python scripts/step_parts.py [DRAFTER [K [PROMPTS [ROUNDS [planned]]]]]
 
 DRAFTER: a `metaloom.speculative.registry` name (default recycling, whose K is then a chain of
 K nodes as a tree); K: its draft tokens a step (default 1); PROMPTS: grounded (default) or free,
-`metaloom bench speculative`'s; ROUNDS (default 2) after a warm-up round. The default model on
+`metaloom bench speculative`'s; ROUNDS (default 2) after a warm-up round; ``planned``: the
+drafter under the cost model (`PlannedDrafter`, K its most a step, the verify cost measured
+first, as `bench speculative --cost-model on`), its planning and learning timed too. The default model on
 native weights with q8 activations. Prints per round each part's calls and mean ms a call; what
 a step spends beyond its forward is the step's time less the forward's. Wrapping costs about a
 microsecond a call. The parts are the functions the decode loop calls by name
@@ -34,7 +36,9 @@ from metaloom.models.load import load
 from metaloom.sampling import SamplingParams
 from metaloom.sampling.pipeline import make_sampler
 from metaloom.speculative import Speculative
+from metaloom.speculative.cost import measure_verify_cost
 from metaloom.speculative.drafter import Draft
+from metaloom.speculative.planned import PlannedDrafter, PlannedState
 from metaloom.speculative.registry import DrafterOptions, build_drafter
 
 TIMES: collections.defaultdict[str, float] = collections.defaultdict(float)
@@ -79,6 +83,13 @@ def main() -> None:
     state = type(drafter.start(loaded.model, sampler, [[1, 2]], [0]))  # the drafter's per-batch state's class
     timed(state, "propose", "propose")
     timed(state, "observe", "observe")
+    if len(sys.argv) > 5 and sys.argv[5] == "planned":
+        drafter = PlannedDrafter([(drafter, k)], cost=measure_verify_cost(loaded.model, most=1 + k), name=name)
+        for owner, attr, label in ((PlannedState, "propose", "planned: propose"), (PlannedState, "observe", "planned: observe"),
+                                   (PlannedState, "plain_ahead", "planned: plain_ahead"), (PlannedDrafter, "plan", "plan"),
+                                   (PlannedDrafter, "keep", "keep"), (PlannedDrafter, "afford", "afford"),
+                                   (PlannedDrafter, "learn", "learn")):
+            timed(owner, attr, label)
     plain, speculative = LocalGenerator(loaded), LocalGenerator(loaded, speculative=Speculative(drafter, k))
 
     def run(gen: LocalGenerator) -> float:
