@@ -813,3 +813,28 @@ def test_steps_the_budget_holds_run_without_the_drafters():
     report = planned.report()
     assert report["plain_ahead_steps"] > 100 and report["steps"] == usage.verify_steps == 199  # the prefill drew the 1st
     assert drafter.observed == report["steps"] - report["plain_ahead_steps"]
+
+
+def test_a_lone_drafter_none_of_whose_drafts_pays_runs_plain_steps_until_its_probe():
+    """On a curve where each verified token costs a whole step, a drafter nothing of which is
+    accepted stops being asked once its estimates say no draft pays, with room left in the
+    budget: the steps until its next probe run plain, without planning or observing (but the
+    last, which its drafter observes), the probes still come, and the tokens are greedy's."""
+    drafter = Counting(False, "wrong")
+    planned = PlannedDrafter([(drafter, 8)], cost=STEEP)
+    planned.budget.elapsed = 1e6  # room for every probe: the budget holds nothing here
+    tokens, usage = _run(Speculative(planned, 8))
+    assert tokens == _run(None)[0]
+    report = planned.report()
+    assert report["budget"]["held_steps"] == 0
+    assert report["plain_ahead_steps"] > 100 and report["steps"] == usage.verify_steps == 199
+    assert drafter.observed == report["steps"] - report["plain_ahead_steps"]
+    assert report["drafters"]["wrong"]["steps"] >= 3  # its probes: one at each due step
+    # right after a plan that asked nothing, the promise reaches to the step before the next probe's
+    # (one more node, or a trial of its planned length), the last of those steps not counted
+    state = planned.start(None, None, [[1, 2, 3]], [0])
+    state.ahead = 0
+    _plain_steps(state, 1)
+    due = planned.quiet_until
+    assert due in (planned.extras[0].last + planned.extras[0].interval, planned.probes[0].last + planned.probes[0].interval)
+    assert due > planned.step + 2 and planned.plain_ahead(1) == min(due - planned.step - 1, 64) - 1
