@@ -47,9 +47,10 @@ steps though it keeps paying (`Budget.held_for`'s ``spend``). Optimistic first e
 and probes all spend from it; steps that paid refill it. So on text where nothing pays,
 speculation costs at most about `SAFETY` of plain decoding's time (and one step) plus the
 planner's own bookkeeping, however the estimates mislead. While the room cannot hold one node
-for a while, the decode loop runs plain steps the drafters take no part in
-(`PlannedDrafter.plain_ahead`): the bookkeeping of an undrafted step, 0.2-0.3 ms of a 5-6 ms
-SmolLM2 step on two CPU cores, is spent only around the steps that may draft.
+for a while, or a lone drafter pays at no length until its next probe, the decode loop runs
+plain steps the drafters take no part in (`PlannedDrafter.plain_ahead`): the bookkeeping of an
+undrafted step, 0.2-0.3 ms of a 5-6 ms SmolLM2 step on two CPU cores, is spent only around the
+steps that may draft.
 """
 
 from __future__ import annotations
