@@ -650,7 +650,7 @@ def test_a_drafted_steps_overhead_prices_only_steps_that_verify_a_node():
     assert prune([a], [4], 1, Timing(cost, 1.0, 0.0, 0.5)) == [2]
     assert prune([a], [4], 1, Timing(cost, 1.0, 0.0, 1.8)) == [0]  # 2.7 / 3.0 < 1: no draft pays it
     timing = Timing(cost, 1.0, 0.25, 0.5)
-    assert timing.drafted(1, np.array([0.0, 0.5, 2.0])).tolist() == pytest.approx([1.25, 1.05 + 0.25 + 0.25, 1.2 + 0.75])
+    assert [timing.drafted_at(1, n) for n in (0.0, 0.5, 2.0)] == pytest.approx([1.25, 1.05 + 0.25 + 0.25, 1.2 + 0.75])
     assert timing.node(1) == pytest.approx(0.1 + 0.5)
     # plan_length sees it too: a certain 1-token draft (0.1 to draft) yields 2 tokens in 1.1 + 0.1 + 0.5 (1.18
     # a second, over 1), in 1.1 + 0.1 + 1.0 with twice the overhead (0.91: plain steps pay more)
@@ -711,7 +711,7 @@ def test_the_width_share_prices_wide_verifies_above_narrow_ones():
     cost = VerifyCost((1, 2, 6), (1.0, 1.1, 1.5))
     timing = Timing(cost, 1.0, 0.0, 0.1, 0.5)  # a drafted step: + 0.1, + half the width's table seconds
     # nodes 0, 1, 5: 1.0; 1.1 + 0.1 + 0.05; 1.5 + 0.1 + 0.25
-    assert timing.drafted(1, np.array([0.0, 1.0, 5.0])).tolist() == pytest.approx([1.0, 1.25, 1.85])
+    assert [timing.drafted_at(1, n) for n in (0.0, 1.0, 5.0)] == pytest.approx([1.0, 1.25, 1.85])
     assert timing.node(1) == pytest.approx(0.1 * 1.5 + 0.1)
     # a node accepted 0.3 of the time: 1.3 / 1.25 > 1 pays; with one overhead of 0.35, which the same
     # 5-node steps' 0.35 beyond the table would give, 1.3 / 1.45 < 1 does not

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from metaloom.models.kernels import draw as c_draw
-from metaloom.speculative.core import Acceptance
+from metaloom.speculative.core import Acceptance, greedy_kept
 from metaloom.speculative.drafter import Draft
 
 
@@ -30,14 +30,6 @@ def applies(scores: torch.Tensor, plain_greedy: bool) -> bool:
     return plain_greedy and scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 3
 
 
-def walk(best: list[int], draft: list[int], limit: int) -> int:
-    """The drafts a greedy row keeps: while draft i equals the argmax at position i."""
-    a = 0
-    while a < limit and best[a] == draft[a]:
-        a += 1
-    return a
-
-
 def greedy_verify(scores: torch.Tensor, draft: Draft) -> tuple[Acceptance, torch.Tensor, torch.Tensor] | None:
     """(acceptance, log-probabilities [B, R, V] of the first R positions, the emitted tokens'
     log-probabilities [B, K+1] (padding past a row's emitted tokens)) for greedy rows, R the
@@ -45,13 +37,13 @@ def greedy_verify(scores: torch.Tensor, draft: Draft) -> tuple[Acceptance, torch
     b, k1, _ = scores.shape
     drafts, lengths = draft.tokens.tolist(), draft.lengths.tolist()
     guess = c_draw.row_max(scores)[1].tolist()  # the raw logits' argmax, [B][K+1]
-    reach = max((walk(guess[r], drafts[r], lengths[r]) for r in range(b)), default=0) + 1
+    reach = max((greedy_kept(guess[r], drafts[r], lengths[r]) for r in range(b)), default=0) + 1
     lp = torch.log_softmax(scores[:, :reach], dim=-1)  # the plain pipeline's own arithmetic
     values, best = c_draw.row_max(lp)
     tops, own = values.tolist(), best.tolist()
     accepted, tokens, chosen = [], [], []
     for r in range(b):
-        a = walk(own[r], drafts[r], min(lengths[r], reach - 1))
+        a = greedy_kept(own[r], drafts[r], min(lengths[r], reach - 1))
         if a == reach - 1 and a < lengths[r] and own[r][a] == drafts[r][a]:
             return None  # a tie the raw argmax broke otherwise: this row reads on past `reach`
         if not all(v > float("-inf") for v in tops[r][:a + 1]):

@@ -94,6 +94,15 @@ def accept(target_logprobs: torch.Tensor, draft_tokens: torch.Tensor, draft_leng
     return Acceptance(accepted=accepted, tokens=tokens)
 
 
+def greedy_kept(best: Sequence[int], draft: Sequence[int], limit: int) -> int:
+    """The drafts a greedy row keeps: while draft i (of its first ``limit``) equals the argmax
+    ``best[i]`` at its position; it reads positions 0 .. the count returned."""
+    a = 0
+    while a < limit and best[a] == draft[a]:
+        a += 1
+    return a
+
+
 def _greedy_walk(best: torch.Tensor, draft_tokens: torch.Tensor, lengths: torch.Tensor) -> Acceptance:
     """`accept` for greedy rows on the host: the same walk and tokens as the tensor ops, from one
     copy of the argmax and the draft. A drafted step on a CPU reads its handful of tokens in a
@@ -102,9 +111,7 @@ def _greedy_walk(best: torch.Tensor, draft_tokens: torch.Tensor, lengths: torch.
     own, drafts, n = best.tolist(), draft_tokens.tolist(), lengths.tolist()
     accepted, tokens = [], []
     for row, draft, limit in zip(own, drafts, n, strict=True):
-        a = 0
-        while a < limit and row[a] == draft[a]:
-            a += 1
+        a = greedy_kept(row, draft, limit)
         out = [*draft, 0]
         out[a] = row[a]
         accepted.append(a)

@@ -28,13 +28,11 @@ guess every step, and the budget's plain-step baseline covered the loss (issue 4
 from __future__ import annotations
 
 import bisect
-import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from metaloom.errors import InvalidParameter
@@ -72,19 +70,6 @@ class VerifyCost:
         if n > w[-1]:  # past the last width: along the last segment
             return s[-1] + max((s[-1] - s[-2]) / (w[-1] - w[-2]), 0.0) * (n - w[-1])
         return s[i] + (s[i + 1] - s[i]) / (w[i + 1] - w[i]) * (n - w[i])
-
-    def seconds_array(self, tokens: np.ndarray) -> np.ndarray:
-        """`seconds_for` of every entry of ``tokens`` at once (the planner prices all lengths)."""
-        w, s = self._curve
-        n = np.maximum(tokens, 1.0)
-        if len(w) == 1:
-            return s[0] * n
-        slope = max((s[-1] - s[-2]) / (w[-1] - w[-2]), 0.0)
-        return np.where(n > w[-1], s[-1] + slope * (n - w[-1]), np.interp(n, w, s))
-
-    @functools.cached_property
-    def _curve(self) -> tuple[np.ndarray, np.ndarray]:
-        return np.asarray(self.widths, dtype=np.float64), np.asarray(self.seconds, dtype=np.float64)
 
     def relative(self, tokens: float) -> float:
         """`seconds_for` in one-token steps."""

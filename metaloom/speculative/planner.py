@@ -60,8 +60,6 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from metaloom.speculative.cost import VerifyCost
 from metaloom.speculative.drafter import LEVELS
 
@@ -198,18 +196,12 @@ class Timing:
         """A plain step of ``tokens`` rows (no node verified)."""
         return self.scale * self.cost.seconds_for(tokens) + self.fixed
 
-    def drafted(self, rows: int, nodes: np.ndarray) -> np.ndarray:
-        """Steps of ``rows`` rows verifying ``nodes`` [N] nodes besides (0: the plain step;
-        fractional: an expected count, whose chance of verifying any is taken as min(nodes, 1))."""
-        nodes = np.asarray(nodes, dtype=np.float64)
-        width = self.cost.seconds_array(rows + nodes)
-        return ((self.scale + self.wide) * width - self.wide * self.cost.seconds_for(rows) + self.fixed
-                + self.overhead * np.minimum(nodes, 1.0))
-
     def drafted_at(self, rows: int, nodes: float) -> float:
-        """`drafted` of one count, in Python floats (the same arithmetic in the same order): the
-        planner prices a step's few lengths right after a forward, when every numpy call starts
-        with cold caches, and its numpy pricing cost a SmolLM2 step a few percent (issue 47)."""
+        """A step of ``rows`` rows verifying ``nodes`` nodes besides (0: the plain step;
+        fractional: an expected count, whose chance of verifying any is taken as min(nodes, 1)).
+        In Python floats: the planner prices a step's few lengths right after a forward, when
+        every numpy call starts with cold caches, and its numpy pricing cost a SmolLM2 step a few
+        percent (issue 47)."""
         width = self.cost.seconds_for(rows + nodes)
         return ((self.scale + self.wide) * width - self.wide * self.cost.seconds_for(rows) + self.fixed
                 + self.overhead * min(nodes, 1.0))
