@@ -1,4 +1,4 @@
-/* A command-line driver for metaloom's C kernels (quant.c, fused.c), so that the aarch64 builds
+/* A command-line driver for metaloom's C kernels (quant.c, fused.c, draw.c), so that the aarch64 builds
  * run under qemu-aarch64 on an x86 machine (tests/aarch64/test_under_qemu.py).
  *
  *   driver FUNCTION ARG...
@@ -39,6 +39,8 @@ int rope_attend(const void *qkv, const void *cs, const void *sn, const int64_t *
                 int64_t width, void *kc, void *vc, float *ks, float *vs, void *out, int64_t rows, int64_t h,
                 int64_t hk, int64_t dim, int64_t window, int64_t threads, int bf16, const void *sharing,
                 const int64_t *shift, const int64_t *sinks, float *probs);
+
+int rows_max(const float *x, int64_t rows, int64_t v, float *values, int64_t *index, int64_t threads);
 
 #define MAX_ARGS 20
 
@@ -126,6 +128,8 @@ int main(int argc, char **argv) {
         residual_rms_norm(P(0), P(1), P(2), P(3), I(4), I(5), a[6].f, (int)I(7));
     else if (!strcmp(fn, "silu_mul"))
         silu_mul(P(0), P(1), I(2), I(3), (int)I(4));
+    else if (!strcmp(fn, "rows_max"))
+        rc = rows_max(P(0), I(1), I(2), P(3), P(4), I(5));
     else if (!strcmp(fn, "rope_attend"))
         rc = rope_attend(P(0), P(1), P(2), P(3), P(4), I(5), P(6), P(7), P(8), P(9), P(10), I(11), I(12), I(13), I(14),
                          I(15), I(16), (int)I(17), P(18), NULL, NULL, NULL);

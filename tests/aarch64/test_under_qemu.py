@@ -2,7 +2,8 @@
 generic one: plain ARMv8-A) by Debian's cross-compiler and run under qemu-aarch64 through a small
 driver (tests/aarch64/driver.c), against the same numpy/gguf references and bounds as the x86
 suites: every quantised type's matmul, dequantisation and quantisation, the panel regrouping and
-panel matmul, Q8_0's q8 panels (quant_q8_0.h, `sdot`), the fused decode kernels, float32 and bfloat16.
+panel matmul, Q8_0's q8 panels (quant_q8_0.h, `sdot`), the fused decode kernels, float32 and bfloat16,
+and draw.c's row maxima.
 
 This checks exactness, not speed: qemu emulates. Run by ``make test-aarch64`` (and so by CI),
 not by ``make test``: it needs ``aarch64-linux-gnu-gcc`` (Debian's gcc-aarch64-linux-gnu) and
@@ -98,7 +99,7 @@ def driver(request, tmp_path_factory) -> Driver:
     work = tmp_path_factory.mktemp(f"aarch64-{request.param}")
     exe = work / "driver"
     kernels = ROOT / "metaloom/models/kernels"
-    sources = [kernels / "quant.c", kernels / "fused.c", ROOT / "tests/aarch64/driver.c"]
+    sources = [kernels / "quant.c", kernels / "fused.c", kernels / "draw.c", ROOT / "tests/aarch64/driver.c"]
     build = subprocess.run([CC, "-O2", "-fno-math-errno", "-fopenmp", *PATHS[request.param], *map(str, sources), "-o",
                             str(exe), "-lm"], capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr
@@ -271,3 +272,21 @@ def test_fused_attention_over_an_int8_pool(driver):
     assert torch.equal(k_after[untouched], codes_k[untouched]) and torch.equal(ks_after[untouched], scales_k[untouched])
     # attention read the dequantised pool: off from the float reference only by the new keys' rounding
     assert (out - expected).abs().max() <= 2e-2 * max(1.0, expected.abs().max().item())
+
+
+def test_row_maxima(driver):
+    """draw.c's `rows_max`: each row's maximum (NaN where it holds one) and the first index of its
+    largest entry, over vectors of 8 lanes in 4 chains and a tail, against torch's max."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(-6, 7, (6, 1000), generator=g).float()  # few values: the maximum is tied
+    x[0, -1] = 50.0  # alone in the tail
+    x[1, 9] = x[1, 41] = 60.0  # tied across passes: the first wins
+    x[2].fill_(float("-inf"))  # nothing above -inf: index 0
+    x[3, 5] = float("nan")  # a NaN in the vectors
+    x[4, 999] = float("nan")  # and one in the tail
+    rc, (values, index) = driver.call("rows_max", x, 6, 1000, Out((6,), torch.float32), Out((6,), torch.int64), 1)
+    assert rc == 0
+    best = x.max(dim=-1)
+    clean = [0, 1, 2, 5]
+    assert torch.equal(values[clean], best.values[clean]) and torch.equal(index[clean], best.indices[clean])
+    assert values[3:5].isnan().all() and ((index >= 0) & (index < 1000)).all()
