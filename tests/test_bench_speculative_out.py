@@ -138,3 +138,48 @@ def test_decode_only_rates_take_the_prefill_and_first_token_off() -> None:
     assert "decode_tok_s" not in peer and report["first_token_s"] == pytest.approx(1.0)
     without = run_report(loaded, [method("metaloom greedy", 1.0)], {}, "float32")
     assert "decode_speedup" not in without["methods"][0] and without["first_token_s"] is None
+
+
+def _recording(name: str, log: list[tuple[str, int]], peer: bool = True, dies_at: int | None = None) -> Method:
+    def run(i: int):
+        log.append((name, i))
+        if dies_at is not None and sum(1 for n, _ in log if n == name) == dies_at:
+            raise RuntimeError("killed")
+        return [1] * (i + 2), None  # prompt i: i + 2 tokens, so a report's token count names its prompts
+
+    return Method(name, run=run, peer=peer)
+
+
+def test_every_method_runs_a_prompt_before_any_runs_the_next_in_reverse_on_odd_repeats(tmp_path, monkeypatch) -> None:
+    """A drafter is timed seconds after the greedy run it is compared with, not a whole prompt
+    set later: within a repeat the methods take turns prompt by prompt, and the order flips on
+    the next repeat so that a steady drift favours neither end."""
+    log: list[tuple[str, int]] = []
+    monkeypatch.setattr(speculative, "metaloom_method", lambda loaded, name, *a: _recording(name, log, peer=False))
+    monkeypatch.setattr(speculative, "drafter_methods", lambda *a: [_recording("a", log), _recording("b", log)])
+    speculative.run(_args(tmp_path, repeats=2))
+    n = len(PROMPT_SETS["free"])
+    warm = n * 4  # the first token, then greedy, a and b each over every prompt
+    timed = log[warm:]
+    first, greedy = "metaloom first token", "metaloom greedy"
+    assert timed == ([(m, i) for i in range(n) for m in (first, greedy, "a", "b")]
+                     + [(m, i) for i in range(n) for m in (first, "b", "a", greedy)])
+
+
+def test_a_run_stopped_inside_a_prompts_turn_reports_the_prompts_every_method_ran(tmp_path, monkeypatch) -> None:
+    """Partway through the first repeat the earlier methods have run one prompt more than the
+    later ones: the partial report compares them all on the prompts they have all run."""
+    log: list[tuple[str, int]] = []
+    monkeypatch.setattr(speculative, "metaloom_method", lambda loaded, name, *a: _recording(name, log, peer=False))
+    n = len(PROMPT_SETS["free"])
+    monkeypatch.setattr(speculative, "drafter_methods",
+                        lambda *a: [_recording("a", log), _recording("b", log, dies_at=n + 2)])
+    with pytest.raises(RuntimeError, match="killed"):  # b: its warm-up, its first prompt, then dies on the second
+        speculative.run(_args(tmp_path))
+    assert log[-3:] == [("metaloom greedy", 1), ("a", 1), ("b", 1)]
+    with open(tmp_path / "spec.json") as f:
+        report = json.load(f)
+    assert report["partial"]
+    rows = {r["method"]: r for r in report["runs"][0]["methods"]}
+    assert set(rows) == {"metaloom greedy", "a", "b"}
+    assert all(r["tokens"] == 2 for r in rows.values())  # prompt 0's two tokens alone, for every method

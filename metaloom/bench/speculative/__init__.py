@@ -99,19 +99,30 @@ def _one_dtype(args: argparse.Namespace, dtype: str, done: list[dict[str, Any]])
             skipped[m.name] = str(exc)
             methods.remove(m)
     for repeat in range(args.repeats):
+        # prompt by prompt, every method on it in turn (the order reversed on odd repeats), so
+        # that each drafter runs seconds, not a whole set of prompts, after the greedy run it is
+        # compared with: the machine's drift then hits both alike
+        order = methods if repeat % 2 == 0 else methods[::-1]
         for i in range(len(prompts)):
             _timed(first, i)
-        for m in methods:
-            for i in range(len(prompts)):
+            for m in order:
                 _timed(m, i)
-            # a long run that is stopped still leaves every row measured so far
-            so_far = run_report(loaded, [x for x in methods if x.times], skipped, dtype, first)
-            row = next(r for r in so_far["methods"] if r["method"] == m.name)  # its own, not the last row
-            print(f"[{dtype} repeat {repeat + 1}/{args.repeats}] {m.name}: {row['tok_s']:.2f} tok/s "
+                if args.out:  # a long run that is stopped still leaves every row measured so far
+                    write_partial(args.out, args, done, _report_so_far(loaded, methods, skipped, dtype, first))
+        so_far = _report_so_far(loaded, methods, skipped, dtype, first)
+        for row in so_far["methods"]:
+            print(f"[{dtype} repeat {repeat + 1}/{args.repeats}] {row['method']}: {row['tok_s']:.2f} tok/s "
                   f"({row['speedup']:.2f}x greedy)", file=sys.stderr, flush=True)
-            if args.out:
-                write_partial(args.out, args, done, so_far)
     return run_report(loaded, methods, skipped, dtype, first)
+
+
+def _report_so_far(loaded: LoadedModel, methods: list[Method], skipped: dict[str, str], dtype: str,
+                   first: Method) -> dict[str, Any]:
+    """The report over the prompts that every method measured so far has run (partway through
+    the first repeat the later methods have run fewer prompts than the earlier ones)."""
+    measured = [m for m in methods if m.times]
+    common = set.intersection(*(set(m.times) for m in measured))
+    return run_report(loaded, [m.only(common) for m in measured], skipped, dtype, first.only(common))
 
 
 def _timed(m: Method, i: int) -> None:

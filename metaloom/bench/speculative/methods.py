@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from metaloom.bench.speculative.prompts import PROMPT_SETS
@@ -33,6 +33,15 @@ class Method:
     ledgers: dict[int, Ledger] = field(default_factory=dict)
     planned: PlannedDrafter | None = None
     choices: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def only(self, prompts: set[int]) -> Method:
+        """This method's measurements of ``prompts`` alone (a report over the prompts that every
+        method has run so far)."""
+        def keep(d: dict[int, Any]) -> dict[int, Any]:
+            return {i: v for i, v in d.items() if i in prompts}
+
+        return replace(self, times=keep(self.times), tokens=keep(self.tokens), ledgers=keep(self.ledgers),
+                       choices=keep(self.choices))
 
 
 def metaloom_method(loaded: LoadedModel, name: str, speculative: Speculative | None, n: int,
