@@ -2,7 +2,8 @@
 working tree's, both built for the path this CPU runs and loaded in one process, called
 alternately; not a test.
 
-    python scripts/q8_kernel_ab.py [--base HEAD] [--threads 2] [--rows 1,4,16,32] [--calls 30]
+    python scripts/q8_kernel_ab.py [--base HEAD] [--threads 2] [--rows 1,4,16,32] [--calls 30] [--shapes TEXT]
+        [--from-memory]
 
 Prints a markdown table: per weight shape and row count, median µs old / new and the ratio, and
 whether the two outputs have the same bits (NaN equal to NaN). Both libraries are compiled here
@@ -34,7 +35,7 @@ from metaloom.models.kernels.quant_types import BY_NAME
 FILES = ("quant.c", "quant_q8.h", "quant_q8_0.h", "vec_store.h")
 SHAPES = (("SmolLM2 gate_up", "Q4_1", 3072, 576), ("SmolLM2 down", "Q4_1", 576, 1536),
           ("Qwen2.5-0.5B gate_up", "Q5_0", 9728, 896), ("Qwen2.5-0.5B down", "Q6_K", 896, 4864),
-          ("a K-quant", "Q4_K", 2048, 1536))
+          ("a K-quant", "Q4_K", 2048, 1536), ("SmolLM2 head", "Q8_0", 49152, 576))
 
 
 def build(sources: dict[str, str], where: Path) -> ctypes.CDLL:
@@ -46,13 +47,17 @@ def build(sources: dict[str, str], where: Path) -> ctypes.CDLL:
 
 
 def alternate(libs: dict[str, ctypes.CDLL], qtype: int, w: QuantWeight, x: torch.Tensor, ys: dict[str, torch.Tensor],
-              threads: int, calls: int) -> dict[str, list[float]]:
-    """Seconds of each call, the libraries taking turns (after one call each to warm up)."""
+              threads: int, calls: int, junk: torch.Tensor | None = None) -> dict[str, list[float]]:
+    """Seconds of each call, the libraries taking turns (after one call each to warm up); with
+    ``junk``, each call after a pass over it, so that the weight comes from memory as in a decode
+    step (the other layers' weights have pushed it out of the caches)."""
     out, inputs = w.shape
     rows = x.shape[0]
     times: dict[str, list[float]] = {n: [] for n in libs}
     for turn in range(calls + 1):
         for n, lib in libs.items():
+            if junk is not None:
+                junk.add_(1.0)
             start = time.perf_counter()
             lib.quant_panel_matmul_q8(qtype, w.blocks.data_ptr(), out, inputs, x.data_ptr(), 0, ys[n].data_ptr(), 0,
                                       rows, threads)
@@ -67,23 +72,28 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", default="1,4,16,32")
     p.add_argument("--calls", type=int, default=30)
+    p.add_argument("--shapes", default="", help="only the shapes whose label holds this text")
+    p.add_argument("--from-memory", action="store_true",
+                   help="a 256 MB pass before each call: the weight comes from memory, not the caches")
     args = p.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     old, new = at_revision(FILES, args.base), in_tree(FILES)
     tmp = Path(tempfile.mkdtemp())
     libs = {"old": build(old, tmp / "old"), "new": build(new, tmp / "new")}
     g = torch.Generator().manual_seed(0)
+    junk = torch.zeros(64 << 20) if args.from_memory else None
     print(f"{isa.cpu_name()}, {isa.chosen().name} path, {args.threads} threads, {args.base} -> working tree")
     print("| weight [out, in], type | " + " | ".join(f"{r} rows" for r in rows_list) + " |")
     print("|---|" + "---|" * len(rows_list))
-    for label, t, out, inputs in SHAPES:
+    for label, t, out, inputs in (s for s in SHAPES if args.shapes in s[0]):
         qtype = BY_NAME[t]
-        w = QuantWeight(qtype, random_blocks(qtype, out, inputs, g), inputs).panelled()
+        w = QuantWeight(qtype, random_blocks(qtype, out, inputs, g), inputs)
+        w = (w.with_activations("q8") if t == "Q8_0" else w).panelled()  # Q8_0: panels of its own (quant_q8_0.h)
         cells = []
         for rows in rows_list:
             x = torch.randn(rows, inputs, generator=g)
             ys = {n: torch.empty(rows, out) for n in libs}
-            times = alternate(libs, qtype, w, x, ys, args.threads, args.calls)
+            times = alternate(libs, qtype, w, x, ys, args.threads, args.calls, junk)
             same = torch.equal(ys["old"].nan_to_num(7.0), ys["new"].nan_to_num(7.0))
             a, b = (statistics.median(times[n]) * 1e6 for n in ("old", "new"))
             cells.append(f"{a:.0f} / {b:.0f} ({a / b:.2f}x){'' if same else ' DIFFERENT BITS'}")

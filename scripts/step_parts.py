@@ -2,13 +2,15 @@
 a drafter at a fixed draft length, each part of the step (the forward, the draw or the verify,
 emitting, the cache's roll-back, the drafter's propose and observe) timed in place; not a test.
 
-    python scripts/step_parts.py [DRAFTER [K [PROMPTS [ROUNDS [planned]]]]]
+    python scripts/step_parts.py [DRAFTER [K [PROMPTS [ROUNDS [planned|fresh]]]]]
 
 DRAFTER: a `metaloom.speculative.registry` name (default recycling, whose K is then a chain of
-K nodes as a tree); K: its draft tokens a step (default 1); PROMPTS: grounded (default) or free,
-`metaloom bench speculative`'s; ROUNDS (default 2) after a warm-up round; ``planned``: the
-drafter under the cost model (`PlannedDrafter`, K its most a step, the verify cost measured
-first, as `bench speculative --cost-model on`), its planning and learning timed too. The default model on
+K nodes as a tree), or auto (every candidate of `--speculative auto` under the cost model, each
+at its own K; K is then ignored); K: its draft tokens a step (default 1); PROMPTS: grounded
+(default) or free, `metaloom bench speculative`'s; ROUNDS (default 2) after a warm-up round;
+``planned``: the drafter under the cost model (`PlannedDrafter`, K its most a step, the verify
+cost measured first, as `bench speculative --cost-model on`), its planning and learning timed
+too; ``fresh``: the same, its estimates forgotten before each request, as the bench's are. The default model on
 native weights with q8 activations. Prints per round each part's calls and mean ms a call; what
 a step spends beyond its forward is the step's time less the forward's. Wrapping costs about a
 microsecond a call. The parts are the functions the decode loop calls by name
@@ -39,7 +41,7 @@ from metaloom.speculative import Speculative
 from metaloom.speculative.cost import measure_verify_cost
 from metaloom.speculative.drafter import Draft
 from metaloom.speculative.planned import PlannedDrafter, PlannedState
-from metaloom.speculative.registry import DrafterOptions, build_drafter
+from metaloom.speculative.registry import AUTO, DrafterOptions, auto_candidates, build_drafter
 
 TIMES: collections.defaultdict[str, float] = collections.defaultdict(float)
 CALLS: collections.Counter[str] = collections.Counter()
@@ -67,8 +69,14 @@ def main() -> None:
     rounds = int(sys.argv[4]) if len(sys.argv) > 4 else 2
     torch.set_num_threads(2)
     loaded = load("default", weights="native", activations="q8")
-    options = DrafterOptions(tree="static:" + ",".join(["1"] * k)) if name == "recycling" else DrafterOptions()
-    drafter = build_drafter(name, loaded, options)
+    planned = len(sys.argv) > 5 and sys.argv[5] in ("planned", "fresh")
+    if name == AUTO:  # `--speculative auto`: every candidate under the cost model, each at its own K
+        candidates = auto_candidates(loaded, DrafterOptions())
+        drafter, k, planned = candidates[0][0], max(n for _, n in candidates), True
+    else:
+        options = DrafterOptions(tree="static:" + ",".join(["1"] * k)) if name == "recycling" else DrafterOptions()
+        drafter = build_drafter(name, loaded, options)
+        candidates = [(drafter, k)]
     for owner, attr, label in (
             (batch, "speculative_step", "speculative step"), (batch, "charged_forward_both", "plain: forward"),
             (batch, "draw", "plain: draw"), (batch, "emit_drawn", "plain: emit"),
@@ -80,11 +88,14 @@ def main() -> None:
             (Draft, "tree_attention", "tree masks")):
         timed(owner, attr, label)
     sampler = make_sampler([SamplingParams(temperature=0)], loaded.model.vocab_size, loaded.model.device)
-    state = type(drafter.start(loaded.model, sampler, [[1, 2]], [0]))  # the drafter's per-batch state's class
-    timed(state, "propose", "propose")
-    timed(state, "observe", "observe")
-    if len(sys.argv) > 5 and sys.argv[5] == "planned":
-        drafter = PlannedDrafter([(drafter, k)], cost=measure_verify_cost(loaded.model, most=1 + k), name=name)
+    for d, _ in candidates:  # each drafter's per-batch state's class
+        state = type(d.start(loaded.model, sampler, [[1, 2]], [0]))
+        suffix = f" {d.name}" if len(candidates) > 1 else ""
+        timed(state, "propose", "propose" + suffix)
+        timed(state, "observe", "observe" + suffix)
+    fresh = len(sys.argv) > 5 and sys.argv[5] == "fresh"
+    if planned:
+        drafter = PlannedDrafter(candidates, cost=measure_verify_cost(loaded.model, most=1 + k), name=name)
         for owner, attr, label in ((PlannedState, "propose", "planned: propose"), (PlannedState, "observe", "planned: observe"),
                                    (PlannedState, "plain_ahead", "planned: plain_ahead"), (PlannedDrafter, "plan", "plan"),
                                    (PlannedDrafter, "keep", "keep"), (PlannedDrafter, "afford", "afford"),
@@ -95,6 +106,8 @@ def main() -> None:
     def run(gen: LocalGenerator) -> float:
         began = time.perf_counter()
         for p in prompts:
+            if fresh and isinstance(drafter, PlannedDrafter):  # each request learns from nothing, as the bench's
+                drafter.reset()
             gen.generate([Request.chat(p, SamplingParams(temperature=0, max_tokens=128))], ledger=Ledger())
         return time.perf_counter() - began
 
