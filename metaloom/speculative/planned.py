@@ -18,7 +18,6 @@ Token Recycling keeps its matrix; `report` says what it chose (``--json``'s ``co
 from __future__ import annotations
 
 import bisect
-import math
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -168,31 +167,23 @@ class PlannedDrafter:
             k = best.k
             while k > 0 and not self.fits(best.candidate, k, catch_up, room):
                 k -= 1
-            if k == 0:  # a plan of no tokens stays so until a probe is due and fits, or the best fits
-                self.quiet_until = self._resume(plans, best, timing, rows, catch_up)
+            # no probe is due: a plan of no tokens stays so (its estimates move only with drafted
+            # steps) until the first is, or until the room holds the best's drafting: `plain_ahead`
+            probe = min(p.last + p.interval for p in self.probes)
             if k < best.k:
                 self.budget.deferred += 1
+                if k == 0:  # the room grows with plain steps (catch-ups only grow: later, not sooner)
+                    need = timing.node(rows) + self.draft_costs[best.candidate].seconds(1) + \
+                        (0.0 if catch_up is None else catch_up[best.candidate])
+                    fit = self.budget.held_for(timing.seconds(rows), self.allowance() - need)
+                    self.quiet_until = int(min(probe, self.step + fit))
                 return Choice(best.candidate, k, best.extra and k > 0, False, rate)
+            if best.k == 0:  # no drafter pays at any length: until a trial
+                self.quiet_until = probe
             return best
 
-    def _resume(self, plans: list[tuple[float, int, int]], best: Choice, timing: Timing, rows: int,
-                catch_up: Sequence[float] | None) -> int:
-        """The first step a plan might draft after one of no tokens (`plain_ahead`): a probe due
-        whose trial's drafting the room holds, or the room holding one token of the best's
-        (the estimates move only with drafted steps; catch-ups only grow: later, not sooner)."""
-        def fits_at(c: int, k: int) -> float:  # when the room holds drafting k besides a node, after the learners'
-            # charge for observing the step before (else it ate what the steps between earned: `auto`, SmolLM2)
-            need = timing.node(rows) + self.draft_costs[c].seconds(k) + (0.0 if catch_up is None else catch_up[c]) + \
-                self.spend
-            return self.step + self.budget.holds_in(timing.seconds(rows), self.allowance() - need, self.spend)
-
-        chances = [max(p.last + p.interval, fits_at(c, self.trial_length(c, plans[c][2])))
-                   for c, p in enumerate(self.probes)]
-        chances += [fits_at(best.candidate, 1)] if best.k > 0 else []
-        soonest = min(chances)  # inf: the window can never earn it (`plain_ahead` asks again within AHEAD_MOST)
-        return int(soonest) if soonest < math.inf else self.step + AHEAD_MOST + 1
-
-    def trial_length(self, c: int, planned: int) -> int:  # its planned length, and at least two tokens where it may
+    def trial_length(self, c: int, planned: int) -> int:
+        """A trial of drafter ``c`` drafts its planned length, and at least two tokens where it may."""
         return max(planned, min(2, self.caps[c]))
 
     def fits(self, c: int, k: int, catch_up: Sequence[float] | None, room: float) -> bool:
@@ -235,14 +226,17 @@ class PlannedDrafter:
             probe.last + probe.interval - self.step > PROBE_EVERY
 
     def plain_ahead(self, rows: int) -> int:
-        """How many of the next steps of ``rows`` live rows are sure to be plain, the last not
-        counted: the room cannot hold one verified node before (`plan` holds or defers every
-        drafter), or the last plan asked no drafter and none will be until `quiet_until` (the
-        estimates move only with drafted steps; the step's time may drift); 0 when unsure. The
-        loop runs them as plain steps without the drafters (`PlannedState.plain_ahead`; learners
-        still watch), the last as an undrafted step, so that every drafter sees the step before
-        it drafts again. Planning and observing had cost a Jacobi step on free text that drafted
-        nothing 0.17 ms of 4.5, `auto`'s 0.24 of 3 (SmolLM2, issue 47)."""
+        """How many of the next steps of ``rows`` live rows are sure to be plain, the last of them
+        not counted: the budget's room cannot hold one verified node before (`plan` holds or
+        defers every drafter, probes and trials included), or the last plan asked no drafter,
+        none paying at any length or none fitting the room, and none will be asked until a
+        probe is due or the room grows (the estimates move only with drafted steps; the step's
+        time may drift meanwhile); 0 when unsure. The decode loop runs them as plain steps
+        without the drafters (`PlannedState.plain_ahead`; learners still watch), and the last
+        one as an undrafted step, so that every drafter sees the step before it drafts again.
+        Without the second, a Jacobi step on free text that drafted nothing still paid 0.17 ms of
+        a 4.5 ms SmolLM2 step for the planner and its observation, and `auto`'s 0.24 ms of a 3
+        ms step (issue 47)."""
         with self.lock:
             if self.cost is None or rows <= 0:
                 return 0
@@ -250,10 +244,7 @@ class PlannedDrafter:
             n = self.budget.held_for(timing.seconds(rows), self.allowance() - timing.node(rows))
             if self.quiet_until:  # the steps before the probe's: plain, as the last plan was
                 n = max(n, self.quiet_until - self.step - 1)
-            # the next ceil(n) are plain: rounded down, a room short by under two steps' earnings
-            # was planned every step, whose cost, charged as lost, kept it short (`auto`, SmolLM2)
-            k = math.ceil(min(n, AHEAD_MOST))
-            return k - 1 if k > 1 else 0
+            return int(min(n, AHEAD_MOST)) - 1 if n > 1 else 0
 
     def skipped(self, seconds: float, rows: int) -> None:
         """A step `plain_ahead` let run as a plain step of ``seconds``: learned as `plan` and
@@ -270,7 +261,8 @@ class PlannedDrafter:
             self.budget.charge(seconds)
             self.charged += seconds
 
-    def allowance(self) -> float:  # the budget's fixed room: `ALLOWANCE` plain steps
+    def allowance(self) -> float:
+        """The budget's fixed room: `ALLOWANCE` plain steps."""
         return ALLOWANCE * self.timing().seconds(1)
 
     def afford(self, keep: Sequence[int], rows: int) -> list[int]:
@@ -387,8 +379,9 @@ class PlannedDrafter:
                                    "overhead_ms": round(self.overhead * 1e3, 3), "overhead_wide": round(self.wide, 3),
                                    "learning_ms": round(self.spend * 1e3, 3), "plain_ahead_steps": self.ahead_steps,
                                    "budget": {"held_steps": self.budget.held, "trimmed_nodes": self.budget.trimmed,
-                                              "deferred_steps": self.budget.deferred, "lost_ms": round(self.budget.lost
-                                              * 1e3, 3), "elapsed_ms": round(self.budget.elapsed * 1e3, 3)},
+                                              "deferred_steps": self.budget.deferred,
+                                              "lost_ms": round(self.budget.lost * 1e3, 3),
+                                              "elapsed_ms": round(self.budget.elapsed * 1e3, 3)},
                                    "nodes_verified": {str(k): v for k, v in sorted(self.histogram.items())},
                                    "drafters": {}}
             for c, d in enumerate(self.drafters):

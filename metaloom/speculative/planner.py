@@ -318,13 +318,6 @@ class Budget:
         a = (earned + allowance) / (self.lost - SAFETY * self.elapsed + earned)
         return math.log(a) / math.log(keep)
 
-    def holds_in(self, step: float, allowance: float, spend: float) -> float:
-        """`held_for` while learners watching the plain steps are charged ``spend`` a step, or
-        without them where that is more than `PROBE_EVERY` steps off: they idle by then
-        (`PlannedDrafter.idle`), and are not charged."""
-        watched = self.held_for(step, allowance, spend)
-        return watched if watched <= PROBE_EVERY else self.held_for(step, allowance)
-
     def charge(self, seconds: float) -> None:
         """Time spent outside any step's forward only to learn for later drafts: lost, as it is
         time plain decoding would not spend."""
