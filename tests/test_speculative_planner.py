@@ -789,68 +789,17 @@ def test_plain_ahead_promises_the_steps_the_budget_holds_but_the_last():
     assert planned.budget.elapsed == pytest.approx(10.0 * (1 - 1 / 2048) + 0.5)
 
 
-def test_plain_ahead_steps_are_watched_by_the_learners_that_are_not_idle():
-    """Steps the planner is sure not to draft in run plain whether or not a learner is idle;
-    a learner that is not idle still observes them (`watch`: its table keeps learning), charged
-    to the budget; an idle one does not, and a drafter that is not a learner never does."""
-    learner, other = Counting(True, "a", learns_only=True), Counting(True, "b")
-    planned = PlannedDrafter([(learner, 4), (other, 4)], cost=NODE_04)
+def test_plain_ahead_waits_for_every_learner_to_idle():
+    learner = Counting(True, "a", learns_only=True)
+    planned = PlannedDrafter([(learner, 4), (Counting(True, "b"), 4)], cost=NODE_04)
     state = planned.start(None, None, [[1, 2, 3]], [0])
     planned.budget.elapsed, planned.budget.lost = 10.0, 0.45  # about 25 plain steps from a node
     planned.spend = 0.0005  # its learning costs less than a step earns
-    assert planned.idle(0) and state.plain_ahead(1) and not state.watching()  # ~25 steps away: idle
+    assert planned.idle(0) and state.plain_ahead(1)  # ~25 steps away: idle, and the steps are plain
     planned.budget.lost = 0.25  # 0.05 short: about 5 steps, the planner sure of 4
     state.ahead = 0
     assert planned.plain_ahead(1) >= 3
-    assert not planned.idle(0) and state.plain_ahead(1) and state.watching()  # plain, and the learner watches
-    lost = planned.budget.lost
-    draft = state.nothing(1)
-    state.watch(Verified(draft=draft, logits=torch.zeros(1, 1, V), accepted=draft.lengths, tokens=torch.tensor([[1]]),
-                         pending=torch.tensor([3])))
-    assert learner.observed == 1 and other.observed == 0 and planned.budget.lost > lost  # charged as exploring
-
-
-def test_auto_plans_of_no_tokens_run_plain_until_a_probe_is_due():
-    """With several drafters none of whose drafts pays (each verified token a whole step, nothing
-    accepted), the steps between probes run plain (`plain_ahead`) without planning or asking the
-    drafters, the last before each probe observed by all; a learner still watches the plain steps
-    while it is not idle; probes still come; greedy's tokens."""
-    a, b, learner = Counting(False, "a"), Counting(False, "b"), Counting(False, "l", learns_only=True)
-    planned = PlannedDrafter([(a, 8), (b, 8), (learner, 8)], cost=STEEP)
-    planned.budget.elapsed = 1e6  # room for every probe: the budget holds nothing here
-    tokens, usage = _run(Speculative(planned, 8))
-    assert tokens == _run(None)[0]
-    report = planned.report()
-    assert report["budget"]["held_steps"] == 0
-    assert report["plain_ahead_steps"] > 100 and report["steps"] == usage.verify_steps == 199
-    assert a.observed == b.observed == report["steps"] - report["plain_ahead_steps"]
-    assert learner.observed > a.observed + 10  # plain steps it watched
-    assert report["drafters"]["a"]["steps"] >= 2 and report["drafters"]["b"]["steps"] >= 2  # their trials
-
-
-def test_a_deferred_plan_of_no_tokens_runs_plain_until_the_room_holds_its_drafting():
-    """Drafters whose plans pay (a node costs a tenth of a step, drafting a token 0.05 of one)
-    are deferred while the budget's room cannot hold the drafting of one token besides a node:
-    the steps until it can run plain, and the promise ends no later than the room holds it."""
-    tenth = VerifyCost((1, 65), (1.0, 1.0 + 64 * 0.1))
-    planned = PlannedDrafter([(Counting(True, "a"), 4), (Counting(True, "b"), 4)], cost=tenth)
-    state = planned.start(None, None, [[1, 2, 3]], [0])
-    for c in range(2):
-        planned.draft_costs[c].record(1, 0.05)
-        planned.probes[c].last, planned.probes[c].interval = 0, 10_000  # no probe due for long
-    planned.budget.elapsed, planned.budget.lost = 10.0, 0.55  # room 0.05: not a node (0.1) and its drafting (0.05)
-    draft = state.propose([[1, 2, 3]], [4], None)
-    assert int(draft.lengths[0]) == 0 and planned.budget.deferred == 1
-    timing = planned.timing()  # the plan's: the step's observation below moves the scale
-    need = timing.node(1) + planned.draft_costs[0].seconds(1)
-    fit = planned.budget.held_for(timing.seconds(1), planned.allowance() - need)  # ~10 steps: 0.1 short, 0.01 a step
-    assert planned.quiet_until == int(planned.step + fit) and planned.quiet_until > planned.step + 5
-    state.observe(Verified(draft=draft, logits=torch.zeros(1, 1, V), accepted=torch.tensor([0]),
-                           tokens=torch.tensor([[1]]), pending=torch.tensor([3])))
-    assert planned.plain_ahead(1) >= planned.quiet_until - planned.step - 2 >= 3
-    planned.budget.lost = -1.0  # the room grows: the next plan drafts (a probe, or the best's own)
-    state.ahead = 0
-    assert int(state.propose([[1, 2, 3]], [4], None).lengths[0]) > 0
+    assert not planned.idle(0) and not state.plain_ahead(1)  # the learner is not idle: it learns from them
 
 
 def test_steps_the_budget_holds_run_without_the_drafters():

@@ -43,13 +43,8 @@ def speculative_step(batch: DecodeBatch, done: list[bool], ledgers: list[Ledger]
     live = sum(1 for d in done if not d)
     if ahead is not None and skipped is not None and ahead(live):
         began = time.perf_counter()
-        pending = batch.pending
-        stepped, raw, _ = batch.plain_step(done, ledgers, rngs, cursors, also=VERIFY_STEP)
+        stepped = batch.plain_step(done, ledgers, rngs, cursors, also=VERIFY_STEP)[0]
         skipped(time.perf_counter() - began, live)
-        watching, watch = getattr(batch.drafter, "watching", None), getattr(batch.drafter, "watch", None)
-        if watching is not None and watch is not None and watching():  # a learner still learns (the budget pays)
-            empty = Draft.from_lists([[] for _ in done])
-            watch(Observed(draft=empty, logits=raw, accepted=empty.lengths, tokens=batch.pending[:, None], pending=pending))
         return stepped
     device = batch.pending.device
     host = getattr(batch.cache, "host_lengths", None)  # the paged cache's, without a tensor

@@ -95,7 +95,7 @@ class PlannedDrafter:
         self.charged = 0.0  # learners' charges since the last step was learned from
         self.spend = 0.0  # their moving average over the steps they learned in (`idle`)
         self.ahead_steps = 0  # steps run plain without the drafters (`plain_ahead`; reported)
-        self.quiet_until = 0  # the step a plan may next draft, while no draft pays or fits (`plain_ahead`)
+        self.quiet_until = 0  # the step a lone drafter's next probe is due, while no draft of it pays (`plain_ahead`)
         self.budget = Budget()  # what exploring may still lose against plain decoding
         self.version = 0  # bumped whenever an estimate a plan reads changes (`_priced` keeps plans until then)
         self.priced: tuple[tuple[tuple[int, ...], tuple[int, ...]], int, int, list[tuple[float, int, int]]] | None = None
@@ -167,19 +167,11 @@ class PlannedDrafter:
             k = best.k
             while k > 0 and not self.fits(best.candidate, k, catch_up, room):
                 k -= 1
-            # no probe is due: a plan of no tokens stays so (its estimates move only with drafted
-            # steps) until the first is, or until the room holds the best's drafting: `plain_ahead`
-            probe = min(p.last + p.interval for p in self.probes)
             if k < best.k:
                 self.budget.deferred += 1
-                if k == 0:  # the room grows with plain steps (catch-ups only grow: later, not sooner)
-                    need = timing.node(rows) + self.draft_costs[best.candidate].seconds(1) + \
-                        (0.0 if catch_up is None else catch_up[best.candidate])
-                    fit = self.budget.held_for(timing.seconds(rows), self.allowance() - need)
-                    self.quiet_until = int(min(probe, self.step + fit))
                 return Choice(best.candidate, k, best.extra and k > 0, False, rate)
-            if best.k == 0:  # no drafter pays at any length: until a trial
-                self.quiet_until = probe
+            if best.k == 0 and len(self.caps) == 1:  # a lone drafter that pays at no length: until its trial
+                self.quiet_until = self.probes[0].last + self.probes[0].interval
             return best
 
     def trial_length(self, c: int, planned: int) -> int:
@@ -228,15 +220,13 @@ class PlannedDrafter:
     def plain_ahead(self, rows: int) -> int:
         """How many of the next steps of ``rows`` live rows are sure to be plain, the last of them
         not counted: the budget's room cannot hold one verified node before (`plan` holds or
-        defers every drafter, probes and trials included), or the last plan asked no drafter,
-        none paying at any length or none fitting the room, and none will be asked until a
-        probe is due or the room grows (the estimates move only with drafted steps; the step's
-        time may drift meanwhile); 0 when unsure. The decode loop runs them as plain steps
-        without the drafters (`PlannedState.plain_ahead`; learners still watch), and the last
-        one as an undrafted step, so that every drafter sees the step before it drafts again.
-        Without the second, a Jacobi step on free text that drafted nothing still paid 0.17 ms of
-        a 4.5 ms SmolLM2 step for the planner and its observation, and `auto`'s 0.24 ms of a 3
-        ms step (issue 47)."""
+        defers every drafter, probes and trials included), or a lone drafter none of whose drafts
+        pays was not asked at the last step, and will not be until its next probe (its estimates
+        move only with drafted steps; the step's time may drift meanwhile); 0 when unsure. The
+        decode loop runs them as plain steps without the drafters (`PlannedState.plain_ahead`),
+        and the last one as an undrafted step, so that every drafter sees the step before it
+        drafts again. Without the second, a Jacobi step on free text that drafted nothing still
+        paid 0.17 ms of a 4.5 ms SmolLM2 step for the planner and its observation (issue 47)."""
         with self.lock:
             if self.cost is None or rows <= 0:
                 return 0

@@ -136,30 +136,17 @@ class PlannedState:
         return self.empty
 
     def plain_ahead(self, rows: int) -> bool:
-        """Whether this step can be a plain step the drafters do not plan or propose for: the
-        planner is sure it will not draft in it nor in the next (`PlannedDrafter.plain_ahead`).
-        Such a step is reported with `skipped`, and the learners that are not idle watch it
-        (`watching`, `watch`)."""
-        if self.ahead <= 0:  # none promised: ask
+        """Whether this step can be a plain step the drafters do not take part in: the planner
+        is sure it will not draft in it nor in the next (`PlannedDrafter.plain_ahead`), and every
+        learner is idle (none would observe it). Such a step is reported with `skipped`."""
+        if self.ahead <= 0:  # none promised: ask, unless a learner would observe the step
+            if self.learners and not all(self.planner.idle(i) for i in self.learners):
+                return False
             self.ahead = self.planner.plain_ahead(rows)
             if self.ahead <= 0:
                 return False
         self.ahead -= 1
         return True
-
-    def watching(self) -> bool:
-        """Whether a learner that is not idle would observe a plain step (its table keeps
-        learning through the steps no drafter plans for: Token Recycling in `auto`)."""
-        return any(not self.planner.idle(i) for i in self.learners)
-
-    def watch(self, step: Verified) -> None:
-        """A plain step `plain_ahead` allowed, observed by the learners that are not idle alone,
-        their time charged to the budget as in `observe`."""
-        for i in self.learners:
-            if not self.planner.idle(i):
-                began = time.perf_counter()
-                self.states[i].observe(step)
-                self.planner.charge(time.perf_counter() - began)
 
     def skipped(self, seconds: float, rows: int) -> None:
         """A step `plain_ahead` allowed ran as a plain step of ``seconds``."""
