@@ -1,4 +1,4 @@
-"""`metaloom bench speculative --out`: the report is rewritten after each measured method, so
+"""`metaloom bench speculative --out`: the report is rewritten after each timed run, so
 a run stopped partway (a timeout, a crash) keeps every row it measured."""
 
 from __future__ import annotations

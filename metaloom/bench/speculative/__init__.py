@@ -137,7 +137,7 @@ def _timed(m: Method, i: int) -> None:
 
 def write_partial(path: str, args: argparse.Namespace, done: list[dict[str, Any]], current: dict[str, Any]) -> None:
     """``--out``: the report so far (finished dtypes, then the one being measured, marked
-    ``partial``), replaced atomically after each method's measurement."""
+    ``partial``), replaced atomically after each timed run (a method on a prompt)."""
     write_json(path, {**_header(args), "runs": [*done, {**current, "partial": True}], "partial": True})
 
 
@@ -174,7 +174,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="grounded: code edits and a summary that quote their input; free: open-ended generation")
     p.add_argument("--prefix-tokens", type=int, default=1000, help="shared prefix for the prefix-cache case (0: skip)")
     p.add_argument("--out", default=None,
-                   help="write the JSON report here, rewritten after each method is measured (a stopped run keeps "
+                   help="write the JSON report here, rewritten after each timed run (a stopped run keeps "
                         "its rows, marked partial)")
 
 def main(args: argparse.Namespace) -> int:
