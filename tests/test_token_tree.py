@@ -450,6 +450,24 @@ def test_recycling_learns_each_read_tokens_candidates_from_that_tokens_row_of_lo
     assert learned == {4, 7, 8, 5, 9}  # the padding token read nothing
 
 
+def test_a_token_recycling_reads_twice_keeps_the_candidates_of_its_last_reading():
+    """A row that reads a token twice in one verify (pending 4, then drafted 4 again): M[4] holds
+    the top-k of the logits after its second reading, as the paper's matrix is overwritten."""
+    from metaloom.speculative.drafter import Draft, Verified
+    from metaloom.speculative.drafters.recycling import CANDIDATES, RecyclingDrafter, RecyclingState
+
+    vocab = 20
+    drafter = RecyclingDrafter()
+    drafter.table = torch.full((vocab, CANDIDATES), -1, dtype=torch.long)
+    logits = torch.randn(1, 3, vocab, generator=torch.Generator().manual_seed(1))
+    draft = Draft(torch.tensor([[4, 8]]), torch.tensor([2]))
+    RecyclingState(drafter).observe(Verified(draft=draft, logits=logits, accepted=torch.tensor([2]),
+                                             tokens=torch.tensor([[4, 8, 1]]), hidden=None, pending=torch.tensor([4])))
+    top = logits.topk(CANDIDATES, dim=-1).indices
+    assert top[0, 0].tolist() != top[0, 1].tolist()
+    assert drafter.table[4].tolist() == top[0, 1].tolist() and drafter.table[8].tolist() == top[0, 2].tolist()
+
+
 def test_a_fresh_recycling_matrix_proposes_nothing_without_growing_a_tree(monkeypatch):
     """Roots without candidates: the shared empty draft, no tree grown (its drafting is charged
     to the cost model's budget every step); a root with candidates grows its tree."""

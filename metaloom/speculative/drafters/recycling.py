@@ -62,13 +62,14 @@ class RecyclingDrafter:
     def grow(self, root: int, budget: int) -> DraftTree:
         """The static tree from ``root`` over the current matrix, at most ``budget`` nodes."""
         assert self.table is not None
+        table = self.table.numpy()  # a view: a numpy row costs a tenth of a torch one right after a forward
         tokens: list[int] = []
         parents: list[int] = []
         frontier = [(-1, root)]
         for width in self.shape.widths:
             nxt = []
             for node, token in frontier:
-                for cand in self.table[token, :width].tolist():
+                for cand in table[token, :width].tolist():
                     if cand < 0 or len(tokens) >= budget:
                         break
                     tokens.append(cand)
@@ -79,13 +80,19 @@ class RecyclingDrafter:
                 break
         return DraftTree(tuple(tokens), tuple(parents))
 
-    def learn(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+    def learn(self, tokens: Sequence[int] | torch.Tensor, logits: torch.Tensor) -> None:
         """Row ``M[tokens[i]]`` = the ``k`` most likely tokens after it (``logits[i]`` [V])."""
         assert self.table is not None
         k = min(CANDIDATES, logits.shape[-1])  # a vocabulary smaller than the matrix is wide keeps all of it
-        top = c_draw.topk(logits.reshape(-1, logits.shape[-1]), k)
+        top = c_draw.topk(logits.reshape(-1, logits.shape[-1]), k).numpy()
+        ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
         with self.lock:
-            self.table[tokens.cpu(), :k] = top  # a token read twice keeps its last candidates
+            # numpy rows, in order (a token read twice keeps its last candidates): each torch
+            # call right after a forward costs tens of microseconds, and Token Recycling's
+            # update is charged to the cost model's budget every step (issue 47)
+            table = self.table.numpy()
+            for i, token in enumerate(ids):
+                table[token, :k] = top[i]
 
 
 class RecyclingState:
@@ -101,7 +108,8 @@ class RecyclingState:
         table = self.drafter.table
         assert table is not None
         roots = [int(ctx[-1]) if limit > 0 and ctx else -1 for ctx, limit in zip(contexts, limits, strict=True)]
-        if all(r < 0 or int(table[r, 0]) < 0 for r in roots):
+        first = table.numpy()[:, 0]
+        if all(r < 0 or first[r] < 0 for r in roots):
             # a fresh matrix knows no candidates yet: nothing to grow, and the drafting time that
             # the cost model charges stays a few microseconds (a tree of nothing built every step
             # cost a fresh drafter a tenth of SmolLM2's step, enough to spend its budget)
@@ -125,7 +133,7 @@ class RecyclingState:
         pending = verified.pending.tolist()
         drafted = verified.draft.tokens.tolist()
         for b, n in enumerate(verified.draft.lengths.tolist()):
-            self.drafter.learn(torch.tensor([pending[b], *drafted[b][:n]]), logits[b, :n + 1])
+            self.drafter.learn([pending[b], *drafted[b][:n]], logits[b, :n + 1])
 
     def select(self, rows: Sequence[int]) -> DraftState:
         return self
