@@ -118,6 +118,37 @@ def test_panel_regrouping_and_panel_matmul(emulated, qtype):
     assert torch.equal(first[0], first[1]) and torch.equal(first[0], first[2])
 
 
+def test_q8_inputs_and_a_q8_panel_matmul(emulated):
+    """quant_q8.h's AVX-512 statement of the inputs' quantisation (vector max, sums and
+    narrowing), against the PyTorch statement bit for bit, and a Q4_1 panel matmul under q8: the
+    product of the dequantised weight and inputs within the native suite's bound, and a row alone
+    gives the bits it gives in a batch."""
+    from metaloom.models.kernels.quant_torch import q8_inputs_torch
+    from tests.test_quant_q8 import _q8_excess
+
+    g = torch.Generator().manual_seed(35)
+    x = torch.randn(5, 256, generator=g) * torch.logspace(-4, 3, 5).unsqueeze(1)
+    x[0, :32] = 0.0
+    x[1, :32] = torch.arange(-16, 16) * 0.5  # ties
+    x[2, 64:96] = float("inf")
+    x[3, 100] = float("nan")
+    for dtype in (torch.float32, torch.bfloat16):
+        q, d, s = emulated.q8_inputs(x.to(dtype))
+        tq, td = q8_inputs_torch(x.to(dtype))
+        assert torch.equal(q, tq) and torch.equal(d.isnan(), td.isnan()) and torch.equal(d[~d.isnan()], td[~td.isnan()])
+        assert torch.equal(s[:, :8], q.view(5, 8, 32).int().sum(-1)) and torch.equal(s[:, 8:], q.view(5, 16, 16).int().sum(-1))
+    q41 = BY_NAME["Q4_1"]
+    blocks = random_blocks(q41, 48, 96, seed=36)
+    w = quant.QuantWeight(q41, torch.from_numpy(blocks.copy()), 96).with_activations("q8").panelled()
+    xs = torch.randn(19, 96, generator=g)
+    y = torch.empty(19, 48)
+    emulated.matmul_q8(q41, w.blocks, 96, xs, y, 19, 2, w.layout)
+    assert _q8_excess(y, xs, q41, blocks, 1) <= 1
+    alone = torch.empty(1, 48)
+    emulated.matmul_q8(q41, w.blocks, 96, xs[7:8].contiguous(), alone, 1, 1, w.layout)
+    assert torch.equal(alone[0], y[7])
+
+
 def _python_panels(qtype: int, blocks: np.ndarray, inputs: int) -> np.ndarray:
     """The panel layout from the Python statement of it (`metaloom.models.kernels.panels`), by
     inverting its bit sources: the same bytes every path's regrouping must give."""

@@ -15,6 +15,18 @@ typedef signed char ml_v16qi __attribute__((vector_size(16)));
 typedef unsigned char ml_v16qu __attribute__((vector_size(16)));
 typedef unsigned short ml_v16hu __attribute__((vector_size(32)));
 static inline __m512 ml_cvtepi32_ps(__m512i a) { return (__m512)__builtin_convertvector((ml_v16si)a, ml_v16sf); }
+static inline __m512i ml_cvttps_epi32(__m512 a) { return (__m512i)__builtin_convertvector((ml_v16sf)a, ml_v16si); }
+static inline float ml_reduce_max_ps(__m512 a) {
+    float m = a[0];
+    for (int i = 1; i < 16; i++) m = a[i] > m ? a[i] : m;
+    return m;
+}
+static inline int ml_reduce_add_epi32(__m512i a) {
+    int s = 0;
+    for (int i = 0; i < 16; i++) s += ((ml_v16si)a)[i];
+    return s;
+}
+static inline __m128i ml_cvtepi32_epi8(__m512i a) { return (__m128i)__builtin_convertvector((ml_v16si)a, ml_v16qi); }
 static inline __m512 ml_cvtepu32_ps(__m512i a) { return (__m512)__builtin_convertvector((ml_v16su)a, ml_v16sf); }
 static inline __m512i ml_cvtepi8_epi32(__m128i a) { return (__m512i)__builtin_convertvector((ml_v16qi)a, ml_v16si); }
 static inline __m512i ml_cvtepu8_epi32(__m128i a) { return (__m512i)__builtin_convertvector((ml_v16qu)a, ml_v16si); }
@@ -28,6 +40,10 @@ static inline __m512 ml_cvtph_ps(__m256i a) { /* exact, as F16C's */
     return r;
 }
 #undef _mm512_cvtepi32_ps
+#undef _mm512_cvttps_epi32
+#undef _mm512_reduce_max_ps
+#undef _mm512_reduce_add_epi32
+#undef _mm512_cvtepi32_epi8
 #undef _mm512_cvtepu32_ps
 #undef _mm512_cvtepi8_epi32
 #undef _mm512_cvtepu8_epi32
@@ -35,6 +51,10 @@ static inline __m512 ml_cvtph_ps(__m256i a) { /* exact, as F16C's */
 #undef _mm512_srai_epi32
 #undef _mm512_cvtph_ps
 #define _mm512_cvtepi32_ps ml_cvtepi32_ps
+#define _mm512_cvttps_epi32 ml_cvttps_epi32 /* truncation: quant_q8.h's inputs are within int32 */
+#define _mm512_reduce_max_ps ml_reduce_max_ps
+#define _mm512_reduce_add_epi32 ml_reduce_add_epi32
+#define _mm512_cvtepi32_epi8 ml_cvtepi32_epi8 /* truncation, as vpmovdb */
 #define _mm512_cvtepu32_ps ml_cvtepu32_ps
 #define _mm512_cvtepi8_epi32 ml_cvtepi8_epi32
 #define _mm512_cvtepu8_epi32 ml_cvtepu8_epi32
