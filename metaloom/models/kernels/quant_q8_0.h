@@ -155,9 +155,9 @@ static int q8_0_panel_matmul(const uint8_t *pw, int64_t out, int64_t in, const v
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         q8_fill_share(x, xbf, rows, in, 0, &xr);
-        /* panels go to the threads as they come for them: quant_panel_matmul_q8 says why */
-#pragma omp for schedule(guided) nowait
-        for (int64_t p = 0; p < np; p++)
+        int64_t lo, hi;
+        thread_share(np, 1, &lo, &hi);
+        for (int64_t p = lo; p < hi; p++)
             for (int64_t c = 0; c * Q80_RB < rows; c++) {
                 const int R = (int)(rows - c * Q80_RB < Q80_RB ? rows - c * Q80_RB : Q80_RB);
                 const q8rows part = {xr.q + c * Q80_RB * in, xr.d + c * Q80_RB * nb, xr.s + c * Q80_RB * 3 * nb, NULL};
