@@ -683,7 +683,8 @@ int quant_panel_matmul_q8(int t, const uint8_t *pw, int64_t out, int64_t in, con
              * HTTP loop, one thread loses its core now and then, and with equal shares the other
              * waited for it at the region's end (half the engine thread's samples at 32 clients,
              * in libgomp). A panel's outputs are one thread's whole: the bits do not depend on who
-             * took it. `bench serve --clients 32`: 507 -> 535 tok/s with the vector inputs above. */
+             * took it. `bench serve --clients 32`: 488 -> 504 tok/s with the vector inputs above
+             * (docs/performance.md). The head's Q8_0 panels keep equal shares: quant_q8_0.h. */
 #pragma omp for schedule(guided) nowait
             for (int64_t p = 0; p < np; p++) fn(pw, nb, &part, in, p, (char *)y + c * PANEL_ROWS * out * elem, out, ybf, R);
         }
