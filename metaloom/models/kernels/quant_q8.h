@@ -52,8 +52,8 @@ typedef float f8x __attribute__((vector_size(32)));
  * or two SSE halves). Scalar, it was 30% of a 16-row q8 matmul. */
 #if defined(ML_AVX512)
 /* The same statement in intrinsics, a block in two 16-lane vectors: GCC's generic vectors left
- * the block's max, its two sums and the narrowing to int8 to scalar code (3 cycles an element,
- * 7% of a server's samples at 32 clients). Each element's operations are the same IEEE
+ * the block's max, its two sums and the narrowing to int8 to scalar code (0.65 ns an element on
+ * a Zen 5, 7% of a server's samples at 32 clients). Each element's operations are the same IEEE
  * operations (vmulps, vcvttps2dq, vsubps, the comparisons), so the bits are the generic code's. */
 INLINE __m512 q8_load16(const void *x, int xbf, int64_t at) {
     if (xbf)
