@@ -1264,12 +1264,16 @@ INLINE int pdist(const int t) {
     return (4096 + 16 * block_bytes(t) - 1) / (16 * block_bytes(t));
 #endif
 }
-INLINE void pprefetch(const int t, const uint8_t *pw, int64_t pb, int64_t p0, int64_t b, int sb, const int T) {
+INLINE void pprefetch_at(const int t, const uint8_t *pw, int64_t pb, int64_t p0, int64_t b, int sb, const int T,
+                         const int dist) {
     /* spread over the block's sub-blocks: a K block is 36-53 lines a panel, too many at once */
     const int BB16 = 16 * block_bytes(t), lines = (BB16 + 63) / 64, from = sb * lines / psubs(t),
               to = (sb + 1) * lines / psubs(t);
     UNROLL for (int tt = 0; tt < T; tt++) for (int l = from; l < to; l++)
-        __builtin_prefetch(pw + (p0 + tt) * pb + (b + pdist(t)) * BB16 + 64 * l, 0, 2);
+        __builtin_prefetch(pw + (p0 + tt) * pb + (b + dist) * BB16 + 64 * l, 0, 2);
+}
+INLINE void pprefetch(const int t, const uint8_t *pw, int64_t pb, int64_t p0, int64_t b, int sb, const int T) {
+    pprefetch_at(t, pw, pb, p0, b, sb, T, pdist(t));
 }
 
 /* Each (type, tile) of the panel kernels below is a function of its own (`ptile`, `prows` are
