@@ -35,7 +35,8 @@ from metaloom.models.kernels.quant_types import BY_NAME
 FILES = ("quant.c", "quant_q8.h", "quant_q8_0.h", "vec_store.h")
 SHAPES = (("SmolLM2 gate_up", "Q4_1", 3072, 576), ("SmolLM2 down", "Q4_1", 576, 1536),
           ("Qwen2.5-0.5B gate_up", "Q5_0", 9728, 896), ("Qwen2.5-0.5B down", "Q6_K", 896, 4864),
-          ("a K-quant", "Q4_K", 2048, 1536), ("SmolLM2 head", "Q8_0", 49152, 576))
+          ("a K-quant", "Q4_K", 2048, 1536), ("SmolLM2 head", "Q8_0", 49152, 576),
+          ("Qwen2.5-1.5B gate_up", "Q4_K", 17920, 1536), ("Qwen2.5-1.5B head", "Q6_K", 151936, 1536))
 
 
 def build(sources: dict[str, str], where: Path) -> ctypes.CDLL:
