@@ -359,18 +359,20 @@ INLINE i8x idot32(const int8_t *w, const int8_t *x) {
 }
 #endif
 
-/* How far ahead (in a panel's blocks) the q8 products prefetch. AVX-512: about 2 KB, not the
- * float products' one block (`pdist`): with integer products a block of 16 rows is done long
- * before one block ahead has come from DRAM. SmolLM2's Q4_1 gate_up at 16 rows, weights from
- * memory, took 101 us against 51 in cache, the sum of its memory and compute times rather than
- * the larger; 8 blocks (2.5 KB) ahead, 68 us (Zen 5, `scripts/q8_kernel_ab.py --from-memory`;
- * 1 row unchanged). The K types' blocks (2.3-3.4 KB a panel) stay one ahead: two made
- * Qwen2.5-Coder-1.5B's 16-row step 5% slower though its kernels alone were not. The 8-lane paths
- * keep `pdist`'s 4 KB: 2 KB made SmolLM2's one-token step 2.5% slower on avx2. */
-#define Q8_PREFETCH_BYTES 2048
+/* How far ahead (in a panel's blocks) the q8 products prefetch. AVX-512: as many whole blocks
+ * as fit in 4 KB, at least one, not the float products' one block (`pdist`): with integer
+ * products a block of 16 rows is done long before one block ahead has come from DRAM. SmolLM2's
+ * Q4_1 gate_up at 16 rows, weights from memory, took 101 us against 51 in cache, the sum of its
+ * memory and compute times rather than the larger; 8 blocks (2.5 KB) ahead, 68 us (Zen 5,
+ * `scripts/q8_kernel_ab.py --from-memory`; 1 row unchanged). The K types' blocks (2.3-3.4 KB a
+ * panel) stay one ahead: two made Qwen2.5-Coder-1.5B's 16-row step 5% slower though its
+ * kernels alone were not. The 8-lane paths keep `pdist` (4 KB rounded up): 2 KB made SmolLM2's
+ * one-token step 2.5% slower on avx2. */
+#define Q8_PREFETCH_BYTES 4096
 INLINE int q8_pdist(const int t) {
 #ifdef ML_AVX512
-    return (Q8_PREFETCH_BYTES + 16 * block_bytes(t) - 1) / (16 * block_bytes(t));
+    const int d = Q8_PREFETCH_BYTES / (16 * block_bytes(t));
+    return d > 0 ? d : 1;
 #else
     return pdist(t);
 #endif
