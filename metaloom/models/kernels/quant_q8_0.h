@@ -112,27 +112,33 @@ INLINE void q8_0_prows(const uint8_t *pw, int64_t nb, const q8rows *x, int64_t i
         vec d[2];
         for (int j = 0; j < 16; j++) d[j / 8][j % 8] = f16_to_f32(ld_u16(P + 2 * j));
 #if defined(__AVX2__)
-        /* the weights' magnitudes made once for all rows; per row each broadcast input word takes
-         * the weights' signs for both halves */
-        __m256i w[8][2], a[8][2];
-        UNROLL for (int g = 0; g < 8; g++) UNROLL for (int h = 0; h < 2; h++) {
-            w[g][h] = _mm256_loadu_si256((const __m256i *)(P + 32 + 64 * g + 32 * h));
-            a[g][h] = _mm256_abs_epi8(w[g][h]);
-        }
+        /* group by group: the group's weights and their magnitudes (4 registers) made once for
+         * all rows, each row's two int sums in registers over the block (8). Holding all 8
+         * groups' weights and magnitudes at once took 32 of AVX2's 16 registers. Per row each
+         * broadcast input word takes the weights' signs for both halves. */
         const __m256i one = _mm256_set1_epi16(1);
+        __m256i isum[Q80_RB][2];
+        UNROLL for (int r = 0; r < Q80_RB; r++) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
+        const int8_t *xb = x->q + 32 * b;
+        UNROLL for (int g = 0; g < 8; g++) {
+            __m256i w[2], a[2];
+            UNROLL for (int h = 0; h < 2; h++) {
+                w[h] = _mm256_loadu_si256((const __m256i *)(P + 32 + 64 * g + 32 * h));
+                a[h] = _mm256_abs_epi8(w[h]);
+            }
+            UNROLL for (int r = 0; r < Q80_RB; r++) {
+                if (r >= R) continue;
+                const __m256i v = _mm256_set1_epi32((int)ld_x4(xb + r * in + 4 * g));
+                UNROLL for (int h = 0; h < 2; h++)
+                    isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(a[h],
+                                                                                 _mm256_sign_epi8(v, w[h])), one));
+            }
+        }
         UNROLL for (int r = 0; r < Q80_RB; r++) {
             if (r >= R) continue;
-            const int8_t *xq = x->q + r * in + 32 * b;
-            __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-            UNROLL for (int g = 0; g < 8; g++) {
-                const __m256i v = _mm256_set1_epi32((int)ld_x4(xq + 4 * g));
-                UNROLL for (int h = 0; h < 2; h++)
-                    isum[h] = _mm256_add_epi32(isum[h], _mm256_madd_epi16(_mm256_maddubs_epi16(a[g][h],
-                                                                                           _mm256_sign_epi8(v, w[g][h])), one));
-            }
             const vec dx = splat(x->d[r * n32 + b]);
             UNROLL for (int h = 0; h < 2; h++)
-                acc[2 * r + h] = fma8(__builtin_convertvector((i8x)isum[h], vec), d[h] * dx, acc[2 * r + h]);
+                acc[2 * r + h] = fma8(__builtin_convertvector((i8x)isum[r][h], vec), d[h] * dx, acc[2 * r + h]);
         }
 #else
         UNROLL for (int h = 0; h < 2; h++) {
