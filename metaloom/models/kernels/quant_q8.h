@@ -364,9 +364,9 @@ INLINE i8x idot32(const int8_t *w, const int8_t *x) {
  * products a block of 16 rows is done long before one block ahead has come from DRAM. SmolLM2's
  * Q4_1 gate_up at 16 rows, weights from memory, took 101 us against 51 in cache, the sum of its
  * memory and compute times rather than the larger; 8 blocks (2.5 KB) ahead, 68 us (Zen 5,
- * `scripts/q8_kernel_ab.py --from-memory`; 1 row unchanged). The K types' blocks (2.3-3.4 KB a
- * panel) stay one ahead: two made Qwen2.5-Coder-1.5B's 16-row step 5% slower though its
- * kernels alone were not. The 8-lane paths keep `pdist` (4 KB rounded up): 2 KB made SmolLM2's
+ * `scripts/q8_kernel_ab.py --from-memory`; 1 row unchanged). Blocks of over 2 KB a panel
+ * (Q4_K, Q5_K, Q6_K, IQ4_XS) stay one ahead: two made Qwen2.5-Coder-1.5B's (Q4_K, Q6_K) 16-row
+ * step 5% slower though its kernels alone were not. The 8-lane paths keep `pdist` (4 KB rounded up): 2 KB made SmolLM2's
  * one-token step 2.5% slower on avx2. */
 #define Q8_PREFETCH_BYTES 4096
 INLINE int q8_pdist(const int t) {
