@@ -271,3 +271,42 @@ def test_heads_keep_the_hidden_state_of_each_rows_last_kept_position():
     state.observe(Verified(draft=Draft.from_lists([[], []]), logits=torch.zeros(2, 1, 9), accepted=torch.tensor([0, 0]),
                            tokens=torch.zeros(2, 1, dtype=torch.long), hidden=plain))
     assert torch.equal(state.hidden, hidden[:, 1]) and state.rows == 2
+
+
+@pytest.mark.parametrize("activations", ["float", "q8"])
+@pytest.mark.parametrize("ids", [[7, 3, 79, 0, 21], list(range(16))])
+def test_draft_head_multiplies_the_targets_own_quantised_rows(activations, ids):
+    """A quantised LM head's draft-vocabulary rows stay its blocks (no float copy): row i of
+    the draft head is row ids[i] of the target's head, by the same kernel, to the bit; a count
+    of rows that is not a whole panel is padded for the kernel and cut back. A dense head gives
+    its rows as a tensor, as before."""
+    from metaloom.models.engine.weights import linear
+    from metaloom.models.kernels.quant import quantize
+    from metaloom.speculative.drafters.heads import draft_head
+
+    gen = torch.Generator().manual_seed(0)
+    w = quantize(torch.randn(80, 64, generator=gen), "Q8_0").with_activations(activations).panelled()
+    index = torch.tensor(ids)
+    head = draft_head(w, index)
+    for rows in (1, 3):
+        x = torch.randn(rows, 64, generator=gen)
+        got = linear(x, head)
+        assert got.shape == (rows, len(ids))
+        assert torch.equal(got, w(x)[:, index])
+    dense = torch.randn(80, 64, generator=gen)
+    assert torch.equal(draft_head(dense, index), dense[index])
+
+
+@pytest.mark.model
+def test_heads_make_their_draft_head_once_per_target(smollm):
+    """Each request's `start` reuses the draft head made for this target and these heads (a
+    gather of megabytes each request otherwise)."""
+    model = smollm.model
+    sampler = make_sampler([SamplingParams(temperature=0.0)], model.vocab_size, model.device)
+    first = HeadsDrafter().start(model, sampler, [[1]], [None])
+    again = HeadsDrafter().start(model, sampler, [[1, 2]], [None])
+    assert again.head is first.head
+    x = torch.randn(2, model.config.hidden_size)
+    from metaloom.models.engine.weights import linear
+
+    assert linear(x, first.head).shape == (2, first.heads.config.draft_vocab)

@@ -40,6 +40,7 @@ import torch
 
 from metaloom.errors import InvalidParameter
 from metaloom.models.engine.llama import Embedding, embed_tokens
+from metaloom.models.engine.weights import Weight, linear
 from metaloom.models.forward import Ledgers, charge_rows
 from metaloom.models.protocols import LanguageModel
 from metaloom.sampling.pipeline import Sampler
@@ -53,14 +54,14 @@ Level = Sequence[tuple[int, float]]  # one head's candidates, best first: (targe
 
 @torch.no_grad()
 def stage_probs(heads: SpeculatorHeads, z: torch.Tensor, first: torch.Tensor, k: int, embed: Embedding,
-                head: torch.Tensor) -> torch.Tensor:
+                head: Weight) -> torch.Tensor:
     """[B, k, V_d]: each of the first ``k`` stages' distribution over the draft vocabulary, the
     stages fed the greedy chain (`SpeculatorHeads.draft_confident`'s walk). z [B, d]: the
     target's hidden state at the last kept position; first [B]: the token it emitted there."""
     state, token, out = z, first, []
     for i in range(k):
         state = heads.stage(i, state, embed_tokens(embed, token, state.dtype).to(state.dtype))
-        logits = heads.out[i](state) @ head.T
+        logits = linear(heads.out[i](state), head)
         out.append(torch.softmax(logits.float(), dim=-1))
         token = heads.vocab_ids[logits.argmax(dim=-1)]
     return torch.stack(out, dim=1)
@@ -167,7 +168,7 @@ class HeadsTreeState:
         known = [True] * len(contexts) if base.known is None else base.known.tolist()
         if budget == 0 or base.hidden is None or depth == 0 or not any(known):
             return Draft.from_trees([DraftTree((), ())] * len(contexts))
-        first = torch.as_tensor([c[-1] for c in contexts], dtype=torch.long, device=base.head.device)
+        first = torch.as_tensor([c[-1] for c in contexts], dtype=torch.long, device=heads.vocab_ids.device)
         probs = stage_probs(heads, base.hidden.float(), first, depth, base.embed, base.head)  # [B, depth, V_d]
         k = (max(self.shape.widths) if self.shape.nodes is None else min(self.shape.nodes, budget))
         top = probs.topk(min(k, probs.shape[-1]), dim=-1)

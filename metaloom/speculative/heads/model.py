@@ -39,6 +39,7 @@ from torch import nn
 
 from metaloom.errors import NotAModel
 from metaloom.models.engine.llama import Embedding, embed_tokens
+from metaloom.models.engine.weights import Weight, linear
 
 FORMAT = "metaloom-heads"
 FORMAT_VERSION = 1
@@ -97,6 +98,12 @@ def matches(config: HeadsConfig, model: object) -> bool:
     return bool(torch.allclose(ours, torch.tensor(config.probe), rtol=2e-2, atol=2e-3))
 
 
+def _weight(layer: nn.Module) -> torch.Tensor:
+    """An nn.Linear's weight [out, in] (typed: a ModuleList's entries are plain Modules)."""
+    assert isinstance(layer, nn.Linear)
+    return layer.weight
+
+
 class SpeculatorHeads(nn.Module):
     """K hierarchical stages (see the module doc). ``vocab_ids`` [V_d]: target token id of each
     row of the draft vocabulary."""
@@ -115,7 +122,9 @@ class SpeculatorHeads(nn.Module):
 
     def stage(self, i: int, state: torch.Tensor, token_embedding: torch.Tensor) -> torch.Tensor:
         """s_i [N, r] from s_{i-1} [N, d or r] and E[T_i] [N, d]."""
-        return F.gelu(self.norm[i](self.state_in[i](state) + self.token_in[i](token_embedding)))
+        # `linear`: one row (drafting) as a matrix-vector product, several as nn.Linear's F.linear
+        return F.gelu(self.norm[i](linear(state, _weight(self.state_in[i]))
+                                   + linear(token_embedding, _weight(self.token_in[i]))))
 
     def forward(self, z: torch.Tensor, inputs: torch.Tensor, embed: torch.Tensor) -> list[torch.Tensor]:
         """Teacher-forced training pass. z [N, d]: the target's hidden state at t; inputs [N, S]:
@@ -128,13 +137,13 @@ class SpeculatorHeads(nn.Module):
         return out
 
     @torch.no_grad()
-    def draft(self, z: torch.Tensor, first: torch.Tensor, k: int, embed: Embedding, head: torch.Tensor) -> torch.Tensor:
+    def draft(self, z: torch.Tensor, first: torch.Tensor, k: int, embed: Embedding, head: Weight) -> torch.Tensor:
         """Hierarchical drafting: z [B, d] the target's hidden state at the last token it saw,
         first [B] the token it emitted after it; returns [B, k] target token ids (k <= stages)."""
         return self.draft_confident(z, first, k, embed, head)[0]
 
     @torch.no_grad()
-    def draft_confident(self, z: torch.Tensor, first: torch.Tensor, k: int, embed: Embedding, head: torch.Tensor,
+    def draft_confident(self, z: torch.Tensor, first: torch.Tensor, k: int, embed: Embedding, head: Weight,
                         min_prob: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         """`draft`, plus [B] the number of leading stages whose guess has probability >=
         ``min_prob`` under the stage's own softmax: a draft cut there spends no verify width on
@@ -147,7 +156,7 @@ class SpeculatorHeads(nn.Module):
         alive = torch.ones(b, dtype=torch.bool, device=z.device)
         for i in range(k):
             state = self.stage(i, state, embed_tokens(embed, token, state.dtype).to(state.dtype))
-            logits = self.out[i](state) @ head.T
+            logits = linear(linear(state, _weight(self.out[i])), head)  # head: a tensor or quantised rows
             best, index = logits.max(dim=-1)
             token = self.vocab_ids[index]
             drafted[:, i] = token
