@@ -546,6 +546,57 @@ def test_a_catch_up_the_budget_cannot_cover_is_not_started(seconds):
         assert drafter.proposals > 5 and usage.accepted_tokens > 30 and deferred == 0
 
 
+def test_a_catch_up_is_weighed_against_the_tokens_still_to_come():
+    """The 0.3 s catch-up that fits the fresh room (a step is 1 s on the flat curve) is still not
+    started with 4 tokens to come (5% of 4 plain steps is 0.2 s); with 100 to come, or nothing
+    known of them, it is."""
+    for ahead, k in ((4, 0), (100, 4), (None, 4)):
+        planned = PlannedDrafter([(Behind(0.3), 4)], cost=FLAT)
+        assert planned.plan([COLD], [4], [0.3], [ahead]).k == k
+
+
+class Amortised(Behind):
+    """`Behind` that knows how many tokens its rows may still produce (a draft model's
+    ``ahead``): the request's ``max_tokens`` less what the context has gained since it started."""
+
+    def __init__(self, seconds, max_tokens, name="behind"):
+        super().__init__(seconds, name)
+        self.max_tokens, self.start_len = max_tokens, None
+
+    def start(self, target, sampler, contexts, keys):
+        self.start_len = len(contexts[0])
+        return self
+
+    def ahead(self, contexts):
+        return self.max_tokens - (len(contexts[0]) - self.start_len)
+
+
+@pytest.mark.parametrize("amortised", [False, True])
+def test_gains_of_one_drafter_do_not_pay_for_a_catch_up_the_rest_of_the_request_cannot(amortised):
+    """`auto` with a right drafter, whose accepted drafts bank seconds in the budget, and a right
+    one that must first feed 30 s of context: without knowing the tokens to come, the banked
+    gains pay for that catch-up once they exceed it (as they did for the 0.5B draft model under
+    prompt lookup on Qwen2.5-1.5B); knowing that 400 tokens are at most 400 s of plain steps to
+    spread it over (5%: 20 s), it is never started. Greedy's tokens either way."""
+    dear = Amortised(30.0, 400) if amortised else Behind(30.0)
+    planned = PlannedDrafter([(Counting(True, "lookup"), 8), (dear, 8)], cost=FLAT)
+    out, _ = _run(Speculative(planned, 8), max_tokens=400)
+    assert out == _run(None, max_tokens=400)[0]
+    assert (dear.proposals == 0) == amortised
+
+
+def test_a_plan_that_cannot_fit_gives_way_to_the_next_best_that_does():
+    """`auto` with a drafter whose catch-up never fits, priced first at its priors (an untried
+    draft model), and a right one: the right one drafts from the first step rather than after a
+    trial 16 steps on, and nothing the dear one would draft is asked for. Greedy's tokens."""
+    dear, right = Behind(1e9), Counting(True, "lookup")
+    planned = PlannedDrafter([(dear, 4), (right, 4)], cost=FLAT)
+    out, usage = _run(Speculative(planned, 4), max_tokens=60)
+    assert out == _run(None, max_tokens=60)[0]
+    assert dear.proposals == 0 and right.proposals >= usage.verify_steps - 2
+    assert planned.report()["nodes_verified"].get("0", 0) <= 2
+
+
 class Empty(Counting):
     """Asked for tokens, proposes none (prompt lookup where the context has no match)."""
 
@@ -581,6 +632,11 @@ def test_a_draft_models_catch_up_is_the_context_it_has_not_fed_at_its_measured_r
     assert state.catch_up([[1, 2, 3, 4, 5]]) == pytest.approx(5 * rate)  # the whole prompt first
     state.propose([[1, 2, 3, 4, 5]], [2], Ledger())
     assert state.catch_up([[1, 2, 3, 4, 5, 6, 7]]) == pytest.approx(rate)  # fed the prompt and the first draft
+    # the tokens a catch-up is spread over: max_tokens (8) less those produced, through select and join
+    assert state.ahead([[1, 2, 3, 4, 5]]) == 8 and state.ahead([[1, 2, 3, 4, 5, 6, 7]]) == 6
+    two = state.join(drafter.start(target, sampler, [[9, 9]], [1]))
+    assert two.ahead([[1, 2, 3, 4, 5, 6], [9, 9, 9, 9, 9]]) == 7
+    assert two.select([1]).ahead([[9, 9, 9, 9, 9]]) == 5
 
 
 def test_the_planner_measures_a_draft_models_feed_rate_before_any_request_pays_for_it():
@@ -637,7 +693,7 @@ def test_a_lone_learner_the_budget_holds_stops_learning_until_a_node_comes_near(
     assert learner.proposals == 0 and learner.observed == 0
     planned.budget.lost = -1.0  # room for a node again
     learner.observed = 0
-    planned.plan = lambda hot, limits, catch_up=None: Choice(0, 0, False, False, 0.0)  # a plain step all the same
+    planned.plan = lambda hot, limits, catch_up=None, ahead=None: Choice(0, 0, False, False, 0.0)  # a plain step all the same
     _plain_steps(state, 4)
     assert learner.observed == 4
 
@@ -764,7 +820,7 @@ def test_a_learner_whose_learning_costs_more_than_the_budget_earns_is_idle():
     planned.budget.elapsed, planned.budget.lost = 10.0, 0.21  # room 0.1 + 0.5 - 0.21: 0.01 short of a node
     assert not planned.idle(0)  # a plain step earns 0.01
     state = planned.start(None, None, [[1, 2, 3]], [0])
-    planned.plan = lambda hot, limits, catch_up=None: Choice(0, 0, False, False, 0.0)
+    planned.plan = lambda hot, limits, catch_up=None, ahead=None: Choice(0, 0, False, False, 0.0)
     planned.charge(0.02)  # what its last observation cost: twice a step's earnings
     _plain_steps(state, 1)
     assert planned.spend == pytest.approx(0.02) and planned.report()["learning_ms"] == 20.0

@@ -31,7 +31,9 @@ costs a step's time and feeds no draft soon.
 
 A state with a ``catch_up(contexts)`` method must feed context before it drafts (a draft
 model: at its first proposal, the whole prompt) and returns the seconds that takes. The cost
-model tries such a drafter only when the exploration budget has room for them.
+model tries such a drafter only when the exploration budget has room for them and, where the
+state's ``ahead(contexts)`` says how many tokens the rows may still produce, when they are a
+small share of what plain decoding would take for those (`CATCH_UP_SHARE`).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ Token Recycling keeps its matrix; `report` says what it chose (``--json``'s ``co
 from __future__ import annotations
 
 import bisect
+import math
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -28,12 +29,13 @@ from metaloom.models.protocols import LanguageModel
 from metaloom.sampling.pipeline import Sampler
 from metaloom.speculative.cost import VerifyCost, measure_verify_cost
 from metaloom.speculative.drafter import LEVELS, MAX_DRAFT, Drafter
+from metaloom.speculative.planned_report import planned_report
 from metaloom.speculative.planned_state import Choice, Outcome, PlannedState, as_chain, kept_paths
 from metaloom.speculative.planner import (
     ALLOWANCE,
+    CATCH_UP_SHARE,
     CHEAP,
     COLD,
-    HOT,
     PROBE_EVERY,
     Acceptance,
     Budget,
@@ -128,15 +130,19 @@ class PlannedDrafter:
         assert self.cost is not None
         return Timing(self.cost, self.scale, self.gap + fixed, self.overhead, self.wide)
 
-    def plan(self, hot: Sequence[int], limits: Sequence[int], catch_up: Sequence[float] | None = None) -> Choice:
+    def plan(self, hot: Sequence[int], limits: Sequence[int], catch_up: Sequence[float] | None = None,
+             ahead: Sequence[int | None] | None = None) -> Choice:
         """The step's plan for rows in states ``hot`` allowed ``limits`` tokens; ``catch_up``: per
-        candidate, the seconds it must spend feeding context before it drafts, or None."""
+        candidate, the seconds it must spend feeding context before it drafts, or None; ``ahead``:
+        per candidate, the most tokens its rows may still produce (None: unknown)."""
         rows = sum(1 for n in limits if n > 0)
         with self.lock:
             self.step += 1
             self.quiet_until = 0
             if rows == 0:
                 return Choice(0, 0, False, False, 0.0)
+            if catch_up is not None and ahead is not None:
+                catch_up = self.amortised(catch_up, ahead, rows)
             room = self.budget.room(self.allowance())
             if room <= 0:  # drafting has lost its share: plain steps until earned back
                 self.budget.held += 1
@@ -164,19 +170,37 @@ class PlannedDrafter:
             if due:  # the longest unseen first, of those whose drafting fits the room
                 c = min(due, key=lambda i: self.probes[i].last)
                 return Choice(c, self.trial_length(c, plans[c][2]), True, True, rate)
-            k = best.k
-            while k > 0 and not self.fits(best.candidate, k, catch_up, room):
-                k -= 1
-            if k < best.k:
+            k = self.fitting(best.candidate, best.k, catch_up, room)
+            if k < best.k:  # cut to fit, else the next best plan that fits: a draft model never
+                # tried is priced at its priors and may lead every plan while its catch-up never
+                # fits, which held Token Recycling's drafts under `auto` (issue 47)
                 self.budget.deferred += 1
-                return Choice(best.candidate, k, best.extra and k > 0, False, rate)
+                for r, neg, planned in sorted(plans, reverse=True):
+                    got = k if -neg == best.candidate else self.fitting(-neg, planned, catch_up, room)
+                    if got > 0:
+                        return Choice(-neg, got, self.extras[-neg].due(self.step), False, r)
+                return Choice(best.candidate, 0, False, False, rate)
             if best.k == 0 and len(self.caps) == 1:  # a lone drafter that pays at no length: until its trial
                 self.quiet_until = self.probes[0].last + self.probes[0].interval
             return best
 
+    def fitting(self, c: int, k: int, catch_up: Sequence[float] | None, room: float) -> int:
+        """The most of ``k`` tokens drafter ``c`` may draft in ``room`` (`fits`), 0 if none."""
+        while k > 0 and not self.fits(c, k, catch_up, room):
+            k -= 1
+        return k
+
     def trial_length(self, c: int, planned: int) -> int:
         """A trial of drafter ``c`` drafts its planned length, and at least two tokens where it may."""
         return max(planned, min(2, self.caps[c]))
+
+    def amortised(self, catch_up: Sequence[float], ahead: Sequence[int | None], rows: int) -> list[float]:
+        """``catch_up`` with each one dearer than `CATCH_UP_SHARE` of the plain steps its rows
+        may still take (``ahead``) made infinite: never tried (a catch-up is spent up front,
+        whether the drafter then pays or not; `metaloom.speculative.planner` says why)."""
+        step = self.timing().seconds(rows)
+        return [math.inf if n is not None and s > 0 and s > CATCH_UP_SHARE * n * step else s
+                for s, n in zip(catch_up, ahead, strict=True)]
 
     def fits(self, c: int, k: int, catch_up: Sequence[float] | None, room: float) -> bool:
         """Whether drafting ``k`` tokens with drafter ``c`` fits in ``room`` (what the budget has
@@ -362,24 +386,6 @@ class PlannedDrafter:
             self.gap += 0.2 * (seconds - self.gap) if self.step > 2 else seconds - self.gap
 
     def report(self) -> dict[str, Any]:
-        """What the planner measured and chose (``--json``: ``cost_model``)."""
+        """What the planner measured and chose (``--json``: ``cost_model``; `planned_report`)."""
         with self.lock:
-            out: dict[str, Any] = {"drafter": self.name, "verify_cost": None if self.cost is None else self.cost.to_dict(),
-                                   "scale": round(self.scale, 3), "gap_ms": round(self.gap * 1e3, 3), "steps": self.step,
-                                   "overhead_ms": round(self.overhead * 1e3, 3), "overhead_wide": round(self.wide, 3),
-                                   "learning_ms": round(self.spend * 1e3, 3), "plain_ahead_steps": self.ahead_steps,
-                                   "budget": {"held_steps": self.budget.held, "trimmed_nodes": self.budget.trimmed,
-                                              "deferred_steps": self.budget.deferred,
-                                              "lost_ms": round(self.budget.lost * 1e3, 3),
-                                              "elapsed_ms": round(self.budget.elapsed * 1e3, 3)},
-                                   "nodes_verified": {str(k): v for k, v in sorted(self.histogram.items())},
-                                   "drafters": {}}
-            for c, d in enumerate(self.drafters):
-                acc = self.acceptance[c]
-                out["drafters"][d.name] = {
-                    "most": self.caps[c], "steps": self.steps[c], "verified": self.verified[c], "kept": self.kept[c],
-                    "draft_ms": {"fixed": round(self.draft_costs[c].fixed * 1e3, 3),
-                                 "per_token": round(self.draft_costs[c].per_token * 1e3, 3)},
-                    "acceptance_hot": [round(float(a), 3) for a in acc.kept_rates(HOT)[:8]],
-                    "acceptance_cold": [round(float(a), 3) for a in acc.kept_rates(COLD)[:8]]}
-            return out
+            return planned_report(self)

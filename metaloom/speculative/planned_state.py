@@ -39,7 +39,8 @@ class Choice:
 class Planner(Protocol):
     """What a `PlannedState` asks of its planner (`metaloom.speculative.planned.PlannedDrafter`)."""
 
-    def plan(self, hot: Sequence[int], limits: Sequence[int], catch_up: Sequence[float] | None = None) -> Choice: ...
+    def plan(self, hot: Sequence[int], limits: Sequence[int], catch_up: Sequence[float] | None = None,
+             ahead: Sequence[int | None] | None = None) -> Choice: ...
 
     def keep(self, choice: Choice, hot: Sequence[int], lengths: Sequence[int], rows: int, drafting: float,
              levels: Sequence[int] | None = None) -> list[int]: ...
@@ -93,6 +94,7 @@ class PlannedState:
         self.caching = [s for s in states if hasattr(s, "cache")]  # read each step by the loop's memory measure
         self.empty: Draft | None = None  # the draft of a step nothing is drafted for (frozen: shared)
         self.catch_ups = [getattr(s, "catch_up", None) for s in states]  # drafters that feed context before drafting
+        self.aheads = [getattr(s, "ahead", None) for s in states]  # and the tokens their rows may still produce
         self.learners = [i for i, s in enumerate(states) if getattr(s, "learns_only", False)]
         self.ahead = 0  # steps `plain_ahead` has promised plain and not yet run
 
@@ -105,8 +107,11 @@ class PlannedState:
         start = time.perf_counter()
         if self.done_at is not None:
             self.planner.learn_gap(start - self.done_at)
-        catch_up = [f(contexts) if f else 0.0 for f in self.catch_ups] if any(self.catch_ups) else None
-        choice = self.planner.plan(self.hot, limits, catch_up)
+        catch_up = ahead = None
+        if any(self.catch_ups):
+            catch_up = [f(contexts) if f else 0.0 for f in self.catch_ups]
+            ahead = [g(contexts) if g else None for g in self.aheads]
+        choice = self.planner.plan(self.hot, limits, catch_up, ahead)
         allowed = [min(n, choice.k) for n in limits]
         # nothing allowed: no drafter is asked (each returns nothing for limits of 0, and the
         # indexes that prompt lookup builds as it proposes catch up on the next proposal)

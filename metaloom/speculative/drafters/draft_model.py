@@ -63,8 +63,10 @@ class DraftModelDrafter:
         q_params = [SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p)
                     for p in sampler.params]
         q_sampler = make_sampler(q_params, target.vocab_size, self.model.device)
+        ends = ([len(c) + p.max_tokens for c, p in zip(contexts, sampler.params, strict=True)]
+                if len(sampler.params) == len(contexts) else None)  # one set of parameters a row, as the loop's
         return DraftModelState(self.model, cache, [[] for _ in contexts], q_sampler, target.vocab_size, keys,
-                               [len(c) for c in contexts], self.feed[0] if self.feed else 0.0)
+                               [len(c) for c in contexts], self.feed[0] if self.feed else 0.0, ends)
 
 
 def _max_new(sampler: Sampler) -> int:
@@ -73,7 +75,8 @@ def _max_new(sampler: Sampler) -> int:
 
 class DraftModelState:
     def __init__(self, model: LanguageModel, cache: KVCache, fed: list[list[int]], q_sampler: Sampler,
-                 target_vocab: int, keys: Sequence[int], starts: Sequence[int], feed: float = 0.0) -> None:
+                 target_vocab: int, keys: Sequence[int], starts: Sequence[int], feed: float = 0.0,
+                 ends: Sequence[int] | None = None) -> None:
         self.model = model
         self.cache = cache
         self.fed = fed  # fed[b]: the tokens in the draft cache of row b
@@ -83,11 +86,19 @@ class DraftModelState:
         self.keys = list(keys)  # the rows' random keys: a seeded request stays reproducible
         self.starts = list(starts)  # each row's prompt length: its context position - start is the output's
         self.feed = feed  # seconds a context token costs to feed (`DraftModelDrafter.measure_feed`; 0: not measured)
+        self.ends = None if ends is None else list(ends)  # each row's context length at its max_tokens (None: unknown)
 
     def catch_up(self, contexts: Sequence[Sequence[int]]) -> float:
         """Seconds of feeding the context it has not seen before it can draft (at its first
         proposal, the whole prompt): the cost model prices this before trying it."""
         return self.feed * sum(max(len(c) - len(f), 0) for c, f in zip(contexts, self.fed, strict=True))
+
+    def ahead(self, contexts: Sequence[Sequence[int]]) -> int | None:
+        """The most tokens a row may still produce (its max_tokens; None: unknown): what a
+        catch-up would be spread over (the cost model weighs the one against the other)."""
+        if self.ends is None:
+            return None
+        return max((e - len(c) for e, c in zip(self.ends, contexts, strict=True)), default=0)
 
     def _sync(self, contexts: Sequence[Sequence[int]]) -> list[list[int]]:
         """Roll each row's cache back to the longest prefix shared with its context; return
@@ -165,7 +176,8 @@ class DraftModelState:
         index = list(rows)
         state = DraftModelState(self.model, self.cache.fork(index), [list(self.fed[r]) for r in index],
                                 self.q_sampler.select(index), self.vocab, [self.keys[r] for r in index],
-                                [self.starts[r] for r in index], self.feed)
+                                [self.starts[r] for r in index], self.feed,
+                                None if self.ends is None else [self.ends[r] for r in index])
         state.checked = [self.checked[r] for r in index]
         release = getattr(self.cache, "release", None)
         if release is not None:
@@ -178,6 +190,7 @@ class DraftModelState:
         if joined is None:
             raise UnsupportedModel(f"{type(self.cache).__name__} cannot take rows into a running batch (no join)")
         state = DraftModelState(self.model, joined(other.cache), self.fed + other.fed, self.q_sampler.join(other.q_sampler),
-                                self.vocab, self.keys + other.keys, self.starts + other.starts, self.feed)
+                                self.vocab, self.keys + other.keys, self.starts + other.starts, self.feed,
+                                None if self.ends is None or other.ends is None else self.ends + other.ends)
         state.checked = self.checked + other.checked
         return state

@@ -95,6 +95,12 @@ class DraftTreeState:
                     g.grow(logp[i])
         return Draft.from_trees([g.tree() for g in growth], device)
 
+    def catch_up(self, contexts: Sequence[Sequence[int]]) -> float:
+        return self.base.catch_up(contexts)
+
+    def ahead(self, contexts: Sequence[Sequence[int]]) -> int | None:
+        return self.base.ahead(contexts)
+
     def observe(self, verified: object) -> None:
         pass
 
