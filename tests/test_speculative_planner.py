@@ -585,11 +585,12 @@ def test_gains_of_one_drafter_do_not_pay_for_a_catch_up_the_rest_of_the_request_
     assert (dear.proposals == 0) == amortised
 
 
-def test_a_plan_that_cannot_fit_gives_way_to_the_next_best_that_does():
-    """`auto` with a drafter whose catch-up never fits, priced first at its priors (an untried
-    draft model), and a right one: the right one drafts from the first step rather than after a
-    trial 16 steps on, and nothing the dear one would draft is asked for. Greedy's tokens."""
-    dear, right = Behind(1e9), Counting(True, "lookup")
+def test_a_drafter_whose_catch_up_the_request_cannot_pay_for_is_out_of_the_plans():
+    """`auto` with a drafter whose catch-up the tokens to come can never pay for, priced first at
+    its priors (an untried draft model), and a right one: the right one drafts from the first
+    step rather than after a trial 16 steps on (each step deferred for the dear one until then),
+    and the dear one is never asked. Greedy's tokens."""
+    dear, right = Amortised(1e9, 60), Counting(True, "lookup")
     planned = PlannedDrafter([(dear, 4), (right, 4)], cost=FLAT)
     out, usage = _run(Speculative(planned, 4), max_tokens=60)
     assert out == _run(None, max_tokens=60)[0]

@@ -163,6 +163,10 @@ class PlannedDrafter:
                     return Choice(0, 0, False, False, 0.0)  # not even asked, the plain step's cost
                 return Choice(0, self.caps[0], extra, False, 0.0)
             plans = self._priced(hot, limits, rows, timing)
+            if catch_up is not None and math.inf in catch_up:  # out of this request: never the plan
+                # (an untried draft model is priced at its priors, and led every plan, deferred
+                # step after step, while Token Recycling's drafts paid under `auto`; issue 47)
+                plans = [(-math.inf, -c, 0) if catch_up[c] == math.inf else p for c, p in enumerate(plans)]
             rate, neg, k = max(plans)
             best = Choice(-neg, k, self.extras[-neg].due(self.step), False, rate)
             due = [c for c in range(len(plans)) if (c != best.candidate or best.k == 0) and self.probes[c].due(self.step)
@@ -171,15 +175,9 @@ class PlannedDrafter:
                 c = min(due, key=lambda i: self.probes[i].last)
                 return Choice(c, self.trial_length(c, plans[c][2]), True, True, rate)
             k = self.fitting(best.candidate, best.k, catch_up, room)
-            if k < best.k:  # cut to fit, else the next best plan that fits: a draft model never
-                # tried is priced at its priors and may lead every plan while its catch-up never
-                # fits, which held Token Recycling's drafts under `auto` (issue 47)
+            if k < best.k:
                 self.budget.deferred += 1
-                for r, neg, planned in sorted(plans, reverse=True):
-                    got = k if -neg == best.candidate else self.fitting(-neg, planned, catch_up, room)
-                    if got > 0:
-                        return Choice(-neg, got, self.extras[-neg].due(self.step), False, r)
-                return Choice(best.candidate, 0, False, False, rate)
+                return Choice(best.candidate, k, best.extra and k > 0, False, rate)
             if best.k == 0 and len(self.caps) == 1:  # a lone drafter that pays at no length: until its trial
                 self.quiet_until = self.probes[0].last + self.probes[0].interval
             return best
