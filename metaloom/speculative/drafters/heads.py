@@ -77,9 +77,10 @@ def draft_head(lm_head: Weight, ids: torch.Tensor) -> Weight:
     """The target's LM head rows ``ids`` (the heads' draft vocabulary), as the heads' stages
     multiply them (`metaloom.models.engine.weights.linear`). A quantised head keeps its blocks,
     the same weights, and its kernels: SmolLM2's 4,935 rows of Q8_0 are 3 MB, where dequantised
-    to float32 they were 11 MB, and a stage's product took 137 us against 27 (int8 activations,
-    AVX-512 Zen 5); heads drafting nothing on free text cost 0.93x plain greedy with the float
-    rows (issue 47). Padded to whole panels (the fast layout), the extra outputs dropped."""
+    to float32 they were 11 MB, and a stage's product took 152 us against 31 (int8 activations,
+    AVX-512 Zen 5, scripts/heads_stage.py); heads drafting almost nothing on free text ran at
+    0.95x plain greedy with the float rows (issue 47). Padded to whole panels (the fast layout),
+    the extra outputs dropped."""
     w = plain_weight(lm_head)
     if isinstance(w, torch.Tensor):
         return w[ids.to(w.device)].float()
