@@ -638,6 +638,14 @@ def test_a_draft_models_catch_up_is_the_context_it_has_not_fed_at_its_measured_r
     two = state.join(drafter.start(target, sampler, [[9, 9]], [1]))
     assert two.ahead([[1, 2, 3, 4, 5, 6], [9, 9, 9, 9, 9]]) == 7
     assert two.select([1]).ahead([[9, 9, 9, 9, 9]]) == 5
+    # a draft model drafting trees feeds the same context first: priced and weighed the same
+    from metaloom.speculative.drafters.draft_tree import draft_tree_drafter
+    from metaloom.speculative.tree import TreeShape
+
+    trees = draft_tree_drafter(draft, TreeShape.parse("static:2,1"))
+    assert trees.measure_feed() > 0
+    tree = trees.start(target, sampler, [[1, 2, 3]], [0])
+    assert tree.catch_up([[1, 2, 3]]) == pytest.approx(3 * trees.feed[0]) and tree.ahead([[1, 2, 3, 4]]) == 7
 
 
 def test_the_planner_measures_a_draft_models_feed_rate_before_any_request_pays_for_it():

@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,13 +43,21 @@ class DraftTreeDrafter:
     model: LanguageModel
     shape: TreeShape
     name: str = "draft"
+    feed: list[float] = field(default_factory=list, compare=False, repr=False)  # `measure_feed`'s, once
+
+    def measure_feed(self) -> float:
+        """The draft model's seconds a context token (`DraftModelDrafter.measure_feed`): the cost
+        model prices a tree drafter's catch-up as a chain drafter's."""
+        return self._chain().measure_feed()
+
+    def _chain(self) -> DraftModelDrafter:
+        return DraftModelDrafter(self.model, self.name, self.feed)
 
     def start(self, target: LanguageModel, sampler: Sampler, contexts: Sequence[Sequence[int]],
               keys: Sequence[int]) -> DraftState:
         if not takes_trees(self.model):
             raise UnsupportedModel(f"{type(self.model).__name__} takes no token trees (a native draft model does)")
-        base = DraftModelDrafter(self.model, self.name).start(target, sampler, contexts, keys)
-        return DraftTreeState(base, self.shape)
+        return DraftTreeState(self._chain().start(target, sampler, contexts, keys), self.shape)
 
 
 class DraftTreeState:
