@@ -161,7 +161,7 @@ class HeadsState:
 
     def propose(self, contexts: Sequence[Sequence[int]], limits: Sequence[int], ledger: Ledgers) -> Draft:
         k = min(max(limits, default=0), self.heads.config.stages)
-        device = self.heads.vocab_ids.device if self.heads is not None else torch.device("cpu")
+        device = self.heads.vocab_ids.device
         if k == 0 or self.hidden is None:
             return Draft.from_lists([[] for _ in contexts], device)
         first = torch.as_tensor([c[-1] for c in contexts], dtype=torch.long, device=device)
