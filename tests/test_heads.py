@@ -299,12 +299,13 @@ def test_draft_head_multiplies_the_targets_own_quantised_rows(activations, ids):
 
 @pytest.mark.model
 def test_heads_make_their_draft_head_once_per_target(smollm):
-    """Each request's `start` reuses the draft head made for this target and these heads (a
-    gather of megabytes each request otherwise)."""
+    """Each request's `start` of one drafter (as a generator keeps it) reuses the draft head made
+    for this target and these heads (a gather of megabytes each request otherwise)."""
     model = smollm.model
     sampler = make_sampler([SamplingParams(temperature=0.0)], model.vocab_size, model.device)
-    first = HeadsDrafter().start(model, sampler, [[1]], [None])
-    again = HeadsDrafter().start(model, sampler, [[1, 2]], [None])
+    drafter = HeadsDrafter()
+    first = drafter.start(model, sampler, [[1]], [None])
+    again = drafter.start(model, sampler, [[1, 2]], [None])
     assert again.head is first.head
     x = torch.randn(2, model.config.hidden_size)
     from metaloom.models.engine.weights import linear

@@ -174,19 +174,15 @@ class PlannedDrafter:
             if due:  # the longest unseen first, of those whose drafting fits the room
                 c = min(due, key=lambda i: self.probes[i].last)
                 return Choice(c, self.trial_length(c, plans[c][2]), True, True, rate)
-            k = self.fitting(best.candidate, best.k, catch_up, room)
+            k = best.k
+            while k > 0 and not self.fits(best.candidate, k, catch_up, room):
+                k -= 1
             if k < best.k:
                 self.budget.deferred += 1
                 return Choice(best.candidate, k, best.extra and k > 0, False, rate)
             if best.k == 0 and len(self.caps) == 1:  # a lone drafter that pays at no length: until its trial
                 self.quiet_until = self.probes[0].last + self.probes[0].interval
             return best
-
-    def fitting(self, c: int, k: int, catch_up: Sequence[float] | None, room: float) -> int:
-        """The most of ``k`` tokens drafter ``c`` may draft in ``room`` (`fits`), 0 if none."""
-        while k > 0 and not self.fits(c, k, catch_up, room):
-            k -= 1
-        return k
 
     def trial_length(self, c: int, planned: int) -> int:
         """A trial of drafter ``c`` drafts its planned length, and at least two tokens where it may."""

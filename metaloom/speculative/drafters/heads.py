@@ -22,7 +22,7 @@ import functools
 import os
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -94,22 +94,6 @@ def draft_head(lm_head: Weight, ids: torch.Tensor) -> Weight:
     return FirstOutputs(head, ids.numel()) if pad else head
 
 
-# (target head, heads) -> (the head, weakly: an unloaded model's entries go, the heads, their draft head)
-_DRAFT_HEADS: dict[tuple[int, int], tuple[weakref.ref[Any], SpeculatorHeads, Weight]] = {}
-
-
-def _draft_head(lm_head: Weight, heads: SpeculatorHeads) -> Weight:
-    """`draft_head`, made once per target head and heads, not at each `start` (a gather of
-    3-30 MB a request)."""
-    for gone in [k for k, v in _DRAFT_HEADS.items() if v[0]() is None]:
-        del _DRAFT_HEADS[gone]
-    key = (id(lm_head), id(heads))
-    got = _DRAFT_HEADS.get(key)
-    if got is None or got[0]() is not lm_head or got[1] is not heads:
-        got = _DRAFT_HEADS[key] = (weakref.ref(lm_head), heads, draft_head(lm_head, heads.vocab_ids))
-    return got[2]
-
-
 @dataclass(frozen=True)
 class HeadsDrafter:
     """``path``: a heads file from ``metaloom train-speculator``; None: the shipped heads for the
@@ -123,10 +107,24 @@ class HeadsDrafter:
     # 0 / 0.4 / 0.7 on the default model (bf16, 5 prompts): 1.03-1.06x plain greedy against
     # 0.87-0.88x drafting every stage, whose guesses are mostly rejected there
     min_prob: float = 0.4
+    # the draft heads made, per (target head, heads): (the head, weakly, the heads, their draft
+    # head), kept across the requests this drafter serves rather than gathered at each `start`
+    made: dict[tuple[int, int], tuple[weakref.ref[Any], SpeculatorHeads, Weight]] = field(
+        default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_prob < 1.0:
             raise InvalidParameter("min_prob", self.min_prob, "a probability in [0, 1)")
+
+    def draft_head(self, lm_head: Weight, heads: SpeculatorHeads) -> Weight:
+        """`draft_head` for ``heads`` on ``lm_head``, made once (an unloaded model's entries go)."""
+        for gone in [k for k, v in self.made.items() if v[0]() is None]:
+            del self.made[gone]
+        key = (id(lm_head), id(heads))
+        got = self.made.get(key)
+        if got is None or got[0]() is not lm_head or got[1] is not heads:
+            got = self.made[key] = (weakref.ref(lm_head), heads, draft_head(lm_head, heads.vocab_ids))
+        return got[2]
 
     def start(self, target: LanguageModel, sampler: Sampler, contexts: Sequence[Sequence[int]],
               keys: Sequence[int]) -> HeadsState:
@@ -139,7 +137,7 @@ class HeadsDrafter:
         heads = heads.to(device)
         embed = target.embed  # type: ignore[attr-defined]  # a tensor, or quantised blocks (native weights)
         # [V_d, d]: only the draft vocabulary's rows (native weights: the same blocks)
-        head = _draft_head(plain_weight(target.lm_head), heads)  # type: ignore[attr-defined]
+        head = self.draft_head(plain_weight(target.lm_head), heads)  # type: ignore[attr-defined]
         return HeadsState(heads, embed, head, None, self.min_prob, rows=len(contexts))
 
 

@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import heapq
 import math
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -135,6 +137,8 @@ class HeadsTreeDrafter:
     path: str | None = None
     heads: SpeculatorHeads | None = None
     name: str = "heads"
+    made: dict[tuple[int, int], tuple[weakref.ref[Any], SpeculatorHeads, Weight]] = field(
+        default_factory=dict, compare=False, repr=False)  # `HeadsDrafter.made`: draft heads kept across requests
 
     def __post_init__(self) -> None:
         self.shape.check_fits(MAX_DRAFT, "heads")
@@ -142,7 +146,8 @@ class HeadsTreeDrafter:
     def start(self, target: LanguageModel, sampler: Sampler, contexts: Sequence[Sequence[int]],
               keys: Sequence[int]) -> HeadsTreeState:
         # min_prob 0: the tree's shape, not a confidence cut, decides what is drafted
-        base = HeadsDrafter(self.path, self.heads, self.name, min_prob=0.0).start(target, sampler, contexts, keys)
+        base = HeadsDrafter(self.path, self.heads, self.name, min_prob=0.0, made=self.made).start(target, sampler,
+                                                                                               contexts, keys)
         stages = base.heads.config.stages
         if self.shape.nodes is None and len(self.shape.widths) > stages:
             raise InvalidParameter("tree", list(self.shape.widths), f"at most {stages} levels for these heads (one "
