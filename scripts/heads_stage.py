@@ -9,10 +9,8 @@ stop after, unsure) and three; and the head's product alone. Medians of 300 call
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
-from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -23,16 +21,8 @@ from metaloom.models.engine.weights import embed_tokens, linear, plain_weight
 from metaloom.models.kernels.isa import cpu_name
 from metaloom.speculative.drafters.heads import draft_head, heads_for
 
-
-def median_us(fn: Callable[[], object], calls: int = 300) -> float:
-    for _ in range(20):
-        fn()
-    times = []
-    for _ in range(calls):
-        began = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times) * 1e6
+sys.path.insert(0, str(Path(__file__).parent))
+from quant_kernel_speed import median_seconds
 
 
 def main() -> None:
@@ -46,9 +36,9 @@ def main() -> None:
     print(f"{cpu_name()}, {torch.get_num_threads()} threads, {activations} activations, "
           f"{heads.config.draft_vocab} draft rows")
     for name, head in rows.items():
-        one = median_us(lambda h=head: heads.draft_confident(z, first, 3, model.embed, h, 0.99))
-        three = median_us(lambda h=head: heads.draft_confident(z, first, 3, model.embed, h, 0.0))
-        product = median_us(lambda h=head: linear(x, h))
+        one = median_seconds(lambda h=head: heads.draft_confident(z, first, 3, model.embed, h, 0.99), 300) * 1e6
+        three = median_seconds(lambda h=head: heads.draft_confident(z, first, 3, model.embed, h, 0.0), 300) * 1e6
+        product = median_seconds(lambda h=head: linear(x, h), 300) * 1e6
         print(f"{name:15s} one stage {one:7.1f} us, three {three:7.1f} us, the head's product {product:6.1f} us")
 
 
