@@ -20,6 +20,7 @@ from metaloom.speculative.planned import Outcome, PlannedDrafter, as_chain, kept
 from metaloom.speculative.planned_state import Choice
 from metaloom.speculative.planner import (
     COLD,
+    HOT,
     PROBE_EVERY,
     WIDE_POINTS,
     Acceptance,
@@ -108,9 +109,29 @@ def test_acceptance_is_also_learned_per_confidence_class():
         acc.record(0, 3, [], level=0)  # one-token matches: rejected
     assert acc.kept_rates(0, 2)[0] > 0.9 and acc.kept_rates(0, 0)[0] < 0.1
     assert 0.4 < acc.kept_rates(0)[0] < 0.6  # the state over every class
-    assert acc.kept_rates(0, 1)[0] == pytest.approx(acc.kept_rates(0)[0])  # a class never seen: the state's
+    # a class never seen: priced from the less sure class 0 (rejected), not the surer class 2
+    assert acc.kept_rates(0, 1)[0] < 0.1
+    assert acc.kept_rates(0, 3)[0] == pytest.approx(acc.kept_rates(0)[0])  # none surer drafted: the state's
     fifth = VerifyCost((1, 65), (1.0, 1.0 + 0.2 * 64))  # each verified token costs a fifth of a step
     assert prune([acc.kept_rates(0, 2), acc.kept_rates(0, 0)], [3, 3], 2, _timing(fifth)) == [3, 0]
+
+
+def test_a_class_not_yet_verified_is_not_priced_from_surer_ones():
+    """Prompt lookup on SmolLM2's grounded prompts: 3-token matches kept, then a first 1-token
+    match priced at the state's 0.75 a node verified 7-10 nodes and kept none (issue 47)."""
+    acc = Acceptance(8)
+    for _ in range(10):
+        acc.record(HOT, 8, list(range(8)), level=2)
+    assert acc.kept_rates(HOT)[0] > 0.8
+    fresh = Acceptance(8).kept_rates(HOT)  # the prior: what a class with no evidence at or below it gets
+    assert acc.kept_rates(HOT, 0) == pytest.approx(fresh)
+    assert acc.kept_rates(HOT, 2)[0] > 0.9  # the surest class drafted: its own counts, shrunk towards the state's
+    seconds = VerifyCost((1, 2, 9), (1.0, 1.3, 2.7))  # the first node costs 0.3 of a step, each further one 0.2
+    assert prune([acc.kept_rates(HOT, 0)], [8], 1, _timing(seconds)) == [2]  # the prior's 0.5, 0.25: two
+    assert prune([acc.kept_rates(HOT, 2)], [8], 1, _timing(seconds)) == [8]
+    for _ in range(10):  # once its own drafts are kept, the class earns its own price
+        acc.record(HOT, 8, list(range(8)), level=0)
+    assert acc.kept_rates(HOT, 0)[0] > 0.8
 
 
 def test_prompt_lookup_gives_the_matched_length_as_its_class():
