@@ -147,6 +147,22 @@ def test_draft_cost_learns_fixed_and_per_token_parts():
     assert d.seconds(0) == pytest.approx(0.001) and d.per_token == pytest.approx(0.002)
 
 
+def test_draft_cost_tells_a_call_from_its_tokens_once_the_limits_differ():
+    flat, model = DraftCost(), DraftCost()  # prompt lookup's index update; a draft model's forwards
+    flat.record(0, 0.001)
+    model.record(0, 0.001)
+    for k in (3, 10, 6, 3, 10, 8, 4):
+        flat.record(k, 0.001 + 0.05)
+        model.record(k, 0.001 + 0.002 + 1.0 * k)
+    assert flat.per_token == pytest.approx(0.0, abs=1e-9) and flat.seconds(10) == pytest.approx(0.051)
+    assert flat.seconds(0) == pytest.approx(0.001)  # a step it is not asked in pays the planning alone
+    assert model.per_token == pytest.approx(1.0) and model.call == pytest.approx(0.002, abs=1e-9)
+    same = DraftCost()
+    for _ in range(3):  # one limit: no slope to tell, the whole time per token
+        same.record(5, 0.5)
+    assert same.per_token == pytest.approx(0.1) and same.call == 0.0
+
+
 def test_probe_interval_doubles_until_a_trial_wins():
     p = Probe()
     assert not p.due(PROBE_EVERY - 1) and p.due(PROBE_EVERY)

@@ -28,7 +28,7 @@ def planned_report(p: PlannedDrafter) -> dict[str, Any]:
         acc = p.acceptance[c]
         out["drafters"][d.name] = {
             "most": p.caps[c], "steps": p.steps[c], "verified": p.verified[c], "kept": p.kept[c],
-            "draft_ms": {"fixed": round(p.draft_costs[c].fixed * 1e3, 3),
+            "draft_ms": {"fixed": round(p.draft_costs[c].fixed * 1e3, 3), "call": round(p.draft_costs[c].call * 1e3, 3),
                          "per_token": round(p.draft_costs[c].per_token * 1e3, 3)},
             "acceptance_hot": [round(float(a), 3) for a in acc.kept_rates(HOT)[:8]],
             "acceptance_cold": [round(float(a), 3) for a in acc.kept_rates(COLD)[:8]]}
