@@ -13,24 +13,21 @@ from metaloom.ledger import Ledger
 from metaloom.models.load import LoadedModel
 from metaloom.sampling import SamplingParams
 from metaloom.speculative import Draft, Speculative, with_cost_model
+from metaloom.speculative.acceptance import COLD, HOT, Acceptance, rates
 from metaloom.speculative.cost import VerifyCost, measure_verify_cost, monotone
 from metaloom.speculative.drafter import Verified
 from metaloom.speculative.drafters.ngram import NgramDrafter
 from metaloom.speculative.planned import Outcome, PlannedDrafter, as_chain, kept_paths
 from metaloom.speculative.planned_state import Choice
 from metaloom.speculative.planner import (
-    COLD,
-    HOT,
     PROBE_EVERY,
     WIDE_POINTS,
-    Acceptance,
     DraftCost,
     Probe,
     Timing,
     fit_overhead,
     plan_length,
     prune,
-    rates,
 )
 from metaloom.speculative.tree import DraftTree
 from metaloom.testing.tiny import tiny_llama
@@ -132,6 +129,21 @@ def test_a_class_not_yet_verified_is_not_priced_from_surer_ones():
     for _ in range(10):  # once its own drafts are kept, the class earns its own price
         acc.record(HOT, 8, list(range(8)), level=0)
     assert acc.kept_rates(HOT, 0)[0] > 0.8
+
+
+def test_a_fresh_planner_prices_prompt_lookup_s_matches_by_their_length():
+    """Before a request has shown anything, a copy after a 3-token match is worth more than one
+    after a single token (`NgramDrafter.class_priors`): 5 nodes against none, where without the
+    priors every class verified 2."""
+    seconds = VerifyCost((1, 2, 9), (1.0, 1.3, 2.7))  # the first node costs 0.3 of a step, each further one 0.2
+    acc = PlannedDrafter([(NgramDrafter(), 8)], cost=seconds).acceptance[0]
+    assert [prune([acc.kept_rates(COLD, level)], [8], 1, _timing(seconds)) for level in range(3)] == [[0], [2], [5]]
+    assert acc.kept_rates(HOT, 2)[0] > 0.6 > 0.3 > acc.kept_rates(HOT, 0)[0]
+    for _ in range(40):  # the priors weigh two observations each: a request's own record soon decides
+        acc.record(COLD, 8, [], level=2)
+    assert acc.kept_rates(COLD, 2)[0] < 0.1
+    plain = PlannedDrafter([(Oracle(True, "x"), 8)], cost=seconds).acceptance[0]  # no classes: the prior alone
+    assert plain.kept_rates(COLD) == Acceptance(8).kept_rates(COLD)
 
 
 def test_prompt_lookup_gives_the_matched_length_as_its_class():
@@ -368,7 +380,7 @@ def test_may_pay_false_means_prune_keeps_nothing_whatever_is_proposed():
     any draft the drafter could have proposed (any lengths, any confidence classes), and with
     a flat cost curve a drafter with any chance of acceptance is asked."""
     from metaloom.speculative.drafter import LEVELS
-    from metaloom.speculative.planner import HOT, Timing, prune
+    from metaloom.speculative.planner import Timing, prune
 
     rng = np.random.default_rng(0)
     refused = 0

@@ -27,6 +27,7 @@ from typing import Any
 from metaloom.errors import InvalidParameter
 from metaloom.models.protocols import LanguageModel
 from metaloom.sampling.pipeline import Sampler
+from metaloom.speculative.acceptance import COLD, Acceptance
 from metaloom.speculative.cost import VerifyCost, measure_verify_cost
 from metaloom.speculative.drafter import LEVELS, MAX_DRAFT, Drafter
 from metaloom.speculative.planned_report import planned_report
@@ -35,9 +36,7 @@ from metaloom.speculative.planner import (
     ALLOWANCE,
     CATCH_UP_SHARE,
     CHEAP,
-    COLD,
     PROBE_EVERY,
-    Acceptance,
     Budget,
     DraftCost,
     Probe,
@@ -85,7 +84,7 @@ class PlannedDrafter:
     def reset(self) -> None:
         """Forget what was learned (acceptance, drafting and step times, choices); the measured
         verify cost stays."""
-        self.acceptance = [Acceptance(k) for k in self.caps]
+        self.acceptance = [Acceptance(k, getattr(d, "class_priors", ())) for d, k in zip(self.drafters, self.caps, strict=True)]
         self.draft_costs = [DraftCost() for _ in self.caps]
         self.probes = [Probe() for _ in self.caps]
         self.extras = [Probe() for _ in self.caps]  # when each drafter next verifies one node more

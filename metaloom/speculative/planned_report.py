@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from metaloom.speculative.planner import COLD, HOT
+from metaloom.speculative.acceptance import COLD, HOT
 
 if TYPE_CHECKING:
     from metaloom.speculative.planned import PlannedDrafter

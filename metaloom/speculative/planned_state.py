@@ -17,8 +17,8 @@ from typing import Any, Protocol
 import torch
 
 from metaloom.models.forward import Ledgers
+from metaloom.speculative.acceptance import COLD, HOT
 from metaloom.speculative.drafter import Draft, DraftState, Verified
-from metaloom.speculative.planner import COLD, HOT
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ planner maximises expected tokens per second of the step::
 
 where ``a_i`` is the probability that the i-th node a drafter proposes is accepted (for a chain,
 that at least i drafts are; for a tree, that node i lies on the accepted path), learned online
-per drafter (`Acceptance`). This is SpecDec++'s stopping rule (Huang et al. 2024, "SpecDec++:
+per drafter (`metaloom.speculative.acceptance.Acceptance`). This is SpecDec++'s stopping rule (Huang et al. 2024, "SpecDec++:
 Boosting speculative decoding via adaptive candidate lengths": stop drafting where the expected
 gain of one more token falls below its cost) and DySpec's budget (Xiong et al. 2024, "DySpec:
 Faster speculative decoding with dynamic token tree structure": keep the nodes most likely
@@ -26,7 +26,7 @@ steeply with its width.
 Acceptance is conditioned on the row's state, ``hot`` (its last verified draft kept at least one
 token) or cold: a row copying its input (prompt lookup in an edit) keeps long drafts, a row that
 just left the copy keeps none, and the two regimes alternate within one answer. The estimates are
-counts decayed by `DECAY` per observation, shrunk towards a geometric continuation of the
+counts decayed by `acceptance.DECAY` per observation, shrunk towards a geometric continuation of the
 earlier nodes' rates (a node never verified is priced from the ones before it); nodes are priced
 no higher than the nodes before them (a prefix of a draft is what can be kept). To keep learning
 what it stopped doing, the planner verifies one node more than it would every `PROBE_EVERY`
@@ -66,11 +66,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from metaloom.speculative.cost import VerifyCost
-from metaloom.speculative.drafter import LEVELS
 
-PRIOR = 0.5  # prior acceptance of a first drafted node, before any observation
-PRIOR_WEIGHT = 2.0  # pseudo-observations behind the prior
-DECAY = 0.98  # per observed row-step: about the last 50 count
 PROBE_EVERY = 16  # steps between one-node-longer trials (and drafter trials) while they win
 PROBE_MOST = 1024  # the longest interval between trials of a dropped drafter
 CHEAP = 0.02  # drafting up to the cap costing less than this share of a step: draft it all, prune after
@@ -78,104 +74,6 @@ SAFETY = 0.01  # the share of decoding time that drafting steps may lose against
 ALLOWANCE = 0.5  # plain steps' time a fresh planner may lose before it has earned any (`Budget.room`)
 WINDOW = 2048  # steps: the budget's memory (a long plain stretch does not bank a burst of trials)
 CATCH_UP_SHARE = 0.05  # a draft model's catch-up on context: at most this share of the plain steps left (`amortised`)
-HOT, COLD = 1, 0
-
-
-def rates(tried: Sequence[float], kept: Sequence[float], prior: float = PRIOR,
-          base: Sequence[float] | None = None) -> list[float]:
-    """Each node's acceptance estimate [N] from decayed counts: node i's ``kept / tried``
-    shrunk by `PRIOR_WEIGHT` pseudo-observations towards ``base[i]`` (a coarser estimate) or,
-    without one, towards node i-1's estimate times the ratio of the last two (``prior`` for the
-    first); never above node i-1's."""
-    out = []
-    prev, ratio = 1.0, prior
-    for i in range(len(tried)):
-        toward = prev * ratio if base is None else float(base[i])
-        est = min((float(kept[i]) + PRIOR_WEIGHT * toward) / (float(tried[i]) + PRIOR_WEIGHT), prev)
-        ratio = est / prev if prev > 0 else 0.0
-        out.append(est)
-        prev = est
-    return out
-
-
-def _decayed(counts: list[float], n: int) -> list[float]:
-    """``counts`` decayed by `DECAY`, then one more for each of its first ``n`` entries."""
-    return [c * DECAY + 1.0 if i < n else c * DECAY for i, c in enumerate(counts)]
-
-
-class Acceptance:
-    """One drafter's decayed counts, per row state (`HOT`, `COLD`) and node index: verified and
-    kept nodes (`rates`), and offered and proposed ones (how often the drafter proposes a node
-    i when allowed to: prompt lookup has nothing to copy at times, heads stop when unsure).
-    Kept nodes are also counted per confidence class of the draft (`Draft.levels`), whose
-    estimates shrink towards the pooled counts of their class and the less sure ones
-    (`_class_base`). The counts are Python floats: they
-    are updated and read every step right after a forward, when each numpy call on these few
-    entries cost more than the arithmetic (issue 47)."""
-
-    def __init__(self, most: int) -> None:
-        self.most = most
-        slots = 2 * (LEVELS + 1)  # per state: all classes, then each class
-        self.tried = [[0.0] * most for _ in range(slots)]
-        self.kept = [[0.0] * most for _ in range(slots)]
-        self.offered = [[0.0] * most for _ in range(2)]
-        self.proposed = [[0.0] * most for _ in range(2)]
-        self._rates: dict[tuple[str, int], list[float]] = {}  # estimates since the last record
-
-    @staticmethod
-    def slot(hot: int, level: int | None = None) -> int:
-        return hot * (LEVELS + 1) + (0 if level is None else 1 + level)
-
-    def record(self, hot: int, verified: int, kept: Sequence[int], level: int | None = None) -> None:
-        """A row verified nodes ``0 .. verified - 1`` (a draft of class ``level``) and kept the
-        nodes ``kept``."""
-        if verified <= 0:
-            return
-        n = min(verified, self.most)
-        self._rates.clear()
-        for slot in {self.slot(hot), self.slot(hot, level)}:
-            self.tried[slot] = _decayed(self.tried[slot], n)
-            row = [c * DECAY for c in self.kept[slot]]
-            for i in kept:
-                if i < n:
-                    row[i] += 1
-            self.kept[slot] = row
-
-    def record_proposal(self, hot: int, allowed: int, proposed: int) -> None:
-        n = min(allowed, self.most)
-        if n <= 0:
-            return
-        self._rates.clear()
-        self.offered[hot] = _decayed(self.offered[hot], n)
-        self.proposed[hot] = _decayed(self.proposed[hot], min(proposed, n))
-
-    def kept_rates(self, hot: int, level: int | None = None) -> list[float]:
-        slot = self.slot(hot, level)
-        if ("kept", slot) not in self._rates:
-            self._rates["kept", slot] = rates(self.tried[slot], self.kept[slot], base=self._class_base(hot, level))
-        return self._rates["kept", slot]
-
-    def _class_base(self, hot: int, level: int | None) -> list[float] | None:
-        """What confidence class ``level``'s estimates shrink towards: the counts of its class
-        and every less sure one pooled, never a surer class's. Classes are ordered (a longer
-        n-gram match is kept more often), and shrunk towards all classes together a class not
-        yet verified took the surer ones' rate: after prompt lookup's 3-token matches had been
-        kept, a first 1-token match (13% of its first drafts kept on SmolLM2's grounded prompts,
-        84% after 3-token ones) was priced at 0.75 a node and verified 7 to 10 of them, none
-        kept, a few times a request (issue 47). The surest class drafted so far still shrinks
-        towards its state's estimate over all classes."""
-        if level is None:
-            return None
-        if not any(any(self.tried[self.slot(hot, c)]) for c in range(level + 1, LEVELS)):
-            return self.kept_rates(hot)
-        pooled = [self.slot(hot, c) for c in range(level + 1)]
-        return rates([sum(self.tried[q][i] for q in pooled) for i in range(self.most)],
-                     [sum(self.kept[q][i] for q in pooled) for i in range(self.most)])
-
-    def proposal_rates(self, hot: int) -> list[float]:
-        if ("proposed", hot) not in self._rates:
-            self._rates["proposed", hot] = rates(self.offered[hot], self.proposed[hot], prior=1.0)
-        return self._rates["proposed", hot]
 
 
 @dataclass
