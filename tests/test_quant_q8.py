@@ -104,7 +104,7 @@ def test_q8_matmul_is_the_product_of_the_dequantised_weight_and_inputs(qtype, la
     x = torch.randn(40, inputs, generator=torch.Generator().manual_seed(3))
     x[0, 5] = 3e3  # an outlier input, as real activations have
     alone = torch.cat([_call(w, x[i:i + 1], 1) for i in range(40)])
-    for rows in (1, 2, 5, 9, 17, 40):
+    for rows in (1, 2, 5, 7, 9, 17, 40):
         for threads in (1, 2):
             y = _call(w, x[:rows], threads)
             assert _q8_excess(y, x[:rows], qtype, blocks, _factor()) <= 1, (rows, threads)
