@@ -739,6 +739,22 @@ def test_a_learner_is_idle_while_the_room_cannot_hold_one_node_for_long():
     assert not planned.idle(0)
 
 
+def test_a_learner_is_idle_while_the_room_cannot_hold_its_drafting_with_a_node():
+    """The room holds a node but not the learner's drafting with it: `plan` defers each of its
+    steps, while its charged observations keep the room short (Token Recycling on SmolLM2's free
+    prompts: 94-111 deferred steps a request, its drafts never verified). It idles until the room
+    holds both."""
+    planned = PlannedDrafter([(Counting(True, "a", learns_only=True), 4)], cost=NODE_04)
+    planned.draft_costs[0].record(0, 0.0)
+    for k in (1, 4):
+        planned.draft_costs[0].record(k, 0.3)  # 0.3 s a call, whatever its length
+    planned.budget.elapsed, planned.budget.lost = 10.0, 0.15  # room 0.1 + 0.5 - 0.15: a node (0.4) and 0.05
+    assert planned.plan([COLD], [4]).k == 0 and planned.report()["budget"]["deferred_steps"] == 1
+    assert planned.idle(0)
+    planned.budget.lost = -0.3  # room 0.9: the node and the drafting
+    assert not planned.idle(0) and planned.plan([COLD], [4]).k > 0
+
+
 def test_a_lone_learner_the_budget_holds_stops_learning_until_a_node_comes_near():
     """Token Recycling alone: once the budget cannot hold one verified node for longer than
     `PROBE_EVERY` steps, its observations (charged every step) stop, so that the budget can earn

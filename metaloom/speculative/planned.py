@@ -227,8 +227,11 @@ class PlannedDrafter:
         every drafter), or `auto` dropped it and its next trial is further away."""
         if self.cost is not None:
             timing = self.timing()
-            # learning is charged: a learner idles unless the room holds a node soon though it pays
-            if self.budget.held_for(timing.seconds(1), self.allowance() - timing.node(), self.spend) > PROBE_EVERY:
+            # learning is charged: a learner idles unless the room holds a node soon though it
+            # pays, and its own drafting with it (what `fits` asks: short of it, every step was
+            # deferred and charged, 94-111 steps of a SmolLM2 request under Token Recycling)
+            need = self.allowance() - timing.node() - self.draft_costs[c].seconds(1)
+            if self.budget.held_for(timing.seconds(1), need, self.spend) > PROBE_EVERY:
                 return True
         probe = self.probes[c]
         return len(self.caps) > 1 and self.step - probe.last > PROBE_EVERY and \
