@@ -228,9 +228,11 @@ class PlannedDrafter:
         if self.cost is not None:
             timing = self.timing()
             # learning is charged: a learner idles unless the room holds a node soon though it
-            # pays, and its own drafting with it (what `fits` asks: short of it, every step was
-            # deferred and charged, 94-111 steps of a SmolLM2 request under Token Recycling)
-            need = self.allowance() - timing.node() - self.draft_costs[c].seconds(1)
+            # pays, and its own drafting with it, of all it may draft where that is cheap (what
+            # `fits` asks: short of it, every step was deferred and charged, 94-111 steps of a
+            # SmolLM2 request under Token Recycling)
+            most = self.caps[c] if self.cheap(c, timing, 1) else 1
+            need = self.allowance() - timing.node() - self.draft_costs[c].seconds(most)
             if self.budget.held_for(timing.seconds(1), need, self.spend) > PROBE_EVERY:
                 return True
         probe = self.probes[c]
