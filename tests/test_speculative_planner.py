@@ -221,14 +221,33 @@ class _Timed:
 
 
 def test_measure_verify_cost_keeps_each_widths_least_time():
-    """Noise only adds time: a width two of whose three timed forwards were slowed (calls 1 and
-    8 are the prefill and the warm-up's width 7's; width 1 runs at calls 9, 16, 23, ...) is read
-    at its clean time, and the spikes do not reach the wider widths through `monotone`."""
-    timed = _Timed(tiny_llama().model, spikes={9, 16, 18})  # width 1 twice, width 3 once
+    """Noise only adds time: a width two of whose three timed forwards were slowed (call 1 is
+    the prefill, 2-15 the warm-up round; each timed forward follows an untimed one-token one, so
+    width 1 is timed at calls 17, 31, 45 and width 3 at 21, 35, 49) is read at its clean time,
+    and the spikes do not reach the wider widths through `monotone`."""
+    timed = _Timed(tiny_llama().model, spikes={17, 31, 21})  # width 1 twice, width 3 once
     cost = measure_verify_cost(timed, most=7, repeats=3, clock=lambda: timed.now)
     assert cost.seconds == pytest.approx(tuple(1e-3 * w for w in cost.widths))
     # the one-token step's median (51 ms: two of three spiked) over its least (1 ms)
     assert cost.typical == pytest.approx(51.0)
+
+
+class _Cold(_Timed):
+    """Each forward after one of 5 tokens or more takes 0.3 ms more (its caches refilled)."""
+
+    def forward(self, tokens, cache, **kw):
+        self.now += 3e-4 if getattr(self, "last", 1) >= 5 else 0.0
+        self.last = tokens.shape[1]
+        return super().forward(tokens, cache, **kw)
+
+
+def test_measure_verify_cost_times_no_width_right_after_a_wide_one():
+    """Timed in rounds of widths 1, 2, ..., 7, width 1 followed the round before's width 7 and
+    paid its cold caches every time: read at 1.3 ms against width 2's 2 ms, a node looked to cost
+    0.54 of a step where it costs 1 (SmolLM2 on a Zen 5 read 2 tokens at 1.00x one)."""
+    timed = _Cold(tiny_llama().model, spikes=set())
+    cost = measure_verify_cost(timed, most=7, repeats=3, clock=lambda: timed.now)
+    assert cost.seconds == pytest.approx(tuple(1e-3 * w for w in cost.widths))
 
 
 def test_a_fresh_planner_starts_at_the_typical_level():

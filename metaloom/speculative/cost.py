@@ -94,8 +94,8 @@ def measure_verify_cost(model: LanguageModel, most: int = WIDTHS[-1], context: i
                         only: bool = False) -> VerifyCost:
     """Time forwards of every width in `WIDTHS` up to ``most`` (and ``most`` itself; ``only``:
     of 1 and ``most`` alone) on one row after ``context`` cached tokens, each rolled back after
-    it; the least of ``repeats`` rounds after a warm-up round (see the module doc), read on
-    ``clock``. The forwards belong to no request: nothing is charged for them."""
+    it and each after an untimed one-token forward; the least of ``repeats`` rounds after a
+    warm-up round (see the module doc), read on ``clock``. The forwards belong to no request: nothing is charged for them."""
     if not isinstance(most, int) or most < 1:
         raise InvalidParameter("most", most, "a forward width >= 1")
     widths = sorted({1, most} if only else {w for w in WIDTHS if w <= most} | {most})
@@ -110,6 +110,12 @@ def measure_verify_cost(model: LanguageModel, most: int = WIDTHS[-1], context: i
             start = cache.lengths.clone()
             for rep in range(repeats + 1):
                 for w in widths:
+                    # each timed forward after a one-token one, untimed, as a step mostly follows
+                    # a plain step: after the widest forward of the round before, a one-token
+                    # step took about 10% longer (its activations out of the caches), and read
+                    # so, every round, "2 tokens cost what 1 does" (SmolLM2, AMD EPYC Zen 5)
+                    model.forward(torch.randint(1, vocab, (1, 1), generator=gen).to(model.device), cache)
+                    cache.truncate(start)
                     tokens = torch.randint(1, vocab, (1, w), generator=gen).to(model.device)
                     _sync(model.device)
                     t0 = clock()
