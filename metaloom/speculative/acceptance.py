@@ -53,9 +53,9 @@ class Acceptance:
     i when allowed to: prompt lookup has nothing to copy at times, heads stop when unsure).
     Kept nodes are also counted per confidence class of the draft (`Draft.levels`), whose
     estimates shrink towards the pooled counts of their class and the less sure ones
-    (`_class_base`). The counts are Python floats: they
-    are updated and read every step right after a forward, when each numpy call on these few
-    entries cost more than the arithmetic (issue 47)."""
+    (`_class_base`); ``priors`` (a drafter's ``class_priors``) are counted in as observations.
+    The counts are Python floats: they are updated and read every step right after a forward,
+    when each numpy call on these few entries cost more than the arithmetic (issue 47)."""
 
     def __init__(self, most: int, priors: Sequence[tuple[float, float]] = ()) -> None:
         self.most = most
@@ -112,8 +112,8 @@ class Acceptance:
         yet verified took the surer ones' rate: after prompt lookup's 3-token matches had been
         kept, a first 1-token match (13% of its first drafts kept on SmolLM2's grounded prompts,
         84% after 3-token ones) was priced at 0.75 a node and verified 7 to 10 of them, none
-        kept, a few times a request (issue 47). The surest class drafted so far still shrinks
-        towards its state's estimate over all classes."""
+        kept, a few times a request (issue 47). The surest class with any record (its drafts',
+        or its prior's) still shrinks towards its state's estimate over all classes."""
         if level is None:
             return None
         if not any(any(self.tried[self.slot(hot, c)]) for c in range(level + 1, LEVELS)):

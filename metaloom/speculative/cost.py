@@ -95,7 +95,8 @@ def measure_verify_cost(model: LanguageModel, most: int = WIDTHS[-1], context: i
     """Time forwards of every width in `WIDTHS` up to ``most`` (and ``most`` itself; ``only``:
     of 1 and ``most`` alone) on one row after ``context`` cached tokens, each rolled back after
     it and each after an untimed one-token forward; the least of ``repeats`` rounds after a
-    warm-up round (see the module doc), read on ``clock``. The forwards belong to no request: nothing is charged for them."""
+    warm-up round (see the module doc), read on ``clock``. The forwards belong to no request:
+    nothing is charged for them."""
     if not isinstance(most, int) or most < 1:
         raise InvalidParameter("most", most, "a forward width >= 1")
     widths = sorted({1, most} if only else {w for w in WIDTHS if w <= most} | {most})

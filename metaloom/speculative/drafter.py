@@ -34,6 +34,11 @@ model: at its first proposal, the whole prompt) and returns the seconds that tak
 model tries such a drafter only when the exploration budget has room for them and, where the
 state's ``ahead(contexts)`` says how many tokens the rows may still produce, when they are a
 small share of what plain decoding would take for those (`CATCH_UP_SHARE`).
+
+A drafter whose drafts carry confidence classes (`Draft.levels`) may have a ``class_priors``
+attribute: per class, the first drafted token's acceptance and each next one's ratio to it,
+which the cost model starts from (`metaloom.speculative.acceptance`; prompt lookup's, by the
+length its suffix matched).
 """
 
 from __future__ import annotations

@@ -84,7 +84,8 @@ class PlannedDrafter:
     def reset(self) -> None:
         """Forget what was learned (acceptance, drafting and step times, choices); the measured
         verify cost stays."""
-        self.acceptance = [Acceptance(k, getattr(d, "class_priors", ())) for d, k in zip(self.drafters, self.caps, strict=True)]
+        self.acceptance = [Acceptance(k, getattr(d, "class_priors", ()))  # a drafter's priors per class, if any
+                           for d, k in zip(self.drafters, self.caps, strict=True)]
         self.draft_costs = [DraftCost() for _ in self.caps]
         self.probes = [Probe() for _ in self.caps]
         self.extras = [Probe() for _ in self.caps]  # when each drafter next verifies one node more

@@ -16,9 +16,9 @@ planner maximises expected tokens per second of the step::
 
 where ``a_i`` is the probability that the i-th node a drafter proposes is accepted (for a chain,
 that at least i drafts are; for a tree, that node i lies on the accepted path), learned online
-per drafter (`metaloom.speculative.acceptance.Acceptance`). This is SpecDec++'s stopping rule (Huang et al. 2024, "SpecDec++:
-Boosting speculative decoding via adaptive candidate lengths": stop drafting where the expected
-gain of one more token falls below its cost) and DySpec's budget (Xiong et al. 2024, "DySpec:
+per drafter (`metaloom.speculative.acceptance`). This is SpecDec++'s stopping rule (Huang et
+al. 2024, "SpecDec++: Boosting speculative decoding via adaptive candidate lengths": stop
+drafting where the expected gain of one more token falls below its cost) and DySpec's budget (Xiong et al. 2024, "DySpec:
 Faster speculative decoding with dynamic token tree structure": keep the nodes most likely
 accepted) with the cost curve measured instead of assumed, as the verify's cost on a CPU grows
 steeply with its width.
@@ -26,8 +26,8 @@ steeply with its width.
 Acceptance is conditioned on the row's state, ``hot`` (its last verified draft kept at least one
 token) or cold: a row copying its input (prompt lookup in an edit) keeps long drafts, a row that
 just left the copy keeps none, and the two regimes alternate within one answer. The estimates are
-counts decayed by `acceptance.DECAY` per observation, shrunk towards a geometric continuation of the
-earlier nodes' rates (a node never verified is priced from the ones before it); nodes are priced
+counts decayed by `acceptance.DECAY` per observation, shrunk towards a geometric continuation of
+the earlier nodes' rates (a node never verified is priced from the ones before it); nodes are priced
 no higher than the nodes before them (a prefix of a draft is what can be kept). To keep learning
 what it stopped doing, the planner verifies one node more than it would every `PROBE_EVERY`
 steps, and tries a drafter (or draft length) it has dropped again; both intervals double each time
