@@ -26,6 +26,7 @@ from metaloom.generator.plan import encode
 from metaloom.ledger import Ledger
 from metaloom.models.load import load
 from metaloom.sampling import SamplingParams
+from metaloom.speculative.core import greedy_kept
 from metaloom.speculative.drafters.ngram import NgramIndex
 
 DEPTH = 8
@@ -39,10 +40,8 @@ def draft_at(index: NgramIndex, context: Sequence[int], lowest: int, limit: int)
 
 
 def accepted(draft: Sequence[int], rest: Sequence[int]) -> int:
-    n = 0
-    while n < len(draft) and n < len(rest) and draft[n] == rest[n]:
-        n += 1
-    return n
+    """The drafts greedy decoding keeps where the greedy text goes on with ``rest``."""
+    return greedy_kept(rest, draft, min(len(draft), len(rest)))
 
 
 def by_length(rows: Sequence[tuple[list[int], list[int]]]) -> dict[int, list[int]]:

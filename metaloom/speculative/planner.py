@@ -18,10 +18,10 @@ where ``a_i`` is the probability that the i-th node a drafter proposes is accept
 that at least i drafts are; for a tree, that node i lies on the accepted path), learned online
 per drafter (`metaloom.speculative.acceptance`). This is SpecDec++'s stopping rule (Huang et
 al. 2024, "SpecDec++: Boosting speculative decoding via adaptive candidate lengths": stop
-drafting where the expected gain of one more token falls below its cost) and DySpec's budget (Xiong et al. 2024, "DySpec:
-Faster speculative decoding with dynamic token tree structure": keep the nodes most likely
-accepted) with the cost curve measured instead of assumed, as the verify's cost on a CPU grows
-steeply with its width.
+drafting where the expected gain of one more token falls below its cost) and DySpec's budget
+(Xiong et al. 2024, "DySpec: Faster speculative decoding with dynamic token tree structure":
+keep the nodes most likely accepted) with the cost curve measured instead of assumed, as the
+verify's cost on a CPU grows steeply with its width.
 
 Acceptance is conditioned on the row's state, ``hot`` (its last verified draft kept at least one
 token) or cold: a row copying its input (prompt lookup in an edit) keeps long drafts, a row that
