@@ -227,7 +227,8 @@ def test_fused_steps_equal_pytorch_steps_for_mixed_length_rows(kind, dtype):
         outs = [o[0] for o in outs]
     assert torch.equal(caches[0].lengths, caches[1].lengths)
     keys = [c.gather(1, 20)[0] for c in caches]  # layer 1's keys of positions 0..19, through the slot tables
-    assert (keys[0].float() - keys[1].float()).abs().max().item() <= tol
+    for b, n in enumerate(caches[0].host_lengths().tolist()):  # each row's own positions (past them: padding's slot)
+        assert (keys[0][b, :, :n].float() - keys[1][b, :, :n].float()).abs().max().item() <= tol
 
 
 @needs
@@ -356,7 +357,7 @@ def test_fused_steps_over_forked_rows_equal_pytorch_steps(monkeypatch, parallel_
         cache.release()
         caches.append(forked)
         outs.append(out.expand(3, -1, -1))
-    assert counting.calls == 0  # a prefill
+    assert counting.calls > 0  # the prompt took the kernels' rows too (fused_step.prefill_keys)
     assert caches[1].pool.used_slots == 9  # the fork copied no keys
     for step in range(6):
         token = torch.tensor([[3], [50], [77]]) if step == 0 else outs[0][:, -1].argmax(-1, keepdim=True)

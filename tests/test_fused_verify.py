@@ -9,7 +9,8 @@ same call (fused.c's ``write_new``).
   different lengths in one batch, padding, a finished row, chains and trees, an int8 KV pool,
   a sliding window (chains), shared-prefix attention forced on; the cache afterwards gives the
   same next step.
-- Which blocks take the path: verifies of rows that hold keys, not prefills.
+- Which blocks take the path: verifies of rows that hold keys, and prompts whose rows end within
+  `fused_step.prefill_keys` keys, which then get the one-token steps' logits to the bit.
 
 Every test runs once per instruction-set path this CPU runs."""
 
@@ -20,6 +21,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from metaloom.models.engine import fused_step
 from metaloom.models.engine.config import LlamaConfig
 from metaloom.models.engine.llama import LlamaModel
 from metaloom.models.kernels import fused, quant
@@ -154,14 +156,41 @@ def test_a_tree_of_the_pending_token_alone_is_the_one_token_step():
     assert torch.equal(a, b)
 
 
-def test_prefills_and_wide_blocks_stay_on_the_pytorch_ops():
+def test_which_blocks_take_the_fused_rows(monkeypatch):
     fast, _ = _models("Q4_1")
+    monkeypatch.setattr(fused_step, "FUSED_PREFILL_KEYS", {})
+    monkeypatch.setattr(fused_step, "FUSED_PREFILL_KEYS_ELSEWHERE", 40)
     fresh = fast.new_cache(1, 96)
-    assert not fast._verify_applies(fresh, 8, None)  # a prompt: PyTorch's fused attention over the block
+    assert fast._verify_applies(fresh, 8, None) and fast._verify_applies(fresh, 40, None)  # a prompt within the keys
+    assert not fast._verify_applies(fresh, 41, None)  # a longer one: PyTorch's blocked attention
     cache = _prefilled(fast, [[1, 2, 3]])
-    assert fast._verify_applies(cache, 2, None) and fast._verify_applies(cache, 65, None)
-    assert not fast._verify_applies(cache, 66, None)
+    assert fast._verify_applies(cache, 2, None) and fast._verify_applies(cache, 65, None)  # verifies, past the keys too
+    assert fast._verify_applies(cache, 37, None) and not fast._verify_applies(cache, 66, None)  # a continuation
     assert not fast._verify_applies(cache, 1, None)  # one token: the one-token step itself
+    int8 = fast.with_options(replace(fast.options, kv_dtype="int8"))
+    assert not int8._verify_applies(int8.new_cache(1, 96), 8, None)  # an int8 pool's prompt: the PyTorch ops
+
+
+def test_a_prompt_through_the_fused_rows_gets_one_token_steps_bits():
+    """Rows of different lengths, padded, prefilled in one forward on quantised weights: every
+    position's hidden state is, bit for bit, what feeding its row one token at a time gives (the
+    logits too where the head keeps rows apart; this one is dense, a GEMM against one row's
+    `mv`), and the logits agree with the PyTorch ops' blocked attention to float rounding."""
+    fast, slow = _models("Q4_1")
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [8, 8, 8, 2]]
+    block = torch.tensor([p + [0] * (11 - len(p)) for p in prompts])
+    valid = torch.tensor([len(p) for p in prompts])
+    cache = fast.new_cache(2, 32)
+    assert fast._verify_applies(cache, 11, None)
+    logits, hidden = fast.forward_hidden(block, cache, valid=valid)
+    eager = slow.forward(block, slow.new_cache(2, 32), valid=valid)
+    for b, ids in enumerate(prompts):
+        stepper = fast.new_cache(1, 32)
+        for i, token in enumerate(ids):
+            assert torch.equal(fast.forward_hidden(torch.tensor([[token]]), stepper)[1][0, 0], hidden[b, i]), (b, i)
+        assert (logits[b, :len(ids)] - eager[b, :len(ids)]).abs().max().item() < 1e-4
+        assert not logits[b, len(ids):].any()  # padding: zeros, never read
+    assert cache.host_lengths().tolist() == [11, 4]
 
 
 @pytest.fixture(scope="module")

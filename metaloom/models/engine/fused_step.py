@@ -1,6 +1,9 @@
 """One-token steps and short speculative verifies of the native model through the fused CPU kernels
 (`metaloom.models.kernels.fused`): everything between the matmuls in a few C calls per layer, or
-every layer in one (`metaloom.models.engine.stack`). Prefill takes the PyTorch ops
+every layer in one (`metaloom.models.engine.stack`). A prompt takes them too, each token a row
+of its own, while its rows end within `FUSED_PREFILL_KEYS` keys: its hidden states are then
+those of feeding it one token at a time, to the bit (its logits too where the head keeps rows
+apart, as the quantised heads do). Longer prompts take the PyTorch ops
 (`metaloom.models.engine.eager`).
 
 Each family's differences (`metaloom.models.engine.config`) run here too: per-head q/k norms
@@ -33,9 +36,19 @@ if TYPE_CHECKING:
 # per-row kernel is as fast (measured: `metaloom bench fork --case shared`)
 AUTO_SHARED_READS = 4096
 # the widest block a row may take through the fused kernels as a verify (`verify_fused`): a
-# pending token and up to 64 drafted ones (metaloom.speculative.drafter.MAX_DRAFT); wider blocks
-# are prefills, where PyTorch's fused attention over the whole block is the faster path
+# pending token and up to 64 drafted ones (metaloom.speculative.drafter.MAX_DRAFT), whatever
+# the keys before it
 FUSED_VERIFY_WIDTH = 65
+# a wider block (a prompt, or its continuation) takes them while no row ends past this many
+# keys. Each token attends its keys alone there, so attention costs more than PyTorch's blocked
+# SDPA over a long block, but the rest of a layer runs in a few C calls instead of ~20 PyTorch
+# ops, and over the rows the block holds rather than its padding. SmolLM2 q8 prefills, fused
+# against PyTorch's ops (AMD EPYC Zen 5, `python scripts/prefill_paths.py`): avx512 1.40x at 50
+# tokens, 1.20x at 200, 1.12x at 1024, 0.99x at 1600; avx2 1.33x at 50, 1.17x at 200, 1.15x at
+# 512, 1.02x at 800 (0.80x in an earlier run). Qwen2.5-Coder-0.5B 1.11-1.23x and Gemma 3 270M
+# 1.33-1.81x at 100 to 1024 tokens (avx512).
+FUSED_PREFILL_KEYS = {"avx512": 1024}
+FUSED_PREFILL_KEYS_ELSEWHERE = 512
 
 
 def fused_reads(m: LlamaModel, pool: KVPool) -> bool:
@@ -115,20 +128,32 @@ def fused_rows(m: LlamaModel, tokens: torch.Tensor, lengths: torch.Tensor, table
 
 
 def verify_applies(m: LlamaModel, cache: PagedKVCache, t: int, tree: torch.Tensor | None) -> bool:
-    """Whether a block of ``t`` tokens per row takes `verify_fused`: the fused kernels read
-    this pool, every row already holds keys (a fresh prompt is a prefill), the block is at
-    most `FUSED_VERIFY_WIDTH` wide, and no row drops positions (``--kv-policy``); a sliding
-    window only for a chain (its window is per position, which a tree's depths are not)."""
-    return (1 < t <= FUSED_VERIFY_WIDTH and m.fused is not None and cache.batch > 0
-            and fused_reads(m, cache.pool) and not m.options.drops
-            and (tree is None or m.config.sliding_window is None) and bool(cache.host_lengths().all()))
+    """Whether a block of ``t`` > 1 tokens per row takes `verify_fused`: the fused kernels read
+    this pool, no row drops positions (``--kv-policy``), a sliding window only for a chain (its
+    window is per position, which a tree's depths are not), and either the block is a verify
+    (every row holds keys, at most `FUSED_VERIFY_WIDTH` tokens) or, in a float pool, no row ends
+    past `prefill_keys` keys (a prompt)."""
+    if not (t > 1 and m.fused is not None and cache.batch > 0 and fused_reads(m, cache.pool)
+            and not m.options.drops and (tree is None or m.config.sliding_window is None)):
+        return False
+    held = cache.host_lengths()
+    if t <= FUSED_VERIFY_WIDTH and bool(held.all()):
+        return True
+    # an int8 pool stays on the PyTorch ops, which attend a prompt's own keys before they are
+    # quantised (the fused kernels read them back from the pool)
+    return not cache.pool.quantized and int(held.max()) + t <= prefill_keys(m.fused.isa)
+
+
+def prefill_keys(isa: str) -> int:
+    """The most keys a row may end with for a wide block to take the fused kernels on ``isa``."""
+    return FUSED_PREFILL_KEYS.get(isa, FUSED_PREFILL_KEYS_ELSEWHERE)
 
 
 def verify_fused(m: LlamaModel, tokens: torch.Tensor, cache: PagedKVCache, valid: torch.Tensor,
                  tree: torch.Tensor | None, last_only: bool, k: FusedKernels) -> torch.Tensor:
-    """`LlamaModel._hidden` for a block of a few tokens per row over rows that hold keys (a
-    speculative verify: the pending token and the drafts, as a chain or a token tree) through
-    the one-token fused kernels. Each kept token is a row of its own, at its position (length +
+    """`LlamaModel._hidden` for a block of tokens per row (a speculative verify: the pending
+    token and the drafts, as a chain or a token tree; or a prompt) through the one-token fused
+    kernels. Each kept token is a row of its own, at its position (length +
     depth), whose slot table is its row's cached slots followed by the new slots of its
     ancestors and its own; fused.c writes every row's new key before any row attends, so a
     token attends the ancestors written in the same call.
